@@ -1,0 +1,1 @@
+"""kubellm.autoscaler: replicas from KV-cache occupancy and queue depth, via /scale."""

@@ -1,0 +1,1 @@
+"""kubellm.engine: the engine image, the vLLM launcher, the simulator, the tiny checkpoint."""

@@ -1,0 +1,1 @@
+"""kubellm.gateway: the OpenAI-compatible endpoint, prefix-aware routing and overflow fallback."""

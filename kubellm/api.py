@@ -1,0 +1,394 @@
+"""The `LLMDeployment` API (group `kubellm.io`, version `v1alpha1`).
+
+These pydantic models are the single source of truth for the resource: the
+CRD in `crds/` is generated from them (`kubellm crds`), and every component
+parses a manifest through them exactly once.
+
+Cross-field rules are written once, as CEL expressions attached to the model
+that owns them (`Rule`). The generated CRD carries them as
+`x-kubernetes-validations`, so the Kubernetes API server enforces them; the
+same expressions are evaluated here with `cel-python` when a model is built
+outside a cluster (`kubellm up`, `kubellm render`, tests). One rule, one
+message, whichever side rejects the manifest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from kubellm import cel
+
+GROUP = "kubellm.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "LLMDeployment"
+PLURAL = "llmdeployments"
+SINGULAR = "llmdeployment"
+SHORT_NAMES = ("llmd",)
+
+DEFAULT_ENGINE_IMAGE = "ghcr.io/kubellm/engine:0.1.0"
+MODEL_SOURCE_SCHEMES = ("hf", "pvc", "file", "s3")
+
+
+class Rule:
+    """A CEL validation rule: `expression` must hold for `self` (the model's JSON)."""
+
+    def __init__(self, expression: str, message: str, field_path: str | None = None) -> None:
+        self.expression = expression
+        self.message = message
+        self.field_path = field_path
+
+    def to_k8s(self) -> dict[str, str]:
+        out = {"rule": self.expression, "message": self.message}
+        if self.field_path:
+            out["fieldPath"] = self.field_path
+        return out
+
+
+class _Model(BaseModel):
+    """Base: camelCase on the wire, unknown fields rejected, CEL rules enforced."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_default=True,
+    )
+    rules: ClassVar[tuple[Rule, ...]] = ()
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> _Model:
+        if self.rules:
+            data = self.model_dump(by_alias=True, exclude_none=True, mode="json")
+            for rule in self.rules:
+                if not cel.holds(rule.expression, data):
+                    raise ValueError(rule.message)
+        return self
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
+        schema = handler(core_schema)
+        if cls.rules:
+            target = handler.resolve_ref_schema(schema)
+            target["x-kubernetes-validations"] = [r.to_k8s() for r in cls.rules]
+        return schema
+
+
+def _nested(factory: type[_Model], description: str) -> Any:
+    """A sub-object that is always present, defaulted to `{}` (so the API server defaults it)."""
+    return Field(
+        default_factory=factory, description=description, json_schema_extra={"default": {}}
+    )
+
+
+# --------------------------------------------------------------------------- model
+
+
+class ModelArchitecture(_Model):
+    """The model's shape, for capacity arithmetic (status.capacity and `kubellm plan`)."""
+
+    num_layers: int = Field(ge=1, description="Transformer layers (num_hidden_layers).")
+    num_kv_heads: int = Field(ge=1, alias="numKVHeads", description="KV heads (num_key_value_heads).")
+    head_dim: int = Field(ge=1, description="Dimension of one attention head.")
+    params_billions: float = Field(gt=0, description="Parameter count, in billions.")
+
+
+class ModelSpec(_Model):
+    rules = (
+        Rule(
+            "self.source.matches('^(hf|pvc|file|s3)://.+$')",
+            "spec.model.source must start with hf://, pvc://, file:// or s3:// "
+            "followed by a location",
+            ".source",
+        ),
+    )
+
+    source: str = Field(
+        description="Where the weights come from: hf://org/name[@revision], "
+        "pvc://claim/path, file:///path or s3://bucket/path.",
+    )
+    served_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="The model name clients send. Defaults to the LLMDeployment's name.",
+    )
+    architecture: ModelArchitecture | None = Field(
+        default=None, description="Optional model shape used to report capacity in status."
+    )
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class ChunkedPrefill(_Model):
+    enabled: bool = Field(default=True, description="Split long prompts across engine steps.")
+    max_num_batched_tokens: int = Field(
+        default=2048,
+        ge=16,
+        description="Token budget of one engine step (vLLM --max-num-batched-tokens).",
+    )
+
+
+class SpeculativeDecoding(_Model):
+    rules = (
+        Rule(
+            "self.method == 'ngram' || has(self.model)",
+            "spec.engine.speculative.model is required unless method is ngram",
+            ".model",
+        ),
+    )
+
+    method: Literal["ngram", "draft_model", "eagle", "eagle3", "mtp", "medusa"] = Field(
+        description="Speculation method (vLLM speculative_config.method)."
+    )
+    model: str | None = Field(default=None, description="Draft or head model, when the method needs one.")
+    num_speculative_tokens: int = Field(default=3, ge=1, le=16)
+    prompt_lookup_max: int | None = Field(default=None, ge=1, description="ngram only.")
+
+
+class EngineSpec(_Model):
+    rules = (
+        Rule(
+            "self.chunkedPrefill.enabled || !has(self.maxModelLen) "
+            "|| self.chunkedPrefill.maxNumBatchedTokens >= self.maxModelLen",
+            "spec.engine.chunkedPrefill.maxNumBatchedTokens must be >= spec.engine.maxModelLen "
+            "when chunked prefill is disabled",
+            ".chunkedPrefill.maxNumBatchedTokens",
+        ),
+    )
+
+    image: str = Field(default=DEFAULT_ENGINE_IMAGE, min_length=1, description="Engine image.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="Weight and activation dtype."
+    )
+    quantization: (
+        Literal["awq", "gptq", "fp8", "bitsandbytes", "compressed-tensors", "gguf"] | None
+    ) = Field(default=None, description="Quantization method of the checkpoint.")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        default="auto", description="KV-cache storage dtype; fp8 halves KV bytes per token."
+    )
+    max_model_len: int | None = Field(default=None, ge=1, description="Context length cap.")
+    max_num_seqs: int | None = Field(default=None, ge=1, description="Concurrent sequences cap.")
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="Share of GPU memory vLLM may use."
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs one replica spans.")
+    prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prefixes.")
+    chunked_prefill: ChunkedPrefill = _nested(ChunkedPrefill, "Chunked prefill settings.")
+    speculative: SpeculativeDecoding | None = Field(
+        default=None, description="Speculative decoding (vLLM --speculative-config)."
+    )
+    block_size: int | None = Field(default=None, ge=1, description="KV block size in tokens.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Engine HTTP port.")
+    extra_args: list[str] = Field(
+        default_factory=list, description="Extra vLLM arguments, passed last, unchanged."
+    )
+
+
+# --------------------------------------------------------------------------- resources
+
+
+class GPUResources(_Model):
+    count: int = Field(default=1, ge=0, description="GPUs per replica (0: CPU engine).")
+    resource_name: str = Field(default="nvidia.com/gpu", min_length=1)
+    memory_gib: float | None = Field(
+        default=None, gt=0, alias="memoryGiB", description="Memory of one GPU, for capacity."
+    )
+    bandwidth_gbps: float | None = Field(
+        default=None, gt=0, alias="bandwidthGBps", description="Memory bandwidth, GB/s."
+    )
+
+
+class Resources(_Model):
+    gpu: GPUResources = _nested(GPUResources, "GPUs per replica.")
+    cpu: str | None = Field(default=None, description="CPU request, e.g. '8'.")
+    memory: str | None = Field(default=None, description="Memory request, e.g. '64Gi'.")
+
+
+# --------------------------------------------------------------------------- autoscaling
+
+
+class Autoscaling(_Model):
+    rules = (
+        Rule(
+            "self.minReplicas <= self.maxReplicas",
+            "spec.autoscaling.minReplicas must not exceed spec.autoscaling.maxReplicas",
+            ".minReplicas",
+        ),
+    )
+
+    enabled: bool = Field(default=True, description="The kubellm autoscaler drives /scale.")
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    target_kv_cache_usage: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        alias="targetKVCacheUsage",
+        description="Mean KV-cache pool occupancy per replica to aim for.",
+    )
+    target_queue_depth: float = Field(
+        default=4, gt=0, description="Waiting requests per replica to aim for."
+    )
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0)
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0)
+    scale_to_zero: bool = Field(default=False, description="Allow zero replicas when idle.")
+    idle_seconds_before_zero: int = Field(default=600, ge=0)
+
+
+# --------------------------------------------------------------------------- routing, fallback, SLO
+
+
+class Routing(_Model):
+    policy: Literal["prefix-aware", "least-load", "round-robin"] = Field(default="prefix-aware")
+    load_bound: float = Field(
+        default=1.25,
+        ge=1,
+        description="A replica may take a prefix-matched request while its load is at most "
+        "loadBound x the mean load.",
+    )
+
+
+class SecretKeyRef(_Model):
+    name: str = Field(min_length=1)
+    key: str = Field(default="api-key", min_length=1)
+
+
+class Fallback(_Model):
+    rules = (
+        Rule("has(self.url)", "spec.fallback.url is required when fallback is set", ".url"),
+        Rule(
+            "has(self.apiKeySecretRef)",
+            "spec.fallback.apiKeySecretRef is required when fallback is set",
+            ".apiKeySecretRef",
+        ),
+        Rule(
+            "!has(self.url) || self.url.startsWith('http://') || self.url.startsWith('https://')",
+            "spec.fallback.url must be an http:// or https:// URL",
+            ".url",
+        ),
+    )
+
+    url: str | None = Field(default=None, description="Base URL of an OpenAI-compatible API.")
+    model: str | None = Field(default=None, description="Model name at the fallback API.")
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None, description="Secret key holding the fallback API key."
+    )
+    max_concurrency: int = Field(default=64, ge=1)
+    triggers: list[Literal["saturated", "no-ready-replicas"]] = Field(
+        default_factory=lambda: ["saturated", "no-ready-replicas"],
+        description="When to send a request to the fallback.",
+    )
+
+
+class SLO(_Model):
+    ttft_seconds: float = Field(default=2.0, gt=0, description="Time-to-first-token target.")
+    itl_seconds: float = Field(default=0.1, gt=0, description="Inter-token latency target.")
+    objective: float = Field(
+        default=0.99, gt=0, lt=1, description="Share of requests that must meet both targets."
+    )
+
+
+class Scheduling(_Model):
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, json_schema_extra={"items": {"type": "object"}}
+    )
+    affinity: dict[str, Any] | None = None
+    priority_class_name: str | None = None
+
+
+class LLMDeploymentSpec(_Model):
+    rules = (
+        Rule(
+            "self.engine.tensorParallelSize <= "
+            "(self.resources.gpu.count == 0 ? 1 : self.resources.gpu.count)",
+            "spec.engine.tensorParallelSize must not exceed spec.resources.gpu.count",
+            ".engine.tensorParallelSize",
+        ),
+    )
+
+    model: ModelSpec
+    engine: EngineSpec = _nested(EngineSpec, "How vLLM runs the model.")
+    resources: Resources = _nested(Resources, "Resources of one replica.")
+    replicas: int = Field(default=1, ge=0, description="Desired replicas (the scale subresource).")
+    autoscaling: Autoscaling | None = Field(
+        default=None, description="Scale on KV-cache occupancy and queue depth; off when absent."
+    )
+    routing: Routing = _nested(Routing, "How the gateway picks a replica.")
+    fallback: Fallback | None = Field(default=None, description="Overflow to an external API.")
+    slo: SLO = _nested(SLO, "Latency targets for goodput, metrics and alerts.")
+    scheduling: Scheduling = _nested(Scheduling, "Where engine pods may run.")
+    termination_grace_period_seconds: int = Field(
+        default=120, ge=0, description="Time a removed replica gets to finish in-flight requests."
+    )
+
+
+# --------------------------------------------------------------------------- status
+
+
+class _Status(_Model):
+    """Status is written by kubellm; tolerate fields from newer versions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class Condition(_Status):
+    type: Literal["Ready", "Progressing", "Degraded"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(min_length=1)
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class Capacity(_Status):
+    kv_bytes_per_token: int | None = None
+    kv_bytes_per_request: int | None = None
+    weight_bytes: int | None = None
+    kv_pool_bytes: int | None = None
+    max_concurrent_sequences: int | None = None
+    decode_tokens_per_second_bound: float | None = None
+
+
+class AutoscalerStatus(_Status):
+    desired_replicas: int | None = None
+    reason: str | None = None
+    last_scale_time: str | None = None
+    kv_cache_usage: float | None = Field(default=None, alias="kvCacheUsage")
+    queue_depth: float | None = None
+
+
+class LLMDeploymentStatus(_Status):
+    conditions: list[Condition] = Field(default_factory=list)
+    replicas: int | None = None
+    ready_replicas: int | None = None
+    observed_generation: int | None = None
+    selector: str | None = None
+    capacity: Capacity | None = None
+    autoscaler: AutoscalerStatus | None = None
+
+
+class ObjectMeta(BaseModel):
+    """The part of metadata kubellm reads; everything else is kept as is."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    namespace: str = "default"
+
+
+class LLMDeployment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    api_version: Literal["kubellm.io/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["LLMDeployment"]
+    metadata: ObjectMeta
+    spec: LLMDeploymentSpec
+    status: LLMDeploymentStatus | None = None
+
+    @property
+    def served_name(self) -> str:
+        return self.spec.model.served_name or self.metadata.name

@@ -1,0 +1,351 @@
+"""Capacity arithmetic for LLM serving: pure functions, no I/O.
+
+The physics (see docs/architecture.md): every running request holds KV cache,
+2 (K and V) x layers x KV heads x head dim x bytes per value, per token; the
+KV pool is the usable GPU memory minus the weights, and that pool caps
+concurrency. Decode streams all weights through memory once per step, so one
+stream is bounded by bandwidth / weight bytes. Cost per token follows from
+the GPU's hourly price, the sustained throughput and the utilization.
+
+Units: bytes are bytes; GiB = 2**30 bytes, GB = 10**9 bytes; bandwidth is
+given in GB/s (decimal, as vendors quote it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+GIB = 2**30
+GB = 10**9
+
+# Bits per weight, including the scale overhead of each format:
+# - bf16/fp16: 16 bits, no scales.
+# - fp8: 8 bits with one scale per tensor (or per channel): overhead below 0.01%,
+#   taken as 0.
+# - int8 (W8A8, per-channel scales): overhead below 0.01%, taken as 0.
+# - int4 (GPTQ/AWQ style, group size 128 with a 16-bit scale and a 16-bit zero
+#   point per group): 4 + 32/128 = 4.25 bits.
+WEIGHT_BITS: dict[str, float] = {
+    "fp32": 32.0,
+    "bf16": 16.0,
+    "fp16": 16.0,
+    "fp8": 8.0,
+    "int8": 8.0,
+    "int4": 4.25,
+}
+
+# Bytes per KV value for each cache dtype.
+KV_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+_TORCH_DTYPES = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+}
+
+
+class CapacityError(ValueError):
+    """An impossible plan; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What capacity arithmetic needs to know about a model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    params: float  # parameter count
+    dtype: str = "bf16"  # weight dtype, a key of WEIGHT_BITS
+    max_context: int | None = None  # max_position_embeddings, when known
+    name: str = "custom"
+
+
+def estimate_params(config: Mapping[str, Any]) -> float:
+    """Parameter count of a Llama-style decoder from its Hugging Face config.
+
+    Attention (q, k, v, o projections), a gated MLP (3 matrices), two norms per
+    layer, the embedding and, unless tied, the output head.
+    """
+    hidden = int(config["hidden_size"])
+    layers = int(config["num_hidden_layers"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    inter = int(config.get("intermediate_size") or 4 * hidden)
+    vocab = int(config["vocab_size"])
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    mlp = 3 * hidden * inter
+    per_layer = attention + mlp + 2 * hidden
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    return float(layers * per_layer + embeddings + hidden)
+
+
+def shape_from_hf_config(config: Mapping[str, Any], name: str = "custom") -> ModelShape:
+    """Read a Hugging Face `config.json` (as a dict) into a ModelShape."""
+    try:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        layers = int(config["num_hidden_layers"])
+    except KeyError as missing:
+        raise CapacityError(f"model config lacks {missing.args[0]!r}") from None
+    torch_dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return ModelShape(
+        num_layers=layers,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        params=estimate_params(config),
+        dtype=_TORCH_DTYPES.get(torch_dtype, "bf16"),
+        max_context=config.get("max_position_embeddings"),
+        name=name,
+    )
+
+
+def _llama(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, ctx: int,
+           tie: bool = False) -> dict[str, Any]:  # fmt: skip
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "vocab_size": vocab,
+        "max_position_embeddings": ctx,
+        "tie_word_embeddings": tie,
+        "torch_dtype": "bfloat16",
+    }
+
+
+# Shapes of well-known open models, copied from their public config.json files.
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    "llama-2-7b": _llama(4096, 11008, 32, 32, 32, 32000, 4096),
+    "llama-3.1-8b": _llama(4096, 14336, 32, 32, 8, 128256, 131072),
+    "llama-3.1-70b": _llama(8192, 28672, 80, 64, 8, 128256, 131072),
+    "mistral-7b": _llama(4096, 14336, 32, 32, 8, 32000, 32768),
+    "qwen2.5-7b": _llama(3584, 18944, 28, 28, 4, 152064, 32768),
+}
+
+
+def known_model(name: str) -> ModelShape:
+    try:
+        return shape_from_hf_config(KNOWN_MODELS[name], name=name)
+    except KeyError:
+        raise CapacityError(
+            f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}"
+        ) from None
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_bytes: int) -> int:
+    """KV-cache bytes one token holds: 2 (K and V) x layers x KV heads x head dim x bytes."""
+    return 2 * num_layers * num_kv_heads * head_dim * kv_bytes
+
+
+def kv_bytes_per_request(per_token: int, context_tokens: int) -> int:
+    return per_token * context_tokens
+
+
+def weight_bytes(params: float, dtype: str) -> int:
+    """Bytes of weights for `params` parameters stored as `dtype` (scale overhead included)."""
+    try:
+        bits = WEIGHT_BITS[dtype]
+    except KeyError:
+        raise CapacityError(
+            f"unknown weight dtype {dtype!r}; use one of {', '.join(WEIGHT_BITS)}"
+        ) from None
+    return round(params * bits / 8)
+
+
+def kv_pool_bytes(gpu_memory_bytes: float, usable_fraction: float, weights: float) -> int:
+    """Memory left for KV cache: usable GPU memory minus the weights."""
+    if not 0 < usable_fraction <= 1:
+        raise CapacityError(f"usable fraction must be in (0, 1], got {usable_fraction}")
+    usable = gpu_memory_bytes * usable_fraction
+    if weights >= usable:
+        raise CapacityError(
+            f"weights ({weights / GIB:.1f} GiB) do not fit in the usable GPU memory "
+            f"({usable / GIB:.1f} GiB): quantize the weights (fp8, int8, int4), use a larger GPU, "
+            f"or split the model across GPUs with tensor parallelism"
+        )
+    return round(usable - weights)
+
+
+def max_concurrent_sequences(pool_bytes: int, per_request_bytes: int) -> int:
+    """Requests of a given size whose KV cache fits in the pool at once."""
+    if per_request_bytes <= 0:
+        raise CapacityError("a request must hold at least one token")
+    return pool_bytes // per_request_bytes
+
+
+# --------------------------------------------------------------------------- speed and cost
+
+
+def decode_tokens_per_second_bound(bandwidth_gbps: float, weights: float) -> float:
+    """Upper bound on one stream's decode speed: every step reads all the weights."""
+    return bandwidth_gbps * GB / weights
+
+
+def tokens_per_hour(throughput_tps: float, utilization: float = 1.0) -> float:
+    return throughput_tps * 3600 * utilization
+
+
+def cost_per_million_tokens(
+    gpu_hour_price: float, throughput_tps: float, utilization: float = 1.0
+) -> float:
+    """Dollars per million output tokens for a GPU sustaining `throughput_tps` at full load."""
+    if throughput_tps <= 0 or not 0 < utilization <= 1:
+        raise CapacityError("throughput must be positive and utilization in (0, 1]")
+    return gpu_hour_price / tokens_per_hour(throughput_tps, utilization) * 1e6
+
+
+def break_even_utilization(
+    gpu_hour_price: float, throughput_tps: float, api_price_per_million: float
+) -> float:
+    """Utilization at which self-hosting costs the same per token as the API.
+
+    Above it self-hosting is cheaper; a value over 1 means the API always wins.
+    """
+    return gpu_hour_price * 1e6 / (tokens_per_hour(throughput_tps) * api_price_per_million)
+
+
+# --------------------------------------------------------------------------- a plan
+
+
+@dataclass(frozen=True)
+class GPUProfile:
+    memory_gib: float = 80.0
+    usable_fraction: float = 0.9
+    bandwidth_gbps: float = 2000.0
+    hour_price: float | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    context_tokens: int = 4096
+    concurrency: int | None = None
+    throughput_tps: float | None = None
+    utilization: float = 1.0
+    api_price_per_million: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    kv_bytes_per_token: int
+    kv_bytes_per_request: int
+    weight_bytes: int
+    kv_pool_bytes: int
+    max_concurrent_sequences: int
+    decode_tokens_per_second_bound: float
+    gpus_per_replica: int
+    replicas_needed: int | None
+    cost_per_million_tokens: float | None
+    break_even_utilization: float | None
+
+
+def plan(
+    shape: ModelShape,
+    gpu: GPUProfile,
+    workload: Workload,
+    *,
+    kv_dtype: str = "bf16",
+    weights_override: int | None = None,
+    tensor_parallel: int = 1,
+) -> Plan:
+    """Size one replica (on `tensor_parallel` GPUs) and the fleet for a workload."""
+    if workload.context_tokens < 1:
+        raise CapacityError("context tokens must be at least 1")
+    if shape.max_context and workload.context_tokens > shape.max_context:
+        raise CapacityError(
+            f"context of {workload.context_tokens} tokens exceeds the model's maximum of "
+            f"{shape.max_context}: lower --context-tokens"
+        )
+    per_token = kv_bytes_per_token(
+        shape.num_layers, shape.num_kv_heads, shape.head_dim, KV_BYTES[kv_dtype]
+    )
+    per_request = kv_bytes_per_request(per_token, workload.context_tokens)
+    weights = weights_override if weights_override is not None else weight_bytes(
+        shape.params, shape.dtype
+    )
+    pool = kv_pool_bytes(gpu.memory_gib * GIB * tensor_parallel, gpu.usable_fraction, weights)
+    seqs = max_concurrent_sequences(pool, per_request)
+    if seqs < 1:
+        raise CapacityError(
+            f"one {workload.context_tokens}-token request needs {per_request / GIB:.2f} GiB of KV "
+            f"cache but the pool holds {pool / GIB:.2f} GiB: shorten the context, use an fp8 KV "
+            f"cache, or add GPUs"
+        )
+    replicas = math.ceil(workload.concurrency / seqs) if workload.concurrency else None
+    cost = break_even = None
+    if gpu.hour_price is not None and workload.throughput_tps:
+        fleet_price = gpu.hour_price * tensor_parallel
+        cost = cost_per_million_tokens(fleet_price, workload.throughput_tps, workload.utilization)
+        if workload.api_price_per_million:
+            break_even = break_even_utilization(
+                fleet_price, workload.throughput_tps, workload.api_price_per_million
+            )
+    return Plan(
+        model=shape.name,
+        kv_bytes_per_token=per_token,
+        kv_bytes_per_request=per_request,
+        weight_bytes=weights,
+        kv_pool_bytes=pool,
+        max_concurrent_sequences=seqs,
+        decode_tokens_per_second_bound=decode_tokens_per_second_bound(
+            gpu.bandwidth_gbps * tensor_parallel, weights
+        ),
+        gpus_per_replica=tensor_parallel,
+        replicas_needed=replicas,
+        cost_per_million_tokens=cost,
+        break_even_utilization=break_even,
+    )
+
+
+def for_spec(spec: Any) -> dict[str, Any] | None:
+    """`status.capacity` for an `LLMDeploymentSpec`, or None when the spec lacks the inputs.
+
+    Needs `model.architecture`, `resources.gpu.memoryGiB` and `engine.maxModelLen`;
+    the decode bound also needs `resources.gpu.bandwidthGBps`.
+    """
+    arch = spec.model.architecture
+    gpu = spec.resources.gpu
+    engine = spec.engine
+    if arch is None or gpu.memory_gib is None or engine.max_model_len is None:
+        return None
+    weight_dtype = {"fp8": "fp8", "awq": "int4", "gptq": "int4"}.get(engine.quantization or "")
+    shape = ModelShape(
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        params=arch.params_billions * 1e9,
+        dtype=weight_dtype or "bf16",
+    )
+    kv_dtype = "fp8" if engine.kv_cache_dtype.startswith("fp8") else "bf16"
+    result = plan(
+        shape,
+        GPUProfile(
+            memory_gib=gpu.memory_gib,
+            usable_fraction=engine.gpu_memory_utilization,
+            bandwidth_gbps=gpu.bandwidth_gbps or 1.0,
+        ),
+        Workload(context_tokens=engine.max_model_len),
+        kv_dtype=kv_dtype,
+        tensor_parallel=engine.tensor_parallel_size,
+    )
+    out: dict[str, Any] = {
+        "kvBytesPerToken": result.kv_bytes_per_token,
+        "kvBytesPerRequest": result.kv_bytes_per_request,
+        "weightBytes": result.weight_bytes,
+        "kvPoolBytes": result.kv_pool_bytes,
+        "maxConcurrentSequences": result.max_concurrent_sequences,
+    }
+    if gpu.bandwidth_gbps:
+        out["decodeTokensPerSecondBound"] = round(result.decode_tokens_per_second_bound, 1)
+    return out

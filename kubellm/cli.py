@@ -1,0 +1,258 @@
+"""The `kubellm` command: the composition root.
+
+Core subcommands (`crds`, `plan`, `validate`) live here. Each component's
+subcommand lives in that component's `cli` module (`kubellm.gateway.cli`,
+...), which exposes `configure(parser)` and `run(args) -> int` and keeps its
+imports light; this module imports it lazily and only to wire it in. A
+component whose `cli` module does not exist yet answers with a clear message
+and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kubellm import __version__, capacity, crd, manifests
+
+# name -> (module providing configure/run, one-line help)
+COMPONENT_COMMANDS: dict[str, tuple[str, str]] = {
+    "operator": ("kubellm.operator.cli", "Run the operator: reconcile LLMDeployments."),
+    "gateway": ("kubellm.gateway.cli", "Run the OpenAI-compatible gateway."),
+    "autoscaler": ("kubellm.autoscaler.cli", "Run the KV-cache and queue-depth autoscaler."),
+    "engine": ("kubellm.engine.cli", "Run an engine: vLLM from a spec, or the simulator."),
+    "up": ("kubellm.fleet", "Run the whole control plane locally, without Kubernetes."),
+    "status": ("kubellm.fleet_status", "Show the state of a local fleet or a gateway."),
+    "render": ("kubellm.operator.render", "Print the Kubernetes objects for a manifest."),
+    "bench": ("kubellm.bench", "Load-test an OpenAI-compatible endpoint."),
+    "diagnose": ("kubellm.diagnose", "Explain what is slow in a fleet from its metrics."),
+}
+
+
+def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(_: argparse.Namespace) -> int:
+        print(f"kubellm {name}: not available in this version yet.", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def _component(sub: Any, name: str, module_name: str, help_text: str) -> None:
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is None or not module_name.startswith(error.name):
+            raise
+        parser.set_defaults(func=_not_built(name))
+        return
+    module.configure(parser)
+    parser.set_defaults(func=module.run)
+
+
+# --------------------------------------------------------------------------- crds
+
+
+def _crds(args: argparse.Namespace) -> int:
+    if args.stdout:
+        sys.stdout.write(crd.render())
+    else:
+        print(crd.write(Path(args.output_dir)))
+    return 0
+
+
+# --------------------------------------------------------------------------- validate
+
+
+def _validate(args: argparse.Namespace) -> int:
+    status = 0
+    for path in args.filename:
+        try:
+            for deployment in manifests.load(path):
+                print(f"{path}: {deployment.metadata.name} is a valid LLMDeployment")
+        except manifests.ManifestError as error:
+            print(error, file=sys.stderr)
+            status = 1
+    return status
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def _configure_plan(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model (a config file, a known name, or explicit numbers)")
+    model.add_argument("--model-config", metavar="PATH", help="Hugging Face config.json")
+    model.add_argument(
+        "--model", choices=sorted(capacity.KNOWN_MODELS), help="a well-known architecture"
+    )
+    model.add_argument("--layers", type=int)
+    model.add_argument("--kv-heads", type=int)
+    model.add_argument("--head-dim", type=int)
+    model.add_argument("--params-billions", type=float)
+    model.add_argument(
+        "--dtype", choices=sorted(capacity.WEIGHT_BITS), help="weight dtype (default: the config's)"
+    )
+    model.add_argument("--kv-dtype", choices=sorted(capacity.KV_BYTES), default="bf16")
+    model.add_argument("--weights-gib", type=float, help="override the computed weight size")
+    gpu = parser.add_argument_group("GPU")
+    gpu.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    gpu.add_argument("--usable-fraction", type=float, default=0.9)
+    gpu.add_argument("--bandwidth-gbps", type=float, default=2000.0, help="memory bandwidth, GB/s")
+    gpu.add_argument("--gpu-hour-price", type=float, help="dollars per GPU hour")
+    gpu.add_argument("--tensor-parallel", type=int, default=1, help="GPUs per replica")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--context-tokens", type=int, default=4096, help="tokens per request")
+    work.add_argument("--concurrency", type=int, help="concurrent requests to serve")
+    work.add_argument("--throughput-tokens-per-second", type=float, help="sustained output tok/s")
+    work.add_argument("--utilization", type=float, default=1.0, help="share of the hour busy")
+    work.add_argument("--api-price-per-million", type=float, help="API price per 1M tokens")
+    parser.add_argument("--json", action="store_true", help="print one flat JSON object")
+
+
+def _shape(args: argparse.Namespace) -> capacity.ModelShape:
+    if args.model_config:
+        path = Path(args.model_config)
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise capacity.CapacityError(f"cannot read model config {path}: {error}") from None
+        shape = capacity.shape_from_hf_config(config, name=path.parent.name or path.name)
+    elif args.model:
+        shape = capacity.known_model(args.model)
+    else:
+        explicit = {
+            "--layers": args.layers,
+            "--kv-heads": args.kv_heads,
+            "--head-dim": args.head_dim,
+            "--params-billions": args.params_billions,
+        }
+        missing = [flag for flag, value in explicit.items() if value is None]
+        if missing:
+            raise capacity.CapacityError(
+                "give --model-config PATH, --model NAME, or all of " + ", ".join(missing)
+            )
+        shape = capacity.ModelShape(
+            num_layers=args.layers,
+            num_kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            params=args.params_billions * 1e9,
+        )
+    if args.dtype:
+        shape = capacity.ModelShape(**{**shape.__dict__, "dtype": args.dtype})
+    return shape
+
+
+def _fmt_bytes(value: float) -> str:
+    return f"{value / capacity.GIB:,.2f} GiB ({value:,.0f} B)"
+
+
+def _plan(args: argparse.Namespace) -> int:
+    try:
+        shape = _shape(args)
+        result = capacity.plan(
+            shape,
+            capacity.GPUProfile(
+                memory_gib=args.gpu_memory_gib,
+                usable_fraction=args.usable_fraction,
+                bandwidth_gbps=args.bandwidth_gbps,
+                hour_price=args.gpu_hour_price,
+            ),
+            capacity.Workload(
+                context_tokens=args.context_tokens,
+                concurrency=args.concurrency,
+                throughput_tps=args.throughput_tokens_per_second,
+                utilization=args.utilization,
+                api_price_per_million=args.api_price_per_million,
+            ),
+            kv_dtype=args.kv_dtype,
+            weights_override=round(args.weights_gib * capacity.GIB) if args.weights_gib else None,
+            tensor_parallel=args.tensor_parallel,
+        )
+    except capacity.CapacityError as error:
+        print(f"kubellm plan: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({k: v for k, v in result.__dict__.items() if v is not None}))
+        return 0
+    rows = [
+        ("model", f"{shape.name}: {shape.num_layers} layers, {shape.num_kv_heads} KV heads, "
+                  f"head dim {shape.head_dim}, {shape.params / 1e9:.2f}B params, {shape.dtype}"),
+        ("KV cache per token", f"{result.kv_bytes_per_token:,} B"),
+        (f"KV cache per {args.context_tokens:,}-token request",
+         _fmt_bytes(result.kv_bytes_per_request)),
+        ("weights", _fmt_bytes(result.weight_bytes)),
+        (f"KV pool ({args.gpu_memory_gib:g} GiB x {args.tensor_parallel} GPU x "
+         f"{args.usable_fraction:g} usable - weights)", _fmt_bytes(result.kv_pool_bytes)),
+        ("concurrent sequences per replica", f"{result.max_concurrent_sequences:,}"),
+        (f"decode bound per stream ({args.bandwidth_gbps:g} GB/s)",
+         f"{result.decode_tokens_per_second_bound:,.1f} tokens/s"),
+    ]  # fmt: skip
+    if result.replicas_needed is not None:
+        rows.append((f"replicas for {args.concurrency:,} concurrent requests",
+                     f"{result.replicas_needed} ({result.replicas_needed * args.tensor_parallel} "
+                     f"GPUs)"))  # fmt: skip
+    if result.cost_per_million_tokens is not None:
+        rows.append((f"cost per million output tokens at {args.utilization:.0%} utilization",
+                     f"${result.cost_per_million_tokens:,.2f}"))  # fmt: skip
+    if result.break_even_utilization is not None:
+        rows.append((f"break-even utilization vs ${args.api_price_per_million:g}/M API",
+                     f"{result.break_even_utilization:.0%}"))  # fmt: skip
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print(f"{label:<{width}}  {value}")
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kubellm",
+        description="kubellm: a control plane for self-hosted LLM fleets on vLLM.",
+    )
+    parser.add_argument("--version", action="version", version=f"kubellm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    crds = sub.add_parser(
+        "crds",
+        help="Write the LLMDeployment CRD generated from the API models.",
+        description="Write crds/llmdeployments.kubellm.io.yaml from kubellm/api.py.",
+    )
+    crds.add_argument("--output-dir", default="crds", help="directory to write (default: crds)")
+    crds.add_argument("--stdout", action="store_true", help="print instead of writing")
+    crds.set_defaults(func=_crds)
+
+    validate = sub.add_parser(
+        "validate",
+        help="Check LLMDeployment manifests with the same rules as the CRD.",
+        description="Check LLMDeployment manifests; errors name the offending field.",
+    )
+    validate.add_argument("-f", "--filename", action="append", required=True, metavar="FILE")
+    validate.set_defaults(func=_validate)
+
+    plan = sub.add_parser(
+        "plan",
+        help="Capacity planner: KV cache, concurrency, bandwidth bound, replicas, cost.",
+        description="Size replicas for a model, a GPU and a workload, from first principles.",
+    )
+    _configure_plan(plan)
+    plan.set_defaults(func=_plan)
+
+    for name, (module_name, help_text) in COMPONENT_COMMANDS.items():
+        _component(sub, name, module_name, help_text)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""The engine metrics contract: the Prometheus names the control plane reads.
+
+vLLM exports these; the simulated engine exports the same names. The gateway
+routes on them, the autoscaler scales on them, the alerts watch them.
+"""
+
+from __future__ import annotations
+
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # a fraction in [0, 1], despite the name
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"  # tokens looked up
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"  # tokens found cached
+TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"  # histogram
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"  # histogram
+
+ENGINE_METRICS: tuple[str, ...] = (
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    KV_CACHE_USAGE,
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
+)

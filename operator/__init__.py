@@ -1,0 +1,1 @@
+"""kubellm.operator: reconciles LLMDeployments into engine Deployments, Services and status."""
