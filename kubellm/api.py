@@ -91,7 +91,9 @@ class ModelArchitecture(_Model):
     """The model's shape, for capacity arithmetic (status.capacity and `kubellm plan`)."""
 
     num_layers: int = Field(ge=1, description="Transformer layers (num_hidden_layers).")
-    num_kv_heads: int = Field(ge=1, alias="numKVHeads", description="KV heads (num_key_value_heads).")
+    num_kv_heads: int = Field(
+        ge=1, alias="numKVHeads", description="KV heads (num_key_value_heads)."
+    )
     head_dim: int = Field(ge=1, description="Dimension of one attention head.")
     params_billions: float = Field(gt=0, description="Parameter count, in billions.")
 
@@ -145,7 +147,9 @@ class SpeculativeDecoding(_Model):
     method: Literal["ngram", "draft_model", "eagle", "eagle3", "mtp", "medusa"] = Field(
         description="Speculation method (vLLM speculative_config.method)."
     )
-    model: str | None = Field(default=None, description="Draft or head model, when the method needs one.")
+    model: str | None = Field(
+        default=None, description="Draft or head model, when the method needs one."
+    )
     num_speculative_tokens: int = Field(default=3, ge=1, le=16)
     prompt_lookup_max: int | None = Field(default=None, ge=1, description="ngram only.")
 

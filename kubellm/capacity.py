@@ -271,8 +271,10 @@ def plan(
         shape.num_layers, shape.num_kv_heads, shape.head_dim, KV_BYTES[kv_dtype]
     )
     per_request = kv_bytes_per_request(per_token, workload.context_tokens)
-    weights = weights_override if weights_override is not None else weight_bytes(
-        shape.params, shape.dtype
+    weights = (
+        weights_override
+        if weights_override is not None
+        else weight_bytes(shape.params, shape.dtype)
     )
     pool = kv_pool_bytes(gpu.memory_gib * GIB * tensor_parallel, gpu.usable_fraction, weights)
     seqs = max_concurrent_sequences(pool, per_request)

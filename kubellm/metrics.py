@@ -23,3 +23,14 @@ ENGINE_METRICS: tuple[str, ...] = (
     TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY,
 )
+
+# The gateway's own metrics (names shared with the autoscaler, alerts and dashboards).
+# Labels: model (served name), deployment (LLMDeployment name), namespace.
+GATEWAY_REQUESTS = "kubellm_gateway_requests_total"  # + target=replica|fallback, code
+GATEWAY_PENDING = "kubellm_gateway_pending_requests"  # gauge: admitted, not yet answered
+GATEWAY_TTFT = "kubellm_gateway_time_to_first_token_seconds"  # histogram
+GATEWAY_ITL = "kubellm_gateway_inter_token_latency_seconds"  # histogram
+GATEWAY_E2E = "kubellm_gateway_request_duration_seconds"  # histogram
+GATEWAY_FALLBACK = "kubellm_gateway_fallback_requests_total"  # + reason
+GATEWAY_GOODPUT = "kubellm_gateway_slo_met_requests_total"  # requests meeting TTFT and ITL
+GATEWAY_READY_ENDPOINTS = "kubellm_gateway_ready_endpoints"  # gauge per model

@@ -1,0 +1,3 @@
+"""Shared fixtures: engines (real vLLM on CPU, the simulator, the tiny checkpoint)."""
+
+pytest_plugins = ["tests.fixtures.engines"]
