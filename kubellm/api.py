@@ -189,7 +189,9 @@ class EngineSpec(_Model):
     block_size: int | None = Field(default=None, ge=1, description="KV block size in tokens.")
     port: int = Field(default=8000, ge=1, le=65535, description="Engine HTTP port.")
     extra_args: list[str] = Field(
-        default_factory=list, description="Extra vLLM arguments, passed last, unchanged."
+        default_factory=list,
+        json_schema_extra={"default": []},
+        description="Extra vLLM arguments, passed last, unchanged.",
     )
 
 
@@ -285,6 +287,7 @@ class Fallback(_Model):
     max_concurrency: int = Field(default=64, ge=1)
     triggers: list[Literal["saturated", "no-ready-replicas"]] = Field(
         default_factory=lambda: ["saturated", "no-ready-replicas"],
+        json_schema_extra={"default": ["saturated", "no-ready-replicas"]},
         description="When to send a request to the fallback.",
     )
 
@@ -298,9 +301,9 @@ class SLO(_Model):
 
 
 class Scheduling(_Model):
-    node_selector: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict, json_schema_extra={"default": {}})
     tolerations: list[dict[str, Any]] = Field(
-        default_factory=list, json_schema_extra={"items": {"type": "object"}}
+        default_factory=list, json_schema_extra={"default": [], "items": {"type": "object"}}
     )
     affinity: dict[str, Any] | None = None
     priority_class_name: str | None = None
@@ -368,7 +371,10 @@ class AutoscalerStatus(_Status):
 
 
 class LLMDeploymentStatus(_Status):
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
     replicas: int | None = None
     ready_replicas: int | None = None
     observed_generation: int | None = None
