@@ -362,12 +362,26 @@ class Capacity(_Status):
     decode_tokens_per_second_bound: float | None = None
 
 
+class AutoscalerRecommendation(_Status):
+    """One past recommendation, kept for the scale-down stabilisation window."""
+
+    time: str = Field(description="RFC 3339 time, milliseconds.")
+    replicas: int
+
+
 class AutoscalerStatus(_Status):
+    """Written by the autoscaler only; its state lives here so a restart loses nothing."""
+
     desired_replicas: int | None = None
     reason: str | None = None
+    message: str | None = None
     last_scale_time: str | None = None
     kv_cache_usage: float | None = Field(default=None, alias="kvCacheUsage")
     queue_depth: float | None = None
+    recommendations: list[AutoscalerRecommendation] | None = Field(
+        default=None, description="Recommendations inside the scale-down window."
+    )
+    idle_since: str | None = Field(default=None, description="Start of the idle period.")
 
 
 class LLMDeploymentStatus(_Status):

@@ -1,0 +1,149 @@
+"""The Kubernetes `Backend`: LLMDeployments, EndpointSlices, /scale, status, Events.
+
+Plain HTTP with httpx against the API server (configuration from
+`kubellm.kube`). The autoscaler writes only three things: the /scale
+subresource, `status.autoscaler` (a merge patch of that field alone, through
+the status subresource), and Events; the operator owns the rest.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Any
+
+import httpx
+import pydantic
+from kubellm.autoscaler.backend import Endpoint, Target
+
+from kubellm import api, kube
+
+log = logging.getLogger(__name__)
+
+DEPLOYMENT_LABEL = "kubellm.io/deployment"
+PORT_NAME = "http"
+COMPONENT = "kubellm-autoscaler"
+MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
+
+
+class KubernetesBackend:
+    def __init__(self, client: httpx.AsyncClient, namespace: str | None = None) -> None:
+        """`client` has the API server as base URL; `namespace` None watches all of them."""
+        self.client = client
+        self.namespace = namespace
+
+    async def targets(self) -> list[Target]:
+        response = await self.client.get(kube.llmd_path(self.namespace))
+        response.raise_for_status()
+        out = []
+        for item in response.json().get("items", []):
+            target = _target(item)
+            if target is not None:
+                out.append(target)
+        return out
+
+    async def endpoints(self, target: Target) -> list[Endpoint]:
+        selector = f"{DEPLOYMENT_LABEL}={target.name}"
+        response = await self.client.get(
+            f"/apis/discovery.k8s.io/v1/namespaces/{target.namespace}/endpointslices",
+            params={"labelSelector": selector},
+        )
+        response.raise_for_status()
+        found: dict[str, Endpoint] = {}
+        for item in response.json().get("items", []):
+            if (item.get("metadata", {}).get("labels") or {}).get(DEPLOYMENT_LABEL) != target.name:
+                continue  # the server filters; this keeps a lax one honest
+            for endpoint in slice_endpoints(item):  # one pod may sit in two slices (dual-stack)
+                found.setdefault(endpoint.name, endpoint)
+        return sorted(found.values(), key=lambda e: e.name)
+
+    async def write_replicas(self, target: Target, replicas: int) -> None:
+        response = await self.client.patch(
+            kube.llmd_path(target.namespace, target.name, "scale"),
+            json={"spec": {"replicas": replicas}},
+            headers=MERGE_PATCH,
+        )
+        response.raise_for_status()
+
+    async def write_status(self, target: Target, autoscaler: dict[str, Any]) -> None:
+        response = await self.client.patch(
+            kube.llmd_path(target.namespace, target.name, "status"),
+            json={"status": {"autoscaler": autoscaler}},
+            headers=MERGE_PATCH,
+        )
+        response.raise_for_status()
+
+    async def record_event(self, target: Target, reason: str, message: str) -> None:
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{target.name}.", "namespace": target.namespace},
+            "involvedObject": {
+                "apiVersion": api.API_VERSION,
+                "kind": api.KIND,
+                "name": target.name,
+                "namespace": target.namespace,
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": "Normal",
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        response = await self.client.post(
+            f"/api/v1/namespaces/{target.namespace}/events", json=event
+        )
+        if response.is_error:  # an Event is advice: never fail a period on it
+            log.warning("event for %s not recorded: HTTP %s", target.key, response.status_code)
+
+
+def _target(item: dict[str, Any]) -> Target | None:
+    """A Target from an LLMDeployment object; None when autoscaling is off or it is invalid."""
+    meta = item.get("metadata", {})
+    try:
+        deployment = api.LLMDeployment.model_validate(item)
+    except pydantic.ValidationError as error:
+        log.warning(
+            "skipping LLMDeployment %s/%s: %s", meta.get("namespace"), meta.get("name"), error
+        )
+        return None
+    autoscaling = deployment.spec.autoscaling
+    if autoscaling is None or not autoscaling.enabled:
+        return None
+    return Target(
+        namespace=deployment.metadata.namespace,
+        name=deployment.metadata.name,
+        served_name=deployment.served_name,
+        replicas=deployment.spec.replicas,
+        autoscaling=autoscaling,
+        status=dict((item.get("status") or {}).get("autoscaler") or {}),
+    )
+
+
+def slice_endpoints(item: dict[str, Any]) -> list[Endpoint]:
+    """The engine endpoints of one EndpointSlice, on its port named `http`."""
+    port = next(
+        (p.get("port") for p in item.get("ports") or [] if p.get("name") == PORT_NAME), None
+    )
+    if port is None:
+        return []
+    out = []
+    for endpoint in item.get("endpoints") or []:
+        addresses = endpoint.get("addresses") or []
+        if not addresses:
+            continue
+        host = f"[{addresses[0]}]" if ":" in addresses[0] else addresses[0]
+        conditions = endpoint.get("conditions") or {}
+        out.append(
+            Endpoint(
+                name=(endpoint.get("targetRef") or {}).get("name") or addresses[0],
+                metrics_url=f"http://{host}:{port}/metrics",
+                # Kubernetes: an absent `ready` means ready; terminating endpoints are not.
+                ready=conditions.get("ready") is not False and not conditions.get("terminating"),
+            )
+        )
+    return out

@@ -1,0 +1,238 @@
+"""The default policy (`kv-queue`): replicas from KV-cache occupancy and queue depth.
+
+GPU utilisation reads near 100% whether a vLLM replica is comfortable or
+drowning; what limits it is the KV-cache pool (every running request holds
+KV blocks) and the queue that forms once the pool is full. So:
+
+1. Signals, over the ready replicas whose metrics are fresh:
+   - queue: `ceil(waiting / targetQueueDepth)` replicas, where `waiting` is
+     the total of `vllm:num_requests_waiting` less the backlog the starting
+     replicas will absorb once ready (each takes about as many requests as
+     a ready replica runs now). Without that correction, a queue that grows
+     while new pods load weights for minutes would ask for more and more
+     pods: overshoot.
+   - KV: `ceil(sum of kv_cache_usage / targetKVCacheUsage)` replicas.
+   Within a tolerance of 10% of the target a signal asks for no change
+   (Kubernetes HPA's rule, against jitter).
+2. Recommendation: the largest signal, at least `minReplicas` (at least one
+   unless scale-to-zero is allowed *and* the deployment has been idle for
+   `idleSecondsBeforeZero`), at least one while the gateway holds requests
+   (wake-up from zero), at most `maxReplicas`. If any ready replica's
+   metrics are stale, or no replica is ready yet, the recommendation is at
+   least the current count: unknown load never removes a replica.
+3. Stabilisation (HPA's rule): scale up to the *smallest* recommendation of
+   the last `scaleUpStabilizationSeconds`, scale down to the *largest* of the
+   last `scaleDownStabilizationSeconds` (this period's included), so
+   scale-down happens only when every recommendation in the window agrees. A
+   fresh state is seeded with the current count, so a restart without state
+   never scales down at once.
+4. Step bounds per control period: up by at most max(4 pods, 100%), down by
+   at most max(1 pod, 50%).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kubellm.autoscaler import policy as p
+
+from kubellm import api
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What the metrics ask for, with the figures behind it (for the message)."""
+
+    waiting: float  # total waiting on fresh ready replicas
+    absorbed: float  # of which starting replicas will take
+    running: float
+    kv_sum: float
+    fresh: int
+    want_queue: int
+    want_kv: int
+
+    @property
+    def kv_mean(self) -> float | None:
+        return self.kv_sum / self.fresh if self.fresh else None
+
+    @property
+    def queue_mean(self) -> float | None:
+        return self.waiting / self.fresh if self.fresh else None
+
+
+def _ask(load: float, target: float, current: int, tolerance: float) -> int:
+    """Replicas that `load` (in target units summed over `current` replicas) asks for."""
+    if current and abs(load / (current * target) - 1.0) <= tolerance:
+        return current
+    return math.ceil(load / target - 1e-9)
+
+
+@p.register(p.DEFAULT_POLICY)
+@dataclass(frozen=True)
+class KVQueuePolicy:
+    tolerance: float = 0.1
+    scale_up_pods: int = 4
+    scale_up_percent: float = 100.0
+    scale_down_pods: int = 1
+    scale_down_percent: float = 50.0
+
+    def signals(self, obs: p.Observation, spec: api.Autoscaling) -> Signals:
+        fresh = obs.fresh
+        n = len(fresh)
+        waiting = sum(r.waiting for r in fresh)
+        running = sum(r.running for r in fresh)
+        kv_sum = sum(r.kv_cache_usage for r in fresh)
+        absorbed = min(waiting, obs.starting * running / n) if n else 0.0
+        return Signals(
+            waiting=waiting,
+            absorbed=absorbed,
+            running=running,
+            kv_sum=kv_sum,
+            fresh=n,
+            want_queue=_ask(waiting - absorbed, spec.target_queue_depth, n, self.tolerance)
+            if waiting - absorbed > 0
+            else 0,
+            want_kv=_ask(kv_sum, spec.target_kv_cache_usage, n, self.tolerance),
+        )
+
+    def decide(
+        self, observation: p.Observation, state: p.PolicyState, spec: api.Autoscaling
+    ) -> p.Decision:
+        obs, now, current = observation, observation.now, observation.current_replicas
+        sig = self.signals(obs, spec)
+        pending = obs.gateway_pending
+        unknown_load = obs.stale or (current > 0 and not obs.replicas)
+
+        # Idle: every replica's load known and zero, and the gateway holds nothing.
+        idle = (
+            pending == 0
+            and not unknown_load
+            and sig.waiting == 0
+            and sig.running == 0
+            and (current == 0 or sig.fresh > 0)
+        )
+        idle_since = (state.idle_since if state.idle_since is not None else now) if idle else None
+
+        # The floor: zero only where allowed, and after the idle period (or already at zero).
+        idle_for = None if idle_since is None else now - idle_since
+        may_be_zero = (
+            spec.scale_to_zero
+            and spec.min_replicas == 0
+            and idle_for is not None
+            and (current == 0 or idle_for >= spec.idle_seconds_before_zero)
+        )
+        floor = 0 if may_be_zero else max(spec.min_replicas, 1)
+        if current == 0 and spec.scale_to_zero and spec.min_replicas == 0 and not pending:
+            floor = 0  # at zero with no demand seen (or no gateway to see it): stay at zero
+
+        # The recommendation and what drove it.
+        candidates = [
+            (sig.want_queue, p.QUEUE_DEPTH),
+            (sig.want_kv, p.KV_CACHE_USAGE),
+            (1 if pending and pending > 0 else 0, p.GATEWAY_PENDING),
+            (floor, p.MIN_REPLICAS),
+        ]
+        rec, driver = max(candidates, key=lambda c: c[0])
+        if rec > spec.max_replicas:
+            rec, driver = spec.max_replicas, p.MAX_REPLICAS
+        if unknown_load and rec < current:
+            rec = min(current, spec.max_replicas)
+            driver = p.STALE_METRICS if obs.stale else p.REPLICAS_STARTING
+
+        # Stabilisation windows over the remembered recommendations.
+        history = [*(state.recommendations or [(now, current)]), (now, rec)]
+        up = min([rec, *(r for t, r in history if t > now - spec.scale_up_stabilization_seconds)])
+        down = max(
+            [rec, *(r for t, r in history if t > now - spec.scale_down_stabilization_seconds)]
+        )
+        target = up if up > current else down if down < current else current
+
+        # Step bounds.
+        limited = False
+        if target > current:
+            most = current + max(
+                self.scale_up_pods, math.ceil(current * self.scale_up_percent / 100)
+            )
+            limited, target = target > most, min(target, most)
+        elif target < current:
+            fewest = current - max(
+                self.scale_down_pods, math.floor(current * self.scale_down_percent / 100)
+            )
+            limited, target = target < fewest, max(target, fewest)
+        if target > spec.max_replicas:  # maxReplicas lowered below the current count
+            target, driver = spec.max_replicas, p.MAX_REPLICAS
+
+        reason = self._reason(current, target, rec, driver, unknown_load, obs.stale)
+        message = self._message(sig, spec, pending, obs, rec, target, reason, limited)
+        keep = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
+        return p.Decision(
+            replicas=target,
+            reason=reason,
+            message=message,
+            state=p.PolicyState(_compact(history, now - keep), idle_since),
+            kv_cache_usage=sig.kv_mean,
+            queue_depth=sig.queue_mean,
+        )
+
+    @staticmethod
+    def _reason(
+        current: int, target: int, rec: int, driver: str, unknown_load: bool, stale: bool
+    ) -> str:
+        if target > current:
+            return driver
+        if target < current:
+            if target == 0:
+                return p.IDLE
+            return p.MAX_REPLICAS if driver == p.MAX_REPLICAS else p.LOW_LOAD
+        if rec > current:
+            return p.SCALE_UP_STABILIZING
+        if rec < current:
+            return p.SCALE_DOWN_STABILIZING
+        if unknown_load:
+            return p.STALE_METRICS if stale else p.REPLICAS_STARTING
+        return driver if driver in (p.MAX_REPLICAS, p.MIN_REPLICAS, p.GATEWAY_PENDING) else p.STEADY
+
+    @staticmethod
+    def _message(
+        sig: Signals,
+        spec: api.Autoscaling,
+        pending: float | None,
+        obs: p.Observation,
+        rec: int,
+        target: int,
+        reason: str,
+        limited: bool,
+    ) -> str:
+        parts = [f"{reason}: {obs.current_replicas} -> {target} replicas"]
+        if sig.fresh:
+            parts.append(
+                f"queue {sig.waiting:g} waiting on {sig.fresh} ready "
+                f"(target {spec.target_queue_depth:g}/replica"
+                + (f", {sig.absorbed:g} for {obs.starting} starting" if sig.absorbed else "")
+                + f") asks {sig.want_queue}"
+            )
+            parts.append(
+                f"KV cache mean {sig.kv_mean:.2f} (target {spec.target_kv_cache_usage:.2f}) "
+                f"asks {sig.want_kv}"
+            )
+        stale = sum(1 for r in obs.replicas if not r.fresh)
+        if stale:
+            parts.append(f"{stale} replica(s) with stale metrics: no scale-down")
+        if obs.starting:
+            parts.append(f"{obs.starting} starting")
+        parts.append("gateway pending " + ("unknown" if pending is None else f"{pending:g}"))
+        parts.append(f"recommendation {rec} (min {spec.min_replicas}, max {spec.max_replicas})")
+        if limited:
+            parts.append("step-limited")
+        return "; ".join(parts)
+
+
+def _compact(history: list[tuple[float, int]], cutoff: float) -> tuple[tuple[float, int], ...]:
+    """Drop entries older than the longest window, and earlier duplicates of the same value.
+
+    An entry followed by a later one with the same replicas changes neither
+    the minimum nor the maximum of any window that still holds the later one.
+    """
+    kept = [(t, r) for t, r in history if t > cutoff]
+    return tuple(e for i, e in enumerate(kept) if i + 1 == len(kept) or kept[i + 1][1] != e[1])

@@ -1,0 +1,156 @@
+"""The control loop: observe, decide, write; once per period, for every target.
+
+Each period (`Autoscaler.step`):
+1. list the deployments with autoscaling enabled (`Backend.targets`);
+2. scrape the gateway's /metrics once, for pending requests per model;
+3. per deployment: find its engine endpoints, scrape the ready ones, build an
+   `Observation`, restore the policy's state from status.autoscaler, and ask
+   the policy for a `Decision`;
+4. when the decision differs from /scale: write /scale and record an Event;
+5. merge status.autoscaler (desired, reason, message, last scale time,
+   inputs, and the policy state) when it changed; export metrics.
+
+All I/O goes through the `Backend` and one httpx client for scrapes; time
+comes from an injected clock, so tests drive periods without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from kubellm.autoscaler import observe
+from kubellm.autoscaler import policy as p
+from kubellm.autoscaler.backend import Backend, Target
+from kubellm.autoscaler.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PERIOD = 5.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one period did for one target (returned for callers and tests)."""
+
+    target: Target
+    decision: p.Decision
+    observation: p.Observation
+    scaled: bool
+    status: dict[str, Any]
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        backend: Backend,
+        http: httpx.AsyncClient,
+        *,
+        policy: p.Policy | None = None,
+        gateway_metrics_url: str | None = None,
+        clock: Callable[[], float] = time.time,
+        telemetry: Telemetry | None = None,
+        period: float = DEFAULT_PERIOD,
+    ) -> None:
+        self.backend = backend
+        self.http = http
+        self.policy = policy or p.get()
+        self.gateway_metrics_url = gateway_metrics_url
+        self.clock = clock
+        self.telemetry = telemetry or Telemetry()
+        self.period = period
+
+    async def step(self) -> list[Outcome]:
+        """One control period over every target. A failing target does not stop the others."""
+        try:
+            targets = await self.backend.targets()
+        except httpx.HTTPError as error:
+            log.warning("cannot list deployments: %s", error)
+            self.telemetry.errors.labels("list").inc()
+            return []
+        gateway_text = None
+        if self.gateway_metrics_url:
+            gateway_text = await observe.scrape(self.http, self.gateway_metrics_url)
+            if gateway_text is None:
+                self.telemetry.errors.labels("gateway").inc()
+        results = await asyncio.gather(
+            *(self._one(target, gateway_text) for target in targets), return_exceptions=True
+        )
+        outcomes = []
+        for target, result in zip(targets, results, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception):
+                    raise result
+                log.warning("autoscaling %s failed: %r", target.key, result)
+                self.telemetry.errors.labels("target").inc()
+            else:
+                outcomes.append(result)
+        return outcomes
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Step every period until `stop` is set."""
+        while not stop.is_set():
+            started = self.clock()
+            await self.step()
+            remaining = max(0.0, self.period - (self.clock() - started))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=remaining)
+
+    async def _one(self, target: Target, gateway_text: str | None) -> Outcome:
+        endpoints = [e for e in await self.backend.endpoints(target) if e.ready]
+        replicas = await asyncio.gather(
+            *(observe.replica(self.http, e.name, e.metrics_url) for e in endpoints)
+        )
+        pending = _pending(gateway_text, target)
+        now = self.clock()
+        observation = p.Observation(
+            now=now,
+            current_replicas=target.replicas,
+            replicas=tuple(replicas),
+            gateway_pending=pending,
+        )
+        state = p.PolicyState.from_status(target.status)
+        decision = self.policy.decide(observation, state, target.autoscaling)
+
+        scaled = decision.replicas != target.replicas
+        if scaled:
+            await self.backend.write_replicas(target, decision.replicas)
+            log.info("%s: %s", target.key, decision.message)
+            await self.backend.record_event(target, decision.reason, decision.message)
+        status = {
+            "desiredReplicas": decision.replicas,
+            "reason": decision.reason,
+            "message": decision.message,
+            "lastScaleTime": p.format_time(now) if scaled else target.status.get("lastScaleTime"),
+            "kvCacheUsage": _rounded(decision.kv_cache_usage),
+            "queueDepth": _rounded(decision.queue_depth),
+            **decision.state.to_status(),
+        }
+        if any(target.status.get(k) != v for k, v in status.items()):
+            await self.backend.write_status(target, status)
+
+        stale = sum(1 for r in replicas if not r.fresh)
+        self.telemetry.record(target, decision, len(replicas), stale, pending, scaled)
+        return Outcome(target, decision, observation, scaled, status)
+
+
+def _pending(gateway_text: str | None, target: Target) -> float | None:
+    if gateway_text is None:
+        return None
+    try:
+        return observe.gateway_pending(
+            gateway_text, target.served_name, target.name, target.namespace
+        )
+    except observe.MetricsError as error:
+        log.info("gateway metrics unusable: %s", error)
+        return None
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)

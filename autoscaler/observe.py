@@ -1,0 +1,99 @@
+"""Reading load from Prometheus text: engine replicas and the gateway.
+
+Parsing is pure (`engine_load`, `gateway_pending`: text in, numbers out);
+`scrape` is the only I/O. A replica whose scrape fails, times out, or lacks
+one of the metrics the policy needs is marked not fresh: its load is unknown,
+and the policy never removes capacity on unknown load.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import httpx
+from kubellm.autoscaler.policy import ReplicaMetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+from kubellm import metrics
+
+log = logging.getLogger(__name__)
+
+_NEEDED = (metrics.NUM_REQUESTS_WAITING, metrics.NUM_REQUESTS_RUNNING, metrics.KV_CACHE_USAGE)
+
+
+class MetricsError(ValueError):
+    """The text is not Prometheus exposition format, or lacks a needed metric."""
+
+
+def _samples(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                yield sample.name, sample.labels, sample.value
+    except ValueError as error:
+        raise MetricsError(f"cannot parse Prometheus text: {error}") from None
+
+
+def engine_load(text: str, name: str = "") -> ReplicaMetrics:
+    """One engine's waiting, running and KV usage from its /metrics text.
+
+    vLLM labels its gauges per engine core (`engine="0"`, ...) when one
+    server runs several: queues add up, KV usage is averaged.
+    """
+    values: dict[str, list[float]] = {metric: [] for metric in _NEEDED}
+    for sample, _, value in _samples(text):
+        if sample in values:
+            values[sample].append(value)
+    missing = [metric for metric, found in values.items() if not found]
+    if missing:
+        raise MetricsError(f"metrics missing: {', '.join(missing)}")
+    kv = values[metrics.KV_CACHE_USAGE]
+    return ReplicaMetrics(
+        name=name,
+        fresh=True,
+        waiting=sum(values[metrics.NUM_REQUESTS_WAITING]),
+        running=sum(values[metrics.NUM_REQUESTS_RUNNING]),
+        kv_cache_usage=sum(kv) / len(kv),
+    )
+
+
+def gateway_pending(text: str, model: str, deployment: str = "", namespace: str = "") -> float:
+    """Requests the gateway holds for `model` (its served name); 0 when none are listed.
+
+    Labels `deployment` and `namespace`, where present, must match too, so
+    two deployments serving the same name in different namespaces stay apart.
+    """
+    total = 0.0
+    for sample, labels, value in _samples(text):
+        if sample != metrics.GATEWAY_PENDING or labels.get("model") != model:
+            continue
+        if deployment and labels.get("deployment", deployment) != deployment:
+            continue
+        if namespace and labels.get("namespace", namespace) != namespace:
+            continue
+        total += value
+    return total
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> str | None:
+    """GET a /metrics URL; None (logged) on any failure, so callers mark it stale."""
+    try:
+        response = await client.get(url)
+        response.raise_for_status()
+        return response.text
+    except httpx.HTTPError as error:
+        log.info("scrape of %s failed: %s", url, error)
+        return None
+
+
+async def replica(client: httpx.AsyncClient, name: str, url: str) -> ReplicaMetrics:
+    """Scrape one engine; a replica with unknown load (fresh=False) on any failure."""
+    text = await scrape(client, url)
+    if text is None:
+        return ReplicaMetrics(name=name, fresh=False)
+    try:
+        return engine_load(text, name)
+    except MetricsError as error:
+        log.info("metrics of %s at %s unusable: %s", name, url, error)
+        return ReplicaMetrics(name=name, fresh=False)

@@ -1,0 +1,1 @@
+"""`kubellm up`: the whole control plane on one machine, without Kubernetes."""

@@ -1,0 +1,216 @@
+"""Engine replicas as local processes: start, health-check, restart with backoff, stop.
+
+This is the local realisation of what the operator realises as a Kubernetes
+Deployment: N replicas of one engine command line, each on its own loopback
+port, ready when `/health` answers 200. A replica that exits is restarted after
+an exponential backoff (as the kubelet does for a crash-looping container) and
+reported; stopping a replica drains it first (the gateway stops sending to it)
+and then ends its whole process group, so vLLM's engine-core children go too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger("kubellm.fleet")
+
+BACKOFF_BASE_SECONDS = 1.0
+BACKOFF_CAP_SECONDS = 60.0
+
+
+def restart_delay(restarts: int) -> float:
+    """Seconds to wait before restart number `restarts` (1, 2, 4, ... capped at 60)."""
+    return min(BACKOFF_BASE_SECONDS * 2 ** max(restarts - 1, 0), BACKOFF_CAP_SECONDS)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Replica:
+    """One engine process of a deployment."""
+
+    deployment: str
+    index: int
+    port: int
+    argv: list[str]
+    log_path: Path
+    process: asyncio.subprocess.Process | None = None
+    state: str = "starting"  # starting | ready | crashed | draining | stopped
+    restarts: int = 0
+    last_exit: int | None = None
+    next_start: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.deployment}-{self.index}"
+
+
+# Builds an engine command line for (deployment name, port).
+CommandFor = Callable[[str, int], list[str]]
+
+
+class Supervisor:
+    """Keeps `desired[deployment]` replicas of each deployment's command running."""
+
+    def __init__(self, log_dir: Path, *, stop_grace_seconds: float = 10.0) -> None:
+        self.log_dir = log_dir
+        self.stop_grace_seconds = stop_grace_seconds
+        self.replicas: dict[str, list[Replica]] = {}
+        self.commands: dict[str, CommandFor] = {}
+        self.desired: dict[str, int] = {}
+        self.events: list[str] = []
+        self._client = httpx.AsyncClient(timeout=2.0)
+
+    # ------------------------------------------------------------------ desired state
+
+    def set_command(self, deployment: str, command: CommandFor) -> None:
+        """A new command line for a deployment (a spec edit): its replicas are replaced."""
+        changed = deployment in self.commands
+        self.commands[deployment] = command
+        if changed:
+            for replica in self.replicas.get(deployment, []):
+                replica.state = "replace"
+
+    def set_replicas(self, deployment: str, count: int) -> None:
+        self.desired[deployment] = max(count, 0)
+
+    def forget(self, deployment: str) -> None:
+        self.desired[deployment] = 0
+        self.commands.pop(deployment, None)
+
+    def endpoints(self, deployment: str) -> list[Replica]:
+        return list(self.replicas.get(deployment, []))
+
+    # ------------------------------------------------------------------ the loop
+
+    async def reconcile(self) -> None:
+        """One pass: start missing replicas, stop surplus ones, restart crashed ones."""
+        now = time.monotonic()
+        for deployment in list(self.desired):
+            replicas = self.replicas.setdefault(deployment, [])
+            want = self.desired[deployment] if deployment in self.commands else 0
+            for replica in [r for r in replicas if r.state == "replace"]:
+                await self._stop(replica)
+                replicas.remove(replica)
+            while len(replicas) > want:
+                replica = replicas.pop()  # highest index first, like a ReplicaSet scale-down
+                await self._stop(replica)
+                self._event(f"{replica.name} stopped (scaled to {want})")
+            while len(replicas) < want:
+                index = max((r.index for r in replicas), default=-1) + 1
+                replicas.append(self._new(deployment, index))
+            for replica in replicas:
+                await self._tend(replica, now)
+
+    async def _tend(self, replica: Replica, now: float) -> None:
+        process = replica.process
+        if process is None:
+            if now >= replica.next_start:
+                await self._start(replica)
+            return
+        if process.returncode is not None:
+            replica.restarts += 1
+            replica.last_exit = process.returncode
+            replica.process = None
+            replica.state = "crashed"
+            delay = restart_delay(replica.restarts)
+            replica.next_start = now + delay
+            self._event(
+                f"{replica.name} exited with status {process.returncode}; restart "
+                f"{replica.restarts} in {delay:.0f}s (log: {replica.log_path})"
+            )
+            return
+        if replica.state == "starting" and await self._healthy(replica):
+            replica.state = "ready"
+            self._event(f"{replica.name} ready at {replica.url}")
+
+    async def _healthy(self, replica: Replica) -> bool:
+        try:
+            response = await self._client.get(f"{replica.url}/health")
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    def _new(self, deployment: str, index: int) -> Replica:
+        port = free_port()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return Replica(
+            deployment=deployment,
+            index=index,
+            port=port,
+            argv=self.commands[deployment](deployment, port),
+            log_path=self.log_dir / f"{deployment}-{index}.log",
+        )
+
+    async def _start(self, replica: Replica) -> None:
+        if replica.restarts:  # a restart gets a fresh port in case the old one lingers
+            replica.port = free_port()
+            replica.argv = self.commands[replica.deployment](replica.deployment, replica.port)
+        with replica.log_path.open("ab") as log_file:
+            replica.process = await asyncio.create_subprocess_exec(
+                *replica.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # its own process group: we stop all of it
+            )
+        replica.state = "starting"
+        replica.started = time.monotonic()
+        self._event(f"{replica.name} starting on port {replica.port} (pid {replica.process.pid})")
+
+    async def _stop(self, replica: Replica) -> None:
+        replica.state = "stopped"
+        process = replica.process
+        replica.process = None
+        if process is None or process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), self.stop_grace_seconds)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+        # Children that outlived their parent (same process group) go too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+    async def stop_all(self) -> None:
+        for replicas in self.replicas.values():
+            await asyncio.gather(*(self._stop(r) for r in replicas))
+        self.replicas.clear()
+        await self._client.aclose()
+
+    def pids(self) -> list[int]:
+        return [
+            r.process.pid
+            for rs in self.replicas.values()
+            for r in rs
+            if r.process is not None and r.process.returncode is None
+        ]
+
+    def _event(self, message: str) -> None:
+        log.info(message)
+        self.events.append(message)
+        del self.events[:-100]

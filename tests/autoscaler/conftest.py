@@ -1,0 +1,146 @@
+"""Fixtures for the autoscaler: Prometheus endpoints on 127.0.0.1 and the Kubernetes emulator."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from kubellm import api, metrics
+
+LLMD = f"{api.GROUP}/{api.VERSION}/{api.PLURAL}"
+SLICES = "discovery.k8s.io/v1/endpointslices"
+EVENTS = "v1/events"
+
+
+def engine_text(waiting: float, running: float, kv: float, engines: int = 1) -> str:
+    """vLLM-style exposition text: one gauge sample per engine core."""
+    lines = []
+    for name, value in (
+        (metrics.NUM_REQUESTS_WAITING, waiting),
+        (metrics.NUM_REQUESTS_RUNNING, running),
+        (metrics.KV_CACHE_USAGE, kv),
+    ):
+        lines.append(f"# HELP {name} test\n# TYPE {name} gauge")
+        for engine in range(engines):
+            lines.append(f'{name}{{model_name="tiny",engine="{engine}"}} {value / engines}')
+    return "\n".join(lines) + "\n"
+
+
+def gateway_text(pending: dict[str, float]) -> str:
+    lines = [f"# HELP {metrics.GATEWAY_PENDING} test", f"# TYPE {metrics.GATEWAY_PENDING} gauge"]
+    for model, value in pending.items():
+        labels = f'model="{model}",deployment="{model}",namespace="default"'
+        lines.append(f"{metrics.GATEWAY_PENDING}{{{labels}}} {value}")
+    return "\n".join(lines) + "\n"
+
+
+class MetricsServer:
+    """A /metrics endpoint on 127.0.0.1 serving whatever `text` (and `status`) the test sets."""
+
+    def __init__(self, text: str = "") -> None:
+        self.text = text
+        self.status = 200
+        self.scrapes = 0
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def _metrics(self, _: Request) -> Response:
+        self.scrapes += 1
+        return PlainTextResponse(self.text, status_code=self.status)
+
+    async def start(self) -> None:
+        app = Starlette(routes=[Route("/metrics", self._metrics)])
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._task = asyncio.create_task(self._server.serve())
+        deadline = asyncio.get_running_loop().time() + 10
+        while not self._server.started:
+            assert not self._task.done(), "metrics server failed to start"
+            assert asyncio.get_running_loop().time() < deadline, "metrics server did not start"
+            await asyncio.sleep(0.01)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/metrics"
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await asyncio.wait_for(self._task, timeout=10)
+
+
+@pytest.fixture
+async def metrics_server() -> AsyncIterator[Callable[[str], Awaitable[MetricsServer]]]:
+    """Start as many metrics servers as a test needs; all stop at teardown."""
+    servers: list[MetricsServer] = []
+
+    async def start(text: str = "") -> MetricsServer:
+        server = MetricsServer(text)
+        await server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.stop()
+
+
+@pytest.fixture
+def cluster(kmock: Any) -> Any:
+    """The emulator with the resources the autoscaler reads and writes."""
+    kmock.resources[LLMD] = kmock.ResourceInfo(
+        kind=api.KIND, namespaced=True, subresources={"status", "scale"}
+    )
+    kmock.resources[SLICES] = kmock.ResourceInfo(kind="EndpointSlice", namespaced=True)
+    kmock.resources[EVENTS] = kmock.ResourceInfo(kind="Event", namespaced=True)
+    return kmock
+
+
+def llmd(name: str = "tiny", replicas: int = 1, **autoscaling: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {"model": {"source": "hf://org/tiny"}, "replicas": replicas}
+    if autoscaling is not None:
+        spec["autoscaling"] = autoscaling
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": spec,
+    }
+
+
+def endpoint_slice(
+    deployment: str, port: int, ready: list[bool], suffix: str = "a"
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{deployment}-{suffix}",
+            "namespace": "default",
+            "labels": {"kubellm.io/deployment": deployment},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+        "endpoints": [
+            {
+                "addresses": ["127.0.0.1"],
+                "conditions": {"ready": r},
+                "targetRef": {"kind": "Pod", "name": f"{deployment}-{suffix}-{i}"},
+            }
+            for i, r in enumerate(ready)
+        ],
+    }

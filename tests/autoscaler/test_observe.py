@@ -1,0 +1,66 @@
+"""Parsing engine and gateway metrics; the CLI's argument handling."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from kubellm.autoscaler import cli, observe
+
+from kubellm import metrics
+from tests.autoscaler.conftest import engine_text, gateway_text
+
+
+def test_engine_load_sums_queues_and_averages_kv_over_engine_cores() -> None:
+    text = (
+        f"# TYPE {metrics.NUM_REQUESTS_WAITING} gauge\n"
+        f'{metrics.NUM_REQUESTS_WAITING}{{engine="0"}} 3\n'
+        f'{metrics.NUM_REQUESTS_WAITING}{{engine="1"}} 5\n'
+        f"# TYPE {metrics.NUM_REQUESTS_RUNNING} gauge\n"
+        f'{metrics.NUM_REQUESTS_RUNNING}{{engine="0"}} 7\n'
+        f'{metrics.NUM_REQUESTS_RUNNING}{{engine="1"}} 1\n'
+        f"# TYPE {metrics.KV_CACHE_USAGE} gauge\n"
+        f'{metrics.KV_CACHE_USAGE}{{engine="0"}} 0.9\n'
+        f'{metrics.KV_CACHE_USAGE}{{engine="1"}} 0.5\n'
+        "# TYPE other_total counter\nother_total 12\n"
+    )
+    load = observe.engine_load(text, "pod-a")
+    assert (load.name, load.fresh, load.waiting, load.running) == ("pod-a", True, 8, 8)
+    assert load.kv_cache_usage == pytest.approx(0.7)
+
+
+def test_engine_load_names_what_is_missing() -> None:
+    text = engine_text(1, 2, 0.3).replace(metrics.KV_CACHE_USAGE, "something_else")
+    with pytest.raises(observe.MetricsError, match="vllm:kv_cache_usage_perc"):
+        observe.engine_load(text)
+    with pytest.raises(observe.MetricsError, match="cannot parse"):
+        observe.engine_load("this is { not prometheus")
+
+
+def test_gateway_pending_per_model_deployment_and_namespace() -> None:
+    text = gateway_text({"tiny": 2, "big": 7})
+    assert observe.gateway_pending(text, "tiny") == 2
+    assert observe.gateway_pending(text, "tiny", "tiny", "default") == 2
+    assert observe.gateway_pending(text, "tiny", "tiny", "elsewhere") == 0
+    assert observe.gateway_pending(text, "absent") == 0
+    unlabelled = f'{metrics.GATEWAY_PENDING}{{model="tiny"}} 4\n'
+    assert observe.gateway_pending(unlabelled, "tiny", "tiny", "default") == 4
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_defaults_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    args = _args("--gateway-metrics-url", "http://gw:9000/metrics")
+    assert (args.period, args.policy, args.gateway_metrics_url) == (
+        5.0,
+        "kv-queue",
+        "http://gw:9000/metrics",
+    )
+    assert cli.run(_args("--policy", "nope")) == 2
+    assert "--policy: unknown autoscaling policy 'nope'" in capsys.readouterr().err
+    assert cli.run(_args("--period", "0")) == 2
+    assert "--period must be positive" in capsys.readouterr().err

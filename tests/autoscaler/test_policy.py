@@ -1,0 +1,277 @@
+# ruff: noqa: E501  (the table reads best one row per line)
+"""Table tests of the default scaling policy (`kv-queue`): every rule, one row or sequence each."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from kubellm.autoscaler import policy as p
+from kubellm.autoscaler.kvqueue import KVQueuePolicy
+
+from kubellm import api
+
+NOW = 1_800_000_000.0
+POLICY = KVQueuePolicy()
+
+
+def spec(**fields: object) -> api.Autoscaling:
+    return api.Autoscaling(**fields)
+
+
+def rep(
+    waiting: float = 0, running: float = 0, kv: float = 0.0, fresh: bool = True
+) -> p.ReplicaMetrics:
+    return p.ReplicaMetrics(
+        name="r", fresh=fresh, waiting=waiting, running=running, kv_cache_usage=kv
+    )
+
+
+def obs(
+    current: int, *replicas: p.ReplicaMetrics, pending: float | None = 0, now: float = NOW
+) -> p.Observation:
+    return p.Observation(
+        now=now, current_replicas=current, replicas=replicas, gateway_pending=pending
+    )
+
+
+IDLE = rep(0, 0, 0.0)
+BUSY = rep(waiting=0, running=8, kv=0.8)  # exactly on the KV target
+DOWN_NOW = {"scale_down_stabilization_seconds": 0}  # single-decision rows that may scale down
+ZERO_OK = {"min_replicas": 0, "scale_to_zero": True, "idle_seconds_before_zero": 600}
+
+# (id, observation, state, spec fields, expected replicas, expected reason)
+ROWS = [
+    # signals
+    ("queue asks more", obs(2, rep(10, 8, 0.5), rep(10, 8, 0.5)), None, {"max_replicas": 9}, 5, p.QUEUE_DEPTH),
+    ("kv asks more", obs(2, rep(0, 8, 1.0), rep(0, 8, 1.0)), None, {}, 3, p.KV_CACHE_USAGE),
+    ("largest signal wins", obs(1, rep(10, 8, 1.0)), None, {"max_replicas": 9}, 3, p.QUEUE_DEPTH),
+    ("within tolerance holds", obs(2, rep(0, 8, 0.85), rep(0, 8, 0.85)), None, DOWN_NOW, 2, p.STEADY),
+    ("on target holds", obs(3, BUSY, BUSY, BUSY), None, DOWN_NOW, 3, p.STEADY),
+    # clamps
+    ("clamped to max", obs(2, rep(40, 8, 1.0), rep(40, 8, 1.0)), None, {"max_replicas": 4}, 4, p.MAX_REPLICAS),
+    ("at max stays", obs(4, *[rep(40, 8, 1.0)] * 4), None, {"max_replicas": 4}, 4, p.MAX_REPLICAS),
+    ("max lowered below current", obs(6, *[BUSY] * 6), None, {"max_replicas": 3}, 3, p.MAX_REPLICAS),
+    ("raised to min", obs(1, IDLE), None, {"min_replicas": 2, "max_replicas": 5}, 2, p.MIN_REPLICAS),
+    ("at min stays", obs(2, IDLE, IDLE), None, {"min_replicas": 2, **DOWN_NOW}, 2, p.MIN_REPLICAS),
+    # step bounds
+    ("up step: +4 pods", obs(1, rep(40, 8, 1.0)), None, {"max_replicas": 20}, 5, p.QUEUE_DEPTH),
+    ("up step: +100%", obs(8, *[rep(10, 8, 1.0)] * 8), None, {"max_replicas": 30}, 16, p.QUEUE_DEPTH),
+    ("down step: -50%", obs(10, *[IDLE] * 10), None, {"max_replicas": 10, **DOWN_NOW}, 5, p.LOW_LOAD),
+    ("down step: -1 pod", obs(2, IDLE, IDLE), None, DOWN_NOW, 1, p.LOW_LOAD),
+    # replicas still starting count as coming capacity
+    ("starting absorb the queue", obs(4, rep(40, 8, 1.0)), None, {"max_replicas": 10}, 4, p.STEADY),
+    ("starting, queue beyond them", obs(2, rep(40, 8, 1.0)), None, {"max_replicas": 10}, 6, p.QUEUE_DEPTH),
+    ("none ready yet: hold", obs(3), None, DOWN_NOW, 3, p.REPLICAS_STARTING),
+    # stale or missing metrics never scale down
+    ("one stale: no scale-down", obs(3, IDLE, IDLE, rep(fresh=False)), None, DOWN_NOW, 3, p.STALE_METRICS),
+    ("all stale: hold", obs(2, rep(fresh=False), rep(fresh=False)), None, DOWN_NOW, 2, p.STALE_METRICS),
+    ("stale, fresh overloaded: up", obs(2, rep(20, 8, 1.0), rep(fresh=False)), None, {"max_replicas": 9}, 5, p.QUEUE_DEPTH),
+    # scale to zero and wake-up
+    ("wake up on pending", obs(0, pending=3), None, ZERO_OK, 1, p.GATEWAY_PENDING),
+    ("zero, no demand: stay", obs(0, pending=0), None, ZERO_OK, 0, p.STEADY),
+    ("zero, gateway unknown: stay", obs(0, pending=None), None, ZERO_OK, 0, p.STEADY),
+    ("zero without scaleToZero: up to 1", obs(0), None, {"min_replicas": 0}, 1, p.MIN_REPLICAS),
+    ("idle, zero not allowed", obs(1, IDLE), None, {"min_replicas": 0, **DOWN_NOW}, 1, p.MIN_REPLICAS),
+    ("idle too briefly", obs(1, IDLE), p.PolicyState((), NOW - 100), {**ZERO_OK, **DOWN_NOW}, 1, p.MIN_REPLICAS),
+    ("idle long enough: zero", obs(1, IDLE), p.PolicyState((), NOW - 600), {**ZERO_OK, **DOWN_NOW}, 0, p.IDLE),
+    ("pending keeps one", obs(1, IDLE, pending=2), p.PolicyState((), NOW - 900), {**ZERO_OK, **DOWN_NOW}, 1, p.GATEWAY_PENDING),
+    ("gateway unknown keeps one", obs(1, IDLE, pending=None), p.PolicyState((), NOW - 900), {**ZERO_OK, **DOWN_NOW}, 1, p.MIN_REPLICAS),
+    ("running keeps one", obs(1, rep(0, 1, 0.1)), p.PolicyState((), NOW - 900), {**ZERO_OK, **DOWN_NOW}, 1, p.STEADY),
+    ("stale keeps one", obs(1, rep(fresh=False)), p.PolicyState((), NOW - 900), {**ZERO_OK, **DOWN_NOW}, 1, p.STALE_METRICS),
+    ("zero needs the window too", obs(1, IDLE), p.PolicyState((), NOW - 900), ZERO_OK, 1, p.SCALE_DOWN_STABILIZING),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("observation", "state", "fields", "replicas", "reason"),
+    [row[1:] for row in ROWS],
+    ids=[row[0] for row in ROWS],
+)
+def test_single_decision(
+    observation: p.Observation,
+    state: p.PolicyState | None,
+    fields: dict[str, object],
+    replicas: int,
+    reason: str,
+) -> None:
+    decision = POLICY.decide(observation, state or p.PolicyState(), spec(**fields))
+    assert (decision.replicas, decision.reason) == (replicas, reason), decision.message
+
+
+def test_message_explains_the_figures() -> None:
+    decision = POLICY.decide(
+        obs(2, rep(10, 8, 0.5), rep(10, 8, 0.5)), p.PolicyState(), spec(max_replicas=9)
+    )
+    assert decision.message.startswith("QueueDepth: 2 -> 5 replicas")
+    assert "queue 20 waiting on 2 ready" in decision.message
+    assert "KV cache mean 0.50" in decision.message
+    assert decision.kv_cache_usage == pytest.approx(0.5)
+    assert decision.queue_depth == pytest.approx(10)
+
+
+def test_step_limit_is_reported() -> None:
+    decision = POLICY.decide(obs(1, rep(40, 8, 1.0)), p.PolicyState(), spec(max_replicas=20))
+    assert "step-limited" in decision.message
+
+
+# --------------------------------------------------------------------------- sequences
+
+
+def run(
+    loads: list[tuple[float, p.ReplicaMetrics]],
+    fields: dict[str, object],
+    start: int,
+    *,
+    restart_each_step: bool = False,
+    pending: float | None = 0,
+) -> list[tuple[float, int, str]]:
+    """Feed (time offset, per-replica load) to the policy; replicas follow decisions at once."""
+    autoscaling = spec(**fields)
+    state, current, out = p.PolicyState(), start, []
+    for offset, load in loads:
+        decision = POLICY.decide(
+            obs(current, *[load] * current, pending=pending, now=NOW + offset), state, autoscaling
+        )
+        state = decision.state
+        if restart_each_step:  # what a restarted loop reads back from status.autoscaler
+            state = p.PolicyState.from_status(state.to_status())
+        current = decision.replicas
+        out.append((offset, current, decision.reason))
+    return out
+
+
+def every(
+    seconds: float, until: float, load: p.ReplicaMetrics, start: float = 0
+) -> list[tuple[float, p.ReplicaMetrics]]:
+    return [(start + i * seconds, load) for i in range(int((until - start) / seconds))]
+
+
+def test_scale_down_waits_for_the_whole_window() -> None:
+    loads = [(0.0, BUSY), *every(5, 600, IDLE, start=5)]
+    trace = run(loads, {"scale_down_stabilization_seconds": 300}, start=4)
+    first_down = next(t for t, replicas, _ in trace if replicas < 4)
+    assert first_down == 300  # the last high recommendation (t=0) left the window
+    assert [r for t, r, _ in trace if t < first_down] == [4] * len(
+        [t for t, _, _ in trace if t < first_down]
+    )
+    assert {reason for t, _, reason in trace if 0 < t < first_down} == {p.SCALE_DOWN_STABILIZING}
+
+
+def test_one_busy_period_restarts_the_window() -> None:
+    loads = [*every(5, 200, IDLE), (200.0, BUSY), *every(5, 700, IDLE, start=205)]
+    trace = run(loads, {"scale_down_stabilization_seconds": 300}, start=4)
+    assert next(t for t, replicas, _ in trace if replicas < 4) == 500
+
+
+def test_fresh_state_never_scales_down_at_once() -> None:
+    trace = run(every(5, 100, IDLE), {"scale_down_stabilization_seconds": 60}, start=3)
+    assert (
+        next(t for t, replicas, _ in trace if replicas < 3) == 60
+    )  # the seeded "3" left the window
+
+
+def test_scale_up_stabilisation_needs_sustained_load() -> None:
+    fields = {"scale_up_stabilization_seconds": 30, "max_replicas": 8}
+    blip = run([(0.0, rep(20, 8, 1.0)), *every(5, 100, BUSY, start=5)], fields, start=2)
+    assert {replicas for _, replicas, _ in blip} == {2}
+    sustained = run(every(5, 100, rep(20, 8, 1.0)), fields, start=2)
+    first_up = next(t for t, replicas, _ in sustained if replicas > 2)
+    assert first_up == 30
+    assert {reason for t, _, reason in sustained if t < first_up} == {p.SCALE_UP_STABILIZING}
+
+
+def test_scale_up_is_immediate_by_default() -> None:
+    trace = run(every(5, 10, rep(20, 8, 1.0)), {"max_replicas": 8}, start=2)
+    assert trace[0][1] > 2
+
+
+def test_oscillating_load_does_not_flap() -> None:
+    # 20 s busy, 20 s idle, for 30 minutes: at most one change of direction per window.
+    window = 300
+    loads = [(t, rep(12, 8, 1.0) if (t // 20) % 2 == 0 else IDLE) for t in range(0, 1800, 5)]
+    trace = run(loads, {"scale_down_stabilization_seconds": window, "max_replicas": 8}, start=1)
+    changes = []
+    previous, direction = trace[0][1], 0
+    for t, replicas, _ in trace[1:]:
+        step = (replicas > previous) - (replicas < previous)
+        if step and direction and step != direction:
+            changes.append(t)
+        direction, previous = step or direction, replicas
+    for t in changes:
+        assert len([c for c in changes if t - window < c <= t]) <= 1
+
+
+def test_state_survives_a_restart_through_status() -> None:
+    loads = [(0.0, BUSY), *every(5, 400, IDLE, start=5), *every(5, 450, rep(20, 8, 1.0), start=400)]
+    fields = {"scale_down_stabilization_seconds": 120, **ZERO_OK}
+    in_memory = run(loads, fields, start=4)
+    restarted = run(loads, fields, start=4, restart_each_step=True)
+    assert restarted == in_memory
+
+
+def test_scale_to_zero_after_idle_and_wake_up() -> None:
+    fields = {**ZERO_OK, "scale_down_stabilization_seconds": 60, "idle_seconds_before_zero": 120}
+    trace = run(every(5, 400, IDLE), fields, start=2)
+    zero_at = next(t for t, replicas, _ in trace if replicas == 0)
+    assert zero_at >= 120
+    assert trace[-1][1] == 0
+    woke = POLICY.decide(obs(0, pending=1, now=NOW + 400), p.PolicyState(), spec(**fields))
+    assert (woke.replicas, woke.reason) == (1, p.GATEWAY_PENDING)
+
+
+def test_history_stays_small() -> None:
+    autoscaling = spec()
+    state = p.PolicyState()
+    for i in range(1000):
+        state = POLICY.decide(obs(3, BUSY, BUSY, BUSY, now=NOW + 5 * i), state, autoscaling).state
+    assert len(state.recommendations) <= 2
+
+
+def test_status_round_trip_and_bad_entries() -> None:
+    state = p.PolicyState(((NOW, 3), (NOW + 5.5, 2)), NOW - 10)
+    status = state.to_status()
+    assert status["recommendations"][0] == {"time": p.format_time(NOW), "replicas": 3}
+    assert p.PolicyState.from_status(status) == state
+    odd = {
+        "recommendations": [{"time": "yesterday", "replicas": 1}, {"replicas": 2}],
+        "idleSince": "x",
+    }
+    assert p.PolicyState.from_status(odd) == p.PolicyState()
+    assert p.PolicyState.from_status(None) == p.PolicyState()
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_registry() -> None:
+    assert {"kv-queue", "concurrency"} <= set(p.names())
+    assert isinstance(p.get(), KVQueuePolicy)
+    with pytest.raises(ValueError, match="unknown autoscaling policy 'nope'"):
+        p.get("nope")
+    observation = obs(2, rep(10, 8, 0.5), rep(10, 8, 0.5))
+    assert p.decide(observation, p.PolicyState(), spec()) == POLICY.decide(
+        observation, p.PolicyState(), spec()
+    )
+
+
+def test_register_a_policy() -> None:
+    @p.register("fixed-test")
+    @dataclasses.dataclass(frozen=True)
+    class Fixed:
+        def decide(
+            self, observation: p.Observation, state: p.PolicyState, spec: api.Autoscaling
+        ) -> p.Decision:
+            return p.Decision(spec.max_replicas, p.MAX_REPLICAS)
+
+    assert p.get("fixed-test").decide(obs(1), p.PolicyState(), spec(max_replicas=3)).replicas == 3
+
+
+def test_concurrency_policy() -> None:
+    kpa = p.get("concurrency")
+    up = kpa.decide(obs(1, rep(8, 16, 1.0)), p.PolicyState(), spec(max_replicas=8))
+    assert (up.replicas, up.reason) == (3, p.CONCURRENCY)
+    held = kpa.decide(obs(3, IDLE, IDLE, IDLE, now=NOW + 5), up.state, spec(max_replicas=8))
+    assert held.replicas == 3  # the busy recommendation is still in the stable window
+    later = kpa.decide(obs(3, IDLE, IDLE, IDLE, now=NOW + 65), held.state, spec(max_replicas=8))
+    assert (later.replicas, later.reason) == (1, p.LOW_LOAD)
