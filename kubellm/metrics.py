@@ -34,3 +34,8 @@ GATEWAY_E2E = "kubellm_gateway_request_duration_seconds"  # histogram
 GATEWAY_FALLBACK = "kubellm_gateway_fallback_requests_total"  # + reason
 GATEWAY_GOODPUT = "kubellm_gateway_slo_met_requests_total"  # requests meeting TTFT and ITL
 GATEWAY_READY_ENDPOINTS = "kubellm_gateway_ready_endpoints"  # gauge per model
+# Per-deployment SLO settings as series, so recording rules can compute SLIs per deployment.
+# kind="ttft"|"itl"; le = the histogram bucket boundary at (or just under) the target.
+GATEWAY_SLO_TARGET = "kubellm_gateway_slo_target_seconds"  # gauge
+GATEWAY_SLO_OBJECTIVE = "kubellm_gateway_slo_objective"  # gauge
+GATEWAY_FALLBACK_TOKENS = "kubellm_gateway_fallback_tokens_total"  # + kind=prompt|completion
