@@ -1,0 +1,465 @@
+"""Pure builders: one `LLMDeployment` in, the Kubernetes objects that run it out.
+
+No I/O here. Every function returns plain dicts ready for server-side apply,
+so `kubellm render`, the reconciler and the tests all see the same objects.
+
+Children of an `LLMDeployment` named N (all in its namespace, all owned by it):
+- ConfigMap `N-engine-spec`: the engine's view of the spec, mounted at SPEC_DIR.
+- Deployment `N-engine`: the vLLM engine pods.
+- Service `N-engine`: the engine port, named `http`; EndpointSlices copy its labels,
+  which is how the gateway finds ready replicas.
+- PodDisruptionBudget `N-engine`: at most one engine pod evicted at a time, when
+  the deployment can run more than one replica.
+- PodMonitor `N-engine`: only when the Prometheus Operator's CRD is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kubellm import api, sources
+
+FIELD_MANAGER = "kubellm-operator"
+SPEC_HASH_ANNOTATION = "kubellm.io/spec-hash"
+DEPLOYMENT_LABEL = "kubellm.io/deployment"
+# Interim rollout overrides until the API grows `spec.rollout` (see the operator's notes).
+MAX_SURGE_ANNOTATION = "kubellm.io/rollout-max-surge"
+MAX_UNAVAILABLE_ANNOTATION = "kubellm.io/rollout-max-unavailable"
+
+ENGINE_CONTAINER = "engine"
+PORT_NAME = "http"
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+SHM_DIR = "/dev/shm"
+TMP_DIR = "/tmp"
+RUN_AS_USER = 1000
+# Seconds a pod keeps serving after it is marked for removal, so that endpoints
+# (and the gateway) drop it before the engine gets SIGTERM.
+MAX_DRAIN_DELAY_SECONDS = 15
+
+PODMONITOR_API_VERSION = "monitoring.coreos.com/v1"
+
+
+class SpecError(ValueError):
+    """A spec the operator cannot realise; `reason` is the condition reason to report."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the builders need beyond the spec."""
+
+    owner_uid: str | None = None  # None: no owner reference (`kubellm render`)
+    podmonitor: bool = False  # the Prometheus Operator's PodMonitor CRD is installed
+
+
+# --------------------------------------------------------------------------- names and labels
+
+
+def engine_name(llmd: api.LLMDeployment) -> str:
+    return f"{llmd.metadata.name}-engine"
+
+
+def spec_configmap_name(llmd: api.LLMDeployment) -> str:
+    return f"{llmd.metadata.name}-engine-spec"
+
+
+def selector_labels(llmd: api.LLMDeployment) -> dict[str, str]:
+    """The immutable pod selector of the engine Deployment (and its Service and PDB)."""
+    return {
+        "app.kubernetes.io/name": "kubellm-engine",
+        "app.kubernetes.io/instance": llmd.metadata.name,
+        DEPLOYMENT_LABEL: llmd.metadata.name,
+    }
+
+
+def labels(llmd: api.LLMDeployment) -> dict[str, str]:
+    """Labels on every child; the Service's reach the EndpointSlices the gateway watches."""
+    return {
+        **selector_labels(llmd),
+        "app.kubernetes.io/component": "engine",
+        "app.kubernetes.io/managed-by": "kubellm-operator",
+        "app.kubernetes.io/part-of": "kubellm",
+    }
+
+
+def selector_string(llmd: api.LLMDeployment) -> str:
+    """`status.selector`: the engine pods' label selector, for the scale subresource."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(llmd).items()))
+
+
+def owner_reference(llmd: api.LLMDeployment, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "name": llmd.metadata.name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(llmd: api.LLMDeployment, name: str, options: Options) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": llmd.metadata.namespace,
+        "labels": labels(llmd),
+    }
+    if options.owner_uid:
+        meta["ownerReferences"] = [owner_reference(llmd, options.owner_uid)]
+    return meta
+
+
+# --------------------------------------------------------------------------- engine spec
+
+
+def engine_spec_document(llmd: api.LLMDeployment) -> dict[str, Any]:
+    """The LLMDeployment as the engine launcher reads it from SPEC_PATH.
+
+    Only what shapes the engine process (model, engine, resources) is kept, so
+    that scaling (`spec.replicas`), routing, fallback or SLO edits do not change
+    the spec hash and so never restart GPU pods. Omitted fields take their
+    defaults, so the document is itself a valid LLMDeployment.
+    """
+    spec = llmd.spec
+    dump = {"by_alias": True, "exclude_none": True, "mode": "json"}
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": {"name": llmd.metadata.name, "namespace": llmd.metadata.namespace},
+        "spec": {
+            "model": spec.model.model_dump(**dump),
+            "engine": spec.engine.model_dump(**dump),
+            "resources": spec.resources.model_dump(**dump),
+        },
+    }
+
+
+def engine_spec_json(llmd: api.LLMDeployment) -> str:
+    return json.dumps(engine_spec_document(llmd), sort_keys=True, indent=2) + "\n"
+
+
+def spec_hash(llmd: api.LLMDeployment) -> str:
+    """Hash of the engine spec JSON; a pod-template annotation, so a change rolls out."""
+    return hashlib.sha256(engine_spec_json(llmd).encode()).hexdigest()[:16]
+
+
+def spec_configmap(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(llmd, spec_configmap_name(llmd), options),
+        "data": {sources.SPEC_FILENAME: engine_spec_json(llmd)},
+    }
+
+
+# --------------------------------------------------------------------------- checks
+
+
+# Arguments the launcher derives from the spec; repeating them in extraArgs is a conflict.
+OWNED_ENGINE_ARGS = frozenset(
+    {"--model", "--port", "--host", "--served-model-name", "--tensor-parallel-size"}
+)
+
+
+def check(llmd: api.LLMDeployment) -> None:
+    """Raise SpecError for a spec that validates but that the operator cannot realise."""
+    source = sources.parse_source(llmd.spec.model.source)
+    if source.scheme == "s3":
+        raise SpecError(
+            "UnsupportedModelSource",
+            "spec.model.source: s3:// sources are not supported by the operator yet; "
+            "copy the weights to a PVC and use pvc://claim/path",
+        )
+    for arg in llmd.spec.engine.extra_args:
+        flag = arg.split("=", 1)[0]
+        if not arg.startswith("-"):
+            continue
+        if flag in OWNED_ENGINE_ARGS:
+            raise SpecError(
+                "InvalidEngineArguments",
+                f"spec.engine.extraArgs: {flag} is set by the operator from the spec; "
+                "remove it from extraArgs",
+            )
+
+
+# --------------------------------------------------------------------------- deployment
+
+
+def _resources(llmd: api.LLMDeployment) -> dict[str, Any]:
+    res = llmd.spec.resources
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if res.cpu:
+        requests["cpu"] = res.cpu
+    if res.memory:
+        requests["memory"] = res.memory
+        limits["memory"] = res.memory
+    if res.gpu.count > 0:
+        requests[res.gpu.resource_name] = str(res.gpu.count)
+        limits[res.gpu.resource_name] = str(res.gpu.count)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _model_volume(llmd: api.LLMDeployment) -> dict[str, Any]:
+    source = sources.parse_source(llmd.spec.model.source)
+    if source.scheme == "pvc":
+        return {"name": "model", "persistentVolumeClaim": {"claimName": source.location}}
+    return {"name": "model", "emptyDir": {}}
+
+
+def _env(llmd: api.LLMDeployment) -> list[dict[str, str]]:
+    env = [{"name": "HOME", "value": TMP_DIR}]
+    if sources.parse_source(llmd.spec.model.source).scheme == "hf":
+        env.append({"name": "HF_HOME", "value": sources.HF_CACHE_DIR})
+    return env
+
+
+def _probes(port_name: str) -> dict[str, Any]:
+    """Startup allows 30 minutes for downloading and loading weights; then fast checks."""
+
+    def get() -> dict[str, Any]:
+        return {"httpGet": {"path": HEALTH_PATH, "port": port_name}}
+
+    return {
+        "startupProbe": {
+            **get(),
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 180,
+        },
+        "readinessProbe": {
+            **get(),
+            "periodSeconds": 5,
+            "timeoutSeconds": 3,
+            "failureThreshold": 3,
+            "successThreshold": 1,
+        },
+        "livenessProbe": {
+            **get(),
+            "periodSeconds": 15,
+            "timeoutSeconds": 10,
+            "failureThreshold": 4,
+        },
+    }
+
+
+def drain_delay_seconds(grace_seconds: int) -> int:
+    """How long preStop waits before SIGTERM: long enough for endpoints to drop the pod,
+    short enough to leave most of the grace period for in-flight generations."""
+    return min(MAX_DRAIN_DELAY_SECONDS, grace_seconds // 4)
+
+
+def _rollout(llmd: api.LLMDeployment) -> dict[str, Any]:
+    annotations = llmd.metadata.model_extra.get("annotations") or {}
+
+    def intstr(key: str, default: int) -> int | str:
+        value = str(annotations.get(key, default))
+        return int(value) if value.isdigit() else value
+
+    return {
+        "type": "RollingUpdate",
+        "rollingUpdate": {
+            "maxSurge": intstr(MAX_SURGE_ANNOTATION, 1),
+            "maxUnavailable": intstr(MAX_UNAVAILABLE_ANNOTATION, 0),
+        },
+    }
+
+
+def engine_command(llmd: api.LLMDeployment) -> list[str]:
+    """The engine launcher's command line (the contract with kubellm.engine)."""
+    return [
+        "kubellm",
+        "engine",
+        "--spec",
+        sources.SPEC_PATH,
+        "--port",
+        str(llmd.spec.engine.port),
+        "--host",
+        "0.0.0.0",
+    ]
+
+
+def engine_deployment(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+    spec = llmd.spec
+    port = spec.engine.port
+    grace = spec.termination_grace_period_seconds
+    container: dict[str, Any] = {
+        "name": ENGINE_CONTAINER,
+        "image": spec.engine.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": engine_command(llmd),
+        "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+        "env": _env(llmd),
+        "resources": _resources(llmd),
+        "volumeMounts": [
+            {"name": "engine-spec", "mountPath": sources.SPEC_DIR, "readOnly": True},
+            {"name": "model", "mountPath": sources.MODEL_ROOT},
+            {"name": "dshm", "mountPath": SHM_DIR},
+            {"name": "tmp", "mountPath": TMP_DIR},
+        ],
+        **_probes(PORT_NAME),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    delay = drain_delay_seconds(grace)
+    if delay > 0:
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": delay}}}
+    scheduling = spec.scheduling
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [
+            {"name": "engine-spec", "configMap": {"name": spec_configmap_name(llmd)}},
+            _model_volume(llmd),
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+        "terminationGracePeriodSeconds": grace,
+        # Service links inject <SERVICE>_PORT variables; vLLM reads VLLM_PORT and breaks.
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if scheduling.node_selector:
+        pod_spec["nodeSelector"] = dict(scheduling.node_selector)
+    if scheduling.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in scheduling.tolerations]
+    if scheduling.affinity:
+        pod_spec["affinity"] = scheduling.affinity
+    if scheduling.priority_class_name:
+        pod_spec["priorityClassName"] = scheduling.priority_class_name
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(llmd, engine_name(llmd), options),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(llmd)},
+            "strategy": _rollout(llmd),
+            "revisionHistoryLimit": 3,
+            # Past the startup probe's 30 minutes, a stuck rollout is reported.
+            "progressDeadlineSeconds": 2400,
+            "template": {
+                "metadata": {
+                    "labels": labels(llmd),
+                    "annotations": {
+                        SPEC_HASH_ANNOTATION: spec_hash(llmd),
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(port),
+                        "prometheus.io/path": METRICS_PATH,
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+# --------------------------------------------------------------------------- service, PDB, monitor
+
+
+def engine_service(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(llmd, engine_name(llmd), options),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(llmd),
+            "ports": [
+                {
+                    "name": PORT_NAME,
+                    "port": llmd.spec.engine.port,
+                    "targetPort": PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def wants_disruption_budget(llmd: api.LLMDeployment) -> bool:
+    """A PDB only makes sense when the deployment can have more than one replica."""
+    autoscaling = llmd.spec.autoscaling
+    most = autoscaling.max_replicas if autoscaling and autoscaling.enabled else 0
+    return max(most, llmd.spec.replicas) > 1
+
+
+def disruption_budget(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(llmd, engine_name(llmd), options),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(llmd)},
+            # A crash-looping pod must not block node drains.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def pod_monitor(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+    return {
+        "apiVersion": PODMONITOR_API_VERSION,
+        "kind": "PodMonitor",
+        "metadata": _metadata(llmd, engine_name(llmd), options),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(llmd)},
+            "podMetricsEndpoints": [{"port": PORT_NAME, "path": METRICS_PATH, "interval": "15s"}],
+        },
+    }
+
+
+# --------------------------------------------------------------------------- all children
+
+
+# Every kind of child the operator may create: (apiVersion, kind, name function).
+CHILD_KINDS: tuple[tuple[str, str], ...] = (
+    ("v1", "ConfigMap"),
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("policy/v1", "PodDisruptionBudget"),
+    (PODMONITOR_API_VERSION, "PodMonitor"),
+)
+
+
+def child_name(llmd: api.LLMDeployment, kind: str) -> str:
+    return spec_configmap_name(llmd) if kind == "ConfigMap" else engine_name(llmd)
+
+
+def build(llmd: api.LLMDeployment, options: Options = Options()) -> list[dict[str, Any]]:
+    """Every object the operator wants for `llmd`, in apply order; raise SpecError."""
+    check(llmd)
+    objects = [
+        spec_configmap(llmd, options),
+        engine_deployment(llmd, options),
+        engine_service(llmd, options),
+    ]
+    if wants_disruption_budget(llmd):
+        objects.append(disruption_budget(llmd, options))
+    if options.podmonitor:
+        objects.append(pod_monitor(llmd, options))
+    return objects

@@ -1,0 +1,211 @@
+"""One reconcile of one LLMDeployment: observe -> plan -> apply -> status.
+
+This is the I/O shell around the pure parts (builders, plan, status). It is
+idempotent: with nothing changed it only reads, so it can run on every
+trigger (create, update, resume, a child's event, the resync timer).
+
+Transient API errors propagate as `ApiError` (the kopf handlers turn them
+into `kopf.TemporaryError`, which retries with backoff). Everything else that
+goes wrong is a `Problem` reported in `status.conditions`: the operator keeps
+running and other LLMDeployments are untouched.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubellm import api, capacity, manifests
+
+from . import builders, status
+from .client import ApiError, Client
+from .plan import Plan, Ref, plan
+
+log = logging.getLogger(__name__)
+
+# emit(body, type, reason, message): post a Kubernetes Event about `body`.
+Emit = Callable[[Mapping[str, Any], str, str, str], None]
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _no_events(body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+    pass
+
+
+@dataclass
+class Outcome:
+    """What one reconcile did; for logs and tests."""
+
+    plan: Plan | None = None
+    problems: list[status.Problem] = field(default_factory=list)
+    status_patch: dict[str, Any] | None = None
+
+
+def _parse(body: Mapping[str, Any]) -> api.LLMDeployment:
+    document = {k: body[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in body}
+    return manifests.parse(document, f"{api.KIND} {body['metadata'].get('name')}")
+
+
+async def _observe(client: Client, llmd: api.LLMDeployment, podmonitor: bool) -> dict[Ref, Any]:
+    observed: dict[Ref, Any] = {}
+    ns = llmd.metadata.namespace
+    for api_version, kind in builders.CHILD_KINDS:
+        if kind == "PodMonitor" and not podmonitor:
+            continue
+        name = builders.child_name(llmd, kind)
+        observed[Ref(api_version, kind, ns, name)] = await client.get(api_version, kind, ns, name)
+    return observed
+
+
+async def _apply(
+    client: Client, the_plan: Plan, emit: Emit, body: Mapping[str, Any]
+) -> tuple[dict[Ref, Any], list[status.Problem]]:
+    """Execute the plan; return the objects the server answered with, and permanent failures."""
+    applied: dict[Ref, Any] = {}
+    problems = []
+    for action in the_plan.actions:
+        ref = action.ref
+        try:
+            if action.verb == "delete":
+                await client.delete(ref.api_version, ref.kind, ref.namespace, ref.name)
+                applied[ref] = None
+                emit(body, "Normal", "Deleted", f"deleted {ref}: no longer wanted by the spec")
+            else:
+                assert action.body is not None
+                applied[ref] = await client.apply(action.body)
+                if action.verb == "create":
+                    emit(body, "Normal", "Created", f"created {ref}")
+                else:
+                    emit(body, "Normal", "Updated", f"updated {ref} to match the spec")
+        except ApiError as error:
+            if error.transient:
+                raise
+            problems.append(status.Problem("ApplyFailed", f"cannot {action.verb} {ref}: {error}"))
+    return applied, problems
+
+
+async def _fallback_problems(client: Client, llmd: api.LLMDeployment) -> list[status.Problem]:
+    fallback = llmd.spec.fallback
+    if fallback is None or fallback.api_key_secret_ref is None:
+        return []
+    ref = fallback.api_key_secret_ref
+    secret = await client.get("v1", "Secret", llmd.metadata.namespace, ref.name)
+    if secret is None:
+        return [
+            status.Problem(
+                "FallbackSecretMissing",
+                f"Secret {llmd.metadata.namespace}/{ref.name} named by "
+                "spec.fallback.apiKeySecretRef does not exist; create it with key "
+                f"{ref.key!r}",
+            )
+        ]
+    if ref.key not in (secret.get("data") or {}) and ref.key not in (
+        secret.get("stringData") or {}
+    ):
+        return [
+            status.Problem(
+                "FallbackSecretMissing",
+                f"Secret {llmd.metadata.namespace}/{ref.name} has no key {ref.key!r} "
+                "(spec.fallback.apiKeySecretRef.key)",
+            )
+        ]
+    return []
+
+
+def _capacity(llmd: api.LLMDeployment) -> tuple[dict[str, Any] | None, list[status.Problem]]:
+    try:
+        return capacity.for_spec(llmd.spec), []
+    except capacity.CapacityError as error:
+        return None, [status.Problem("CapacityPlanFailed", f"status.capacity: {error}")]
+
+
+def _needs_pods(deployment: Mapping[str, Any] | None, desired: int) -> bool:
+    """Pods are read only while something is not yet right (a cheap steady state)."""
+    if deployment is None:
+        return False
+    dstatus = deployment.get("status") or {}
+    ready = int(dstatus.get("readyReplicas") or 0)
+    updated = int(dstatus.get("updatedReplicas") or 0)
+    return ready < desired or updated < desired
+
+
+async def reconcile(
+    client: Client,
+    namespace: str,
+    name: str,
+    *,
+    podmonitor: bool = False,
+    emit: Emit = _no_events,
+    now: Callable[[], str] = utc_now,
+) -> Outcome | None:
+    """Bring the children and status of one LLMDeployment in line; None when it is gone."""
+    body = await client.get(api.API_VERSION, api.KIND, namespace, name)
+    if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+        return None  # deleted: owner references let the garbage collector remove children
+    meta = body["metadata"]
+    generation = meta.get("generation")
+    old_status = body.get("status") or {}
+    outcome = Outcome()
+
+    try:
+        llmd = _parse(body)
+    except manifests.ManifestError as error:
+        outcome.problems.append(status.Problem("InvalidSpec", str(error)))
+        llmd = None
+
+    deployment = None
+    selector = old_status.get("selector") or ""
+    desired_replicas = int((body.get("spec") or {}).get("replicas") or 0)
+    cap = None
+    if llmd is not None:
+        desired_replicas = llmd.spec.replicas
+        selector = builders.selector_string(llmd)
+        cap, cap_problems = _capacity(llmd)
+        outcome.problems += cap_problems
+        options = builders.Options(owner_uid=meta.get("uid"), podmonitor=podmonitor)
+        try:
+            desired = builders.build(llmd, options)
+        except builders.SpecError as error:
+            outcome.problems.append(status.Problem(error.reason, str(error)))
+            desired = None
+        observed = await _observe(client, llmd, podmonitor)
+        deployment_ref = Ref("apps/v1", "Deployment", namespace, builders.engine_name(llmd))
+        deployment = observed.get(deployment_ref)
+        if desired is not None:
+            outcome.plan = plan(desired, observed, meta.get("uid", ""))
+            applied, apply_problems = await _apply(client, outcome.plan, emit, body)
+            outcome.problems += apply_problems
+            deployment = applied.get(deployment_ref, deployment)
+            outcome.problems += [
+                status.Problem("NameConflict", f"{ref} exists and is not owned by {name}")
+                for ref in outcome.plan.conflicts
+            ]
+        outcome.problems += await _fallback_problems(client, llmd)
+        if _needs_pods(deployment, desired_replicas):
+            pods = await client.list("v1", "Pod", namespace, builders.selector_labels(llmd))
+            outcome.problems += status.pod_problems(pods, llmd.spec.resources.gpu.resource_name)
+
+    new_status = status.desired_status(
+        generation=generation,
+        desired_replicas=desired_replicas,
+        selector=selector,
+        deployment=deployment,
+        problems=outcome.problems,
+        capacity=cap,
+        old_status=old_status,
+        now=now(),
+    )
+    outcome.status_patch = status.status_patch(new_status, old_status)
+    if outcome.status_patch is not None:
+        await client.patch_status(namespace, name, outcome.status_patch)
+        for kind, reason, message in status.transitions(
+            old_status.get("conditions") or [], new_status["conditions"]
+        ):
+            emit(body, kind, reason, message)
+    return outcome

@@ -1,0 +1,282 @@
+"""Pure status: what the operator observed -> `LLMDeployment.status` and its conditions.
+
+Conditions answer three questions a person asks, each with a reason they can act on:
+- Ready: can the deployment serve with every replica it asked for?
+- Progressing: is a rollout or a scale change under way?
+- Degraded: is something wrong that will not fix itself (no GPUs, bad image,
+  crash loop, bad engine arguments, missing fallback Secret, unrealisable spec)?
+
+`status.autoscaler` belongs to the autoscaler: it is never produced here, and
+the patch the operator writes never names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Exit status of argparse (and so of the engine launcher) on bad command-line arguments.
+USAGE_EXIT_CODE = 2
+IMAGE_PULL_REASONS = frozenset(
+    {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"}
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something wrong, as a condition reason and a sentence saying what to do."""
+
+    reason: str
+    message: str
+
+
+# --------------------------------------------------------------------------- pods
+
+
+def _gpu_shortage(message: str, gpu_resource: str) -> bool:
+    return f"Insufficient {gpu_resource}" in message
+
+
+def pod_problems(pods: Sequence[Mapping[str, Any]], gpu_resource: str) -> list[Problem]:
+    """Problems visible on engine pods: scheduling, image pulls, crash loops."""
+    found: dict[str, Problem] = {}
+    for pod in pods:
+        name = pod.get("metadata", {}).get("name", "?")
+        status = pod.get("status") or {}
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                message = cond.get("message") or ""
+                if _gpu_shortage(message, gpu_resource):
+                    found.setdefault(
+                        "InsufficientGPUs",
+                        Problem(
+                            "InsufficientGPUs",
+                            f"pod {name} cannot be scheduled: no node has a free {gpu_resource} "
+                            f"({message}); add GPU nodes, free GPUs or lower "
+                            "spec.resources.gpu.count",
+                        ),
+                    )
+                elif cond.get("reason") == "Unschedulable":
+                    found.setdefault(
+                        "Unschedulable",
+                        Problem(
+                            "Unschedulable",
+                            f"pod {name} cannot be scheduled: {message}; check "
+                            "spec.scheduling and spec.resources",
+                        ),
+                    )
+        for container in status.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason")
+            if reason in IMAGE_PULL_REASONS:
+                found.setdefault(
+                    "ImagePullFailed",
+                    Problem(
+                        "ImagePullFailed",
+                        f"pod {name} cannot pull image {container.get('image', '')!r} "
+                        f"({reason}: {waiting.get('message', '')}); check spec.engine.image "
+                        "and the registry credentials",
+                    ),
+                )
+            elif reason == "CrashLoopBackOff":
+                last = (container.get("lastState") or {}).get("terminated") or {}
+                detail = (last.get("message") or "").strip().splitlines()
+                tail = f": {detail[-1]}" if detail else ""
+                if last.get("exitCode") == USAGE_EXIT_CODE:
+                    found.setdefault(
+                        "InvalidEngineArguments",
+                        Problem(
+                            "InvalidEngineArguments",
+                            f"the engine in pod {name} rejected its arguments{tail}; "
+                            "check spec.engine (extraArgs in particular)",
+                        ),
+                    )
+                else:
+                    found.setdefault(
+                        "CrashLoopBackOff",
+                        Problem(
+                            "CrashLoopBackOff",
+                            f"the engine in pod {name} keeps exiting (exit code "
+                            f"{last.get('exitCode', '?')}){tail}; see `kubectl logs {name} "
+                            "--previous`",
+                        ),
+                    )
+    return list(found.values())
+
+
+# --------------------------------------------------------------------------- conditions
+
+
+def _condition(
+    kind: str, ok: bool, reason: str, message: str, generation: int | None
+) -> dict[str, Any]:
+    cond: dict[str, Any] = {
+        "type": kind,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+    }
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond
+
+
+def _deployment_condition(deployment: Mapping[str, Any] | None, kind: str) -> dict[str, Any]:
+    for cond in (deployment or {}).get("status", {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return cond
+    return {}
+
+
+def conditions(
+    *,
+    desired_replicas: int,
+    deployment: Mapping[str, Any] | None,
+    problems: Sequence[Problem],
+    generation: int | None,
+) -> list[dict[str, Any]]:
+    """Ready, Progressing and Degraded (without transition times; see `merge_conditions`)."""
+    dstatus = (deployment or {}).get("status") or {}
+    ready = int(dstatus.get("readyReplicas") or 0)
+    updated = int(dstatus.get("updatedReplicas") or 0)
+    total = int(dstatus.get("replicas") or 0)
+    rolled = deployment is not None and dstatus.get("observedGeneration", 0) >= deployment.get(
+        "metadata", {}
+    ).get("generation", 0)
+    deadline = _deployment_condition(deployment, "Progressing").get("reason") == (
+        "ProgressDeadlineExceeded"
+    )
+    all_problems = list(problems)
+    if deadline:
+        all_problems.append(
+            Problem(
+                "ProgressDeadlineExceeded",
+                "the engine rollout made no progress within its deadline; see the engine "
+                "pods' events",
+            )
+        )
+    first = all_problems[0] if all_problems else None
+
+    # Ready
+    if deployment is None:
+        is_ready, reason, message = (
+            False,
+            "NoDeployment",
+            "the engine Deployment does not exist yet",
+        )
+    elif desired_replicas == 0:
+        is_ready, reason, message = (
+            False,
+            "ScaledToZero",
+            "spec.replicas is 0: no engine runs; the gateway sends requests to the fallback",
+        )
+    elif ready >= desired_replicas:
+        is_ready, reason, message = True, "AllReplicasReady", f"{ready}/{desired_replicas} ready"
+    else:
+        is_ready = False
+        reason = first.reason if first else "ReplicasNotReady"
+        message = f"{ready}/{desired_replicas} replicas ready" + (
+            f": {first.message}" if first else ""
+        )
+    out = [_condition("Ready", is_ready, reason, message, generation)]
+
+    # Progressing
+    if deployment is None:
+        prog = (True, "Creating", "creating the engine Deployment")
+    elif deadline:
+        prog = (False, "ProgressDeadlineExceeded", all_problems[-1].message)
+    elif not rolled or updated < desired_replicas or total > desired_replicas:
+        if total > desired_replicas and updated >= desired_replicas:
+            prog = (True, "ScalingDown", f"{total} replicas, going to {desired_replicas}")
+        else:
+            prog = (
+                True,
+                "RollingOut",
+                f"{updated}/{desired_replicas} replicas on the current spec",
+            )
+    elif ready < desired_replicas:
+        prog = (True, "WaitingForReplicas", f"{ready}/{desired_replicas} replicas ready")
+    else:
+        prog = (False, "RolloutComplete", f"{desired_replicas} replicas on the current spec")
+    out.append(_condition("Progressing", *prog, generation))
+
+    # Degraded
+    if all_problems:
+        message = "; ".join(p.message for p in all_problems)
+        out.append(_condition("Degraded", True, all_problems[0].reason, message, generation))
+    else:
+        out.append(_condition("Degraded", False, "AsExpected", "no problems found", generation))
+    return out
+
+
+def merge_conditions(
+    new: Sequence[Mapping[str, Any]], old: Sequence[Mapping[str, Any]], now: str
+) -> list[dict[str, Any]]:
+    """Keep lastTransitionTime of conditions whose status did not change; stamp the rest."""
+    previous = {c.get("type"): c for c in old}
+    merged = []
+    for cond in new:
+        before = previous.get(cond["type"])
+        same = before is not None and before.get("status") == cond["status"]
+        stamp = before.get("lastTransitionTime") if same and before else None
+        merged.append({**cond, "lastTransitionTime": stamp or now})
+    return merged
+
+
+def desired_status(
+    *,
+    generation: int | None,
+    desired_replicas: int,
+    selector: str,
+    deployment: Mapping[str, Any] | None,
+    problems: Sequence[Problem],
+    capacity: Mapping[str, Any] | None,
+    old_status: Mapping[str, Any] | None,
+    now: str,
+) -> dict[str, Any]:
+    """Every status field the operator owns (never `autoscaler`)."""
+    old_status = old_status or {}
+    dstatus = (deployment or {}).get("status") or {}
+    conds = conditions(
+        desired_replicas=desired_replicas,
+        deployment=deployment,
+        problems=problems,
+        generation=generation,
+    )
+    return {
+        "observedGeneration": generation,
+        "replicas": int(dstatus.get("replicas") or 0),
+        "readyReplicas": int(dstatus.get("readyReplicas") or 0),
+        "selector": selector,
+        "capacity": dict(capacity) if capacity else None,
+        "conditions": merge_conditions(conds, old_status.get("conditions") or [], now),
+    }
+
+
+def status_patch(
+    desired: Mapping[str, Any], old_status: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The merge patch that brings `old_status` to `desired`, or None when nothing changed."""
+    old_status = old_status or {}
+    changed = {key: value for key, value in desired.items() if old_status.get(key) != value}
+    return changed or None
+
+
+def transitions(
+    old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]
+) -> list[tuple[str, str, str]]:
+    """Kubernetes Events (type, reason, message) for conditions that changed status or reason."""
+    previous = {c.get("type"): c for c in old}
+    events = []
+    for cond in new:
+        before = previous.get(cond["type"]) or {}
+        if (before.get("status"), before.get("reason")) == (cond["status"], cond["reason"]):
+            continue
+        if cond["type"] == "Ready" and cond["status"] == "True":
+            events.append(("Normal", "Ready", cond["message"]))
+        elif cond["type"] == "Degraded" and cond["status"] == "True":
+            events.append(("Warning", cond["reason"], cond["message"]))
+        elif cond["type"] == "Degraded" and before.get("status") == "True":
+            events.append(("Normal", "Recovered", "no problems found"))
+    return events
