@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from kubellm import metrics
+
 log = logging.getLogger("kubellm.fleet")
 
 BACKOFF_BASE_SECONDS = 1.0
@@ -50,10 +52,11 @@ class Replica:
     argv: list[str]
     log_path: Path
     process: asyncio.subprocess.Process | None = None
-    state: str = "starting"  # starting | ready | crashed | draining | stopped
+    state: str = "starting"  # starting | ready | crashed | draining | replace | stopped
     restarts: int = 0
     last_exit: int | None = None
     next_start: float = 0.0
+    drain_deadline: float = 0.0
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -72,9 +75,12 @@ CommandFor = Callable[[str, int], list[str]]
 class Supervisor:
     """Keeps `desired[deployment]` replicas of each deployment's command running."""
 
-    def __init__(self, log_dir: Path, *, stop_grace_seconds: float = 10.0) -> None:
+    def __init__(
+        self, log_dir: Path, *, stop_grace_seconds: float = 10.0, drain_seconds: float = 30.0
+    ) -> None:
         self.log_dir = log_dir
         self.stop_grace_seconds = stop_grace_seconds
+        self.drain_seconds = drain_seconds
         self.replicas: dict[str, list[Replica]] = {}
         self.commands: dict[str, CommandFor] = {}
         self.desired: dict[str, int] = {}
@@ -112,15 +118,22 @@ class Supervisor:
             for replica in [r for r in replicas if r.state == "replace"]:
                 await self._stop(replica)
                 replicas.remove(replica)
-            while len(replicas) > want:
-                replica = replicas.pop()  # highest index first, like a ReplicaSet scale-down
-                await self._stop(replica)
-                self._event(f"{replica.name} stopped (scaled to {want})")
-            while len(replicas) < want:
+            serving = [r for r in replicas if r.state != "draining"]
+            for replica in serving[want:]:  # highest index first, like a ReplicaSet
+                replica.state = "draining"
+                replica.drain_deadline = now + self.drain_seconds
+                self.event(f"{replica.name} draining (scaled to {want})")
+            for replica in [r for r in replicas if r.state == "draining"]:
+                if now >= replica.drain_deadline or await self._idle(replica):
+                    await self._stop(replica)
+                    replicas.remove(replica)
+                    self.event(f"{replica.name} stopped")
+            while len([r for r in replicas if r.state != "draining"]) < want:
                 index = max((r.index for r in replicas), default=-1) + 1
                 replicas.append(self._new(deployment, index))
             for replica in replicas:
-                await self._tend(replica, now)
+                if replica.state != "draining":
+                    await self._tend(replica, now)
 
     async def _tend(self, replica: Replica, now: float) -> None:
         process = replica.process
@@ -135,14 +148,26 @@ class Supervisor:
             replica.state = "crashed"
             delay = restart_delay(replica.restarts)
             replica.next_start = now + delay
-            self._event(
+            self.event(
                 f"{replica.name} exited with status {process.returncode}; restart "
                 f"{replica.restarts} in {delay:.0f}s (log: {replica.log_path})"
             )
             return
         if replica.state == "starting" and await self._healthy(replica):
             replica.state = "ready"
-            self._event(f"{replica.name} ready at {replica.url}")
+            self.event(f"{replica.name} ready at {replica.url}")
+
+    async def _idle(self, replica: Replica) -> bool:
+        """True when the engine reports nothing running or waiting (drained)."""
+        try:
+            response = await self._client.get(f"{replica.url}/metrics")
+        except httpx.HTTPError:
+            return True  # nothing answers: nothing to wait for
+        busy = 0.0
+        for line in response.text.splitlines():
+            if line.startswith((metrics.NUM_REQUESTS_RUNNING, metrics.NUM_REQUESTS_WAITING)):
+                busy += float(line.rsplit(" ", 1)[-1])
+        return busy == 0
 
     async def _healthy(self, replica: Replica) -> bool:
         try:
@@ -176,7 +201,7 @@ class Supervisor:
             )
         replica.state = "starting"
         replica.started = time.monotonic()
-        self._event(f"{replica.name} starting on port {replica.port} (pid {replica.process.pid})")
+        self.event(f"{replica.name} starting on port {replica.port} (pid {replica.process.pid})")
 
     async def _stop(self, replica: Replica) -> None:
         replica.state = "stopped"
@@ -210,7 +235,7 @@ class Supervisor:
             if r.process is not None and r.process.returncode is None
         ]
 
-    def _event(self, message: str) -> None:
+    def event(self, message: str) -> None:
         log.info(message)
         self.events.append(message)
         del self.events[:-100]

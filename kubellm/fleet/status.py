@@ -83,7 +83,7 @@ def model_row(
     """Summarise one model from the gateway's /metrics and its engines' /metrics."""
     gateway = _families(gateway_text)
     row = ModelRow(model=model, replicas_ready=ready, replicas_desired=desired)
-    ttft = _quantiles(gateway.get(metrics.GATEWAY_TTFT.removesuffix("_total"), []), model)
+    ttft = _quantiles(gateway.get(metrics.GATEWAY_TTFT, []), model)
     itl = _quantiles(gateway.get(metrics.GATEWAY_ITL, []), model)
     row.ttft_p50, row.ttft_p95 = ttft.get("p50"), ttft.get("p95")
     row.itl_p50, row.itl_p95 = itl.get("p50"), itl.get("p95")

@@ -1,0 +1,215 @@
+"""The local runtime: LLMDeployments realised as local processes instead of Kubernetes objects.
+
+In a cluster the operator turns a deployment into a Deployment of engine pods
+(each running `kubellm engine --spec SPEC_PATH`), the gateway discovers the
+ready pods through EndpointSlices, and the autoscaler writes `/scale`. Here the
+same three contracts are met by one object:
+
+- the operator's plan (`kubellm.operator.builders.engine_spec_json`: what an
+  engine runs) is written to a file and run as `kubellm engine --spec FILE`
+  processes by the `Supervisor` (`--engine sim` runs the simulator instead);
+- `gateway_targets()` feeds the gateway's `Discovery` interface (ready,
+  non-draining replicas and each deployment's routing, fallback and SLO);
+- `LocalBackend` implements the autoscaler's `Backend` interface: it lists
+  deployments, reports replica endpoints and takes replica writes.
+
+No component knows it runs locally.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubellm import api
+from kubellm.autoscaler.backend import Endpoint as ScalerEndpoint
+from kubellm.autoscaler.backend import Target
+from kubellm.fleet.processes import CommandFor, Supervisor
+from kubellm.gateway.discovery.base import Endpoint as GatewayEndpoint
+from kubellm.gateway.discovery.base import FallbackTarget, ModelTarget
+from kubellm.operator import builders
+
+
+def secret_env_var(ref: api.SecretKeyRef) -> str:
+    """The environment variable holding a Secret key locally: fallback-api/api-key ->
+    FALLBACK_API_API_KEY."""
+    return re.sub(r"[^A-Za-z0-9]", "_", f"{ref.name}_{ref.key}").upper()
+
+
+def _fallback(spec: api.LLMDeploymentSpec) -> FallbackTarget | None:
+    fallback = spec.fallback
+    if fallback is None or fallback.url is None:
+        return None
+    key = None
+    if fallback.api_key_secret_ref is not None:
+        key = os.environ.get(secret_env_var(fallback.api_key_secret_ref))
+    return FallbackTarget(
+        url=fallback.url,
+        model=fallback.model,
+        api_key=key,
+        max_concurrency=fallback.max_concurrency,
+        triggers=tuple(fallback.triggers),
+    )
+
+
+@dataclass
+class LocalDeployment:
+    manifest: api.LLMDeployment
+    autoscaler_status: dict[str, Any] = field(default_factory=dict)
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.manifest.metadata.name
+
+
+class LocalRuntime:
+    """Desired deployments, their processes, and the views the gateway and autoscaler read."""
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        run_dir: Path,
+        *,
+        engine: str = "vllm",
+        sim_time_scale: float = 1.0,
+        sim_profile: str | None = None,
+    ) -> None:
+        self.supervisor = supervisor
+        self.run_dir = run_dir
+        self.engine = engine
+        self.sim_time_scale = sim_time_scale
+        self.sim_profile = sim_profile
+        self.deployments: dict[str, LocalDeployment] = {}
+
+    # ------------------------------------------------------------------ apply
+
+    def apply(self, manifests: list[api.LLMDeployment]) -> list[str]:
+        """Make these the desired deployments, like `kubectl apply` of the files.
+
+        A deployment whose engine spec changed gets new processes; a replica count
+        change scales; a deployment no longer listed is removed. Returns what changed.
+        """
+        changes = []
+        wanted = {m.metadata.name: m for m in manifests}
+        for name in list(self.deployments):
+            if name not in wanted:
+                self.supervisor.forget(name)
+                del self.deployments[name]
+                changes.append(f"{name} removed")
+        for name, manifest in wanted.items():
+            current = self.deployments.get(name)
+            if current is None:
+                self.deployments[name] = LocalDeployment(manifest)
+                self.supervisor.set_command(name, self._command(manifest))
+                self.supervisor.set_replicas(name, manifest.spec.replicas)
+                changes.append(f"{name} created with {manifest.spec.replicas} replica(s)")
+                continue
+            old = current.manifest
+            current.manifest = manifest
+            if builders.engine_spec_json(old) != builders.engine_spec_json(manifest):
+                self.supervisor.set_command(name, self._command(manifest))
+                changes.append(f"{name} engine spec changed: replacing replicas")
+            if old.spec.replicas != manifest.spec.replicas:
+                self.supervisor.set_replicas(name, manifest.spec.replicas)
+                changes.append(f"{name} scaled to {manifest.spec.replicas}")
+            elif old.spec != manifest.spec:
+                changes.append(f"{name} updated")
+        return changes
+
+    def _command(self, manifest: api.LLMDeployment) -> CommandFor:
+        base = [sys.executable, "-m", "kubellm.cli", "engine"]
+        served = manifest.served_name
+        if self.engine == "sim":
+            # The simulator's hardware profile: the tiny CPU one for CPU deployments.
+            cpu = manifest.spec.resources.gpu.count == 0
+            profile = self.sim_profile or ("tiny-cpu" if cpu else "llama-3.1-8b-h100")
+            extra = ["--time-scale", f"{self.sim_time_scale:g}", "--profile", profile]
+            return lambda _name, port: [*base, "--backend", "sim", "--port", str(port),
+                                        "--served-model-name", served, *extra]  # fmt: skip
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        spec_file = self.run_dir / f"{manifest.metadata.name}.json"
+        spec_file.write_text(builders.engine_spec_json(manifest))
+        return lambda _name, port: [*base, "--spec", str(spec_file), "--port", str(port),
+                                    "--host", "127.0.0.1"]  # fmt: skip
+
+    # ------------------------------------------------------------------ views
+
+    def gateway_targets(self) -> dict[str, ModelTarget]:
+        """What the gateway serves: per served model, the ready replicas and the settings."""
+        targets = {}
+        for deployment in self.deployments.values():
+            manifest = deployment.manifest
+            endpoints = tuple(
+                GatewayEndpoint(url=r.url, draining=r.state == "draining")
+                for r in self.supervisor.endpoints(deployment.name)
+                if r.state in ("ready", "draining")
+            )
+            targets[manifest.served_name] = ModelTarget(
+                served_name=manifest.served_name,
+                deployment=deployment.name,
+                namespace=manifest.metadata.namespace,
+                endpoints=endpoints,
+                routing=manifest.spec.routing,
+                fallback=_fallback(manifest.spec),
+                slo=manifest.spec.slo,
+            )
+        return targets
+
+    def desired_replicas(self, name: str) -> int:
+        return self.supervisor.desired.get(name, 0)
+
+
+class LocalBackend:
+    """The autoscaler's `Backend` over the local runtime: /scale is the supervisor's count."""
+
+    def __init__(self, runtime: LocalRuntime) -> None:
+        self.runtime = runtime
+
+    async def targets(self) -> list[Target]:
+        out = []
+        for deployment in self.runtime.deployments.values():
+            spec = deployment.manifest.spec
+            if spec.autoscaling is None or not spec.autoscaling.enabled:
+                continue
+            out.append(
+                Target(
+                    namespace=deployment.manifest.metadata.namespace,
+                    name=deployment.name,
+                    served_name=deployment.manifest.served_name,
+                    replicas=self.runtime.desired_replicas(deployment.name),
+                    autoscaling=spec.autoscaling,
+                    status=dict(deployment.autoscaler_status),
+                )
+            )
+        return out
+
+    async def endpoints(self, target: Target) -> list[ScalerEndpoint]:
+        return [
+            ScalerEndpoint(name=r.name, metrics_url=f"{r.url}/metrics", ready=r.state == "ready")
+            for r in self.runtime.supervisor.endpoints(target.name)
+            if r.state in ("starting", "ready", "crashed")
+        ]
+
+    async def write_replicas(self, target: Target, replicas: int) -> None:
+        self.runtime.supervisor.set_replicas(target.name, replicas)
+
+    async def write_status(self, target: Target, autoscaler: dict[str, Any]) -> None:
+        status = self.runtime.deployments[target.name].autoscaler_status
+        for key, value in autoscaler.items():
+            if value is None:
+                status.pop(key, None)
+            else:
+                status[key] = value
+
+    async def record_event(self, target: Target, reason: str, message: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {target.name}: {reason}: {message}"
+        events = self.runtime.deployments[target.name].events
+        events.append(line)
+        del events[:-50]
+        self.runtime.supervisor.event(f"autoscaler: {target.name}: {message}")

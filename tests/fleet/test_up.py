@@ -1,0 +1,278 @@
+"""`kubellm up` end to end: real processes, a real gateway port, real signals.
+
+Each test starts `kubellm up` as a subprocess on loopback ports, talks to it
+over HTTP, and stops it with SIGTERM, then checks that no process of the fleet
+is left and the port is free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.fixtures.engines import free_port, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _manifest(path: Path, name: str, spec: dict[str, Any]) -> Path:
+    document = {
+        "apiVersion": "kubellm.io/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+class Fleet:
+    def __init__(self, process: subprocess.Popen[str], port: int, run_dir: Path, log: Path) -> None:
+        self.process = process
+        self.port = port
+        self.run_dir = run_dir
+        self.log = log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def state(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.run_dir / "fleet.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def ready(self, name: str) -> int:
+        state = self.state()
+        if not state:
+            return 0
+        return sum(r["state"] == "ready" for r in state["deployments"][name]["replicas"])
+
+    def desired(self, name: str) -> int | None:
+        state = self.state()
+        return state["deployments"][name]["desired"] if state else None
+
+    def pids(self) -> set[int]:
+        state = self.state() or {"deployments": {}}
+        return {
+            r["pid"] for d in state["deployments"].values() for r in d["replicas"] if r.get("pid")
+        }
+
+    def stop(self) -> str:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
+        return self.output()
+
+
+@pytest.fixture
+def start_fleet(tmp_path: Path) -> Iterator[Any]:
+    started: list[Fleet] = []
+
+    def start(*manifests: Path, engine: str = "sim", extra: tuple[str, ...] = ()) -> Fleet:
+        port = free_port()
+        run_dir = tmp_path / f"run-{len(started)}"
+        argv = [sys.executable, "-m", "kubellm.cli", "up", "--engine", engine, "--port",
+                str(port), "--run-dir", str(run_dir), "--status-interval", "0"]  # fmt: skip
+        for manifest in manifests:
+            argv += ["-f", str(manifest)]
+        log = tmp_path / f"fleet-{len(started)}.log"
+        with log.open("w") as out:
+            process = subprocess.Popen(
+                [*argv, *extra], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True
+            )
+        fleet = Fleet(process, port, run_dir, log)
+        started.append(fleet)
+        return fleet
+
+    yield start
+    for fleet in started:
+        if fleet.process.poll() is None:
+            fleet.process.kill()
+            fleet.process.wait(timeout=30)
+
+
+def _process_group(pgid: int) -> list[int]:
+    """Live processes whose process group is `pgid` (a replica and its children)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) is gone too.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z"
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _chat(url: str, model: str, max_tokens: int, timeout: float = 60.0) -> httpx.Response:
+    return httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "hello"}],
+              "max_tokens": max_tokens},
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def test_bad_manifest_fails_before_anything_starts(start_fleet: Any) -> None:
+    fleet = start_fleet(ROOT / "examples" / "invalid" / "min-over-max.yaml")
+    fleet.process.wait(timeout=60)
+    out = fleet.output()
+    assert fleet.process.returncode == 1
+    assert "spec.autoscaling.minReplicas must not exceed spec.autoscaling.maxReplicas" in out
+    assert fleet.state() is None  # nothing was started
+    assert _port_free(fleet.port)
+
+
+def test_sim_fleet_scales_up_under_load_and_back_after_its_window(
+    start_fleet: Any, tmp_path: Path
+) -> None:
+    manifest = _manifest(
+        tmp_path / "scaling.yaml",
+        "scaling",
+        {
+            "model": {"source": "file:///nonexistent/sim-only", "servedName": "scaling"},
+            "resources": {"gpu": {"count": 0}},
+            "replicas": 1,
+            "autoscaling": {
+                "minReplicas": 1,
+                "maxReplicas": 2,
+                "targetQueueDepth": 2,
+                "scaleDownStabilizationSeconds": 4,
+            },
+        },
+    )
+    # The tiny-cpu simulator profile runs 16 sequences at once; 2 wall seconds per
+    # simulated second keeps a queue long enough for 1-second autoscaler periods.
+    fleet = start_fleet(manifest, extra=("--autoscale-period", "1", "--sim-time-scale", "2"))
+    wait_until(lambda: fleet.ready("scaling") == 1, timeout=60, what="one ready replica")
+    assert _chat(fleet.url, "scaling", 4).status_code == 200
+
+    # 32 concurrent requests of 400 tokens: 16 run, 16 wait (queue 16 > target 2 x 1).
+    deadline = time.monotonic() + 90
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        while fleet.desired("scaling") != 2 and time.monotonic() < deadline:
+            batch = [pool.submit(_chat, fleet.url, "scaling", 400) for _ in range(32)]
+            wait_until(
+                lambda batch=batch: fleet.desired("scaling") == 2 or all(f.done() for f in batch),
+                timeout=120,
+                what="scale-up or the batch to finish",
+            )
+        assert fleet.desired("scaling") == 2, "the autoscaler did not scale up under load"
+        wait_until(lambda: fleet.ready("scaling") == 2, timeout=60, what="two ready replicas")
+    # Load is gone: after the 4-second window the autoscaler returns to one replica.
+    wait_until(lambda: fleet.desired("scaling") == 1, timeout=60, what="scale back down")
+    wait_until(lambda: len(fleet.pids()) == 1, timeout=60, what="the drained replica stopped")
+    pids = fleet.pids()
+    out = fleet.stop()
+    assert fleet.process.returncode == 0, out
+    # The autoscaler said why, with the figures.
+    assert "1 -> 2 replicas; queue 16 waiting on 1 ready" in out
+    assert "2 -> 1 replicas; queue 0 waiting on 2 ready" in out
+    assert all(_gone(pid) and _process_group(pid) == [] for pid in pids), out
+    assert _port_free(fleet.port)
+
+
+def test_a_crashing_replica_is_restarted_and_reported(start_fleet: Any, tmp_path: Path) -> None:
+    manifest = _manifest(
+        tmp_path / "crash.yaml",
+        "crash",
+        {"model": {"source": "file:///nonexistent/sim-only"}, "resources": {"gpu": {"count": 0}}},
+    )
+    fleet = start_fleet(manifest)
+    wait_until(lambda: fleet.ready("crash") == 1, timeout=60, what="one ready replica")
+    (first,) = fleet.pids()
+    os.kill(first, signal.SIGKILL)
+    wait_until(
+        lambda: fleet.ready("crash") == 1 and fleet.pids() not in ({first}, set()),
+        timeout=60,
+        what="the replica restarted",
+    )
+    assert _chat(fleet.url, "crash", 4).status_code == 200
+    out = fleet.stop()
+    assert "exited with status -9; restart 1" in out
+
+
+def test_watch_applies_a_manifest_edit(start_fleet: Any, tmp_path: Path) -> None:
+    spec = {"model": {"source": "file:///nonexistent/sim-only"}, "resources": {"gpu": {"count": 0}}}
+    manifest = _manifest(tmp_path / "watched.yaml", "watched", spec)
+    fleet = start_fleet(manifest, extra=("--watch",))
+    wait_until(lambda: fleet.ready("watched") == 1, timeout=60, what="one ready replica")
+    _manifest(manifest, "watched", {**spec, "replicas": 2})
+    wait_until(lambda: fleet.ready("watched") == 2, timeout=60, what="the edit applied")
+    # A bad edit is refused with the CRD's message; the fleet keeps running as it was.
+    _manifest(manifest, "watched", {**spec, "replicas": -1})
+    wait_until(lambda: "not applied" in fleet.output(), timeout=30, what="the bad edit refused")
+    assert "spec.replicas" in fleet.output()
+    assert fleet.ready("watched") == 2
+    out = fleet.stop()
+    assert "watched scaled to 2" in out
+
+
+@pytest.mark.vllm
+def test_real_vllm_replica_answers_through_the_gateway(
+    start_fleet: Any, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    manifest = _manifest(
+        tmp_path / "tiny.yaml",
+        "tiny",
+        {
+            "model": {"source": f"file://{tiny_model_dir}", "servedName": "tiny"},
+            "engine": {"dtype": "float32", "maxModelLen": 1024, "blockSize": 32},
+            "resources": {"gpu": {"count": 0}},
+        },
+    )
+    fleet = start_fleet(manifest, engine="vllm")
+    wait_until(lambda: fleet.ready("tiny") == 1, timeout=240, what="vLLM ready")
+    with httpx.stream(
+        "POST",
+        f"{fleet.url}/v1/chat/completions",
+        json={"model": "tiny", "stream": True, "max_tokens": 8,
+              "messages": [{"role": "user", "content": "What is kubellm?"}]},
+        timeout=60,
+    ) as response:  # fmt: skip
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in chunks)
+    assert all(c["model"] == "tiny" for c in chunks)
+    pids = fleet.pids()
+    out = fleet.stop()
+    assert fleet.process.returncode == 0, out
+    # vLLM's own children (its engine core) share the replica's process group.
+    assert all(_process_group(p) == [] for p in pids), out
+    assert _port_free(fleet.port)
