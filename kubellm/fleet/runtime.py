@@ -112,14 +112,15 @@ class LocalRuntime:
                 continue
             old = current.manifest
             current.manifest = manifest
+            before = len(changes)
             if builders.engine_spec_json(old) != builders.engine_spec_json(manifest):
                 self.supervisor.set_command(name, self._command(manifest))
                 changes.append(f"{name} engine spec changed: replacing replicas")
             if old.spec.replicas != manifest.spec.replicas:
                 self.supervisor.set_replicas(name, manifest.spec.replicas)
                 changes.append(f"{name} scaled to {manifest.spec.replicas}")
-            elif old.spec != manifest.spec:
-                changes.append(f"{name} updated")
+            if len(changes) == before and old.spec != manifest.spec:
+                changes.append(f"{name} updated")  # routing, fallback, SLO: the gateway follows
         return changes
 
     def _command(self, manifest: api.LLMDeployment) -> CommandFor:
