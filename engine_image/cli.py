@@ -1,0 +1,112 @@
+"""`kubellm engine`: run vLLM from a spec, run the simulator, or write the tiny checkpoint.
+
+    kubellm engine --spec FILE --port PORT             # vLLM (the image's entrypoint)
+    kubellm engine --backend sim --port PORT --served-model-name NAME
+                   [--profile NAME] [--time-scale X]   # the simulated engine
+    kubellm engine tiny-model DIR                      # the tiny test checkpoint
+
+Imports stay light here; vLLM, torch and the simulator load inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kubellm.sources import SPEC_PATH
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n\n")[1]
+    parser.add_argument(
+        "action", nargs="?", choices=["tiny-model"], help="tiny-model DIR: write the checkpoint"
+    )
+    parser.add_argument("directory", nargs="?", help="where tiny-model writes (a folder)")
+    parser.add_argument("--backend", choices=["vllm", "sim"], default="vllm")
+    parser.add_argument(
+        "--spec", default=SPEC_PATH, metavar="FILE",
+        help=f"LLMDeployment (or its spec), JSON or YAML (default: {SPEC_PATH})",
+    )  # fmt: skip
+    parser.add_argument("--port", type=int, help="HTTP port (default: spec.engine.port; sim 8000)")
+    parser.add_argument(
+        "--host", help="listen address (default: 0.0.0.0 for vllm, 127.0.0.1 for sim)"
+    )
+    parser.add_argument("--served-model-name", help="model name clients send")
+    parser.add_argument(
+        "--train-steps", type=int, metavar="N",
+        help="tiny-model: training steps on the bundled corpus (default: a few seconds' worth; "
+        "0: random weights)",
+    )  # fmt: skip
+    sim = parser.add_argument_group("simulator (--backend sim)")
+    sim.add_argument(
+        "--profile", default="llama-3.1-8b-h100", help="llama-3.1-8b-h100 (default) or tiny-cpu"
+    )
+    sim.add_argument(
+        "--time-scale", type=float, default=1.0,
+        help="wall seconds per simulated second (0.1: ten times faster; 0: no waiting)",
+    )  # fmt: skip
+    sim.add_argument("--block-size", type=int, help="override the profile's KV block size")
+    sim.add_argument("--num-blocks", type=int, help="override the profile's KV pool size")
+    sim.add_argument(
+        "--tokenizer", metavar="DIR",
+        help="tokenize with this Hugging Face tokenizer instead of ~4 characters per token",
+    )  # fmt: skip
+
+
+def _tiny(args: argparse.Namespace) -> int:
+    if not args.directory:
+        print("kubellm engine tiny-model: give the folder to write, e.g. "
+              ".kubellm/models/tiny", file=sys.stderr)  # fmt: skip
+        return 2
+    from kubellm.engine import tiny
+
+    steps = tiny.TRAIN_STEPS if args.train_steps is None else args.train_steps
+    out = tiny.build(args.directory, train_steps=steps)
+    print(f"{out}: tiny checkpoint {tiny.describe(out)} sha256 {tiny.fingerprint(out)[:12]}")
+    return 0
+
+
+def _vllm(args: argparse.Namespace) -> int:
+    from kubellm.engine import launcher
+
+    try:
+        target = launcher.load_target(args.spec)
+        if args.served_model_name:
+            target = launcher.EngineTarget(target.spec, args.served_model_name)
+        host = args.host or "0.0.0.0"
+        plan = launcher.build_command(target, port=args.port, host=host)
+    except launcher.LaunchError as error:
+        print(f"kubellm engine: {error}", file=sys.stderr)
+        return 1
+    port = plan.argv[plan.argv.index("--port") + 1]
+    probe_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return launcher.run(plan, health_url=f"http://{probe_host}:{port}/health")
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from kubellm.engine import sim_server as server
+
+    try:
+        return server.serve(
+            host=args.host or "127.0.0.1",
+            port=args.port or 8000,
+            served_model_name=args.served_model_name or "sim",
+            profile=args.profile,
+            time_scale=args.time_scale,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            tokenizer=args.tokenizer,
+        )
+    except ValueError as error:
+        print(f"kubellm engine: {error}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "tiny-model":
+        return _tiny(args)
+    if args.directory:
+        print(f"kubellm engine: unexpected argument {args.directory!r}", file=sys.stderr)
+        return 2
+    return _sim(args) if args.backend == "sim" else _vllm(args)

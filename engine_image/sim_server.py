@@ -1,0 +1,279 @@
+"""The simulator's HTTP face: vLLM's OpenAI API and /metrics over `sim_runtime.Simulator`.
+
+Routes: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
+/health, /metrics. Errors use OpenAI's envelope, with vLLM's types.
+
+Every response carries `x-kubellm-engine: simulator`, /v1/models says
+`owned_by: kubellm-simulator`: nobody should mistake this for a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kubellm.engine import sim_profiles as profiles
+from kubellm.engine import sim_tokenizer as tokenizer
+from kubellm.engine.sim_runtime import RequestRejected, Simulator
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+OWNED_BY = "kubellm-simulator"
+ENGINE_HEADER = ("x-kubellm-engine", "simulator")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's envelope."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self) -> JSONResponse:
+        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "InternalError")
+        body = {"message": self.message, "type": kind, "param": self.param, "code": self.status}
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+# --------------------------------------------------------------------------- OpenAI API
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    value = body.get(name, default)
+    if value is not None and (
+        not isinstance(value, kind) or isinstance(value, bool) != (kind is bool)
+    ):
+        raise APIError(400, f"{name}: expected {getattr(kind, '__name__', kind)}", name)
+    return value
+
+
+def _max_tokens(body: dict[str, Any], default: int | None) -> int:
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    if value is None:
+        value = default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise APIError(400, f"max_tokens must be an integer >= 1, got {value!r}", "max_tokens")
+    return value
+
+
+async def _body(http: HTTPRequest, sim: Simulator) -> dict[str, Any]:
+    try:
+        body = json.loads(await http.body())
+    except ValueError as error:
+        raise APIError(400, f"request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != sim.served_model_name:
+        raise APIError(404, f"The model `{model}` does not exist.", "model")
+    if _field(body, "n", int, 1) != 1:
+        raise APIError(400, "n: the simulator supports n=1 only", "n")
+    return body
+
+
+def _chat_prompt(messages: Any) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages: expected a non-empty list", "messages")
+    parts = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise APIError(400, f"messages[{index}]: expected {{role, content}}", "messages")
+        content = message.get("content") or ""
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"<s>{message['role']}\n{content}</s>\n")
+    return "".join(parts) + "<s>assistant\n"
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def create_app(
+    served_model_name: str = "sim",
+    profile: str | profiles.Profile = "llama-3.1-8b-h100",
+    time_scale: float = 1.0,
+    *,
+    block_size: int | None = None,
+    num_blocks: int | None = None,
+    tokenizer_dir: str | None = None,
+) -> Starlette:
+    """The simulator as an ASGI app (run it with uvicorn, or in-process via httpx).
+
+    The stepping task starts with the first request, so ASGI transports that skip
+    lifespan events work too.
+    """
+    chosen = profiles.get(profile) if isinstance(profile, str) else profile
+    chosen = chosen.with_overrides(block_size=block_size, num_blocks=num_blocks)
+    sim = Simulator(served_model_name, chosen, time_scale, tokenizer.load(tokenizer_dir))
+    created = int(time.time())
+
+    async def health(_: HTTPRequest) -> Response:
+        return Response(status_code=200)
+
+    async def models(_: HTTPRequest) -> Response:
+        card = {
+            "id": served_model_name, "object": "model", "created": created,
+            "owned_by": OWNED_BY, "root": f"simulator:{chosen.name}", "parent": None,
+            "max_model_len": chosen.max_model_len,
+        }  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def metrics_endpoint(_: HTTPRequest) -> Response:
+        return Response(sim.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    async def complete(http: HTTPRequest, chat: bool) -> Response:
+        body = await _body(http, sim)
+        if chat:
+            text = _chat_prompt(body.get("messages"))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+                text = None
+            elif isinstance(prompt, str) and prompt:
+                text = prompt
+            else:
+                raise APIError(400, "prompt: expected a non-empty string", "prompt")
+        prompt_ids = sim.tokenizer.encode(text) if text is not None else body["prompt"]
+        if not prompt_ids:
+            raise APIError(400, "prompt: tokenizes to zero tokens", "prompt")
+        max_tokens = _max_tokens(body, None if not chat else sim.profile.max_model_len // 8)
+        if chat and "max_tokens" not in body and "max_completion_tokens" not in body:
+            max_tokens = min(max_tokens, sim.profile.max_model_len - len(prompt_ids))
+        stream_mode = _field(body, "stream", bool, False)
+        options = _field(body, "stream_options", dict, None) or {}
+        include_usage = bool(options.get("include_usage"))
+        try:
+            request = sim.submit(prompt_ids, max_tokens, streaming=stream_mode)
+        except RequestRejected as error:
+            raise APIError(400, str(error), "max_tokens") from None
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{request.request.request_id}"
+        kind = "chat.completion" if chat else "text_completion"
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": max_tokens,
+                 "total_tokens": len(prompt_ids) + max_tokens}  # fmt: skip
+
+        def chunk(piece: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else {}
+                if piece is not None:
+                    delta["content"] = piece
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": piece or "", "logprobs": None,
+                          "finish_reason": finish}  # fmt: skip
+            return {"id": ident, "object": f"{kind}.chunk" if chat else kind,
+                    "created": int(time.time()), "model": served_model_name,
+                    "choices": [choice]}  # fmt: skip
+
+        if stream_mode:
+
+            async def events() -> AsyncIterator[str]:
+                if chat:
+                    yield _sse(chunk(None, None, first=True))
+                async for piece in sim.tokens(request):
+                    yield _sse(chunk(piece, None))
+                yield _sse(chunk(None if chat else "", "length"))
+                if include_usage:
+                    yield _sse({"id": ident, "object": f"{kind}.chunk" if chat else kind,
+                                "created": int(time.time()), "model": served_model_name,
+                                "choices": [], "usage": usage})  # fmt: skip
+                yield _sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        text_out = "".join([piece async for piece in sim.tokens(request)])
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text_out},
+                      "logprobs": None, "finish_reason": "length"}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": text_out, "logprobs": None, "finish_reason": "length"}
+        return JSONResponse({"id": ident, "object": kind, "created": int(time.time()),
+                             "model": served_model_name, "choices": [choice],
+                             "usage": usage})  # fmt: skip
+
+    def guarded(chat: bool):  # type: ignore[no-untyped-def]
+        async def endpoint(http: HTTPRequest) -> Response:
+            try:
+                return await complete(http, chat)
+            except APIError as error:
+                return error.response()
+
+        return endpoint
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        await sim.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/metrics", metrics_endpoint),
+            Route("/v1/completions", guarded(False), methods=["POST"]),
+            Route("/v1/chat/completions", guarded(True), methods=["POST"]),
+        ],
+        lifespan=lifespan,
+    )
+
+    app.add_middleware(_MarkSimulator)
+    app.state.simulator = sim
+    return app
+
+
+class _MarkSimulator:
+    """ASGI middleware: add `x-kubellm-engine: simulator` to every HTTP response."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def marked(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", []), tuple(h.encode() for h in ENGINE_HEADER)]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, marked)
+
+
+def banner(host: str, port: int, name: str, profile: str, time_scale: float) -> str:
+    return (
+        f"kubellm engine: SIMULATED engine (no model runs here) serving {name!r} on "
+        f"http://{host}:{port}, profile {profile}, time scale {time_scale:g}"
+    )
+
+
+def serve(
+    *,
+    host: str,
+    port: int,
+    served_model_name: str,
+    profile: str,
+    time_scale: float,
+    block_size: int | None = None,
+    num_blocks: int | None = None,
+    tokenizer: str | None = None,
+) -> int:
+    """Run the simulator with uvicorn until interrupted."""
+    import uvicorn
+
+    app = create_app(
+        served_model_name, profile, time_scale,
+        block_size=block_size, num_blocks=num_blocks, tokenizer_dir=tokenizer,
+    )  # fmt: skip
+    print(banner(host, port, served_model_name, profile, time_scale), file=sys.stderr, flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+    return 0

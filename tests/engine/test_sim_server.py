@@ -1,0 +1,128 @@
+"""The simulator's HTTP behaviour beyond the shared API suite: identity, load, time."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from kubellm.engine import sim_profiles
+from kubellm.engine.sim import create_app
+from kubellm.engine.sim_server import OWNED_BY, banner
+from prometheus_client.parser import text_string_to_metric_families
+
+from kubellm import metrics
+
+SLOW = sim_profiles.Profile(
+    name="slow", block_size=16, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=256,
+    max_model_len=512, step_base_s=0.05, prefill_token_s=0.0, decode_token_s=0.0,
+)  # fmt: skip
+
+
+def deadline_loop(timeout: float = 10.0) -> AsyncIterator[int]:
+    """Yield until `timeout` seconds pass (bounded polling for async conditions)."""
+
+    async def loop() -> AsyncIterator[int]:
+        end = asyncio.get_running_loop().time() + timeout
+        count = 0
+        while asyncio.get_running_loop().time() < end:
+            yield count
+            count += 1
+            await asyncio.sleep(0.01)
+        raise TimeoutError(f"condition not met within {timeout}s")
+
+    return loop()
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
+    text = (await client.get("/metrics")).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def client_for(app: object) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sim")
+
+
+async def test_simulator_says_it_is_a_simulator() -> None:
+    async with client_for(create_app("m", "tiny-cpu", 0)) as client:
+        response = await client.get("/v1/models")
+        assert response.headers["x-kubellm-engine"] == "simulator"
+        assert response.json()["data"][0]["owned_by"] == OWNED_BY
+        bad = await client.post("/v1/completions", json={"model": "m", "prompt": ""})
+        assert bad.headers["x-kubellm-engine"] == "simulator"
+    assert "SIMULATED" in banner("127.0.0.1", 1, "m", "tiny-cpu", 1.0)
+
+
+async def test_queue_and_running_gauges_follow_the_load() -> None:
+    app = create_app("m", SLOW, time_scale=0.2)  # 10 ms per step of wall time
+    async with client_for(app) as client:
+        body = {"model": "m", "prompt": "x" * 64, "max_tokens": 20}
+        tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(5)]
+        async for _ in deadline_loop():
+            sample = await scrape(client)
+            if sample[metrics.NUM_REQUESTS_WAITING] > 0:
+                break
+        assert sample[metrics.NUM_REQUESTS_RUNNING] == SLOW.max_num_seqs
+        assert sample[metrics.KV_CACHE_USAGE] > 0
+        responses = await asyncio.gather(*tasks)
+        assert all(r.status_code == 200 for r in responses)
+        idle = await scrape(client)
+        assert idle[metrics.NUM_REQUESTS_RUNNING] == idle[metrics.NUM_REQUESTS_WAITING] == 0
+
+
+@pytest.mark.parametrize("time_scale", [0.0, 0.05])
+async def test_latency_histograms_are_in_simulated_seconds(time_scale: float) -> None:
+    async with client_for(create_app("m", SLOW, time_scale)) as client:
+        body = {"model": "m", "prompt": "x" * 32, "max_tokens": 5}
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        sample = await scrape(client)
+    # one step to the first token, then one step per token, 50 ms each (simulated)
+    ttft = sample[f"{metrics.TIME_TO_FIRST_TOKEN}_sum"]
+    itl = (
+        sample[f"{metrics.INTER_TOKEN_LATENCY}_sum"]
+        / sample[f"{metrics.INTER_TOKEN_LATENCY}_count"]
+    )
+    assert ttft == pytest.approx(0.05, rel=0.5)
+    assert itl == pytest.approx(0.05, rel=0.5)
+
+
+async def test_a_client_that_goes_away_frees_its_kv_blocks() -> None:
+    app = create_app("m", SLOW, time_scale=0.2)
+    simulator = app.state.simulator
+    async with client_for(app) as client:
+        body = {"model": "m", "prompt": "x" * 64, "max_tokens": 400}
+        task = asyncio.create_task(client.post("/v1/completions", json=body))
+        async for _ in deadline_loop():
+            if simulator.engine.running:
+                break
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        async for _ in deadline_loop():
+            if not simulator.engine.has_work:
+                break
+        assert simulator.engine.kv_cache_usage() == 0.0
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "m", "prompt": ""}, "prompt"),
+        ({"model": "m", "prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "prompt": "hi", "n": 3}, "n"),
+    ],
+)
+async def test_bad_requests_name_the_parameter(body: dict[str, object], param: str) -> None:
+    url = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    async with client_for(create_app("m", "tiny-cpu", 0)) as client:
+        response = await client.post(url, json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
+async def test_invalid_json_is_a_400() -> None:
+    async with client_for(create_app("m", "tiny-cpu", 0)) as client:
+        response = await client.post("/v1/completions", content=b"{not json")
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "BadRequestError"
