@@ -34,6 +34,8 @@ GATEWAY_E2E = "kubellm_gateway_request_duration_seconds"  # histogram
 GATEWAY_FALLBACK = "kubellm_gateway_fallback_requests_total"  # + reason
 GATEWAY_GOODPUT = "kubellm_gateway_slo_met_requests_total"  # requests meeting TTFT and ITL
 GATEWAY_READY_ENDPOINTS = "kubellm_gateway_ready_endpoints"  # gauge per model
+GATEWAY_QUEUE_WAIT = "kubellm_gateway_queue_wait_seconds"  # histogram: admission wait
+GATEWAY_PREFIX_MATCH = "kubellm_gateway_prefix_match_ratio"  # histogram: routed prefix match
 # Per-deployment SLO settings as series, so recording rules can compute SLIs per deployment.
 # kind="ttft"|"itl"; le = the histogram bucket boundary at (or just under) the target.
 GATEWAY_SLO_TARGET = "kubellm_gateway_slo_target_seconds"  # gauge

@@ -36,11 +36,7 @@ REGISTRIES: dict[str, Callable[[], Any]] = {
 }
 
 # Asked of the lead (core kubellm/metrics.py + gateway): see docs/operations.md, "Metrics".
-PENDING = {
-    "kubellm_gateway_slo_target_seconds",  # gauge {model, deployment, namespace, kind, le}
-    "kubellm_gateway_slo_objective",  # gauge {model, deployment, namespace}
-    "kubellm_gateway_fallback_tokens_total",  # counter {model, deployment, namespace, kind}
-}
+PENDING: set[str] = set()
 PROMETHEUS_BUILTIN = {"up"}
 # Histograms in the core contract (kubellm/metrics.py marks them in comments).
 CORE_HISTOGRAMS = {

@@ -1,0 +1,584 @@
+"""The gateway's ASGI app: one OpenAI-compatible endpoint in front of a fleet.
+
+Per request: authenticate, read the body within the size limit, parse and
+check it, find the model, then admission (`fallback.decide`) picks replica,
+fallback, queue or reject before any byte is sent. Replica requests are
+ordered by the model's routing profile and forwarded with retries before the
+first byte; answers are relayed unchanged (streams chunk by chunk) and timed
+for the SLO metrics. Every outcome is counted in `kubellm_gateway_requests_total`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from kubellm.gateway import proxy, slo_metrics
+from kubellm.gateway.discovery.base import Discovery, FallbackTarget, ModelTarget
+from kubellm.gateway.fallback import Route, Thresholds, decide, saturated
+from kubellm.gateway.load import LoadView, scrape_loop
+from kubellm.gateway.outliers import OutlierDetector
+from kubellm.gateway.protocol import errors
+from kubellm.gateway.protocol.errors import GatewayError
+from kubellm.gateway.router import Router, routing_request
+from kubellm.gateway.scorers.base import Candidate, RoutingRequest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route as HttpRoute
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def hash_key(key: str) -> str:
+    """How API keys are stored in configuration: sha256 hex of the key."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass
+class GatewaySettings:
+    """Knobs that are the gateway's own (per-model settings come from discovery)."""
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    api_key_hashes: frozenset[str] = frozenset()  # sha256 hex; empty: no authentication
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    max_queue: int = 256  # waiting requests per model
+    zero_replica_wait_seconds: float = 60.0  # queue budget while a model has no replica
+    retry_after_seconds: int = 1
+    attempts: int = 3  # replicas tried before the first byte
+    scrape_interval: float = 1.0
+    stale_after: float = 5.0
+    connect_timeout: float = 5.0
+    read_timeout: float = 300.0  # longest silence from an engine, mid-stream included
+    eject_after_failures: int = 3
+    eject_base_seconds: float = 5.0
+
+
+class Gateway:
+    """State shared by all requests of one gateway process."""
+
+    def __init__(
+        self,
+        discovery: Discovery,
+        settings: GatewaySettings | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.discovery = discovery
+        self.settings = s = settings or GatewaySettings()
+        self.metrics = slo_metrics.create()
+        self.load = LoadView(stale_after=s.stale_after)
+        self.outliers = OutlierDetector(s.eject_after_failures, s.eject_base_seconds)
+        self.router = Router(self.load, self.outliers)
+        self.client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(s.read_timeout, connect=s.connect_timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+        )
+        self.fallback_in_flight: dict[str, int] = {}
+        self.queued: dict[str, int] = {}
+        self._changed = asyncio.Event()
+        self.load.on_release(self.wake)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def wake(self) -> None:
+        """Capacity may have freed: let queued requests look again."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def topology_changed(self) -> None:
+        """Endpoints appeared, left or were ejected."""
+        self.wake()
+        self._update_ready_gauge()
+
+    def _update_ready_gauge(self) -> None:
+        for target in self.discovery.snapshot().values():
+            labels = _labels(target)
+            ready = sum(1 for e in target.routable if not self.outliers.ejected(e.url))
+            self.metrics.ready_endpoints.labels(*labels).set(ready)
+            slo = target.slo
+            self.metrics.publish_slo(labels, slo.ttft_seconds, slo.itl_seconds, slo.objective)
+
+    def _engine_urls(self) -> list[str]:
+        return [e.url for t in self.discovery.snapshot().values() for e in t.endpoints]
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self.discovery.run(self.topology_changed)),
+            asyncio.create_task(
+                scrape_loop(
+                    self.client, self._engine_urls, self.load, self.settings.scrape_interval
+                )
+            ),
+        ]
+        self._update_ready_gauge()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.client.aclose()
+
+    # ---------------------------------------------------------------- checks
+
+    def authenticate(self, request: Request) -> None:
+        if not self.settings.api_key_hashes:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or hash_key(key.strip()) not in self.settings.api_key_hashes:
+            raise errors.unauthorized()
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise errors.too_large(limit)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise errors.too_large(limit)
+        return bytes(body)
+
+    # ---------------------------------------------------------------- admission
+
+    async def admit(
+        self, target: ModelTarget, routing: RoutingRequest
+    ) -> tuple[ModelTarget, Route, str, list[Candidate], float]:
+        """Wait (bounded) until the request can go somewhere.
+
+        Returns the model's current target (endpoints may change while waiting),
+        the route and its reason, the candidates best first, and the time waited.
+        """
+        model = target.served_name
+        start = time.monotonic()
+        ready_now = bool(self.router.candidates(target))
+        budget = target.slo.ttft_seconds if ready_now else self.settings.zero_replica_wait_seconds
+        deadline = start + budget
+        queued = False
+        try:
+            while True:
+                changed = self._changed
+                # re-read: endpoints may have appeared (scale from zero) or gone meanwhile
+                target = self.discovery.snapshot().get(model, target)
+                candidates = self.router.candidates(target)
+                thresholds = self.settings.thresholds
+                open_ = [c for c in candidates if not saturated(c, thresholds)]
+                now = time.monotonic()
+                room = queued or self.queued.get(model, 0) < self.settings.max_queue
+                decision = decide(
+                    ready=len(candidates),
+                    unsaturated=len(open_),
+                    fallback=target.fallback,
+                    fallback_in_flight=self.fallback_in_flight.get(model, 0),
+                    may_wait=room and now < deadline,
+                )
+                if decision.route is not Route.QUEUE:
+                    order = self.router.order(target, routing, open_) if open_ else []
+                    return target, decision.route, decision.reason, order, now - start
+                if not queued:
+                    queued = True
+                    self.queued[model] = self.queued.get(model, 0) + 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), timeout=min(deadline - now, 0.5))
+        finally:
+            if queued:
+                self.queued[model] -= 1
+
+    # ---------------------------------------------------------------- handlers
+
+    async def completions(self, request: Request) -> Response:
+        path = request.url.path
+        arrived = time.monotonic()
+        try:
+            self.authenticate(request)
+            raw = await self.read_body(request)
+            body = parse_body(raw, path)
+        except GatewayError as error:
+            return self._refused(error)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        model = body["model"]
+        target = self.discovery.snapshot().get(model)
+        if target is None:
+            return self._refused(errors.model_not_found(model))
+        labels = _labels(target)
+        self.metrics.pending.labels(*labels).inc()
+        finished = False
+
+        def finish(route: str, code: int) -> None:
+            nonlocal finished
+            if finished:
+                return
+            finished = True
+            self.metrics.pending.labels(*labels).dec()
+            self.metrics.requests.labels(*labels, route, str(code)).inc()
+            self.metrics.e2e.labels(*labels).observe(time.monotonic() - arrived)
+
+        try:
+            return await until_disconnect(
+                request, self._route(request, target, raw, body, arrived, finish)
+            )
+        except ClientDisconnect:
+            finish("none", 499)  # queued or waiting for a non-streamed answer; upstream closed
+            return Response(status_code=499)
+        except BaseException:
+            finish("none", 499)
+            raise
+
+    async def _route(
+        self,
+        request: Request,
+        target: ModelTarget,
+        raw: bytes,
+        body: dict[str, Any],
+        arrived: float,
+        finish: Callable[[str, int], None],
+    ) -> Response:
+        """Admission, then forwarding to a replica or the fallback, or a refusal."""
+        model = target.served_name
+        labels = _labels(target)
+        session = request.headers.get("x-session-id")
+        routing = routing_request(model, body, session)
+        target, route, reason, order, waited = await self.admit(target, routing)
+        self.metrics.queue_wait.labels(*labels).observe(waited)
+        if route is Route.REJECT:
+            # saturated: 429, come back soon; no replica at all: 503 until one is up
+            status = 429 if reason == "saturated" else 503
+            error = errors.overloaded(model, self.settings.retry_after_seconds, status)
+            finish("none", error.status)
+            return error.response()
+        if route is Route.FALLBACK:
+            assert target.fallback is not None
+            self.metrics.fallback.labels(*labels, reason).inc()
+            return await self._forward_fallback(
+                target, target.fallback, body, request, arrived, finish
+            )
+        return await self._forward_replicas(
+            target, routing, order, raw, body, request, arrived, finish
+        )
+
+    async def _forward_replicas(
+        self,
+        target: ModelTarget,
+        routing: RoutingRequest,
+        order: list[Candidate],
+        raw: bytes,
+        body: dict[str, Any],
+        request: Request,
+        arrived: float,
+        finish: Callable[[str, int], None],
+    ) -> Response:
+        targets = [(c.url, f"{c.url}{request.url.path}") for c in order]
+        try:
+            attempt = await proxy.open_upstream(
+                self.client,
+                targets,
+                raw,
+                _forward_headers(request),
+                self.load.acquire,
+                self._failed,
+                self.outliers.success,
+                self.settings.attempts,
+            )
+        except proxy.AllUpstreamsFailed as failed:
+            error = errors.upstream_failed(
+                f"No replica of `{target.served_name}` answered ({len(failed.failures)} tried)."
+            )
+            finish("replica", error.status)
+            return error.response()
+        ratio = self.router.routed(routing, attempt.url)
+        self.metrics.prefix_match.labels(*_labels(target)).observe(ratio)
+        return await self._relay(
+            target, attempt.response, attempt.release, body, arrived, "replica", finish, None
+        )
+
+    def _refused(self, error: GatewayError) -> Response:
+        """Count a request refused before it had a model (labels empty: no cardinality)."""
+        self.metrics.requests.labels("", "", "", "none", str(error.status)).inc()
+        return error.response()
+
+    def _failed(self, url: str) -> None:
+        if self.outliers.failure(url):
+            self.topology_changed()
+
+    async def _forward_fallback(
+        self,
+        target: ModelTarget,
+        fallback: FallbackTarget,
+        body: dict[str, Any],
+        request: Request,
+        arrived: float,
+        finish: Callable[[str, int], None],
+    ) -> Response:
+        model = target.served_name
+        self.fallback_in_flight[model] = self.fallback_in_flight.get(model, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.fallback_in_flight[model] -= 1
+                self.wake()
+
+        outgoing = dict(body)
+        if fallback.model:
+            outgoing["model"] = fallback.model
+        headers = _forward_headers(request)
+        if fallback.api_key:
+            headers["authorization"] = f"Bearer {fallback.api_key}"
+        url = f"{fallback.url}{request.url.path.removeprefix('/v1')}"
+        try:
+            response = await self.client.send(
+                self.client.build_request("POST", url, json=outgoing, headers=headers),
+                stream=True,
+            )
+        except httpx.HTTPError as error:
+            release()
+            failure = errors.upstream_failed(f"The fallback API failed: {type(error).__name__}.")
+            finish("fallback", failure.status)
+            return failure.response()
+        except BaseException:
+            release()
+            raise
+        return await self._relay(
+            target, response, release, body, arrived, "fallback", finish, model
+        )
+
+    async def _relay(
+        self,
+        target: ModelTarget,
+        response: httpx.Response,
+        release: Callable[[], None],
+        body: dict[str, Any],
+        arrived: float,
+        route: str,
+        finish: Callable[[str, int], None],
+        rename: str | None,
+    ) -> Response:
+        labels = _labels(target)
+        headers = {"x-kubellm-route": route}
+        content_type = response.headers.get("content-type", "application/json")
+        streaming = body.get("stream") is True and response.status_code == 200
+        if not streaming:
+            try:
+                content = await response.aread()
+            except httpx.HTTPError:
+                content = None
+            finally:
+                await response.aclose()
+                release()
+            if content is None:
+                error = errors.upstream_failed("The upstream failed while answering.")
+                finish(route, error.status)
+                return error.response()
+            if rename and response.status_code == 200:
+                content = _rename_json(content, rename)
+            elapsed = time.monotonic() - arrived
+            if response.status_code == 200:
+                self.metrics.ttft.labels(*labels).observe(elapsed)
+                if route == "fallback":
+                    for kind, count in _usage(content).items():
+                        self.metrics.fallback_tokens.labels(*labels, kind).inc(count)
+                tokens = _completion_tokens(content)
+                budget = target.slo.ttft_seconds + target.slo.itl_seconds * tokens
+                if elapsed <= budget:
+                    self.metrics.goodput.labels(*labels).inc()
+            finish(route, response.status_code)
+            return Response(content, response.status_code, headers, media_type=content_type)
+
+        timing = proxy.StreamTiming(start=arrived)
+        transform = (lambda chunk: proxy.rename_model_in_sse(chunk, rename)) if rename else None
+
+        async def close() -> None:
+            await response.aclose()
+            release()
+            if timing.ttft is not None:
+                self.metrics.ttft.labels(*labels).observe(timing.ttft)
+            for gap in timing.gaps:
+                self.metrics.itl.labels(*labels).observe(gap)
+            completed = timing.error is None and timing.first is not None
+            if completed and slo_metrics.met_slo(
+                timing.ttft, timing.mean_itl, target.slo.ttft_seconds, target.slo.itl_seconds
+            ):
+                self.metrics.goodput.labels(*labels).inc()
+            finish(route, 200 if completed else 502)
+
+        stream: AsyncIterator[bytes] = proxy.relay_stream(response, timing, transform)
+        return proxy.DisconnectAwareStreamingResponse(
+            stream, status_code=200, headers=headers, media_type=content_type, on_close=close
+        )
+
+    async def list_models(self, request: Request) -> Response:
+        try:
+            self.authenticate(request)
+        except GatewayError as error:
+            return error.response()
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "kubellm"}
+            for name in sorted(self.discovery.snapshot())
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "models": len(self.discovery.snapshot())})
+
+    async def prometheus(self, request: Request) -> Response:
+        self._update_ready_gauge()  # ejections expire silently; refresh on each scrape
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# -------------------------------------------------------------------- helpers
+
+
+async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run `work` unless the client goes away first; then cancel it, raising ClientDisconnect.
+
+    Cancelling closes the upstream request (its response is closed in `finally`
+    blocks), so an engine stops working for a client that left. Streams watch
+    for disconnects themselves once their headers are sent.
+    """
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientDisconnect()
+
+
+def _labels(target: ModelTarget) -> tuple[str, str, str]:
+    return (target.served_name, target.deployment, target.namespace)
+
+
+def _forward_headers(request: Request) -> dict[str, str]:
+    return {k: v for k in proxy.FORWARDED_HEADERS if (v := request.headers.get(k))}
+
+
+def _rename_json(content: bytes, served_name: str) -> bytes:
+    try:
+        data = json.loads(content)
+    except ValueError:
+        return content
+    if isinstance(data, dict) and "model" in data:
+        data["model"] = served_name
+        return json.dumps(data).encode()
+    return content
+
+
+def _usage(content: bytes) -> dict[str, int]:
+    """prompt and completion token counts from a non-streamed response's `usage`."""
+    try:
+        usage = json.loads(content).get("usage") or {}
+        return {
+            "prompt": int(usage.get("prompt_tokens") or 0),
+            "completion": int(usage.get("completion_tokens") or 0),
+        }
+    except (ValueError, AttributeError, TypeError):
+        return {}
+
+
+def _completion_tokens(content: bytes) -> int:
+    try:
+        usage = json.loads(content).get("usage") or {}
+        return int(usage.get("completion_tokens") or 0)
+    except (ValueError, AttributeError, TypeError):
+        return 0
+
+
+def parse_body(raw: bytes, path: str) -> dict[str, Any]:
+    """Parse and check the fields the gateway relies on; the rest passes through unchecked."""
+    try:
+        body = json.loads(raw)
+    except ValueError as error:
+        raise errors.bad_request(f"Request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise errors.bad_request("Request body must be a JSON object.")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise errors.bad_request("`model` is required and must be a non-empty string.", "model")
+    if "stream" in body and not isinstance(body["stream"], bool | None):
+        raise errors.bad_request("`stream` must be a boolean.", "stream")
+    if path == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise errors.bad_request("`messages` must be a non-empty array.", "messages")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise errors.bad_request("Each message must be an object with a `role`.", "messages")
+    elif "prompt" not in body:
+        raise errors.bad_request("`prompt` is required.", "prompt")
+    for name in ("max_tokens", "max_completion_tokens", "n"):
+        value = body.get(name)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise errors.bad_request(f"`{name}` must be a positive integer.", name)
+    temperature = body.get("temperature")
+    if temperature is not None and (
+        not isinstance(temperature, int | float)
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        raise errors.bad_request("`temperature` must be a number >= 0.", "temperature")
+    return body
+
+
+def create_app(gateway: Gateway) -> Starlette:
+    """The ASGI app; starting it starts discovery and scraping, stopping it stops them."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return GatewayError(404, f"Unknown path {request.url.path}.", code="not_found").response()
+
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        return GatewayError(
+            405, f"Method {request.method} not allowed.", code="method_not_allowed"
+        ).response()
+
+    app = Starlette(
+        routes=[
+            HttpRoute(CHAT, gateway.completions, methods=["POST"]),
+            HttpRoute(COMPLETIONS, gateway.completions, methods=["POST"]),
+            HttpRoute("/v1/models", gateway.list_models, methods=["GET"]),
+            HttpRoute("/health", gateway.health, methods=["GET"]),
+            HttpRoute("/metrics", gateway.prometheus, methods=["GET"]),
+        ],
+        exception_handlers={404: not_found, 405: not_allowed},
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
+    return app

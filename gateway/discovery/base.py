@@ -1,0 +1,79 @@
+"""The discovery interface and the values it yields.
+
+A `ModelTarget` is everything the gateway needs to serve one model: the
+engines (with their draining state), and the `routing`, `fallback` and `slo`
+settings that an `LLMDeployment` carries (the same pydantic models). A source
+hands out immutable snapshots, so a request routes against one consistent view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kubellm.api import SLO, Routing
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One engine: its base URL (no `/v1`) and whether it is draining (no new requests)."""
+
+    url: str
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class FallbackTarget:
+    """An external OpenAI-compatible API that takes overflow. The key is never printed."""
+
+    url: str
+    model: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    max_concurrency: int = 64
+    triggers: tuple[str, ...] = ("saturated", "no-ready-replicas")
+
+
+@dataclass(frozen=True)
+class ModelTarget:
+    served_name: str
+    deployment: str
+    namespace: str = "default"
+    endpoints: tuple[Endpoint, ...] = ()
+    routing: Routing = field(default_factory=Routing)
+    fallback: FallbackTarget | None = None
+    slo: SLO = field(default_factory=SLO)
+
+    @property
+    def routable(self) -> tuple[Endpoint, ...]:
+        """Endpoints that may take new requests (draining ones finish what they have)."""
+        return tuple(e for e in self.endpoints if not e.draining)
+
+
+class Discovery(Protocol):
+    """A source of models. `snapshot()` is cheap; `run()` keeps it current until cancelled."""
+
+    def snapshot(self) -> Mapping[str, ModelTarget]: ...
+
+    async def run(self, on_change: Callable[[], None]) -> None: ...
+
+
+class FixedDiscovery:
+    """A snapshot that changes only when told to: for tests and for embedding (local fleet)."""
+
+    def __init__(self, models: Mapping[str, ModelTarget] | None = None) -> None:
+        self._models: dict[str, ModelTarget] = dict(models or {})
+        self._on_change: Callable[[], None] | None = None
+
+    def snapshot(self) -> Mapping[str, ModelTarget]:
+        return self._models
+
+    def update(self, models: Mapping[str, ModelTarget]) -> None:
+        self._models = dict(models)
+        if self._on_change:
+            self._on_change()
+
+    async def run(self, on_change: Callable[[], None]) -> None:
+        self._on_change = on_change
+        await asyncio.Event().wait()

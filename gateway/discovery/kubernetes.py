@@ -1,0 +1,245 @@
+"""Kubernetes discovery: LLMDeployments for settings, EndpointSlices for engines.
+
+- An `LLMDeployment` gives a model: served name (`spec.model.servedName` or
+  `metadata.name`), `spec.routing`, `spec.fallback` (its key read from the
+  Secret in `apiKeySecretRef`), `spec.slo`.
+- EndpointSlices labelled `kubellm.io/deployment=<name>` in the same
+  namespace give its engines: the port named `http`, and per endpoint the
+  conditions: `ready` -> routable; `serving` and `terminating` -> draining (no
+  new requests, in-flight ones finish); otherwise left out.
+
+`build_targets` is the pure half; `KubernetesDiscovery` lists and watches both
+resources with httpx (re-listing after any error) and rebuilds on each change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import httpx
+from kubellm.gateway.discovery.base import Endpoint, FallbackTarget, ModelTarget
+
+from kubellm import kube
+from kubellm.api import LLMDeployment
+from kubellm.manifests import ManifestError, parse
+
+log = logging.getLogger(__name__)
+
+DEPLOYMENT_LABEL = "kubellm.io/deployment"
+PORT_NAME = "http"
+
+SecretKey = tuple[str, str, str]  # namespace, secret name, key
+
+
+def endpoints_of(slice_: Mapping[str, Any]) -> list[Endpoint]:
+    """Engine URLs of one EndpointSlice (port `http`), with their draining state."""
+    port = next(
+        (p.get("port") for p in slice_.get("ports") or [] if p.get("name") == PORT_NAME), None
+    )
+    if port is None:
+        return []
+    out = []
+    for item in slice_.get("endpoints") or []:
+        conditions = item.get("conditions") or {}
+        ready = conditions.get("ready") is not False
+        serving = conditions.get("serving", ready) is not False
+        terminating = conditions.get("terminating") is True
+        if ready and not terminating:
+            draining = False
+        elif serving and terminating:
+            draining = True
+        else:
+            continue
+        for address in (item.get("addresses") or [])[:1]:
+            host = f"[{address}]" if ":" in address else address
+            out.append(Endpoint(f"http://{host}:{port}", draining))
+    return out
+
+
+def secret_keys(deployments: list[LLMDeployment]) -> set[SecretKey]:
+    keys = set()
+    for d in deployments:
+        ref = d.spec.fallback.api_key_secret_ref if d.spec.fallback else None
+        if ref is not None:
+            keys.add((d.metadata.namespace, ref.name, ref.key))
+    return keys
+
+
+def parse_deployments(items: list[Mapping[str, Any]]) -> list[LLMDeployment]:
+    """Valid LLMDeployments of a list; an invalid one is logged and skipped."""
+    out = []
+    for item in items:
+        document = {k: v for k, v in item.items() if k != "status"}
+        document["metadata"] = {
+            "name": item.get("metadata", {}).get("name", ""),
+            "namespace": item.get("metadata", {}).get("namespace", "default"),
+        }
+        try:
+            out.append(parse(document, f"LLMDeployment {document['metadata']['name']}"))
+        except ManifestError as error:
+            log.warning("skipping %s", error)
+    return out
+
+
+def build_targets(
+    deployments: list[LLMDeployment],
+    slices: list[Mapping[str, Any]],
+    keys: Mapping[SecretKey, str],
+) -> dict[str, ModelTarget]:
+    """Served name -> target. A served name claimed twice goes to the first by namespace/name."""
+    by_owner: dict[tuple[str, str], list[Endpoint]] = {}
+    for s in slices:
+        meta = s.get("metadata") or {}
+        owner = (meta.get("labels") or {}).get(DEPLOYMENT_LABEL)
+        if owner:
+            bucket = by_owner.setdefault((meta.get("namespace", "default"), owner), [])
+            bucket.extend(e for e in endpoints_of(s) if e not in bucket)
+    targets: dict[str, ModelTarget] = {}
+    for d in sorted(deployments, key=lambda d: (d.metadata.namespace, d.metadata.name)):
+        name = d.served_name
+        if name in targets:
+            log.warning("served name %r is claimed twice; %s/%s ignored", name,
+                        d.metadata.namespace, d.metadata.name)  # fmt: skip
+            continue
+        fallback = None
+        spec = d.spec.fallback
+        if spec is not None and spec.url:
+            ref = spec.api_key_secret_ref
+            key = keys.get((d.metadata.namespace, ref.name, ref.key)) if ref else None
+            fallback = FallbackTarget(
+                url=spec.url.rstrip("/"),
+                model=spec.model,
+                api_key=key,
+                max_concurrency=spec.max_concurrency,
+                triggers=tuple(spec.triggers),
+            )
+        endpoints = by_owner.get((d.metadata.namespace, d.metadata.name), [])
+        targets[name] = ModelTarget(
+            served_name=name,
+            deployment=d.metadata.name,
+            namespace=d.metadata.namespace,
+            endpoints=tuple(sorted(endpoints, key=lambda e: e.url)),
+            routing=d.spec.routing,
+            fallback=fallback,
+            slo=d.spec.slo,
+        )
+    return targets
+
+
+class KubernetesDiscovery:
+    """Lists and watches LLMDeployments and EndpointSlices; the snapshot follows them."""
+
+    def __init__(
+        self,
+        config: kube.KubeConfig,
+        namespace: str | None = None,
+        client: httpx.AsyncClient | None = None,
+        retry_seconds: float = 2.0,
+    ) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.client = client
+        self.retry_seconds = retry_seconds
+        self._deployments: dict[str, Mapping[str, Any]] = {}
+        self._slices: dict[str, Mapping[str, Any]] = {}
+        self._keys: dict[SecretKey, str] = {}
+        self._models: dict[str, ModelTarget] = {}
+
+    def snapshot(self) -> Mapping[str, ModelTarget]:
+        return self._models
+
+    def _paths(self) -> tuple[str, str]:
+        ns = self.namespace
+        slices = (
+            f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+            if ns
+            else "/apis/discovery.k8s.io/v1/endpointslices"
+        )
+        return kube.llmd_path(ns), slices
+
+    async def _read_keys(self, client: httpx.AsyncClient, wanted: set[SecretKey]) -> None:
+        for ns, name, key in wanted - set(self._keys):
+            try:
+                response = await client.get(f"/api/v1/namespaces/{ns}/secrets/{name}")
+                response.raise_for_status()
+                data = response.json().get("data") or {}
+                if key in data:
+                    self._keys[(ns, name, key)] = base64.b64decode(data[key]).decode()
+                else:
+                    log.warning("secret %s/%s has no key %r", ns, name, key)
+            except (httpx.HTTPError, ValueError) as error:
+                log.warning("cannot read secret %s/%s: %s", ns, name, type(error).__name__)
+        for stale in set(self._keys) - wanted:
+            del self._keys[stale]
+
+    async def _rebuild(self, client: httpx.AsyncClient, on_change: Callable[[], None]) -> None:
+        deployments = parse_deployments(list(self._deployments.values()))
+        await self._read_keys(client, secret_keys(deployments))
+        self._models = build_targets(deployments, list(self._slices.values()), self._keys)
+        on_change()
+
+    async def _follow(
+        self,
+        client: httpx.AsyncClient,
+        path: str,
+        store: dict[str, Mapping[str, Any]],
+        changed: Callable[[], Any],
+    ) -> None:
+        """List then watch `path` into `store`, forever; re-list after any error or 410."""
+        while True:
+            try:
+                listed = await client.get(path)
+                listed.raise_for_status()
+                body = listed.json()
+                store.clear()
+                for item in body.get("items") or []:
+                    store[_key(item)] = item
+                await changed()
+                version = body.get("metadata", {}).get("resourceVersion", "")
+                params = {"watch": "1", "resourceVersion": version, "allowWatchBookmarks": "1"}
+                async with client.stream("GET", path, params=params, timeout=None) as stream:
+                    async for line in stream.aiter_lines():
+                        if not line.strip():
+                            continue
+                        event = json.loads(line)
+                        kind, obj = event.get("type"), event.get("object") or {}
+                        if kind in ("ADDED", "MODIFIED"):
+                            store[_key(obj)] = obj
+                        elif kind == "DELETED":
+                            store.pop(_key(obj), None)
+                        elif kind == "ERROR":
+                            break
+                        else:
+                            continue
+                        await changed()
+            except (httpx.HTTPError, ValueError) as error:
+                log.warning("watch %s failed: %s", path, type(error).__name__)
+            await asyncio.sleep(self.retry_seconds)
+
+    async def run(self, on_change: Callable[[], None]) -> None:
+        client = self.client or kube.async_client(self.config)
+        lock = asyncio.Lock()
+
+        async def changed() -> None:
+            async with lock:
+                await self._rebuild(client, on_change)
+
+        deployments_path, slices_path = self._paths()
+        try:
+            await asyncio.gather(
+                self._follow(client, deployments_path, self._deployments, changed),
+                self._follow(client, slices_path, self._slices, changed),
+            )
+        finally:
+            if self.client is None:
+                await client.aclose()
+
+
+def _key(item: Mapping[str, Any]) -> str:
+    meta = item.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"

@@ -1,0 +1,176 @@
+"""Static discovery: a YAML file listing, per served model, its engine URLs and settings.
+
+    models:
+      - name: tiny                      # the model name clients send
+        deployment: tiny                # optional, metric label (default: name)
+        namespace: default              # optional, metric label
+        endpoints:
+          - http://127.0.0.1:8001       # an engine's base URL
+          - {url: http://127.0.0.1:8002, draining: true}
+        routing: {policy: prefix-aware, loadBound: 1.25}   # kubellm.api.Routing
+        slo: {ttftSeconds: 2, itlSeconds: 0.1}               # kubellm.api.SLO
+        fallback:                                            # kubellm.api.Fallback, except
+          url: https://api.openai.com/v1                     # the key: instead of
+          model: gpt-4o-mini                                 # apiKeySecretRef give
+          apiKeyEnv: OPENAI_API_KEY                          # an env var name, or
+          # apiKey: sk-...                                   # the key inline
+
+A model with no endpoints but a fallback is served by the fallback alone. The
+file is re-read when it changes; an endpoint removed from it drains: it gets
+no new requests, while requests already sent to it finish on their own
+connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubellm.gateway.discovery.base import Endpoint, FallbackTarget, ModelTarget
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kubellm.api import SLO, Fallback, Routing
+from kubellm.manifests import explain
+
+
+class StaticConfigError(ValueError):
+    """The static file is invalid; the message names the field."""
+
+
+class StaticFallback(Fallback):
+    """`spec.fallback` with the key given inline or by env var name instead of a Secret."""
+
+    rules = tuple(r for r in Fallback.rules if "apiKeySecretRef" not in r.expression)
+
+    api_key_env: str | None = Field(default=None, min_length=1)
+    api_key: str | None = Field(default=None, min_length=1, repr=False)
+
+
+class StaticEndpoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str
+    draining: bool = False
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return url.rstrip("/")
+
+
+class StaticModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    deployment: str | None = None
+    namespace: str = "default"
+    endpoints: list[StaticEndpoint | str] = Field(default_factory=list)
+    routing: Routing = Field(default_factory=Routing)
+    fallback: StaticFallback | None = None
+    slo: SLO = Field(default_factory=SLO)
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoints(cls, items: list[StaticEndpoint | str]) -> list[StaticEndpoint | str]:
+        return [StaticEndpoint(url=i) if isinstance(i, str) else i for i in items]
+
+
+class StaticFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    models: list[StaticModel]
+
+
+def _fallback(spec: StaticFallback | None, env: Mapping[str, str]) -> FallbackTarget | None:
+    if spec is None or spec.url is None:
+        return None
+    key = spec.api_key
+    if spec.api_key_env:
+        if spec.api_key_env not in env:
+            raise StaticConfigError(
+                f"fallback.apiKeyEnv: environment variable {spec.api_key_env} is not set"
+            )
+        key = env[spec.api_key_env]
+    return FallbackTarget(
+        url=spec.url.rstrip("/"),
+        model=spec.model,
+        api_key=key,
+        max_concurrency=spec.max_concurrency,
+        triggers=tuple(spec.triggers),
+    )
+
+
+def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, ModelTarget]:
+    """The models of a static file's parsed YAML; StaticConfigError names a bad field."""
+    env = os.environ if env is None else env
+    try:
+        parsed = StaticFile.model_validate(document)
+    except ValidationError as error:
+        raise StaticConfigError(f"invalid gateway static file\n{explain(error)}") from None
+    models: dict[str, ModelTarget] = {}
+    for index, m in enumerate(parsed.models):
+        if m.name in models:
+            raise StaticConfigError(f"models[{index}].name: duplicate model {m.name!r}")
+        models[m.name] = ModelTarget(
+            served_name=m.name,
+            deployment=m.deployment or m.name,
+            namespace=m.namespace,
+            endpoints=tuple(
+                Endpoint(e.url, e.draining) for e in m.endpoints if isinstance(e, StaticEndpoint)
+            ),
+            routing=m.routing,
+            fallback=_fallback(m.fallback, env),
+            slo=m.slo,
+        )
+    return models
+
+
+def load(path: str | Path, env: Mapping[str, str] | None = None) -> dict[str, ModelTarget]:
+    path = Path(path)
+    try:
+        document = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise StaticConfigError(f"{path}: {error}") from None
+    try:
+        return parse(document, env)
+    except StaticConfigError as error:
+        raise StaticConfigError(f"{path}: {error}") from None
+
+
+class StaticDiscovery:
+    """Serves a static file; re-reads it when its modification time changes."""
+
+    def __init__(self, path: str | Path, poll_seconds: float = 1.0) -> None:
+        self.path = Path(path)
+        self.poll_seconds = poll_seconds
+        self._mtime = self.path.stat().st_mtime_ns if self.path.exists() else None
+        self._models = load(self.path)
+
+    def snapshot(self) -> Mapping[str, ModelTarget]:
+        return self._models
+
+    def reload(self) -> bool:
+        """Re-read the file if it changed; a broken file keeps the last good snapshot."""
+        mtime = self.path.stat().st_mtime_ns
+        if mtime == self._mtime:
+            return False
+        self._mtime = mtime
+        try:
+            new = load(self.path)
+        except StaticConfigError:
+            return False
+        self._models = new
+        return True
+
+    async def run(self, on_change: Callable[[], None]) -> None:
+        while True:
+            await asyncio.sleep(self.poll_seconds)
+            try:
+                changed = self.reload()
+            except OSError:
+                continue
+            if changed:
+                on_change()

@@ -1,0 +1,136 @@
+"""The gateway's view of load on each engine.
+
+Two sources, combined conservatively:
+
+- in-flight counts the gateway itself keeps: exact, because every routed
+  request holds a release callback that is called exactly once when it ends;
+- each engine's own metrics (`vllm:num_requests_waiting`, `..._running`,
+  `vllm:kv_cache_usage_perc`), scraped on a short interval. They include
+  traffic from other gateway replicas, but they age: stats older than
+  `stale_after` seconds are treated as unknown, never trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kubellm import metrics
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: float
+    running: float
+    kv_usage: float
+    scraped_at: float
+
+
+def parse_engine_metrics(text: str, scraped_at: float) -> EngineStats:
+    """Sum the engine gauges over all label sets (one engine may report per model)."""
+    values = {metrics.NUM_REQUESTS_WAITING: 0.0, metrics.NUM_REQUESTS_RUNNING: 0.0}
+    kv = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in values:
+                values[sample.name] += sample.value
+            elif sample.name == metrics.KV_CACHE_USAGE:
+                kv = max(kv, sample.value)
+    return EngineStats(
+        waiting=values[metrics.NUM_REQUESTS_WAITING],
+        running=values[metrics.NUM_REQUESTS_RUNNING],
+        kv_usage=kv,
+        scraped_at=scraped_at,
+    )
+
+
+class LoadView:
+    """In-flight counts and the latest fresh engine stats, per endpoint URL."""
+
+    def __init__(
+        self, stale_after: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.stale_after = stale_after
+        self.clock = clock
+        self.in_flight: dict[str, int] = {}
+        self._stats: dict[str, EngineStats] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_release(self, listener: Callable[[], None]) -> None:
+        """Call `listener` whenever capacity may have freed (a release, a new scrape)."""
+        self._listeners.append(listener)
+
+    def _notify(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    def acquire(self, url: str) -> Callable[[], None]:
+        """Count one request on `url`; the returned callback releases it (idempotent)."""
+        self.in_flight[url] = self.in_flight.get(url, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            self.in_flight[url] -= 1
+            if self.in_flight[url] <= 0:
+                del self.in_flight[url]
+            self._notify()
+
+        return release
+
+    def record(self, url: str, stats: EngineStats) -> None:
+        self._stats[url] = stats
+        self._notify()
+
+    def stats(self, url: str) -> EngineStats | None:
+        """The engine's stats if fresh, else None (unknown)."""
+        stats = self._stats.get(url)
+        if stats is None or self.clock() - stats.scraped_at > self.stale_after:
+            return None
+        return stats
+
+    def load(self, url: str) -> float:
+        """Requests on the engine: the larger of our own count and its reported queue."""
+        own = self.in_flight.get(url, 0)
+        stats = self.stats(url)
+        if stats is None:
+            return float(own)
+        return max(float(own), stats.running + stats.waiting)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop stats of endpoints no longer known (in-flight counts drain on their own)."""
+        keep = set(keep)
+        for url in [u for u in self._stats if u not in keep]:
+            del self._stats[url]
+
+
+async def scrape_once(client: httpx.AsyncClient, url: str, view: LoadView) -> bool:
+    try:
+        response = await client.get(f"{url}/metrics", timeout=2.0)
+        response.raise_for_status()
+        view.record(url, parse_engine_metrics(response.text, view.clock()))
+        return True
+    except (httpx.HTTPError, ValueError):
+        return False  # the stats age and go stale; the endpoint is not trusted on them
+
+
+async def scrape_loop(
+    client: httpx.AsyncClient,
+    urls: Callable[[], Iterable[str]],
+    view: LoadView,
+    interval: float = 1.0,
+) -> None:
+    """Scrape every known engine each `interval` seconds, concurrently, until cancelled."""
+    while True:
+        current = sorted(set(urls()))
+        view.forget(current)
+        await asyncio.gather(*(scrape_once(client, u, view) for u in current))
+        await asyncio.sleep(interval)

@@ -1,0 +1,1 @@
+"""Wire formats the gateway speaks: OpenAI's error envelope and SSE error events."""

@@ -1,0 +1,103 @@
+"""Errors in OpenAI's envelope: `{"error": {"message", "type", "param", "code"}}`.
+
+Every error the gateway answers goes through `GatewayError`, so clients (the
+official `openai` SDK included) see the same shape whether the request failed
+here or at an engine. `x-should-retry: false` tells the SDK not to retry where
+a retry cannot help (bad input, unknown model, body too large, bad key).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+_NO_RETRY = {400, 401, 404, 413}
+
+
+class GatewayError(Exception):
+    """A request the gateway answers with an error; carries the HTTP status and envelope."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+        if status in _NO_RETRY:
+            self.headers.setdefault("x-should-retry", "false")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(
+    message: str, type_: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def sse_error_event(message: str, type_: str = "server_error", code: str | None = None) -> bytes:
+    """An SSE event carrying an error envelope: how a stream that broke mid-way ends."""
+    payload = json.dumps(error_body(message, type_, code))
+    return f"data: {payload}\n\n".encode()
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, "invalid_request_error", "invalid_request", param)
+
+
+def model_not_found(model: str) -> GatewayError:
+    return GatewayError(
+        404,
+        f"The model `{model}` does not exist or is not served by this gateway.",
+        "invalid_request_error",
+        "model_not_found",
+        "model",
+    )
+
+
+def too_large(limit: int) -> GatewayError:
+    return GatewayError(
+        413,
+        f"Request body exceeds the gateway's limit of {limit} bytes.",
+        "invalid_request_error",
+        "request_too_large",
+    )
+
+
+def unauthorized() -> GatewayError:
+    return GatewayError(
+        401,
+        "Incorrect or missing API key: send it as `Authorization: Bearer <key>`.",
+        "authentication_error",
+        "invalid_api_key",
+    )
+
+
+def overloaded(model: str, retry_after: int, status: int = 429) -> GatewayError:
+    return GatewayError(
+        status,
+        f"Model `{model}` is at capacity; retry after {retry_after} s.",
+        "rate_limit_error" if status == 429 else "server_error",
+        "rate_limit_exceeded" if status == 429 else "service_unavailable",
+        headers={"Retry-After": str(retry_after)},
+    )
+
+
+def upstream_failed(message: str) -> GatewayError:
+    return GatewayError(502, message, "server_error", "upstream_error")

@@ -1,0 +1,37 @@
+"""The values scorers see: the request's routing features and the candidate endpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An endpoint that passed the health filters, with the load the gateway sees on it.
+
+    `waiting` and `kv_usage` are None when the engine's metrics are stale or missing.
+    """
+
+    url: str
+    load: float = 0.0
+    in_flight: int = 0
+    waiting: float | None = None
+    kv_usage: float | None = None
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    """What routing knows of a request: its prompt's chunk-hash chain and session key."""
+
+    model: str
+    chunk_hashes: tuple[int, ...] = ()
+    affinity_key: int | None = None
+    session: str | None = None
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]: ...

@@ -1,0 +1,27 @@
+"""The bounded-load filter (consistent hashing with bounded loads, Mirrokni et al.).
+
+An endpoint may take the request only if its load after taking it stays within
+capacity = ceil(load_bound * (total load + 1) / n). So no endpoint ever holds
+more than `load_bound` x the mean (rounded up), and one hot prefix spreads to
+other replicas as soon as its home reaches that bound. The least-loaded
+endpoint always passes, so the filter never empties the set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from kubellm.gateway.scorers.base import Candidate
+
+
+def capacity(loads: Sequence[float], load_bound: float) -> float:
+    return math.ceil(load_bound * (sum(loads) + 1) / max(1, len(loads)))
+
+
+def within_bound(candidates: Sequence[Candidate], load_bound: float) -> list[Candidate]:
+    if not candidates:
+        return []
+    cap = capacity([c.load for c in candidates], load_bound)
+    kept = [c for c in candidates if c.load + 1 <= cap]
+    return kept or [min(candidates, key=lambda c: c.load)]

@@ -1,0 +1,143 @@
+"""Prefix affinity: send a prompt where its prefix's KV blocks probably are.
+
+The prompt (chat messages rendered canonically) is cut into fixed-size chunks
+of characters and hashed as a chain: hash_i = H(hash_{i-1}, chunk_i), so one
+hash names a whole prefix. Per endpoint, a bounded LRU index remembers the
+chain hashes of prompts sent there. Score = longest matched chain / chain
+length, in [0, 1].
+
+Memory: an index entry is a 64-bit hash kept as a Python int in an
+OrderedDict: 88 bytes for the entry (measured with tracemalloc) plus 32 for the
+int, about 120 bytes. The default 65,536 entries per endpoint is about 7.5 MiB
+and covers 16 M characters (~4 M tokens) of distinct prefix at 256-character
+chunks, more than one GPU's KV pool holds (an 8B model on 80 GB: ~470 k tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from kubellm.gateway.scorers.base import Candidate, RoutingRequest
+
+CHUNK_CHARS = 256
+MAX_CHUNKS = 512
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+            else:
+                parts.append(json.dumps(part, sort_keys=True, separators=(",", ":")))
+        return "".join(parts)
+    if content is None:
+        return ""
+    return json.dumps(content, sort_keys=True, separators=(",", ":"))
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The prompt as one string: chat messages in a canonical form, or the completion prompt.
+
+    The rendering only has to be stable and prefix-preserving (a conversation
+    that grows keeps its earlier rendering as a prefix), not the model's template.
+    """
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        out = []
+        for message in messages:
+            if isinstance(message, dict):
+                role = str(message.get("role", ""))
+                out.append(f"<|{role}|>{_content_text(message.get('content'))}\n")
+        return "".join(out)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            return first
+        return json.dumps(first if isinstance(first, list) else prompt)
+    return ""
+
+
+def _h(previous: bytes, data: bytes) -> bytes:
+    return hashlib.blake2b(previous + data, digest_size=8).digest()
+
+
+def chunk_hashes(
+    text: str, chunk_chars: int = CHUNK_CHARS, max_chunks: int = MAX_CHUNKS
+) -> tuple[int, ...]:
+    """Hash chain over the full chunks of `text` (a partial tail is not cacheable anyway)."""
+    data = text.encode()
+    step = chunk_chars
+    out: list[int] = []
+    previous = b""
+    for start in range(0, min(len(data) // step, max_chunks) * step, step):
+        previous = _h(previous, data[start : start + step])
+        out.append(int.from_bytes(previous, "big"))
+    return tuple(out)
+
+
+def affinity_key(text: str, hashes: tuple[int, ...]) -> int:
+    """The key that names a prompt's home replica: its first chunk, or the whole short prompt.
+
+    The first chunk is what prompts sharing a system prompt have in common.
+    """
+    if hashes:
+        return hashes[0]
+    return int.from_bytes(_h(b"short", text.encode()), "big")
+
+
+class PrefixIndex:
+    """Per endpoint, an LRU set of chain hashes sent there, bounded in entries."""
+
+    def __init__(self, capacity: int = 65_536) -> None:
+        self.capacity = capacity
+        self._by_url: dict[str, OrderedDict[int, None]] = {}
+
+    def record(self, url: str, hashes: Sequence[int]) -> None:
+        index = self._by_url.setdefault(url, OrderedDict())
+        for h in hashes:
+            index[h] = None
+            index.move_to_end(h)
+        while len(index) > self.capacity:
+            index.popitem(last=False)
+
+    def matched(self, url: str, hashes: Sequence[int]) -> int:
+        """Length of the longest prefix of the chain present on `url`."""
+        index = self._by_url.get(url)
+        if not index:
+            return 0
+        count = 0
+        for h in hashes:
+            if h not in index:
+                break
+            count += 1
+        return count
+
+    def forget(self, url: str) -> None:
+        self._by_url.pop(url, None)
+
+    def size(self, url: str) -> int:
+        return len(self._by_url.get(url, ()))
+
+
+class PrefixScorer:
+    name = "prefix"
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
+        total = len(request.chunk_hashes)
+        if not total:
+            return [0.0] * len(candidates)
+        return [self.index.matched(c.url, request.chunk_hashes) / total for c in candidates]

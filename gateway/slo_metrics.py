@@ -1,0 +1,161 @@
+"""The gateway's Prometheus metrics, measured where the client feels latency.
+
+Names come from `kubellm.metrics` (shared with the autoscaler, alerts and
+dashboards); labels are model (served name), deployment and namespace. Each
+deployment's SLO (targets and objective) is exported as gauges too, so the
+recording rules compute per-deployment SLIs from the histogram bucket at the
+target. Each gateway app has its own registry, so several can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.utils import floatToGoString
+
+from kubellm import metrics
+
+QUEUE_WAIT = metrics.GATEWAY_QUEUE_WAIT
+PREFIX_MATCH = metrics.GATEWAY_PREFIX_MATCH
+
+_LABELS = ("model", "deployment", "namespace")
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+_ITL = (0.001, 0.005, 0.01, 0.02, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 0.75, 1)
+
+
+def bucket_label(target: float, buckets: Sequence[float]) -> str:
+    """The `le` label of the largest bucket bound at or under `target` (the SLI's "good"
+    bucket), formatted exactly as prometheus-client formats bucket labels. A target
+    under every bound takes the smallest bound."""
+    at_or_under = [b for b in buckets if b <= target]
+    return floatToGoString(max(at_or_under) if at_or_under else min(buckets))
+
+
+def _name(full: str, suffix: str) -> str:
+    """prometheus-client adds `_total` to counters itself."""
+    return full.removesuffix(suffix)
+
+
+@dataclass
+class GatewayMetrics:
+    registry: CollectorRegistry
+    requests: Counter
+    pending: Gauge
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    fallback: Counter
+    goodput: Counter
+    ready_endpoints: Gauge
+    queue_wait: Histogram
+    prefix_match: Histogram
+    slo_target: Gauge
+    slo_objective: Gauge
+    fallback_tokens: Counter
+
+    def publish_slo(self, labels: Sequence[str], ttft: float, itl: float, objective: float) -> None:
+        """Export one deployment's SLO as series the recording rules join on `le`."""
+        self.slo_target.labels(*labels, "ttft", bucket_label(ttft, _LATENCY)).set(ttft)
+        self.slo_target.labels(*labels, "itl", bucket_label(itl, _ITL)).set(itl)
+        self.slo_objective.labels(*labels).set(objective)
+
+
+def create(registry: CollectorRegistry | None = None) -> GatewayMetrics:
+    r = registry or CollectorRegistry()
+    return GatewayMetrics(
+        registry=r,
+        requests=Counter(
+            _name(metrics.GATEWAY_REQUESTS, "_total"),
+            "Requests answered, by route (replica|fallback|none) and HTTP status.",
+            [*_LABELS, "target", "code"],
+            registry=r,
+        ),
+        pending=Gauge(
+            metrics.GATEWAY_PENDING,
+            "Requests admitted and not yet answered (queued or in flight).",
+            _LABELS,
+            registry=r,
+        ),
+        ttft=Histogram(
+            metrics.GATEWAY_TTFT,
+            "Time to first token at the gateway (queue wait included).",
+            _LABELS,
+            buckets=_LATENCY,
+            registry=r,
+        ),
+        itl=Histogram(
+            metrics.GATEWAY_ITL,
+            "Time between streamed chunks at the gateway.",
+            _LABELS,
+            buckets=_ITL,
+            registry=r,
+        ),
+        e2e=Histogram(
+            metrics.GATEWAY_E2E,
+            "End-to-end request duration at the gateway.",
+            _LABELS,
+            buckets=_LATENCY,
+            registry=r,
+        ),
+        fallback=Counter(
+            _name(metrics.GATEWAY_FALLBACK, "_total"),
+            "Requests sent to the fallback API, by reason.",
+            [*_LABELS, "reason"],
+            registry=r,
+        ),
+        goodput=Counter(
+            _name(metrics.GATEWAY_GOODPUT, "_total"),
+            "Successful requests that met both the TTFT and the ITL target.",
+            _LABELS,
+            registry=r,
+        ),
+        ready_endpoints=Gauge(
+            metrics.GATEWAY_READY_ENDPOINTS,
+            "Endpoints that may take new requests.",
+            _LABELS,
+            registry=r,
+        ),
+        queue_wait=Histogram(
+            QUEUE_WAIT,
+            "Time requests waited in the gateway's admission queue.",
+            _LABELS,
+            buckets=_LATENCY,
+            registry=r,
+        ),
+        prefix_match=Histogram(
+            PREFIX_MATCH,
+            "Share of the prompt's prefix chain already sent to the chosen replica.",
+            _LABELS,
+            buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+            registry=r,
+        ),
+        slo_target=Gauge(
+            metrics.GATEWAY_SLO_TARGET,
+            "The deployment's TTFT or ITL target (kind); le names the histogram bucket at it.",
+            [*_LABELS, "kind", "le"],
+            registry=r,
+        ),
+        slo_objective=Gauge(
+            metrics.GATEWAY_SLO_OBJECTIVE,
+            "The deployment's SLO objective: the share of requests that must meet the targets.",
+            _LABELS,
+            registry=r,
+        ),
+        fallback_tokens=Counter(
+            _name(metrics.GATEWAY_FALLBACK_TOKENS, "_total"),
+            "Tokens the fallback API reported in usage (kind=prompt|completion), for cost.",
+            [*_LABELS, "kind"],
+            registry=r,
+        ),
+    )
+
+
+def met_slo(
+    ttft: float | None, itl_max_mean: float | None, ttft_target: float, itl_target: float
+) -> bool:
+    """Goodput test for one successful request: TTFT and mean ITL within their targets."""
+    if ttft is None or ttft > ttft_target:
+        return False
+    return itl_max_mean is None or itl_max_mean <= itl_target

@@ -1,0 +1,186 @@
+"""Discovery: the static file, EndpointSlices and LLMDeployments, the watch loop."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from kubellm.gateway.discovery import kubernetes as k8s
+from kubellm.gateway.discovery.base import Endpoint
+from kubellm.gateway.discovery.static import StaticConfigError, StaticDiscovery, load, parse
+
+from kubellm import kube
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "gateway-static.yaml"
+
+
+def test_example_file_parses():
+    models = load(EXAMPLE, env={"OPENAI_API_KEY": "sk-test"})
+    tiny = models["tiny"]
+    assert [e.url for e in tiny.routable] == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    assert tiny.endpoints[2].draining
+    assert tiny.routing.policy == "prefix-aware" and tiny.slo.ttft_seconds == 2.0
+    assert tiny.fallback.api_key == "sk-test" and tiny.fallback.max_concurrency == 32
+    assert "sk-test" not in repr(tiny)  # keys are never printed
+    assert models["external-only"].endpoints == ()
+
+
+@pytest.mark.parametrize(
+    ("document", "needle"),
+    [
+        ({"models": [{"name": "a", "routing": {"policy": "random"}}]}, "models[0].routing.policy"),
+        ({"models": [{"name": "a", "endpoints": ["ftp://x"]}]}, "http:// or https://"),
+        ({"models": [{"name": "a", "slo": {"ttftSeconds": 0}}]}, "models[0].slo.ttftSeconds"),
+        ({"models": [{"name": "a", "fallback": {"model": "m"}}]}, "spec.fallback.url is required"),
+        ({"models": [{"name": "a", "colour": "red"}]}, "models[0].colour: unknown field"),
+        ({"models": [{"name": "a"}, {"name": "a"}]}, "models[1].name: duplicate"),
+        (
+            {"models": [{"name": "a", "fallback": {"url": "http://x", "apiKeyEnv": "NOPE_KEY"}}]},
+            "NOPE_KEY is not set",
+        ),
+    ],
+)
+def test_bad_static_files_name_the_field(document, needle):
+    with pytest.raises(StaticConfigError) as caught:
+        parse(document, env={})
+    assert needle in str(caught.value)
+
+
+def test_inline_fallback_key():
+    models = parse({"models": [{"name": "a", "fallback": {"url": "http://x/v1", "apiKey": "k"}}]})
+    assert models["a"].fallback.api_key == "k"
+
+
+def test_static_file_reload_drops_removed_endpoints(tmp_path):
+    path = tmp_path / "static.yaml"
+    path.write_text(
+        yaml.safe_dump({"models": [{"name": "a", "endpoints": ["http://h1", "http://h2"]}]})
+    )
+    discovery = StaticDiscovery(path)
+    assert not discovery.reload()
+    path.write_text(yaml.safe_dump({"models": [{"name": "a", "endpoints": ["http://h2"]}]}))
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert discovery.reload()
+    assert [e.url for e in discovery.snapshot()["a"].routable] == ["http://h2"]
+    path.write_text("models: [{name: a, endpoints: 3}]")  # broken: keep the last good view
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    assert not discovery.reload()
+    assert [e.url for e in discovery.snapshot()["a"].routable] == ["http://h2"]
+
+
+def _slice(owner: str, endpoints: list[tuple[str, dict]], ns: str = "ml", port: str = "http"):
+    return {
+        "metadata": {"name": f"{owner}-x", "namespace": ns,
+                     "labels": {"kubellm.io/deployment": owner}},
+        "ports": [{"name": "metrics", "port": 9090}, {"name": port, "port": 8000}],
+        "endpoints": [{"addresses": [a], "conditions": c} for a, c in endpoints],
+    }  # fmt: skip
+
+
+def _llmd(name: str, ns: str = "ml", **spec):
+    return {
+        "apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
+        "metadata": {"name": name, "namespace": ns, "uid": "u", "resourceVersion": "7"},
+        "spec": {"model": {"source": "hf://org/m"}, **spec},
+        "status": {"replicas": 2},
+    }  # fmt: skip
+
+
+def test_endpoint_conditions_map_to_routable_and_draining():
+    s = _slice("a", [
+        ("10.0.0.1", {"ready": True}),
+        ("10.0.0.2", {"ready": False, "serving": True, "terminating": True}),
+        ("10.0.0.3", {"ready": False, "serving": False, "terminating": True}),
+        ("10.0.0.4", {"ready": False}),
+        ("fd00::5", {}),
+    ])  # fmt: skip
+    assert k8s.endpoints_of(s) == [
+        Endpoint("http://10.0.0.1:8000"),
+        Endpoint("http://10.0.0.2:8000", draining=True),
+        Endpoint("http://[fd00::5]:8000"),
+    ]
+    assert k8s.endpoints_of(_slice("a", [("10.0.0.1", {})], port="grpc")) == []
+
+
+def test_build_targets_from_deployments_slices_and_secrets():
+    deployments = k8s.parse_deployments([
+        _llmd("llama", model={"source": "hf://meta/llama", "servedName": "llama-8b"},
+              routing={"policy": "least-load"}, slo={"ttftSeconds": 1},
+              fallback={"url": "https://api.example.com/v1", "model": "gpt",
+                        "apiKeySecretRef": {"name": "fb", "key": "token"}}),
+        _llmd("tiny"),
+        _llmd("broken", spec_is="bad"),  # invalid: skipped, not fatal
+        _llmd("tiny-again", ns="other", model={"source": "hf://x/y", "servedName": "tiny"}),
+    ])  # fmt: skip
+    assert [d.metadata.name for d in deployments] == ["llama", "tiny", "tiny-again"]
+    assert k8s.secret_keys(deployments) == {("ml", "fb", "token")}
+    slices = [
+        _slice("llama", [("10.0.0.1", {"ready": True})]),
+        _slice("llama", [("10.0.0.2", {"ready": True})]),
+        _slice("tiny", [("10.0.1.1", {"ready": True})], ns="elsewhere"),  # wrong namespace
+    ]
+    targets = k8s.build_targets(deployments, slices, {("ml", "fb", "token"): "sk-x"})
+    assert set(targets) == {"llama-8b", "tiny"}
+    llama = targets["llama-8b"]
+    assert (llama.deployment, llama.namespace) == ("llama", "ml")
+    assert [e.url for e in llama.routable] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    assert llama.routing.policy == "least-load" and llama.slo.ttft_seconds == 1
+    assert llama.fallback.api_key == "sk-x" and llama.fallback.model == "gpt"
+    assert targets["tiny"].namespace == "ml" and targets["tiny"].endpoints == ()
+
+
+async def test_watch_follows_the_api_server():
+    """List, then watch events, against a scripted API server (httpx MockTransport)."""
+    secret = {"data": {"token": base64.b64encode(b"sk-live").decode()}}
+    deployment = _llmd(
+        "llama",
+        fallback={
+            "url": "https://api.example.com/v1",
+            "apiKeySecretRef": {"name": "fb", "key": "token"},
+        },
+    )
+    added = {"type": "ADDED", "object": _slice("llama", [("10.0.0.9", {"ready": True})])}
+    watch_ended = asyncio.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path, watch = request.url.path, request.url.params.get("watch")
+        if path == "/api/v1/namespaces/ml/secrets/fb":
+            return httpx.Response(200, json=secret)
+        if path.endswith("/llmdeployments"):
+            if watch:
+                return httpx.Response(200, content=b"")
+            return httpx.Response(
+                200, json={"metadata": {"resourceVersion": "1"}, "items": [deployment]}
+            )
+        if path.endswith("/endpointslices"):
+            if watch:
+                watch_ended.set()
+                return httpx.Response(200, content=(json.dumps(added) + "\n").encode())
+            return httpx.Response(200, json={"metadata": {"resourceVersion": "1"}, "items": []})
+        return httpx.Response(404)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="https://k8s")
+    discovery = k8s.KubernetesDiscovery(kube.KubeConfig(server="https://k8s"), client=client)
+    changes = []
+    task = asyncio.create_task(discovery.run(lambda: changes.append(1)))
+    try:
+        async with asyncio.timeout(5):
+            while not (
+                discovery.snapshot().get("llama") and discovery.snapshot()["llama"].endpoints
+            ):
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+    llama = discovery.snapshot()["llama"]
+    assert [e.url for e in llama.routable] == ["http://10.0.0.9:8000"]
+    assert llama.fallback.api_key == "sk-live"
+    assert watch_ended.is_set() and changes

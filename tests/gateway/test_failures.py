@@ -1,0 +1,108 @@
+"""Failures: retry before the first byte, ejection, death mid-stream, client disconnect."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.conftest import model
+from tests.gateway.upstream import wait_until
+
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+def test_5xx_and_connection_errors_retry_on_another_replica(engines, gateway):
+    (bad, bad_server), (good, good_server) = engines(2)
+    bad.behaviour.status = 503
+    gw = gateway({"tiny": model("tiny", [bad_server, good_server], policy="round-robin")})
+    client = gw.client()
+    for _ in range(2):
+        answer = client.chat.completions.create(model="tiny", messages=CHAT)
+        assert answer.choices[0].message.content.startswith(good.name)
+    assert len(bad.bodies) >= 1  # it was tried, and the client never saw its 503
+
+    bad_server.stop()  # connection refused from now on
+    answer = client.chat.completions.create(model="tiny", messages=CHAT)
+    assert answer.choices[0].message.content.startswith(good.name)
+
+
+def test_every_replica_failing_is_a_502_envelope(engines, gateway):
+    (a, sa), (b, sb) = engines(2)
+    a.behaviour.status = b.behaviour.status = 500
+    gw = gateway({"tiny": model("tiny", [sa, sb])})
+    with pytest.raises(openai.InternalServerError) as caught:
+        gw.client().chat.completions.create(model="tiny", messages=CHAT)
+    assert caught.value.status_code == 502
+    assert caught.value.code == "upstream_error"
+
+
+def test_consecutive_failures_eject_an_endpoint(engines, gateway):
+    (bad, bad_server), (good, good_server) = engines(2)
+    bad.behaviour.status = 500
+    gw = gateway(
+        {"tiny": model("tiny", [bad_server, good_server], policy="round-robin")},
+        eject_after_failures=2,
+        eject_base_seconds=60,
+    )
+    client = gw.client()
+    for _ in range(10):
+        client.chat.completions.create(model="tiny", messages=CHAT)
+    assert len(bad.bodies) == 2  # ejected after its second consecutive failure
+    assert len(good.bodies) == 10
+    labels = {"model": "tiny", "deployment": "tiny", "namespace": "default"}
+    assert gw.metric("kubellm_gateway_ready_endpoints", **labels) == 1
+
+
+def test_replica_dying_mid_stream_ends_with_error_event(engines, gateway):
+    ((engine, server),) = engines(1)
+    engine.behaviour.tokens = 10
+    engine.behaviour.die_after_tokens = 3
+    gw = gateway({"tiny": model("tiny", [server])})
+    stream = gw.client(timeout=10).chat.completions.create(model="tiny", messages=CHAT, stream=True)
+    received = []
+    with pytest.raises(openai.APIError) as caught:
+        for chunk in stream:
+            received.append(chunk.choices[0].delta.content)
+    assert received == [f"{engine.name}-t{i} " for i in range(3)]
+    assert "mid-stream" in caught.value.message
+    labels = {"model": "tiny", "deployment": "tiny", "namespace": "default"}
+    wait_until(
+        lambda: gw.metric(
+            "kubellm_gateway_requests_total", **labels, target="replica", code="502"
+        ) == 1,
+        5,
+    )  # fmt: skip
+    assert gw.metric("kubellm_gateway_pending_requests", **labels) == 0
+
+
+def test_client_disconnect_cancels_the_upstream_stream(engines, gateway):
+    ((engine, server),) = engines(1)
+    engine.behaviour.tokens = 1000
+    engine.behaviour.token_delay = 0.05
+    gw = gateway({"tiny": model("tiny", [server])})
+    body = {"model": "tiny", "messages": CHAT, "stream": True}
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", f"{gw.url}/v1/chat/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    # leaving the block closed the client's connection mid-stream
+    wait_until(lambda: engine.cancelled == 1, 10, "the engine to see the cancellation")
+    assert engine.completed == 0
+    labels = {"model": "tiny", "deployment": "tiny", "namespace": "default"}
+    wait_until(lambda: gw.metric("kubellm_gateway_pending_requests", **labels) == 0, 5)
+    assert gw.gateway.load.in_flight == {}
+
+
+def test_client_leaving_a_non_streamed_request_frees_the_replica(engines, gateway):
+    ((engine, server),) = engines(1)
+    engine.behaviour.first_byte_delay = 5
+    gw = gateway({"tiny": model("tiny", [server])})
+    with pytest.raises(openai.APITimeoutError):
+        gw.client(timeout=0.5).chat.completions.create(model="tiny", messages=CHAT)
+    labels = {"model": "tiny", "deployment": "tiny", "namespace": "default"}
+    wait_until(lambda: gw.gateway.load.in_flight == {}, 3, "the upstream request to close")
+    assert gw.metric("kubellm_gateway_pending_requests", **labels) == 0
+    assert gw.metric("kubellm_gateway_requests_total", **labels, target="none", code="499") == 1

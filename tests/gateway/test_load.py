@@ -1,0 +1,95 @@
+"""The load view: exact in-flight counts, scraped engine metrics, staleness, ejection."""
+
+from __future__ import annotations
+
+from kubellm.gateway.load import LoadView, parse_engine_metrics
+from kubellm.gateway.outliers import OutlierDetector
+
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="tiny"} 1.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.42
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 100.0
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_parse_vllm_metrics_sums_engines():
+    stats = parse_engine_metrics(VLLM_METRICS, scraped_at=1.0)
+    assert (stats.running, stats.waiting, stats.kv_usage) == (3.0, 3.0, 0.42)
+
+
+def test_release_callbacks_keep_counts_exact():
+    view = LoadView()
+    releases = [view.acquire("a") for _ in range(3)]
+    view.acquire("b")
+    assert view.in_flight == {"a": 3, "b": 1}
+    releases[0]()
+    releases[0]()  # a second call is a no-op
+    assert view.in_flight["a"] == 2
+    for release in releases[1:]:
+        release()
+    assert "a" not in view.in_flight
+
+
+def test_stale_metrics_are_not_trusted():
+    clock = Clock()
+    view = LoadView(stale_after=5, clock=clock)
+    view.record("a", parse_engine_metrics(VLLM_METRICS, clock()))
+    view.acquire("a")
+    assert view.load("a") == 6.0  # the engine's running + waiting beat our 1
+    clock.now += 6
+    assert view.stats("a") is None
+    assert view.load("a") == 1.0  # only what the gateway knows for sure
+
+
+def test_ejection_period_grows_and_expires():
+    clock = Clock()
+    detector = OutlierDetector(threshold=2, base_seconds=10, max_seconds=25, clock=clock)
+    assert not detector.failure("a")
+    detector.success("a")  # a success resets the run of failures
+    assert not detector.failure("a")
+    assert detector.failure("a") and detector.ejected("a")
+    clock.now += 10.5
+    assert not detector.ejected("a")
+    detector.failure("a")
+    assert detector.failure("a")
+    clock.now += 19
+    assert detector.ejected("a")  # second ejection: 20 s
+    clock.now += 2
+    assert not detector.ejected("a")
+    detector.failure("a")
+    detector.failure("a")
+    clock.now += 25.5
+    assert not detector.ejected("a")  # third: 40 s capped at 25 s
+
+
+async def test_stream_timing_starts_at_the_first_generated_text():
+    import httpx
+    from kubellm.gateway.proxy import StreamTiming, relay_stream
+
+    role = b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+    token = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
+
+    async def body():
+        for chunk in (role, token, token, b"data: [DONE]\n\n"):
+            yield chunk
+
+    response = httpx.Response(200, content=body())
+    timing = StreamTiming(start=0.0)
+    relayed = b"".join([chunk async for chunk in relay_stream(response, timing)])
+    assert relayed == role + token + token + b"data: [DONE]\n\n"  # unchanged
+    assert timing.chunks == 2 and len(timing.gaps) == 1 and timing.error is None

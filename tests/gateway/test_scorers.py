@@ -1,0 +1,175 @@
+"""The pure routing pieces: prompt hashing, scorers, the load bound, the picker."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from kubellm.gateway.discovery.base import FallbackTarget
+from kubellm.gateway.fallback import Route, Thresholds, decide, saturated
+from kubellm.gateway.router import routing_request
+from kubellm.gateway.scorers import prefix
+from kubellm.gateway.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.scorers.bounded_load import capacity, within_bound
+from kubellm.gateway.scorers.consistent_hash import ConsistentHashScorer
+from kubellm.gateway.scorers.picker import pick, profiles
+from kubellm.gateway.scorers.session import SessionTable
+
+
+def test_chat_rendering_is_prefix_preserving_and_canonical():
+    turn1 = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}]
+    one, two = prefix.prompt_text({"messages": turn1}), prefix.prompt_text({"messages": turn2})
+    assert two.startswith(one)
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}
+    ]
+    assert prefix.prompt_text({"messages": parts}) == prefix.prompt_text(
+        {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert prefix.prompt_text({"prompt": "abc"}) == "abc"
+    assert prefix.prompt_text({"prompt": [[1, 2, 3]]}) == "[1, 2, 3]"
+
+
+def test_chunk_hashes_form_a_chain():
+    base = "a" * 256 * 3
+    hashes = prefix.chunk_hashes(base)
+    assert len(hashes) == 3
+    assert prefix.chunk_hashes(base + "b" * 300)[:3] == hashes  # shared prefix, shared hashes
+    changed = "z" + base[1:]
+    assert not set(prefix.chunk_hashes(changed)) & set(hashes)  # a change early changes all
+    assert prefix.chunk_hashes("short") == ()
+    assert len(prefix.chunk_hashes("x" * 256 * 1000)) == prefix.MAX_CHUNKS
+
+
+def test_prefix_index_matches_longest_chain_and_stays_bounded():
+    index = prefix.PrefixIndex(capacity=5)
+    chain = prefix.chunk_hashes("q" * 256 * 4)
+    index.record("a", chain[:2])
+    assert index.matched("a", chain) == 2
+    assert index.matched("b", chain) == 0
+    index.record("a", prefix.chunk_hashes("w" * 256 * 4))
+    assert index.size("a") == 5  # LRU evicted the oldest entry
+    assert index.matched("a", chain) == 0  # the chain's first link was evicted
+
+
+def test_consistent_hash_is_stable_and_spreads():
+    scorer = ConsistentHashScorer()
+    candidates = [Candidate(f"http://10.0.0.{i}:8000") for i in range(4)]
+    homes = []
+    for k in range(200):
+        request = RoutingRequest("m", affinity_key=k * 7919)
+        scores = scorer.score(request, candidates)
+        assert sorted(scores) == [0, 0, 0, 1]
+        assert scorer.score(request, list(reversed(candidates)))[::-1] == scores
+        homes.append(scores.index(1.0))
+    counts = [homes.count(i) for i in range(4)]
+    assert min(counts) > 20  # roughly even: 50 each on average
+
+
+def test_removing_an_endpoint_only_moves_its_own_prefixes():
+    scorer = ConsistentHashScorer()
+    urls = [f"http://10.0.0.{i}:8000" for i in range(4)]
+
+    def home(key: int, among: list[str]) -> str:
+        scores = scorer.score(RoutingRequest("m", affinity_key=key), [Candidate(u) for u in among])
+        return among[scores.index(1.0)]
+
+    for key in range(100):
+        before = home(key, urls)
+        if before != urls[0]:
+            assert home(key, urls[1:]) == before
+
+
+@pytest.mark.parametrize(
+    ("loads", "bound", "kept"),
+    [
+        ([0, 0, 0, 0], 1.25, [0, 1, 2, 3]),
+        ([1, 0, 0, 0], 1.25, [1, 2, 3]),  # cap = ceil(1.25 * 2 / 4) = 1
+        ([5, 5, 5, 5], 1.25, [0, 1, 2, 3]),  # cap = ceil(26.25 / 4) = 7
+        ([9, 3, 3, 3], 1.25, [1, 2, 3]),  # cap = ceil(23.75 / 4) = 6
+        ([9, 3, 3, 3], 3.0, [0, 1, 2, 3]),
+    ],
+)
+def test_bounded_load_filter(loads, bound, kept):
+    candidates = [Candidate(str(i), load=v) for i, v in enumerate(loads)]
+    assert [c.url for c in within_bound(candidates, bound)] == [str(i) for i in kept]
+    assert capacity(loads, bound) >= 1
+
+
+def test_bounded_load_never_empties_the_set():
+    candidates = [Candidate("a", load=3.5), Candidate("b", load=3.2)]
+    assert [c.url for c in within_bound(candidates, 1.0)] == ["b"]
+
+
+def _profiles():
+    return profiles(prefix.PrefixIndex(), SessionTable())
+
+
+def test_prefix_aware_prefers_home_until_it_is_over_the_bound():
+    profile = _profiles()["prefix-aware"]
+    request = routing_request("m", {"messages": [{"role": "user", "content": "p" * 600}]}, None)
+    idle = [Candidate(f"u{i}") for i in range(4)]
+    home = pick(profile, request, idle, 1.25, random.Random(1))[0].url
+    assert all(
+        pick(profile, request, idle, 1.25, random.Random(s))[0].url == home for s in range(5)
+    )
+    busy = [Candidate(c.url, load=4 if c.url == home else 1) for c in idle]
+    assert pick(profile, request, busy, 1.25, random.Random(0))[0].url != home
+    # the filtered-out home is still offered last, for retries
+    assert {c.url for c in pick(profile, request, busy, 1.25)} == {c.url for c in idle}
+
+
+def test_least_load_picks_the_emptiest_engine():
+    profile = _profiles()["least-load"]
+    candidates = [
+        Candidate("a", load=3, in_flight=3, waiting=2, kv_usage=0.7),
+        Candidate("b", load=1, in_flight=1, waiting=0, kv_usage=0.2),
+        Candidate("c", load=2, in_flight=2, waiting=None, kv_usage=None),
+    ]
+    assert pick(profile, RoutingRequest("m"), candidates, 1.25)[0].url == "b"
+
+
+def test_two_routers_with_separate_state_agree():
+    """Several gateway replicas: the choice depends on the prompt and the endpoints only."""
+    a, b = _profiles()["prefix-aware"], _profiles()["prefix-aware"]
+    candidates = [Candidate(f"http://e{i}") for i in range(4)]
+    for k in range(50):
+        body = {"messages": [{"role": "system", "content": f"tenant {k} " * 80}]}
+        request = routing_request("m", body, None)
+        assert (
+            pick(a, request, candidates, 1.25)[0].url == pick(b, request, candidates, 1.25)[0].url
+        )
+
+
+@pytest.mark.parametrize(
+    ("ready", "open_", "fallback", "fb_busy", "may_wait", "route", "reason"),
+    [
+        (2, 1, None, 0, True, Route.REPLICA, "ready"),
+        (2, 0, "both", 0, True, Route.FALLBACK, "saturated"),
+        (0, 0, "both", 0, True, Route.FALLBACK, "no-ready-replicas"),
+        (2, 0, "both", 4, True, Route.QUEUE, "saturated"),  # fallback at its cap
+        (2, 0, "zero-only", 0, True, Route.QUEUE, "saturated"),  # trigger not enabled
+        (2, 0, None, 0, True, Route.QUEUE, "saturated"),
+        (2, 0, None, 0, False, Route.REJECT, "saturated"),
+        (0, 0, None, 0, False, Route.REJECT, "no-ready-replicas"),
+    ],
+)
+def test_admission_decision(ready, open_, fallback, fb_busy, may_wait, route, reason):
+    triggers = {"both": ("saturated", "no-ready-replicas"), "zero-only": ("no-ready-replicas",)}
+    target = (
+        FallbackTarget("http://x/v1", max_concurrency=4, triggers=triggers[fallback])
+        if fallback
+        else None
+    )
+    decision = decide(ready, open_, target, fb_busy, may_wait)
+    assert (decision.route, decision.reason) == (route, reason)
+
+
+def test_saturation_thresholds():
+    t = Thresholds(max_waiting=4, max_kv_usage=0.9, max_in_flight=10)
+    assert not saturated(Candidate("a", waiting=3, kv_usage=0.5, in_flight=9), t)
+    assert saturated(Candidate("a", waiting=4), t)
+    assert saturated(Candidate("a", kv_usage=0.95), t)
+    assert saturated(Candidate("a", in_flight=10), t)
+    assert not saturated(Candidate("a"), t)  # unknown (stale) is not saturated

@@ -1,0 +1,203 @@
+"""Small OpenAI-compatible upstream servers for gateway tests (and benchmarks).
+
+`FakeEngine` answers `/v1/chat/completions` and `/v1/completions` (SSE or
+JSON), `/v1/models`, `/health` and a vLLM-named `/metrics`. Its `behaviour`
+can be changed while it runs: slow first byte, slow tokens, an error status,
+death mid-stream, and the queue/KV figures its metrics report. It records the
+bodies it received and how many streams were cut off by the client.
+
+`ServerThread` runs any ASGI app under uvicorn on 127.0.0.1 on a free port,
+in its own thread and event loop, and stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+
+@dataclass
+class Behaviour:
+    status: int = 200
+    first_byte_delay: float = 0.0
+    tokens: int = 4
+    token_delay: float = 0.0
+    die_after_tokens: int | None = None
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    metrics_status: int = 200
+
+
+@dataclass
+class FakeEngine:
+    name: str
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    active: int = 0
+    cancelled: int = 0
+    completed: int = 0
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._complete, methods=["POST"]),
+                Route("/v1/completions", self._complete, methods=["POST"]),
+                Route("/chat/completions", self._complete, methods=["POST"]),
+                Route("/completions", self._complete, methods=["POST"]),
+                Route("/v1/models", self._models),
+                Route("/health", self._health),
+                Route("/metrics", self._metrics),
+            ]
+        )
+
+    async def _health(self, request: Request) -> Response:
+        return JSONResponse({})
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model"}]})
+
+    async def _metrics(self, request: Request) -> Response:
+        b = self.behaviour
+        text = (
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{model_name="m"}} {b.waiting}\n'
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{model_name="m"}} {b.running + self.active}\n'
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} {b.kv_usage}\n'
+        )
+        return Response(text, status_code=b.metrics_status, media_type="text/plain")
+
+    async def _complete(self, request: Request) -> Response:
+        body = await request.json()
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        b = self.behaviour
+        if b.first_byte_delay:
+            await asyncio.sleep(b.first_byte_delay)
+        if b.status != 200:
+            return JSONResponse(
+                {"error": {"message": "engine says no", "type": "server_error",
+                           "param": None, "code": None}},
+                status_code=b.status,
+            )  # fmt: skip
+        chat = request.url.path.endswith("chat/completions")
+        model = body.get("model", self.name)
+        if not body.get("stream"):
+            self.completed += 1
+            return JSONResponse(_completion(model, chat, self.name, b.tokens))
+        return StreamingResponse(self._stream(model, chat, b), media_type="text/event-stream")
+
+    async def _stream(self, model: str, chat: bool, b: Behaviour):  # type: ignore[no-untyped-def]
+        self.active += 1
+        done = False
+        try:
+            for i in range(b.tokens):
+                if b.die_after_tokens is not None and i >= b.die_after_tokens:
+                    raise RuntimeError("engine died mid-stream")
+                if b.token_delay and i:
+                    await asyncio.sleep(b.token_delay)
+                yield "data: " + json.dumps(_chunk(model, chat, f"{self.name}-t{i} ")) + "\n\n"
+            yield "data: [DONE]\n\n"
+            done = True
+            self.completed += 1
+        finally:
+            self.active -= 1
+            if not done and b.die_after_tokens is None:
+                self.cancelled += 1
+
+
+def _completion(model: str, chat: bool, who: str, tokens: int) -> dict[str, Any]:
+    text = " ".join(f"{who}-t{i}" for i in range(tokens))
+    usage = {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}
+    if chat:
+        return {
+            "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": text}}],
+            "usage": usage,
+        }  # fmt: skip
+    return {
+        "id": "cmpl-1", "object": "text_completion", "created": 0, "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}],
+        "usage": usage,
+    }  # fmt: skip
+
+
+def _chunk(model: str, chat: bool, text: str) -> dict[str, Any]:
+    if chat:
+        return {
+            "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": model,
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+        }  # fmt: skip
+    return {
+        "id": "cmpl-1", "object": "text_completion", "created": 0, "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}],
+    }  # fmt: skip
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
+    """Poll `predicate` until it holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        time.sleep(0.01)
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn on 127.0.0.1:<free port> in a background thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app, log_level="error", lifespan="auto", timeout_graceful_shutdown=2
+        )
+        self.server = uvicorn.Server(config)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        wait_until(lambda: self.server.started, 10, "server start")
+        return self
+
+    def call(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` on the server's event loop (for state that belongs to it)."""
+        done = threading.Event()
+
+        def wrapped() -> None:
+            try:
+                fn()
+            finally:
+                done.set()
+
+        self.loop.call_soon_threadsafe(wrapped)
+        assert done.wait(5), "server loop did not run the call"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
