@@ -309,6 +309,19 @@ class Scheduling(_Model):
     priority_class_name: str | None = None
 
 
+class Rollout(_Model):
+    """How engine pods are replaced on a spec change (the Deployment's rolling update)."""
+
+    max_surge: int | str = Field(
+        default=1,
+        description="Extra pods during a rollout (a count or a percentage such as '25%').",
+    )
+    max_unavailable: int | str = Field(
+        default=0,
+        description="Pods that may be unready during a rollout; 0 keeps serving capacity.",
+    )
+
+
 class LLMDeploymentSpec(_Model):
     rules = (
         Rule(
@@ -330,6 +343,7 @@ class LLMDeploymentSpec(_Model):
     fallback: Fallback | None = Field(default=None, description="Overflow to an external API.")
     slo: SLO = _nested(SLO, "Latency targets for goodput, metrics and alerts.")
     scheduling: Scheduling = _nested(Scheduling, "Where engine pods may run.")
+    rollout: Rollout = _nested(Rollout, "Rolling update of engine pods.")
     termination_grace_period_seconds: int = Field(
         default=120, ge=0, description="Time a removed replica gets to finish in-flight requests."
     )

@@ -39,6 +39,9 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
             return convert(merged)
         if "anyOf" in node:
             options = [o for o in node["anyOf"] if o.get("type") != "null"]
+            if sorted(o.get("type", "") for o in options) == ["integer", "string"]:
+                rest = {k: v for k, v in node.items() if k not in ("anyOf", "title")}
+                return {**rest, "x-kubernetes-int-or-string": True}
             if len(options) != 1:
                 raise ValueError(f"cannot express union in a structural schema: {node}")
             rest = {k: v for k, v in node.items() if k not in ("anyOf", "default")}

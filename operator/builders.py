@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +27,6 @@ FIELD_MANAGER = "kubellm-operator"
 SPEC_HASH_ANNOTATION = "kubellm.io/spec-hash"
 DEPLOYMENT_LABEL = "kubellm.io/deployment"
 # Interim rollout overrides until the API grows `spec.rollout` (see the operator's notes).
-MAX_SURGE_ANNOTATION = "kubellm.io/rollout-max-surge"
-MAX_UNAVAILABLE_ANNOTATION = "kubellm.io/rollout-max-unavailable"
 
 ENGINE_CONTAINER = "engine"
 PORT_NAME = "http"
@@ -262,17 +261,12 @@ def drain_delay_seconds(grace_seconds: int) -> int:
 
 
 def _rollout(llmd: api.LLMDeployment) -> dict[str, Any]:
-    annotations = llmd.metadata.model_extra.get("annotations") or {}
-
-    def intstr(key: str, default: int) -> int | str:
-        value = str(annotations.get(key, default))
-        return int(value) if value.isdigit() else value
-
+    rollout = llmd.spec.rollout
     return {
         "type": "RollingUpdate",
         "rollingUpdate": {
-            "maxSurge": intstr(MAX_SURGE_ANNOTATION, 1),
-            "maxUnavailable": intstr(MAX_UNAVAILABLE_ANNOTATION, 0),
+            "maxSurge": rollout.max_surge,
+            "maxUnavailable": rollout.max_unavailable,
         },
     }
 
@@ -421,6 +415,11 @@ def disruption_budget(llmd: api.LLMDeployment, options: Options = Options()) -> 
     }
 
 
+def _label_key(label: str) -> str:
+    """A pod label as Prometheus' Kubernetes discovery names it (non-alphanumerics -> _)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", label)
+
+
 def pod_monitor(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
     return {
         "apiVersion": PODMONITOR_API_VERSION,
@@ -428,7 +427,28 @@ def pod_monitor(llmd: api.LLMDeployment, options: Options = Options()) -> dict[s
         "metadata": _metadata(llmd, engine_name(llmd), options),
         "spec": {
             "selector": {"matchLabels": selector_labels(llmd)},
-            "podMetricsEndpoints": [{"port": PORT_NAME, "path": METRICS_PATH, "interval": "15s"}],
+            "podMetricsEndpoints": [
+                {
+                    "port": PORT_NAME,
+                    "path": METRICS_PATH,
+                    "interval": "15s",
+                    # The chart's alerts and dashboard select engines by job and deployment.
+                    "relabelings": [
+                        {
+                            "action": "replace",
+                            "targetLabel": "job",
+                            "replacement": "kubellm-engine",
+                        },
+                        {
+                            "action": "replace",
+                            "sourceLabels": [
+                                f"__meta_kubernetes_pod_label_{_label_key(DEPLOYMENT_LABEL)}"
+                            ],
+                            "targetLabel": "deployment",
+                        },
+                    ],
+                }
+            ],
         },
     }
 

@@ -47,7 +47,6 @@ CONTRACT: dict[str, set[Grant]] = {
         ("", "pods", ("list",)),
         ("", "secrets", ("get",)),
         ("", "events", ("create",)),
-        ("events.k8s.io", "events", ("create",)),
     ),
     "gateway": _grants(
         ("kubellm.io", "llmdeployments", ("get", "list", "watch")),
@@ -67,7 +66,10 @@ CONTRACT: dict[str, set[Grant]] = {
 # (several operator replicas) and Events in the new API group for the autoscaler.
 CEILING: dict[str, set[Grant]] = {
     "operator": CONTRACT["operator"]
-    | _grants(("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "patch"))),
+    | _grants(
+        ("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "patch")),
+        ("", "namespaces", ("list", "watch")),
+    ),
     "gateway": set(CONTRACT["gateway"]),
     "autoscaler": CONTRACT["autoscaler"] | _grants(("events.k8s.io", "events", ("create",))),
 }
@@ -76,6 +78,7 @@ CEILING: dict[str, set[Grant]] = {
 # against a render with the switch on.
 OPTIONAL: dict[tuple[str, str], dict[str, Any]] = {
     ("kopf.dev", "clusterkopfpeerings"): {"operator": {"peering": "kubellm"}},
+    ("", "namespaces"): {"operator": {"namespaces": ["team-*"]}},
 }
 
 

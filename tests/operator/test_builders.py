@@ -77,11 +77,7 @@ VARIANTS = {
     ),
     "no-grace": lambda: llmd({"terminationGracePeriodSeconds": 0}),
     "rollout-override": lambda: llmd(
-        {"replicas": 4},
-        annotations={
-            builders.MAX_SURGE_ANNOTATION: "25%",
-            builders.MAX_UNAVAILABLE_ANNOTATION: "1",
-        },
+        {"replicas": 4, "rollout": {"maxSurge": "25%", "maxUnavailable": 1}},
     ),
 }
 
