@@ -1,0 +1,1 @@
+"""The fleet simulation behind bench/autoscale_sim.py: traces, the simulated fleet, the report."""

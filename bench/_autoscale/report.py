@@ -1,0 +1,169 @@
+"""The simulation's outputs: the printed table, the issue's targets, the JSON and the plots."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .fleet import Result
+
+COLUMNS = (
+    ("trace", "trace", "{}"),
+    ("policy", "policy", "{}"),
+    ("requests", "requests", "{}"),
+    ("slo_attainment", "SLO met", "{:.2%}"),
+    ("goodput_rps", "goodput/s", "{:.2f}"),
+    ("replica_seconds", "replica-s", "{:.0f}"),
+    ("max_replicas", "max rep", "{}"),
+    ("ttft_p95_s", "TTFT p95 s", "{:.2f}"),
+    ("itl_p95_s", "ITL p95 s", "{:.3f}"),
+    ("direction_changes", "dir chg", "{}"),
+    ("max_direction_changes_per_scale_down_window", "chg/window", "{}"),
+    ("first_queue_to_scale_up_s", "queue->up s", "{:.1f}"),
+)
+
+
+def table(summaries: Sequence[dict[str, Any]]) -> str:
+    rows = [[title for _, title, _ in COLUMNS]]
+    for s in summaries:
+        rows.append(["-" if s[k] is None else fmt.format(s[k]) for k, _, fmt in COLUMNS])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i < 2 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def lower_bounds(summaries: Sequence[dict[str, Any]]) -> str:
+    """Per trace: replica-seconds if replicas appeared instantly, against the fixed fleet's."""
+    parts = []
+    for trace in dict.fromkeys(s["trace"] for s in summaries):
+        runs = {s["policy"]: s for s in summaries if s["trace"] == trace}
+        oracle = next(iter(runs.values()))["oracle_replica_seconds"]
+        fixed = runs.get("fixed")
+        share = f" = {oracle / fixed['replica_seconds']:.0%} of fixed" if fixed else ""
+        parts.append(f"{trace} {oracle:.0f}{share}")
+    return "oracle replica-s (instant replicas, ceil(rate / capacity)): " + ", ".join(parts)
+
+
+def targets(
+    summaries: Sequence[dict[str, Any]], period: float, policy: str = "kv-queue"
+) -> list[dict[str, Any]]:
+    """The issue's targets for `policy`, checked against the figures (met: True/False)."""
+    by = {(s["trace"], s["policy"]): s for s in summaries}
+    checks: list[dict[str, Any]] = []
+    kv, fixed, kpa = (by.get(("bursty-day", p)) for p in (policy, "fixed", "concurrency"))
+    if kv and fixed:
+        ratio = kv["slo_attainment"] / fixed["slo_attainment"]
+        checks.append(
+            {
+                "target": "bursty day: SLO attainment >= 99% of the peak-sized fleet's",
+                "figure": f"{ratio:.1%} ({kv['slo_attainment']:.2%} vs "
+                f"{fixed['slo_attainment']:.2%})",
+                "met": ratio >= 0.99,
+            }
+        )
+        share = kv["replica_seconds"] / fixed["replica_seconds"]
+        checks.append(
+            {
+                "target": "bursty day: at most 60% of the peak-sized fleet's replica-seconds",
+                "figure": f"{share:.0%} ({kv['replica_seconds']:.0f} vs "
+                f"{fixed['replica_seconds']:.0f})",
+                "met": share <= 0.60,
+            }
+        )
+    if kv and kpa:
+        checks.append(
+            {
+                "target": "bursty day: better attainment than KPA-style at <= its replica-seconds",
+                "figure": f"{kv['slo_attainment']:.2%} vs {kpa['slo_attainment']:.2%} at "
+                f"{kv['replica_seconds']:.0f} vs {kpa['replica_seconds']:.0f} replica-s",
+                "met": kv["slo_attainment"] > kpa["slo_attainment"]
+                and kv["replica_seconds"] <= kpa["replica_seconds"],
+            }
+        )
+    step = by.get(("step", policy))
+    if step:
+        delay = step["first_queue_to_scale_up_s"]
+        checks.append(
+            {
+                "target": f"step: scale-up decision within one control period ({period:g} s) "
+                "of the queue passing its target",
+                "figure": "no scale-up" if delay is None else f"{delay:.2f} s",
+                "met": delay is not None and delay <= period,
+            }
+        )
+    flaps = {
+        s["trace"]: s["max_direction_changes_per_scale_down_window"]
+        for s in summaries
+        if s["policy"] == policy
+    }
+    if flaps:
+        checks.append(
+            {
+                "target": "no flapping: <= 1 change of direction per scale-down window, any trace",
+                "figure": ", ".join(f"{t} {n}" for t, n in flaps.items()),
+                "met": max(flaps.values()) <= 1,
+            }
+        )
+    for check in checks:
+        check["policy"] = policy
+    return checks
+
+
+def targets_text(checks: Sequence[dict[str, Any]]) -> str:
+    marks = {True: "MET ", False: "MISS", None: "n/a "}
+    return "\n".join(
+        f"[{marks[c['met']]}] {c['policy']}: {c['target']}: {c['figure']}" for c in checks
+    )
+
+
+def plot(results: Sequence[Result], capacity: float, path: Path) -> None:
+    """One row per trace, one column per policy: load, replicas and TTFT p95 over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trace_names = list(dict.fromkeys(r.trace for r in results))
+    policy_names = list(dict.fromkeys(r.policy for r in results))
+    fig, axes = plt.subplots(
+        len(trace_names),
+        len(policy_names),
+        figsize=(5.2 * len(policy_names), 3.4 * len(trace_names)),
+        squeeze=False,
+        sharey="row",
+    )
+    for result in results:
+        ax = axes[trace_names.index(result.trace)][policy_names.index(result.policy)]
+        t = [s.time for s in result.samples]
+        ax.plot(t, [s.offered_rps / capacity for s in result.samples], color="0.6", lw=0.8,
+                label="load (replicas' worth)")  # fmt: skip
+        ax.step(t, [s.ready for s in result.samples], where="post", color="tab:blue",
+                label="ready replicas")  # fmt: skip
+        ax.step(t, [s.ready + s.starting for s in result.samples], where="post",
+                color="tab:blue", ls=":", label="ready + starting")  # fmt: skip
+        ax.set_title(f"{result.trace} / {result.policy}", fontsize=9)
+        ax.set_xlabel("simulated s", fontsize=8)
+        ax.tick_params(labelsize=7)
+        twin = ax.twinx()
+        twin.set_yscale("log")
+        twin.set_ylim(0.01, 300)
+        twin.plot(t, [s.ttft_p95 or float("nan") for s in result.samples], color="tab:red",
+                  lw=0.8, label="TTFT p95 (s, log)")  # fmt: skip
+        twin.axhline(2.0, color="tab:red", ls="--", lw=0.5)
+        twin.tick_params(labelsize=7, colors="tab:red")
+    lines, labels = axes[0][0].get_legend_handles_labels()
+    lines.append(plt.Line2D([], [], color="tab:red", lw=0.8))
+    labels.append("TTFT p95 (s, log; dashed: SLO)")
+    fig.legend(lines, labels, loc="upper center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
