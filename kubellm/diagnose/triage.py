@@ -1,0 +1,274 @@
+"""The serving triage tree, as a pure function: `triage(snapshot) -> [Finding]`.
+
+The order follows the serving lesson: first make sure there is capacity at all
+(overflow), then look at the first token (queueing or long prompts), then at
+the stream after it (decode pressure), and only when latency is fine, at cost
+(idle capacity). Each finding carries the figures that triggered it, with the
+metric they came from, and what to try.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kubellm import metrics
+from kubellm.diagnose.snapshot import (
+    GATEWAY_QUEUE_WAIT,
+    PREEMPTIONS,
+    PROMPT_TOKENS,
+    Snapshot,
+)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a figure counts as a symptom. Defaults suit interactive chat traffic."""
+
+    ttft_target_s: float = 2.0  # used when neither the CLI nor the gateway gives one
+    itl_target_s: float = 0.25
+    overflow_share: float = 0.05  # of requests sent to the fallback API
+    queue_share_of_ttft: float = 0.5  # queue wait p95 over TTFT p95: "mostly queueing"
+    long_prompt_tokens: float = 2048.0
+    low_prefix_hit_rate: float = 0.3
+    kv_full: float = 0.9
+    idle_kv: float = 0.2  # KV use below this, with no queue, is idle capacity
+    idle_running_per_engine: float = 1.0
+
+
+@dataclass
+class Finding:
+    code: str  # stable identifier: overflow | ttft-queueing | decode-pressure | ...
+    title: str
+    evidence: dict[str, float] = field(default_factory=dict)  # "metric (statistic)" -> value
+    suggestions: list[str] = field(default_factory=list)
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.3g}"
+
+
+def _targets(snap: Snapshot, t: Thresholds) -> tuple[float, float]:
+    return (
+        snap.ttft_target_s if snap.ttft_target_s is not None else t.ttft_target_s,
+        snap.itl_target_s if snap.itl_target_s is not None else t.itl_target_s,
+    )
+
+
+def _latency_names(snap: Snapshot) -> tuple[str, str]:
+    if snap.latency_source and snap.latency_source.startswith("engines"):
+        return metrics.TIME_TO_FIRST_TOKEN, metrics.INTER_TOKEN_LATENCY
+    return metrics.GATEWAY_TTFT, metrics.GATEWAY_ITL
+
+
+def triage(snap: Snapshot, thresholds: Thresholds | None = None) -> list[Finding]:
+    """Walk the tree; an empty list means nothing looks wrong in this window."""
+    t = thresholds or Thresholds()
+    ttft_target, itl_target = _targets(snap, t)
+    ttft_name, itl_name = _latency_names(snap)
+    findings: list[Finding] = []
+
+    if snap.fallback_share is not None and snap.fallback_share >= t.overflow_share:
+        findings.append(
+            Finding(
+                "overflow",
+                "Capacity is below demand: requests overflow to the fallback API",
+                {
+                    f"{metrics.GATEWAY_REQUESTS}{{target=fallback}} (share)": snap.fallback_share,
+                    **(
+                        {f"{metrics.GATEWAY_REQUESTS} (req/s)": snap.request_rate}
+                        if snap.request_rate is not None
+                        else {}
+                    ),
+                },
+                [
+                    "raise autoscaling.maxReplicas or add GPUs; the fleet cannot absorb the load",
+                    "scale up sooner: lower targetKVCacheUsage / targetQueueDepth or the "
+                    "scale-up stabilization window",
+                    "if bursts are short, the fallback is doing its job; check its cost",
+                ],
+            )
+        )
+
+    ttft_high = snap.ttft_p95_s is not None and snap.ttft_p95_s > ttft_target
+    itl_high = snap.itl_p95_s is not None and snap.itl_p95_s > itl_target
+    latency = {}
+    if snap.ttft_p95_s is not None:
+        latency[f"{ttft_name} (p95)"] = snap.ttft_p95_s
+    if snap.itl_p95_s is not None:
+        latency[f"{itl_name} (p95)"] = snap.itl_p95_s
+
+    if ttft_high and not itl_high:
+        findings.append(_ttft_finding(snap, t, latency, ttft_target))
+    elif itl_high and not ttft_high:
+        findings.append(_decode_finding(snap, t, latency, itl_target))
+    elif ttft_high and itl_high:
+        decode = _decode_finding(snap, t, latency, itl_target)
+        findings.append(
+            Finding(
+                "saturated",
+                f"Both TTFT (> {_fmt(ttft_target)}s) and ITL (> {_fmt(itl_target)}s) "
+                "are over target: the replicas are saturated",
+                decode.evidence,
+                [
+                    "scale out first: more replicas relieve both queueing and batch pressure",
+                    *decode.suggestions[1:],
+                ],
+            )
+        )
+    elif snap.ttft_p95_s is not None or snap.request_rate is not None or snap.engines:
+        idle = _idle_finding(snap, t, latency)
+        if idle is not None:
+            findings.append(idle)
+    return findings
+
+
+def _ttft_finding(
+    snap: Snapshot, t: Thresholds, latency: dict[str, float], ttft_target: float
+) -> Finding:
+    """Slow first token, smooth stream: queueing, or long prompts to prefill."""
+    evidence = dict(latency)
+    suggestions: list[str] = []
+    causes: list[str] = []
+    queueing = (snap.waiting or 0) > 0 or (
+        snap.queue_wait_p95_s is not None
+        and snap.ttft_p95_s is not None
+        and snap.queue_wait_p95_s >= t.queue_share_of_ttft * snap.ttft_p95_s
+    )
+    if snap.queue_wait_p95_s is not None:
+        evidence[f"{GATEWAY_QUEUE_WAIT} (p95)"] = snap.queue_wait_p95_s
+    if snap.waiting is not None:
+        evidence[f"{metrics.NUM_REQUESTS_WAITING} (sum)"] = snap.waiting
+    if queueing:
+        causes.append("requests queue")
+        suggestions += [
+            "scale out: add replicas (lower targetQueueDepth so the autoscaler "
+            "reacts to the queue sooner)"
+        ]
+    long_prompts = (
+        snap.mean_prompt_tokens is not None and snap.mean_prompt_tokens >= t.long_prompt_tokens
+    )
+    if snap.mean_prompt_tokens is not None:
+        evidence[f"{PROMPT_TOKENS} per request (mean)"] = snap.mean_prompt_tokens
+    if snap.prefix_cache_hit_rate is not None:
+        evidence[f"{metrics.PREFIX_CACHE_HITS} / {metrics.PREFIX_CACHE_QUERIES}"] = (
+            snap.prefix_cache_hit_rate
+        )
+    if long_prompts:
+        causes.append("prompts are long")
+        suggestions += [
+            "enable chunked prefill (engine.chunkedPrefill.maxNumBatchedTokens) so "
+            "long prefills do not block the batch"
+        ]
+    cold = (
+        snap.prefix_cache_hit_rate is not None
+        and snap.prefix_cache_hit_rate < t.low_prefix_hit_rate
+    )
+    if cold and (long_prompts or not queueing):
+        causes.append("the prefix cache rarely hits")
+        suggestions += [
+            "turn on prefix caching (engine.prefixCaching) and prefix-aware routing",
+            "put the shared part of prompts first and keep it stable; shorten the "
+            "shared system prompt",
+        ]
+    if not suggestions:
+        suggestions = [
+            "scale out (more replicas) or enable chunked prefill and prefix caching; "
+            "the engines do not export enough to tell queueing from prefill"
+        ]
+    why = " and ".join(causes) if causes else "queueing or prefill"
+    return Finding(
+        "ttft-queueing",
+        f"First token is slow (TTFT p95 > {_fmt(ttft_target)}s) while streaming is fine: {why}",
+        evidence,
+        suggestions,
+    )
+
+
+def _decode_finding(
+    snap: Snapshot, t: Thresholds, latency: dict[str, float], itl_target: float
+) -> Finding:
+    """Good first token, slow stream: too much decode work per step, or memory pressure."""
+    evidence = dict(latency)
+    if snap.running is not None:
+        evidence[f"{metrics.NUM_REQUESTS_RUNNING} (sum)"] = snap.running
+        if snap.engines:
+            evidence[f"{metrics.NUM_REQUESTS_RUNNING} (per engine)"] = snap.running / snap.engines
+    if snap.kv_cache_usage_max is not None:
+        evidence[f"{metrics.KV_CACHE_USAGE} (max)"] = snap.kv_cache_usage_max
+    if snap.preemptions_per_s is not None:
+        evidence[f"{PREEMPTIONS} (per s)"] = snap.preemptions_per_s
+    suggestions = ["add replicas to spread the decode batch"]
+    kv_full = snap.kv_cache_usage_max is not None and snap.kv_cache_usage_max >= t.kv_full
+    preempting = (snap.preemptions_per_s or 0) > 0
+    if kv_full or preempting:
+        suggestions += [
+            "KV cache is (nearly) full: lower engine.maxNumSeqs, or quantize the KV "
+            "cache (engine.kvCacheDtype: fp8) to fit more sequences"
+        ]
+    suggestions += [
+        "lower engine.maxNumSeqs: smaller batches stream faster per request",
+        "quantize the weights (engine.quantization): fewer bytes read per decode step",
+    ]
+    return Finding(
+        "decode-pressure",
+        f"Streaming is slow (ITL p95 > {_fmt(itl_target)}s) after a good first token: "
+        "decode pressure"
+        + (" with the KV cache near full" if kv_full else "")
+        + (" and preemptions" if preempting else ""),
+        evidence,
+        suggestions,
+    )
+
+
+def _idle_finding(snap: Snapshot, t: Thresholds, latency: dict[str, float]) -> Finding | None:
+    """Fine latency on mostly idle replicas: paying for capacity nobody uses."""
+    if not snap.engines or snap.kv_cache_usage_max is None or snap.running is None:
+        return None
+    per_engine = snap.running / snap.engines
+    if snap.kv_cache_usage_max >= t.idle_kv or per_engine >= t.idle_running_per_engine:
+        return None
+    if (snap.waiting or 0) > 0:
+        return None
+    evidence = {
+        **latency,
+        f"{metrics.KV_CACHE_USAGE} (max)": snap.kv_cache_usage_max,
+        f"{metrics.NUM_REQUESTS_RUNNING} (per engine)": per_engine,
+        "engines": float(snap.engines),
+    }
+    if snap.request_rate is not None:
+        evidence[f"{metrics.GATEWAY_REQUESTS} (req/s)"] = snap.request_rate
+    suggestions = []
+    if snap.engines > 1:
+        suggestions.append(
+            "run fewer replicas (lower autoscaling.minReplicas) or consolidate "
+            "models onto shared GPUs"
+        )
+    suggestions.append(
+        "enable autoscaling.scaleToZero for models with idle hours; the "
+        "fallback API serves the cold start"
+    )
+    return Finding(
+        "low-utilization",
+        "Latency is fine but the replicas are mostly idle: low utilization "
+        "makes every token expensive",
+        evidence,
+        suggestions,
+    )
+
+
+def format_findings(snap: Snapshot, findings: list[Finding]) -> str:
+    """Findings for people, with their evidence."""
+    head = (
+        f"window {snap.window_s:g}s, {snap.engines} engine(s), latency from "
+        f"{snap.latency_source or 'nowhere (no traffic in the window)'}"
+    )
+    lines = [head]
+    if not findings:
+        lines.append("no problem found: latency within targets, no overflow, capacity in use")
+    for i, f in enumerate(findings, 1):
+        lines.append(f"{i}. [{f.code}] {f.title}")
+        for name, value in f.evidence.items():
+            lines.append(f"     {name} = {_fmt(value)}")
+        for s in f.suggestions:
+            lines.append(f"     -> {s}")
+    return "\n".join(lines)
