@@ -12,14 +12,28 @@ KV blocks) and the queue that forms once the pool is full. So:
      while new pods load weights for minutes would ask for more and more
      pods: overshoot.
    - KV: `ceil(sum of kv_cache_usage / targetKVCacheUsage)` replicas.
+   - request rate (only where `targetRequestsPerReplica` is set):
+     `ceil(rate / targetRequestsPerReplica)` replicas, with the rate the
+     larger of the gateway's arrival rate over 30 s and over the last period
+     (smooth on the way down, at once on a step). KV usage and the queue read
+     near zero until a replica is close to saturation, so at eight replicas
+     carrying two replicas' worth they ask for one, and after the scale-down
+     window the fleet would collapse, queue, and scale up again (flapping);
+     the rate grows with load, so it holds the fleet at what the load needs.
+     It also bounds the queue signal: the queue is backlog, not rate, and a
+     backlog that grows while new pods load weights would ask for ever more.
+     With the rate known the queue asks at most for the replicas that serve
+     the arrivals and drain the (net) backlog within `DRAIN_SECONDS`.
    Within a tolerance of 10% of the target a signal asks for no change
    (Kubernetes HPA's rule, against jitter).
 2. Recommendation: the largest signal, at least `minReplicas` (at least one
    unless scale-to-zero is allowed *and* the deployment has been idle for
    `idleSecondsBeforeZero`), at least one while the gateway holds requests
    (wake-up from zero), at most `maxReplicas`. If any ready replica's
-   metrics are stale, or no replica is ready yet, the recommendation is at
-   least the current count: unknown load never removes a replica.
+   metrics are stale, or any replica is still starting, the recommendation
+   is at least the current count: unknown load never removes a replica, and
+   a pod loading its model is never deleted for a queue it has not yet taken.
+   (Since the rate ask is part of the maximum, no scale-down goes below it.)
 3. Stabilisation (HPA's rule): scale up to the *smallest* recommendation of
    the last `scaleUpStabilizationSeconds`, scale down to the *largest* of the
    last `scaleDownStabilizationSeconds` (this period's included), so
@@ -51,6 +65,8 @@ class Signals:
     fresh: int
     want_queue: int
     want_kv: int
+    rate: float | None = None  # requests/s arriving (None: the rate signal is off or unknown)
+    want_rate: int = 0
 
     @property
     def kv_mean(self) -> float | None:
@@ -66,6 +82,9 @@ def _ask(load: float, target: float, current: int, tolerance: float) -> int:
     if current and abs(load / (current * target) - 1.0) <= tolerance:
         return current
     return math.ceil(load / target - 1e-9)
+
+
+DRAIN_SECONDS = 60.0  # a queue-driven scale-up aims to drain the backlog within this
 
 
 @p.register(p.DEFAULT_POLICY)
@@ -84,16 +103,27 @@ class KVQueuePolicy:
         running = sum(r.running for r in fresh)
         kv_sum = sum(r.kv_cache_usage for r in fresh)
         absorbed = min(waiting, obs.starting * running / n) if n else 0.0
+        backlog = waiting - absorbed
+        want_queue = _ask(backlog, spec.target_queue_depth, n, self.tolerance) if backlog > 0 else 0
+        per_replica = spec.target_requests_per_replica
+        known = [r for r in (obs.request_rate, obs.recent_request_rate) if r is not None]
+        rate = max(known) if per_replica is not None and known else None
+        want_rate = 0
+        if rate is not None and per_replica is not None:
+            want_rate = _ask(rate, per_replica, obs.current_replicas, self.tolerance)
+            if backlog > 0:  # backlog in rate terms: serve the arrivals, drain it in a while
+                drain = math.ceil((rate + backlog / DRAIN_SECONDS) / per_replica - 1e-9)
+                want_queue = min(want_queue, max(drain, 1))
         return Signals(
             waiting=waiting,
             absorbed=absorbed,
             running=running,
             kv_sum=kv_sum,
             fresh=n,
-            want_queue=_ask(waiting - absorbed, spec.target_queue_depth, n, self.tolerance)
-            if waiting - absorbed > 0
-            else 0,
+            want_queue=want_queue,
             want_kv=_ask(kv_sum, spec.target_kv_cache_usage, n, self.tolerance),
+            rate=rate,
+            want_rate=want_rate,
         )
 
     def decide(
@@ -130,15 +160,24 @@ class KVQueuePolicy:
         candidates = [
             (sig.want_queue, p.QUEUE_DEPTH),
             (sig.want_kv, p.KV_CACHE_USAGE),
+            (sig.want_rate, p.REQUEST_RATE),
             (1 if pending and pending > 0 else 0, p.GATEWAY_PENDING),
             (floor, p.MIN_REPLICAS),
         ]
         rec, driver = max(candidates, key=lambda c: c[0])
         if rec > spec.max_replicas:
             rec, driver = spec.max_replicas, p.MAX_REPLICAS
-        if unknown_load and rec < current:
-            rec = min(current, spec.max_replicas)
-            driver = p.STALE_METRICS if obs.stale else p.REPLICAS_STARTING
+        hold = (
+            p.STALE_METRICS
+            if obs.stale
+            else p.REPLICAS_STARTING
+            if unknown_load or obs.starting
+            else None
+        )
+        if hold and rec < current:
+            rec, driver = min(current, spec.max_replicas), hold
+        elif not unknown_load:
+            hold = None  # starting replicas held nothing back: the signals speak for themselves
 
         # Stabilisation windows over the remembered recommendations.
         history = [*(state.recommendations or [(now, current)]), (now, rec)]
@@ -163,7 +202,7 @@ class KVQueuePolicy:
         if target > spec.max_replicas:  # maxReplicas lowered below the current count
             target, driver = spec.max_replicas, p.MAX_REPLICAS
 
-        reason = self._reason(current, target, rec, driver, unknown_load, obs.stale)
+        reason = self._reason(current, target, rec, driver, hold)
         message = self._message(sig, spec, pending, obs, rec, target, reason, limited)
         keep = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
         return p.Decision(
@@ -176,9 +215,7 @@ class KVQueuePolicy:
         )
 
     @staticmethod
-    def _reason(
-        current: int, target: int, rec: int, driver: str, unknown_load: bool, stale: bool
-    ) -> str:
+    def _reason(current: int, target: int, rec: int, driver: str, hold: str | None) -> str:
         if target > current:
             return driver
         if target < current:
@@ -189,8 +226,8 @@ class KVQueuePolicy:
             return p.SCALE_UP_STABILIZING
         if rec < current:
             return p.SCALE_DOWN_STABILIZING
-        if unknown_load:
-            return p.STALE_METRICS if stale else p.REPLICAS_STARTING
+        if hold:
+            return hold
         return driver if driver in (p.MAX_REPLICAS, p.MIN_REPLICAS, p.GATEWAY_PENDING) else p.STEADY
 
     @staticmethod
@@ -215,6 +252,11 @@ class KVQueuePolicy:
             parts.append(
                 f"KV cache mean {sig.kv_mean:.2f} (target {spec.target_kv_cache_usage:.2f}) "
                 f"asks {sig.want_kv}"
+            )
+        if sig.rate is not None:
+            parts.append(
+                f"rate {sig.rate:.1f} req/s (target {spec.target_requests_per_replica:g}/replica) "
+                f"asks {sig.want_rate}"
             )
         stale = sum(1 for r in obs.replicas if not r.fresh)
         if stale:

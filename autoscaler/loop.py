@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from kubellm.autoscaler import observe
+from kubellm.autoscaler import observe, rate
 from kubellm.autoscaler import policy as p
 from kubellm.autoscaler.backend import Backend, Target
+from kubellm.autoscaler.rate import RateWindow
 from kubellm.autoscaler.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -109,11 +110,14 @@ class Autoscaler:
         )
         pending = _pending(gateway_text, target)
         now = self.clock()
+        window, counted = _request_window(gateway_text, target, now)
         observation = p.Observation(
             now=now,
             current_replicas=target.replicas,
             replicas=tuple(replicas),
             gateway_pending=pending,
+            request_rate=window.rate if window and counted else None,
+            recent_request_rate=window.recent if window and counted else None,
         )
         state = p.PolicyState.from_status(target.status)
         decision = self.policy.decide(observation, state, target.autoscaling)
@@ -130,6 +134,8 @@ class Autoscaler:
             "lastScaleTime": p.format_time(now) if scaled else target.status.get("lastScaleTime"),
             "kvCacheUsage": _rounded(decision.kv_cache_usage),
             "queueDepth": _rounded(decision.queue_depth),
+            "requestRate": _rounded(observation.request_rate),
+            "requestSamples": window.to_status() if window else None,
             **decision.state.to_status(),
         }
         if any(target.status.get(k) != v for k, v in status.items()):
@@ -150,6 +156,27 @@ def _pending(gateway_text: str | None, target: Target) -> float | None:
     except observe.MetricsError as error:
         log.info("gateway metrics unusable: %s", error)
         return None
+
+
+def _request_window(
+    gateway_text: str | None, target: Target, now: float
+) -> tuple[RateWindow | None, bool]:
+    """The gateway's request counts in the rate window (`kubellm.autoscaler.rate.observe`).
+
+    (None, False) where the spec does not ask for the rate signal (no
+    targetRequestsPerReplica): nothing to count, nothing to persist.
+    """
+    if target.autoscaling.target_requests_per_replica is None:
+        return None, False
+    admitted = None
+    if gateway_text is not None:
+        try:
+            admitted = observe.gateway_admitted(
+                gateway_text, target.served_name, target.name, target.namespace
+            )
+        except observe.MetricsError as error:
+            log.info("gateway metrics unusable: %s", error)
+    return rate.observe(target.status, now, admitted)
 
 
 def _rounded(value: float | None) -> float | None:

@@ -64,9 +64,22 @@ def gateway_pending(text: str, model: str, deployment: str = "", namespace: str 
     Labels `deployment` and `namespace`, where present, must match too, so
     two deployments serving the same name in different namespaces stay apart.
     """
+    return _gateway_sum(text, (metrics.GATEWAY_PENDING,), model, deployment, namespace)
+
+
+def gateway_admitted(text: str, model: str, deployment: str = "", namespace: str = "") -> float:
+    """Requests the gateway has admitted for `model` so far: answered (every route and
+    code) plus pending. Its rate is the arrival rate (`kubellm.autoscaler.rate`)."""
+    names = (metrics.GATEWAY_REQUESTS, metrics.GATEWAY_PENDING)
+    return _gateway_sum(text, names, model, deployment, namespace)
+
+
+def _gateway_sum(
+    text: str, names: tuple[str, ...], model: str, deployment: str, namespace: str
+) -> float:
     total = 0.0
     for sample, labels, value in _samples(text):
-        if sample != metrics.GATEWAY_PENDING or labels.get("model") != model:
+        if sample not in names or labels.get("model") != model:
             continue
         if deployment and labels.get("deployment", deployment) != deployment:
             continue

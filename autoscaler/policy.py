@@ -37,6 +37,7 @@ STALE_METRICS = "StaleMetrics"
 REPLICAS_STARTING = "ReplicasStarting"
 STEADY = "Steady"
 CONCURRENCY = "Concurrency"
+REQUEST_RATE = "RequestRate"
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,17 @@ class Observation:
     `current_replicas` (the value of /scale now) but not ready are starting:
     pulling an image or loading weights, capacity that is on its way.
     `gateway_pending` is None when the gateway's metrics could not be read.
+    `request_rate` (requests/s arriving at the gateway over the last 30 s) and
+    `recent_request_rate` (over the last period) are None when unknown: no
+    gateway, too few scrapes yet, or the rate signal is off for this spec.
     """
 
     now: float
     current_replicas: int
     replicas: tuple[ReplicaMetrics, ...] = ()
     gateway_pending: float | None = None
+    request_rate: float | None = None
+    recent_request_rate: float | None = None
 
     @property
     def fresh(self) -> tuple[ReplicaMetrics, ...]:
@@ -112,7 +118,7 @@ class PolicyState:
         for entry in status.get("recommendations") or []:
             try:
                 recommendations.append((parse_time(entry["time"]), int(entry["replicas"])))
-            except (KeyError, TypeError, ValueError):
+            except (AttributeError, KeyError, TypeError, ValueError):
                 continue
         idle = status.get("idleSince")
         try:

@@ -15,9 +15,9 @@ to the scale-up decision; then checks the targets of issue #6. Writes
 `summary.json` and `autoscale.png` to --out. Details: bench/_autoscale/.
 
     /work/venv/bin/python bench/autoscale_sim.py [--mix long|short] [--out bench/out]
-    # what-ifs: a spec.autoscaling override, or the request-rate-floor prototype
+    # what-ifs: a spec.autoscaling override (targetRequestsPerReplica=none: no rate signal)
     /work/venv/bin/python bench/autoscale_sim.py --traces bursty-day --set minReplicas=2
-    /work/venv/bin/python bench/autoscale_sim.py --policies kv-queue,concurrency,fixed,kv-queue+rate
+    /work/venv/bin/python bench/autoscale_sim.py --set targetRequestsPerReplica=none
 """
 
 from __future__ import annotations
@@ -43,9 +43,7 @@ except ImportError:  # imported as bench.autoscale_sim (tests)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", default=",".join(experiment.TRACES))
-    parser.add_argument("--policies", default=",".join(experiment.POLICIES),
-                        help="comma-separated; also the prototype kv-queue+rate "
-                        "(a request-rate floor, not shipped)")  # fmt: skip
+    parser.add_argument("--policies", default=",".join(experiment.POLICIES), help="comma-separated")
     parser.add_argument("--mix", choices=sorted(experiment.CAPACITY_RPS), default="long",
                         help="request sizes: long (~2,400 prompt / ~200 output tokens, KV-bound) "
                         "or short (~800 / ~40, compute-bound)")  # fmt: skip
@@ -65,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.traces:
         if name not in experiment.TRACES:
             parser.error(f"--traces: unknown trace {name!r}; known: {', '.join(experiment.TRACES)}")
-    known = experiment.POLICIES + experiment.PROTOTYPES
+    known = experiment.POLICIES
     for name in args.policies:
         if name not in known:
             parser.error(f"--policies: unknown policy {name!r}; known: {', '.join(known)}")
@@ -83,7 +81,7 @@ def spec_overrides(parser: argparse.ArgumentParser, items: list[str]) -> tuple:
         key, sep, value = item.partition("=")
         if not sep or key not in fields:
             parser.error(f"--set {item!r}: expected FIELD=VALUE, FIELD one of {', '.join(fields)}")
-        overrides[fields[key]] = value
+        overrides[fields[key]] = None if value.lower() in ("none", "null") else value
     try:
         spec = experiment.autoscaling(**overrides)
     except ValidationError as error:
@@ -126,12 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         outcomes = [experiment.run(job) for job in jobs]
     summaries = [summary for summary, _ in outcomes]
-    checks = [
-        check
-        for policy in ("kv-queue", "kv-queue+rate")  # the shipped policy, then the prototype
-        if policy in args.policies
-        for check in report.targets(summaries, experiment.PERIOD, policy)
-    ]
+    checks = report.targets(summaries, experiment.PERIOD) if "kv-queue" in args.policies else []
 
     cal = calibration
     print(
@@ -170,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             "calibration": calibration,
             "load_curve": curve,
             "slo": {"ttft_seconds": 2.0, "itl_seconds": 0.1, "itl": "mean per request"},
-            "autoscaling": experiment.autoscaling(**dict(args.spec)).model_dump(by_alias=True),
+            "autoscaling": experiment.autoscaling(args.mix, **dict(args.spec)).model_dump(
+                by_alias=True
+            ),
             "period_s": experiment.PERIOD,
             "load_seconds": args.load_seconds,
             "routing": "least-load (fewest waiting + running on ready replicas); no fallback",

@@ -244,6 +244,13 @@ class Autoscaling(_Model):
     scale_down_stabilization_seconds: int = Field(default=300, ge=0)
     scale_to_zero: bool = Field(default=False, description="Allow zero replicas when idle.")
     idle_seconds_before_zero: int = Field(default=600, ge=0)
+    target_requests_per_replica: float | None = Field(
+        default=None,
+        gt=0,
+        description="Requests per second one replica serves within the SLO. When set, the "
+        "request rate the gateway sees (kubellm_gateway_requests_total) divided by it is a "
+        "floor on the replica count; unset, the rate signal is off.",
+    )
 
 
 # --------------------------------------------------------------------------- routing, fallback, SLO
@@ -383,6 +390,13 @@ class AutoscalerRecommendation(_Status):
     replicas: int
 
 
+class AutoscalerRequestSample(_Status):
+    """The gateway's cumulative request count for the model at one time (for its rate)."""
+
+    time: str = Field(description="RFC 3339 time, milliseconds.")
+    count: float
+
+
 class AutoscalerStatus(_Status):
     """Written by the autoscaler only; its state lives here so a restart loses nothing."""
 
@@ -396,6 +410,12 @@ class AutoscalerStatus(_Status):
         default=None, description="Recommendations inside the scale-down window."
     )
     idle_since: str | None = Field(default=None, description="Start of the idle period.")
+    request_rate: float | None = Field(
+        default=None, description="Requests per second arriving at the gateway (last 30 s)."
+    )
+    request_samples: list[AutoscalerRequestSample] | None = Field(
+        default=None, description="The gateway's request counts inside the rate window."
+    )
 
 
 class LLMDeploymentStatus(_Status):

@@ -34,15 +34,14 @@ from kubellm import api
 
 from . import traces
 from .fleet import Fleet, FleetConfig, Result
-from .proposal import RateFloorPolicy
 
 # Requests/s one replica serves with >= 99% SLO attainment, per request mix
 # (`calibrate`; the cliff is just above: long 8.5 and short 26 req/s are overloaded).
 CAPACITY_RPS = {"long": 7.0, "short": 20.0}
 LOAD_SECONDS = 60.0
+RATE_TARGET = 0.8  # targetRequestsPerReplica as a share of CAPACITY_RPS
 PERIOD = 5.0
 POLICIES = ("kv-queue", "concurrency", "fixed")  # the issue's comparison, run by default
-PROTOTYPES = ("kv-queue+rate",)  # bench-only proposals (bench/_autoscale/proposal.py), opt-in
 TRACES = ("step", "ramp", "bursty-day")
 
 
@@ -52,8 +51,12 @@ def profile() -> sim_profiles.Profile:
     )
 
 
-def autoscaling(**overrides: Any) -> api.Autoscaling:
-    """The example's spec.autoscaling; `overrides` by field name (what-if runs)."""
+def autoscaling(mix: str = "long", **overrides: Any) -> api.Autoscaling:
+    """The example's spec.autoscaling; `overrides` by field name (what-if runs).
+
+    targetRequestsPerReplica: `RATE_TARGET` of what one replica serves within
+    the SLO, the headroom the KV target (0.8) gives the pool.
+    """
     fields: dict[str, Any] = {
         "min_replicas": 1,
         "max_replicas": 8,
@@ -61,17 +64,21 @@ def autoscaling(**overrides: Any) -> api.Autoscaling:
         "target_queue_depth": 4,
         "scale_up_stabilization_seconds": 0,
         "scale_down_stabilization_seconds": 300,
+        "target_requests_per_replica": round(RATE_TARGET * CAPACITY_RPS[mix], 2),
     }
     fields.update(overrides)
     return api.Autoscaling(**fields)
 
 
 def config(
-    initial_replicas: int = 1, load_seconds: float = LOAD_SECONDS, **overrides: Any
+    initial_replicas: int = 1,
+    load_seconds: float = LOAD_SECONDS,
+    mix: str = "long",
+    **overrides: Any,
 ) -> FleetConfig:
     return FleetConfig(
         profile=profile(),
-        autoscaling=autoscaling(**overrides),
+        autoscaling=autoscaling(mix, **overrides),
         slo=api.SLO(),
         initial_replicas=initial_replicas,
         load_seconds=load_seconds,
@@ -114,7 +121,7 @@ def calibrate(mix: str, rate: float | None = None, seconds: float = 120.0) -> di
     """One replica at a constant rate (default: the mix's capacity): attainment, in-flight."""
     rate = CAPACITY_RPS[mix] if rate is None else rate
     trace = traces.Trace("calibrate", seconds, lambda t: rate, rate, f"{rate:g} req/s")
-    result = Fleet(config(), None, trace.arrivals(0, traces.MIXES[mix]), seconds).run()
+    result = Fleet(config(mix=mix), None, trace.arrivals(0, traces.MIXES[mix]), seconds).run()
     return {
         "mix": mix,
         "rate": rate,
@@ -129,8 +136,6 @@ def make_policy(name: str, kpa_target: float, capacity: float) -> policies.Polic
         return None
     if name == "concurrency":
         return ConcurrencyPolicy(target_concurrency=kpa_target)
-    if name == "kv-queue+rate":
-        return RateFloorPolicy(requests_per_replica=capacity)
     return policies.get(name)
 
 
@@ -151,7 +156,7 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
     trace = make_trace(job.trace, job.mix, job.scale, job.seed)
     initial = fixed_size(trace, job.mix) if job.policy == "fixed" else 1
     fleet = Fleet(
-        config(initial, job.load_seconds, **dict(job.spec)),
+        config(initial, job.load_seconds, job.mix, **dict(job.spec)),
         make_policy(job.policy, job.kpa_target, CAPACITY_RPS[job.mix]),
         trace.arrivals(job.seed, traces.MIXES[job.mix]),
         trace.duration,

@@ -19,8 +19,12 @@ Simulated clock only: nothing sleeps, nothing listens. The parts:
   /metrics in vLLM's exposition format, parses it with the autoscaler's own
   `observe.engine_load`, builds the `Observation` the real loop builds
   (current replicas = the /scale value; starting = counted but not ready),
-  round-trips the policy state through `status.autoscaler` as the real loop
-  does, calls the real policy's `decide()` and applies the replica count.
+  renders the gateway's request counter and pending gauge and turns them
+  into the request rate with the loop's own `observe.gateway_admitted` and
+  `rate.observe` (samples kept in `status.autoscaler.requestSamples`, where
+  the spec sets targetRequestsPerReplica), round-trips the policy state
+  through `status.autoscaler` as the real loop does, calls the real policy's
+  `decide()` and applies the replica count.
 
 A request meets its SLO when its TTFT <= `slo.ttft_seconds` and its mean
 inter-token latency (time per output token after the first) <=
@@ -29,13 +33,13 @@ inter-token latency (time per output token after the first) <=
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kubellm.autoscaler import observe
+from kubellm.autoscaler import observe, rate
 from kubellm.autoscaler import policy as p
 from kubellm.engine.sim_core import Engine, Request, StepResult
 from kubellm.engine.sim_profiles import Profile
@@ -44,7 +48,6 @@ from kubellm import api, metrics
 
 from .traces import Arrival
 
-RATE_WINDOW_SECONDS = 30.0  # the request rate offered to policies that ask for it
 EPOCH = 1_800_000_000.0  # simulated t=0 as wall-clock seconds (the status stores RFC 3339)
 STARTING, READY, DRAINING, GONE = "starting", "ready", "draining", "gone"
 _STEP_END, _READY, _TICK = 0, 1, 2  # event kinds, in tie-break order
@@ -132,6 +135,17 @@ def render_metrics(engine: Engine, model: str = "sim") -> str:
     )
 
 
+def render_gateway_metrics(answered: int, pending: int, model: str = "sim") -> str:
+    """The gateway's request counter and pending gauge for one deployment, as it exports them."""
+    labels = f'model="{model}",deployment="sim",namespace="default"'
+    return (
+        f"# TYPE {metrics.GATEWAY_REQUESTS.removesuffix('_total')} counter\n"
+        f'{metrics.GATEWAY_REQUESTS}{{{labels},target="replica",code="200"}} {answered}\n'
+        f"# TYPE {metrics.GATEWAY_PENDING} gauge\n"
+        f"{metrics.GATEWAY_PENDING}{{{labels}}} {pending}\n"
+    )
+
+
 class Fleet:
     """One run: a trace through a fleet under one policy (None: a fixed fleet)."""
 
@@ -155,10 +169,8 @@ class Fleet:
         self._seq = 0
         self._filler = [1] * 8192  # prompt body; token 0 is unique per request
         self._window_arrivals = 0
-        self._recent_arrivals: collections.deque[int] = collections.deque(
-            maxlen=max(1, round(RATE_WINDOW_SECONDS / config.period))
-        )
         self._window_ttft: list[float] = []
+        self._samples: list[dict[str, object]] | None = None  # status.autoscaler.requestSamples
         self._queue_above = False
         self._open_episode: int | None = None
         for _ in range(config.initial_replicas):
@@ -315,11 +327,24 @@ class Fleet:
         )
         # kubellm_gateway_pending_requests: admitted, not yet answered (draining replicas too)
         pending = sum(r.in_flight for r in self.replicas if r.state in (READY, DRAINING))
-        return p.Observation(
+        observation = p.Observation(
             now=EPOCH + now,
             current_replicas=self.scale,
             replicas=scraped,
             gateway_pending=float(pending),
+        )
+        self._samples = None
+        if self.config.autoscaling.target_requests_per_replica is None:
+            return observation
+        text = render_gateway_metrics(self.result.finished, pending)
+        window, counted = rate.observe(
+            self.status, EPOCH + now, observe.gateway_admitted(text, "sim", "sim", "default")
+        )
+        self._samples = window.to_status()
+        return dataclasses.replace(
+            observation,
+            request_rate=window.rate if counted else None,
+            recent_request_rate=window.recent if counted else None,
         )
 
     def _tick(self, now: float) -> None:
@@ -327,13 +352,8 @@ class Fleet:
         if self.policy is not None:
             observation = self._observation(now)
             state = p.PolicyState.from_status(self.status)
-            if getattr(self.policy, "wants_request_rate", False):  # the bench's prototype
-                decision = self.policy.decide(  # type: ignore[call-arg]
-                    observation, state, cfg.autoscaling, request_rate=self._request_rate()
-                )
-            else:
-                decision = self.policy.decide(observation, state, cfg.autoscaling)
-            self.status = decision.state.to_status()
+            decision = self.policy.decide(observation, state, cfg.autoscaling)
+            self.status = {**decision.state.to_status(), "requestSamples": self._samples}
             if decision.replicas != self.scale:
                 res.decisions.append((now, self.scale, decision.replicas, decision.message))
                 if decision.replicas > self.scale:
@@ -341,11 +361,6 @@ class Fleet:
                 self.scale = decision.replicas
                 self._apply(now, self.scale)
         self._sample(now)
-
-    def _request_rate(self) -> float:
-        """Arrivals per second over the last RATE_WINDOW_SECONDS (the gateway counter's rate)."""
-        counts = [*self._recent_arrivals, self._window_arrivals][-self._recent_arrivals.maxlen :]
-        return sum(counts) / (len(counts) * self.config.period)
 
     def _close_episodes(self, now: float) -> None:
         """A scale-up decision resolves the episode in progress, if any."""
@@ -383,7 +398,6 @@ class Fleet:
             )
         )
         res.max_replicas = max(res.max_replicas, by_state[READY] + by_state[STARTING])
-        self._recent_arrivals.append(self._window_arrivals)
         self._window_arrivals = 0
         self._window_ttft = []
 

@@ -34,11 +34,19 @@ def engine_text(waiting: float, running: float, kv: float, engines: int = 1) -> 
     return "\n".join(lines) + "\n"
 
 
-def gateway_text(pending: dict[str, float]) -> str:
+def gateway_text(pending: dict[str, float], answered: dict[str, float] | None = None) -> str:
+    """The gateway's pending gauge and (where given) its answered-requests counter per model."""
     lines = [f"# HELP {metrics.GATEWAY_PENDING} test", f"# TYPE {metrics.GATEWAY_PENDING} gauge"]
     for model, value in pending.items():
         labels = f'model="{model}",deployment="{model}",namespace="default"'
         lines.append(f"{metrics.GATEWAY_PENDING}{{{labels}}} {value}")
+    counter = metrics.GATEWAY_REQUESTS
+    lines.append(f"# TYPE {counter.removesuffix('_total')} counter")
+    for model, value in (answered or {}).items():
+        labels = f'model="{model}",deployment="{model}",namespace="default"'
+        # split over two routes: every answered request counts, whatever served it
+        lines.append(f'{counter}{{{labels},target="replica",code="200"}} {value - 1}')
+        lines.append(f'{counter}{{{labels},target="fallback",code="200"}} 1')
     return "\n".join(lines) + "\n"
 
 

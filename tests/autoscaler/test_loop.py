@@ -290,3 +290,39 @@ async def test_cli_runs_against_a_kubeconfig(
     assert await asyncio.wait_for(task, timeout=10) == 0
     assert scale_writes(cluster)[0] == 3
     assert all(r.headers.get("Authorization") == "Bearer secret-token" for r in cluster)
+
+
+async def test_request_rate_from_successive_gateway_scrapes(
+    cluster: Any, clients: Any, metrics_server: Any
+) -> None:
+    cluster.objects[LLMD, "default", "tiny"] = llmd(
+        replicas=1, maxReplicas=8, targetRequestsPerReplica=5
+    )
+    await add_engine(cluster, metrics_server, engine_text(0, 6, 0.1), "a")  # KV, queue: 1
+    gateway = await metrics_server(gateway_text({"tiny": 6}, {"tiny": 100}))
+    clock = Clock()
+    [outcome] = await scaler(clients, clock, gateway_metrics_url=gateway.url).step()
+    assert outcome.observation.request_rate is None  # one sample: no rate yet
+    assert scale_writes(cluster) == []
+    assert len(obj(cluster)["status"]["autoscaler"]["requestSamples"]) == 1
+
+    # A restarted loop: the first sample comes back from the status. 80 more admitted in 5 s.
+    gateway.text = gateway_text({"tiny": 10}, {"tiny": 176})
+    clock.now += 5
+    [outcome] = await scaler(clients, clock, gateway_metrics_url=gateway.url).step()
+    assert outcome.observation.request_rate == pytest.approx(16)
+    assert scale_writes(cluster) == [4]  # ceil(16 / 5)
+    status = obj(cluster)["status"]["autoscaler"]
+    assert status["reason"] == p.REQUEST_RATE and status["requestRate"] == 16
+    assert "rate 16.0 req/s (target 5/replica) asks 4" in status["message"]
+
+
+async def test_no_rate_target_no_request_samples(
+    cluster: Any, clients: Any, metrics_server: Any
+) -> None:
+    cluster.objects[LLMD, "default", "tiny"] = llmd(replicas=1)
+    await add_engine(cluster, metrics_server, engine_text(0, 6, 0.1), "a")
+    gateway = await metrics_server(gateway_text({"tiny": 6}, {"tiny": 100}))
+    [outcome] = await scaler(clients, Clock(), gateway_metrics_url=gateway.url).step()
+    assert outcome.observation.request_rate is None
+    assert "requestSamples" not in obj(cluster)["status"]["autoscaler"]

@@ -28,10 +28,20 @@ def rep(
 
 
 def obs(
-    current: int, *replicas: p.ReplicaMetrics, pending: float | None = 0, now: float = NOW
+    current: int,
+    *replicas: p.ReplicaMetrics,
+    pending: float | None = 0,
+    now: float = NOW,
+    rate: float | None = None,
+    recent: float | None = None,
 ) -> p.Observation:
     return p.Observation(
-        now=now, current_replicas=current, replicas=replicas, gateway_pending=pending
+        now=now,
+        current_replicas=current,
+        replicas=replicas,
+        gateway_pending=pending,
+        request_rate=rate,
+        recent_request_rate=recent if recent is not None else rate,
     )
 
 
@@ -39,6 +49,7 @@ IDLE = rep(0, 0, 0.0)
 BUSY = rep(waiting=0, running=8, kv=0.8)  # exactly on the KV target
 DOWN_NOW = {"scale_down_stabilization_seconds": 0}  # single-decision rows that may scale down
 ZERO_OK = {"min_replicas": 0, "scale_to_zero": True, "idle_seconds_before_zero": 600}
+RATE = {"target_requests_per_replica": 5, "max_replicas": 6}  # the rate signal on
 
 # (id, observation, state, spec fields, expected replicas, expected reason)
 ROWS = [
@@ -80,6 +91,19 @@ ROWS = [
     ("running keeps one", obs(1, rep(0, 1, 0.1)), p.PolicyState((), NOW - 900), {**ZERO_OK, **DOWN_NOW}, 1, p.STEADY),
     ("stale keeps one", obs(1, rep(fresh=False)), p.PolicyState((), NOW - 900), {**ZERO_OK, **DOWN_NOW}, 1, p.STALE_METRICS),
     ("zero needs the window too", obs(1, IDLE), p.PolicyState((), NOW - 900), ZERO_OK, 1, p.SCALE_DOWN_STABILIZING),
+    # request rate (where targetRequestsPerReplica is set); the queue then asks at most for
+    # the arrivals plus draining its backlog in DRAIN_SECONDS: ceil((12 + 400 / 60) / 5) = 4
+    ("rate asks more", obs(1, rep(0, 20, 0.1), rate=20), None, RATE, 4, p.REQUEST_RATE),
+    ("rate off without its target", obs(1, rep(0, 20, 0.1), rate=20), None, {}, 1, p.STEADY),
+    ("rate unknown: other signals", obs(1, rep(0, 20, 0.1), rate=None), None, RATE, 1, p.STEADY),
+    ("rate holds a light fleet", obs(8, *[rep(0, 10, 0.05)] * 8, rate=25), None, {**RATE, **DOWN_NOW}, 5, p.LOW_LOAD),
+    ("rate within tolerance holds", obs(4, *[rep(0, 10, 0.05)] * 4, rate=21), None, {**RATE, **DOWN_NOW}, 4, p.STEADY),
+    ("a step: the last period's rate", obs(1, rep(10, 120, 0.7), rate=8, recent=24), None, RATE, 5, p.REQUEST_RATE),
+    ("rate bounds the queue's ask", obs(2, rep(200, 120, 0.9), rep(200, 120, 0.9), rate=12), None, RATE, 4, p.QUEUE_DEPTH),
+    ("rate clamped to max", obs(2, rep(0, 10, 0.1), rep(0, 10, 0.1), rate=100), None, RATE, 6, p.MAX_REPLICAS),
+    # replicas still starting are never removed
+    ("starting: no scale-down", obs(4, IDLE, IDLE), None, DOWN_NOW, 4, p.REPLICAS_STARTING),
+    ("starting: rate falls, hold", obs(6, *[rep(0, 5, 0.05)] * 3, rate=5), None, {**RATE, **DOWN_NOW}, 6, p.REPLICAS_STARTING),
 ]  # fmt: skip
 
 
@@ -110,6 +134,27 @@ def test_message_explains_the_figures() -> None:
     assert decision.queue_depth == pytest.approx(10)
 
 
+def test_message_explains_the_rate() -> None:
+    decision = POLICY.decide(
+        obs(1, rep(0, 20, 0.1), rate=14.5, recent=20), p.PolicyState(), spec(**RATE)
+    )
+    assert decision.message.startswith("RequestRate: 1 -> 4 replicas; queue 0 waiting on 1 ready")
+    assert "rate 20.0 req/s (target 5/replica) asks 4" in decision.message
+
+
+def test_rate_keeps_the_fleet_after_the_window_where_kv_and_queue_read_near_zero() -> None:
+    # Eight replicas carrying 2.4 replicas' worth: KV and queue ask for one replica, the rate
+    # for three. Without the rate the fleet collapses after the window; with it, it stops at 3.
+    light = rep(0, 12, 0.08)
+    loads = every(5, 900, light)
+    without = run(loads, {"max_replicas": 8, "scale_down_stabilization_seconds": 300}, start=8)
+    with_rate = run_rate(
+        loads, 12.0, {"max_replicas": 8, "target_requests_per_replica": 5}, start=8
+    )
+    assert without[-1][1] == 1
+    assert with_rate[-1][1] == 3 and min(r for _, r, _ in with_rate) == 3
+
+
 def test_step_limit_is_reported() -> None:
     decision = POLICY.decide(obs(1, rep(40, 8, 1.0)), p.PolicyState(), spec(max_replicas=20))
     assert "step-limited" in decision.message
@@ -137,6 +182,20 @@ def run(
         if restart_each_step:  # what a restarted loop reads back from status.autoscaler
             state = p.PolicyState.from_status(state.to_status())
         current = decision.replicas
+        out.append((offset, current, decision.reason))
+    return out
+
+
+def run_rate(
+    loads: list[tuple[float, p.ReplicaMetrics]], rate: float, fields: dict[str, object], start: int
+) -> list[tuple[float, int, str]]:
+    """Like `run`, with a constant request rate at the gateway."""
+    autoscaling = spec(**fields)
+    state, current, out = p.PolicyState(), start, []
+    for offset, load in loads:
+        observation = obs(current, *[load] * current, now=NOW + offset, rate=rate)
+        decision = POLICY.decide(observation, state, autoscaling)
+        state, current = decision.state, decision.replicas
         out.append((offset, current, decision.reason))
     return out
 

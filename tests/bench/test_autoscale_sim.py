@@ -16,7 +16,6 @@ from kubellm.autoscaler import policy as policies
 from bench import autoscale_sim
 from bench._autoscale import experiment, traces
 from bench._autoscale.fleet import Fleet, FleetConfig, Result
-from bench._autoscale.proposal import RateFloorPolicy
 from kubellm import api
 
 CAPACITY = experiment.CAPACITY_RPS["long"]
@@ -41,8 +40,13 @@ def run(trace: traces.Trace, config: FleetConfig, policy: policies.Policy | None
 
 @pytest.fixture(scope="module")
 def stepped() -> Result:
-    """The kv-queue policy on a tiny step (shared: the simulation is deterministic)."""
-    return run(step_trace(), fleet_config(), policies.get("kv-queue"))
+    """The kv-queue policy on a tiny step (shared: the simulation is deterministic).
+
+    The rate signal is off here, so the scale-up is the queue's reflex alone
+    (with it on, a noisy period before the step may add a replica first).
+    """
+    config = fleet_config(target_requests_per_replica=None)
+    return run(step_trace(), config, policies.get("kv-queue"))
 
 
 def test_step_scales_up_within_one_period_of_the_queue_passing_its_target(stepped: Result) -> None:
@@ -95,7 +99,7 @@ def test_runs_are_deterministic_for_a_seed(stepped: Result) -> None:
     trace = step_trace()
     assert trace.arrivals(3, MIX) == trace.arrivals(3, MIX)
     assert trace.arrivals(3, MIX) != trace.arrivals(4, MIX)
-    again = run(trace, fleet_config(), policies.get("kv-queue"))
+    again = run(trace, fleet_config(target_requests_per_replica=None), policies.get("kv-queue"))
     assert (again.met, again.decisions, again.replica_seconds) == (
         stepped.met,
         stepped.decisions,
@@ -103,27 +107,22 @@ def test_runs_are_deterministic_for_a_seed(stepped: Result) -> None:
     )
 
 
-def test_the_rate_floor_prototype_asks_for_replicas_by_request_rate() -> None:
-    idle = policies.ReplicaMetrics("r", fresh=True)
-    observation = policies.Observation(now=1e9, current_replicas=1, replicas=(idle,))
-    spec = experiment.autoscaling()
-    decide = RateFloorPolicy(requests_per_replica=CAPACITY).decide
-
-    assert decide(observation, policies.PolicyState(), spec, request_rate=0.0).replicas == 1
-    busy = decide(observation, policies.PolicyState(), spec, request_rate=2.5 * CAPACITY)
-    assert (busy.replicas, busy.reason) == (3, policies.MIN_REPLICAS)
-    capped = decide(observation, policies.PolicyState(), spec, request_rate=100 * CAPACITY)
-    assert capped.replicas == 5  # the real policy's step bound (+4 per period) still applies
-
-
-def test_the_fleet_passes_the_request_rate_to_the_prototype() -> None:
+def test_the_gateway_counters_reach_the_policy_as_a_request_rate() -> None:
     rate = 1.2 * CAPACITY  # one replica copes for a while: no queue yet, but the rate asks 2
     trace = traces.Trace("flat", 30.0, lambda t: rate, rate, "")
-    result = run(trace, fleet_config(), RateFloorPolicy(requests_per_replica=CAPACITY))
+    result = run(trace, fleet_config(), policies.get("kv-queue"))
 
-    assert result.decisions, "the rate floor never asked for a second replica"
+    assert result.decisions, "the request rate never asked for a second replica"
     _, before, after, message = result.decisions[0]
-    assert (before, after) == (1, 2) and message.startswith(policies.MIN_REPLICAS)
+    assert (before, after) == (1, 2) and message.startswith(policies.REQUEST_RATE)
+
+
+def test_without_a_rate_target_the_fleet_has_no_rate_signal() -> None:
+    rate = 1.2 * CAPACITY
+    trace = traces.Trace("flat", 30.0, lambda t: rate, rate, "")
+    config = fleet_config(target_requests_per_replica=None)
+    result = run(trace, config, policies.get("kv-queue"))
+    assert all("req/s" not in message for *_, message in result.decisions)
 
 
 @pytest.mark.parametrize(
@@ -186,6 +185,7 @@ def test_bench_writes_the_summary_and_the_plot(tmp_path, capsys) -> None:
         (["--scale", "0"], "--scale"),
         (["--set", "minReplica=2"], "minReplica"),
         (["--set", "targetQueueDepth=-1"], "targetQueueDepth"),
+        (["--set", "targetRequestsPerReplica=0"], "targetRequestsPerReplica"),
     ],
 )
 def test_bad_arguments_name_the_option(argv: list[str], named: str, capsys) -> None:
@@ -197,3 +197,5 @@ def test_bad_arguments_name_the_option(argv: list[str], named: str, capsys) -> N
 def test_what_if_overrides_reach_the_spec() -> None:
     args = autoscale_sim.parse_args(["--set", "minReplicas=2", "--set", "targetKVCacheUsage=0.4"])
     assert dict(args.spec) == {"min_replicas": 2, "target_kv_cache_usage": 0.4}
+    off = autoscale_sim.parse_args(["--set", "targetRequestsPerReplica=none"])
+    assert dict(off.spec) == {"target_requests_per_replica": None}
