@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,9 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from kubellm import api, metrics
+from tests.fixtures import rbac
+
+RBAC_FILE = Path(__file__).resolve().parents[2] / "autoscaler" / "rbac-requests.yaml"
 
 LLMD = f"{api.GROUP}/{api.VERSION}/{api.PLURAL}"
 SLICES = "discovery.k8s.io/v1/endpointslices"
@@ -108,14 +112,21 @@ async def metrics_server() -> AsyncIterator[Callable[[str], Awaitable[MetricsSer
 
 
 @pytest.fixture
-def cluster(kmock: Any) -> Any:
-    """The emulator with the resources the autoscaler reads and writes."""
+def cluster(kmock: Any) -> Iterator[Any]:
+    """The emulator with the resources the autoscaler reads and writes.
+
+    Tests put objects into it directly, so every HTTP request in its log is the
+    autoscaler's: each must be listed in autoscaler/rbac-requests.yaml, which the
+    Helm chart's RBAC is tested against.
+    """
     kmock.resources[LLMD] = kmock.ResourceInfo(
         kind=api.KIND, namespaced=True, subresources={"status", "scale"}
     )
     kmock.resources[SLICES] = kmock.ResourceInfo(kind="EndpointSlice", namespaced=True)
     kmock.resources[EVENTS] = kmock.ResourceInfo(kind="Event", namespaced=True)
-    return kmock
+    yield kmock
+    missing = rbac.recorded(kmock) - rbac.rules(RBAC_FILE)
+    assert not missing, f"requests missing from {RBAC_FILE}: {sorted(missing)}"
 
 
 def llmd(name: str = "tiny", replicas: int = 1, **autoscaling: Any) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from kmock._internal import enums
 from kubellm.operator import handlers
 
 from kubellm import api, kube
+from tests.fixtures import rbac
 
 ROOT = Path(__file__).resolve().parents[2]
 RBAC_FILE = ROOT / "operator" / "rbac-requests.yaml"
@@ -118,51 +119,16 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: st
 
 def rbac_rules() -> set[tuple[str, str, str]]:
     """(apiGroup, resource, verb) triples from operator/rbac-requests.yaml."""
-    document = yaml.safe_load(RBAC_FILE.read_text())
-    return {
-        (group, resource, verb)
-        for rule in document["rules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
+    return rbac.rules(RBAC_FILE)
 
 
 def _method(request: Any) -> str:
     return str(getattr(request.method, "value", request.method)).upper()
 
 
-def request_verb(request: Any) -> str | None:
-    """The RBAC verb of one recorded API request."""
-    action = request.action
-    if action == enums.action.WATCH:
-        return "watch"
-    if action == enums.action.LIST:
-        return "list"
-    return {
-        "GET": "get",
-        "POST": "create",
-        "PATCH": "patch",
-        "PUT": "update",
-        "DELETE": "delete",
-    }.get(_method(request))
-
-
 def recorded_requests(emulator: Emulator) -> set[tuple[str, str, str]]:
     """(apiGroup, resource[/subresource], verb) for every resource request made so far."""
-    out = set()
-    for request in emulator:
-        if request.headers.get("User-Agent") == TEST_AGENT:
-            continue  # the test's own requests
-        if request.resource is None or not request.resource.plural:
-            continue  # discovery
-        plural = request.resource.plural
-        if request.subresource:
-            plural += f"/{request.subresource}"
-        verb = request_verb(request)
-        if verb:
-            out.add((request.resource.group or "", plural, verb))
-    return out
+    return rbac.recorded(emulator, skip_agent=TEST_AGENT)
 
 
 WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
