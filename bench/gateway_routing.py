@@ -9,6 +9,12 @@ at the client: TTFT p50/p95, mean-ITL p95, goodput (requests/s meeting both
 SLO targets); from the engines' own metrics: prefix-cache hit rate (tokens hit
 / tokens queried).
 
+Contenders: the gateway's policies (`prefix-aware`, `least-load`,
+`round-robin`) and the Rust `vllm-router` from PyPI, named
+`vllm-router:POLICY` (for example `vllm-router:cache_aware`,
+`vllm-router:power_of_two`), started in the gateway's place in front of the
+same replicas (its executable is looked up next to this Python, then on PATH).
+
 Workloads: `shared` = 32 system prompts of 1-4k tokens, each request one of
 them plus a short unique question; `low` = unique prompts of 1-4k tokens.
 
@@ -18,6 +24,8 @@ divided by S.
 
     python bench/gateway_routing.py                       # full default sweep
     python bench/gateway_routing.py --rates 6 --requests 60 --workloads shared
+    python bench/gateway_routing.py --policies prefix-aware,vllm-router:cache_aware
+    (the peer comes from the bench-peers extra: pip install -e ".[bench-peers]")
 
 Prints a table and writes JSON (--out, default bench/results/gateway_routing.json).
 """
@@ -30,6 +38,7 @@ import json
 import os
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -129,6 +138,9 @@ class Fleet:
             ])  # fmt: skip
             self.engines.append(f"http://127.0.0.1:{port}")
             wait_healthy(self.engines[-1], process)
+        if self.policy.startswith("vllm-router:"):
+            self._start_vllm_router(self.policy.split(":", 1)[1])
+            return self
         static = Path(self.tmp.name) / "static.yaml"
         static.write_text(yaml.safe_dump({"models": [{
             "name": "m", "endpoints": self.engines, "routing": {"policy": self.policy},
@@ -145,6 +157,22 @@ class Fleet:
             self.gateways.append(f"http://127.0.0.1:{port}")
             wait_healthy(self.gateways[-1], process)
         return self
+
+    def _start_vllm_router(self, policy: str) -> None:
+        """The Rust vllm-router (PyPI `vllm-router`) in the gateway's place, one per --gateways."""
+        local = Path(sys.executable).with_name("vllm-router")
+        binary = str(local) if local.exists() else shutil.which("vllm-router")
+        if binary is None:
+            raise SystemExit("vllm-router not found: pip install vllm-router")
+        for _ in range(self.args.gateways):
+            port = free_port()
+            process = self._spawn([
+                binary, "--port", str(port), "--policy", policy,
+                "--worker-urls", *self.engines, "--prometheus-port", str(free_port()),
+                "--log-level", "warning",
+            ])  # fmt: skip
+            self.gateways.append(f"http://127.0.0.1:{port}")
+            wait_healthy(self.gateways[-1], process)
 
     def __exit__(self, *exc: object) -> None:
         for process in self.processes:
@@ -258,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     rows = []
-    header = (f"{'workload':8} {'policy':13} {'gw':>2} {'rate/s':>7} {'ok':>4} {'hit':>6} "
+    header = (f"{'workload':8} {'policy':24} {'gw':>2} {'rate/s':>7} {'ok':>4} {'hit':>6} "
               f"{'ttft50':>7} {'ttft95':>7} {'itl95':>7} {'goodput/s':>9}")  # fmt: skip
     print(header, flush=True)
     for kind in args.workloads.split(","):
@@ -266,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             for policy in args.policies.split(","):
                 row = run_one(args, kind, policy, rate)
                 rows.append(row)
-                print(f"{kind:8} {policy:13} {row['gateways']:>2} {row['rate_per_sim_s']:>7.2f} "
+                print(f"{kind:8} {policy:24} {row['gateways']:>2} {row['rate_per_sim_s']:>7.2f} "
                       f"{row['ok']:>4} {row['hit_rate']:>6.1%} {fmt(row['ttft_p50']):>7} "
                       f"{fmt(row['ttft_p95']):>7} {fmt(row['itl_p95'], '.4f'):>7} "
                       f"{row['goodput_rps']:>9.2f}", flush=True)  # fmt: skip

@@ -11,7 +11,7 @@ from kubellm.gateway.router import routing_request
 from kubellm.gateway.scorers import prefix
 from kubellm.gateway.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.scorers.bounded_load import capacity, within_bound
-from kubellm.gateway.scorers.consistent_hash import ConsistentHashScorer
+from kubellm.gateway.scorers.consistent_hash import ConsistentHashScorer, rendezvous_top
 from kubellm.gateway.scorers.picker import pick, profiles
 from kubellm.gateway.scorers.session import SessionTable
 
@@ -118,6 +118,36 @@ def test_prefix_aware_prefers_home_until_it_is_over_the_bound():
     assert pick(profile, request, busy, 1.25, random.Random(0))[0].url != home
     # the filtered-out home is still offered last, for retries
     assert {c.url for c in pick(profile, request, busy, 1.25)} == {c.url for c in idle}
+
+
+def test_cold_prompt_takes_the_lighter_of_its_two_homes_and_a_held_prefix_goes_home():
+    """Low sharing: a prompt no replica holds is balanced by load between its two
+    rendezvous homes (the same two on every gateway), never sent elsewhere."""
+    index = prefix.PrefixIndex()
+    profile = profiles(index, SessionTable())["prefix-aware"]
+    system = {"role": "system", "content": "tenant policy text " * 40}
+    first = routing_request("m", {"messages": [system, {"role": "user", "content": "a"}]}, None)
+    later = routing_request("m", {"messages": [system, {"role": "user", "content": "b"}]}, None)
+    idle = [Candidate(f"http://e{i}") for i in range(4)]
+    home, second = (c.url for c in rendezvous_top(first, idle, 2))
+    assert pick(profile, first, idle, 1.25)[0].url == home  # idle replicas: the home wins
+    # the home is busier than its partner: the partner takes it (others as busy as the
+    # home; the bound, cap 3, keeps all)
+    loads = [Candidate(c.url, load={second: 0}.get(c.url, 2)) for c in idle]
+    assert pick(profile, first, loads, 1.25)[0].url == second
+    # an idle replica outside the pair does not take a cold prompt: its prefix stays on two
+    outsider = next(c.url for c in idle if c.url not in (home, second))
+    spread = [Candidate(c.url, load={outsider: 0}.get(c.url, 2)) for c in idle]
+    assert pick(profile, first, spread, 1.25)[0].url in (home, second)
+    # within a request of each other, the home still wins the tie-break
+    close = [Candidate(c.url, load={home: 3, second: 2}.get(c.url, 2)) for c in idle]
+    assert pick(profile, first, close, 1.25)[0].url == home
+    # once the prefix is held somewhere, a new question on it goes there despite the load
+    index.record(home, first.chunk_hashes)
+    assert pick(profile, later, loads, 1.25)[0].url == home
+    # and the bounded-load guard still moves it off an overloaded home
+    hot = [Candidate(c.url, load=6 if c.url == home else 1) for c in idle]
+    assert pick(profile, later, hot, 1.25)[0].url != home
 
 
 def test_least_load_picks_the_emptiest_engine():
