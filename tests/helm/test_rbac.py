@@ -2,12 +2,11 @@
 
 Two lists meet here:
 
-- the requests each component makes. The operator records the requests its emulator tests made
-  in `operator/rbac-requests.yaml`; the gateway and the autoscaler may do the same in
-  `gateway/rbac-requests.yaml` and `autoscaler/rbac-requests.yaml`. Format: RBAC rules,
+- the requests each component makes, recorded by its emulator tests in
+  `<component>/rbac-requests.yaml` (operator, gateway, autoscaler). Format: RBAC rules,
   `rules: [{apiGroups: [...], resources: [...], verbs: [...]}]` ("" is the core group,
   "llmdeployments/status" a subresource); a plain list of `{apiGroup, resource, verbs}` is read
-  too. Until a file exists, `CONTRACT` below, from the component contract, stands in.
+  too. `CONTRACT` below, from the component contract, is the base of the ceiling.
 - `CEILING`: what the chart may grant each component at most, with every option switched on.
   Widening it is a reviewed change to this file.
 
@@ -83,11 +82,8 @@ OPTIONAL: dict[tuple[str, str], dict[str, Any]] = {
 
 
 def recorded_requests(name: str) -> set[Grant]:
-    """The component's recorded requests, or its contract when it records none yet."""
-    path = ROOT / ("operator" if name == "operator" else name) / "rbac-requests.yaml"
-    if not path.exists():
-        return set(CONTRACT[name])
-    return parse_requests(path)
+    """The requests the component's emulator tests recorded."""
+    return parse_requests(ROOT / name / "rbac-requests.yaml")
 
 
 def parse_requests(path: Path) -> set[Grant]:
@@ -171,10 +167,9 @@ def test_recorded_requests_stay_inside_the_ceiling(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["operator", "gateway", "autoscaler"])
 def test_a_recording_component_is_granted_exactly_its_requests(name: str) -> None:
-    """Where a component records its requests, the default install grants exactly those."""
+    """Each component records its requests; the default install grants exactly those."""
     path = ROOT / name / "rbac-requests.yaml"
-    if not path.exists():
-        pytest.skip(f"{path.relative_to(ROOT)} not written yet; the contract list stands in")
+    assert path.exists(), f"{path.relative_to(ROOT)}: the component's emulator tests record it"
     extra = granted(objects("default"), name) - parse_requests(path)
     assert not extra, f"{name} is granted requests it never makes:\n{_fmt(extra)}"
 
