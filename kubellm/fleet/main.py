@@ -113,9 +113,9 @@ async def serve(args: argparse.Namespace, deployments: list) -> int:
 
     async def events() -> None:
         nonlocal printed_events
-        for line in supervisor.events[printed_events:]:
+        for line in supervisor.events_since(printed_events):
             print(f"kubellm up: {line}", flush=True)
-        printed_events = len(supervisor.events)
+        printed_events = supervisor.events_total
 
     autoscaler = Autoscaler(
         LocalBackend(runtime),
@@ -147,11 +147,12 @@ async def serve(args: argparse.Namespace, deployments: list) -> int:
     try:
         await stop.wait()
     finally:
-        print("kubellm up: stopping", flush=True)
-        server.should_exit = True
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await events()  # what happened since the last print, before the stop lines
+        print("kubellm up: stopping", flush=True)
+        server.should_exit = True
         await supervisor.stop_all()
         await asyncio.gather(server_task, return_exceptions=True)
         await http.aclose()

@@ -85,6 +85,7 @@ class Supervisor:
         self.commands: dict[str, CommandFor] = {}
         self.desired: dict[str, int] = {}
         self.events: list[str] = []
+        self.events_total = 0
         self._client = httpx.AsyncClient(timeout=2.0)
 
     # ------------------------------------------------------------------ desired state
@@ -238,4 +239,10 @@ class Supervisor:
     def event(self, message: str) -> None:
         log.info(message)
         self.events.append(message)
-        del self.events[:-100]
+        self.events_total += 1
+        del self.events[:-100]  # the last 100; events_total keeps counting
+
+    def events_since(self, seen: int) -> list[str]:
+        """Events after the first `seen` ever recorded (those still kept)."""
+        new = self.events_total - seen
+        return self.events[-new:] if new > 0 else []

@@ -105,3 +105,15 @@ async def test_local_backend_lists_only_autoscaled_deployments(tmp_path: Path) -
     await backend.write_status(target, {"desiredReplicas": 3, "reason": "QueueDepth"})
     await backend.write_status(target, {"reason": None})
     assert runtime.deployments["scaled"].autoscaler_status == {"desiredReplicas": 3}
+
+
+def test_events_keep_printing_past_the_kept_window(tmp_path: Path) -> None:
+    supervisor = Supervisor(tmp_path)
+    for i in range(150):
+        supervisor.event(f"e{i}")
+    assert len(supervisor.events) == 100
+    assert supervisor.events_since(149) == ["e149"]
+    supervisor.event("e150")
+    assert supervisor.events_since(150) == ["e150"]
+    assert supervisor.events_since(151) == []
+    assert supervisor.events_since(0)[0] == "e51"  # older ones were dropped, not replayed
