@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -199,8 +200,8 @@ def test_sim_fleet_scales_up_under_load_and_back_after_its_window(
     pids = fleet.pids()
     out = fleet.stop()
     assert fleet.process.returncode == 0, out
-    # The autoscaler said why, with the figures.
-    assert "1 -> 2 replicas; queue 16 waiting on 1 ready" in out
+    # The autoscaler said why, with the figures (the queue it saw depends on timing).
+    assert re.search(r": 1 -> 2 replicas; queue [1-9]\d* waiting on 1 ready", out), out
     assert "2 -> 1 replicas; queue 0 waiting on 2 ready" in out
     assert all(_gone(pid) and _process_group(pid) == [] for pid in pids), out
     assert _port_free(fleet.port)
