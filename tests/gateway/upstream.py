@@ -16,7 +16,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from tests.fixtures.engines import wait_until
 
 
 @dataclass
@@ -148,15 +149,6 @@ def _chunk(model: str, chat: bool, text: str) -> dict[str, Any]:
         "id": "cmpl-1", "object": "text_completion", "created": 0, "model": model,
         "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}],
     }  # fmt: skip
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
-    """Poll `predicate` until it holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.01)
 
 
 class ServerThread:
