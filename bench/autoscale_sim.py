@@ -11,7 +11,10 @@ spikes, 24 h compressed into 24 simulated minutes), seeded.
 Per trace and policy it reports SLO attainment (TTFT <= 2 s and mean ITL <=
 0.1 s), goodput, replica-seconds, scaling direction changes (in all, and the
 most in any scale-down window) and the time from the queue passing its target
-to the scale-up decision; then checks the targets of issue #6. Writes
+to the scale-up decision; per trace, the replica-seconds of replicas that
+appear instantly, sized at a replica's capacity (the oracle) and at the rate
+signal's ask without and with the scale-down window (what the sizing rule
+itself costs); then checks the targets of issue #6. Writes
 `summary.json` and `autoscale.png` to --out. Details: bench/_autoscale/.
 
     /work/venv/bin/python bench/autoscale_sim.py [--mix long|short] [--out bench/out]

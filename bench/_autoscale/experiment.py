@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kubellm.autoscaler import kvqueue
 from kubellm.autoscaler import policy as policies
 from kubellm.autoscaler.concurrency import ConcurrencyPolicy
 from kubellm.engine import sim_profiles
@@ -117,6 +118,34 @@ def oracle_replica_seconds(trace: traces.Trace, mix: str) -> float:
     )
 
 
+def rate_rule_replica_seconds(
+    trace: traces.Trace, spec: api.Autoscaling, held: bool, period: float = PERIOD
+) -> float | None:
+    """A reference, not a bound: replicas that appear instantly, at what the rate signal asks.
+
+    Every `period` the replica count becomes kv-queue's rate ask for the
+    trace's exact rate (`ceil(rate / targetRequestsPerReplica)`, the 10%
+    tolerance against the current count, at least minReplicas); with `held`,
+    scale-down waits for scaleDownStabilizationSeconds as the policy's does
+    (the largest ask of the window). No model load, no Poisson noise, no
+    queue or KV signal. None without targetRequestsPerReplica.
+    """
+    per_replica = spec.target_requests_per_replica
+    if per_replica is None:
+        return None
+    tolerance = kvqueue.KVQueuePolicy().tolerance
+    window = spec.scale_down_stabilization_seconds if held else 0.0
+    replicas, asks, total, t = max(1, spec.min_replicas), [], 0.0, 0.0
+    while t < trace.duration:
+        ask = kvqueue._ask(trace.rate(t), per_replica, replicas, tolerance)
+        ask = min(spec.max_replicas, max(spec.min_replicas, 1, ask))
+        asks = [(s, a) for s, a in asks if s > t - window] + [(t, ask)]
+        replicas = ask if ask >= replicas else max(a for _, a in asks)
+        total += replicas * min(period, trace.duration - t)
+        t += period
+    return total
+
+
 def calibrate(mix: str, rate: float | None = None, seconds: float = 120.0) -> dict[str, float]:
     """One replica at a constant rate (default: the mix's capacity): attainment, in-flight."""
     rate = CAPACITY_RPS[mix] if rate is None else rate
@@ -169,6 +198,14 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
     summary["wall_s"] = round(time.perf_counter() - started, 2)
     summary["trace_description"] = trace.description
     summary["oracle_replica_seconds"] = oracle_replica_seconds(trace, job.mix)
+    spec = autoscaling(job.mix, **dict(job.spec))
+    summary["target_requests_per_replica"] = spec.target_requests_per_replica
+    summary["scale_down_stabilization_seconds"] = spec.scale_down_stabilization_seconds
+    for key, held in (
+        ("rate_rule_replica_seconds", False),
+        ("rate_rule_held_replica_seconds", True),
+    ):
+        summary[key] = rate_rule_replica_seconds(trace, spec, held)
     summary["mix"] = job.mix
     return summary, result
 

@@ -41,7 +41,12 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
 
 
 def lower_bounds(summaries: Sequence[dict[str, Any]]) -> str:
-    """Per trace: replica-seconds if replicas appeared instantly, against the fixed fleet's."""
+    """Per trace: replica-seconds if replicas appeared instantly, against the fixed fleet's.
+
+    Twice: at the capacity of a replica (the oracle), and at what kv-queue's
+    rate signal asks, without and with the scale-down window (what the rule
+    itself costs, before any model load or noise).
+    """
     parts = []
     for trace in dict.fromkeys(s["trace"] for s in summaries):
         runs = {s["policy"]: s for s in summaries if s["trace"] == trace}
@@ -49,7 +54,26 @@ def lower_bounds(summaries: Sequence[dict[str, Any]]) -> str:
         fixed = runs.get("fixed")
         share = f" = {oracle / fixed['replica_seconds']:.0%} of fixed" if fixed else ""
         parts.append(f"{trace} {oracle:.0f}{share}")
-    return "oracle replica-s (instant replicas, ceil(rate / capacity)): " + ", ".join(parts)
+    lines = ["oracle replica-s (instant replicas, ceil(rate / capacity)): " + ", ".join(parts)]
+    first = summaries[0] if summaries else {}
+    if first.get("rate_rule_replica_seconds") is not None:
+        parts = []
+        for trace in dict.fromkeys(s["trace"] for s in summaries):
+            runs = {s["policy"]: s for s in summaries if s["trace"] == trace}
+            run, fixed = next(iter(runs.values())), runs.get("fixed")
+            figures = []
+            for key in ("rate_rule_replica_seconds", "rate_rule_held_replica_seconds"):
+                value = run[key]
+                share = f" = {value / fixed['replica_seconds']:.0%}" if fixed else ""
+                figures.append(f"{value:.0f}{share}")
+            parts.append(f"{trace} {figures[0]}, held {figures[1]}")
+        per_replica = first["target_requests_per_replica"]
+        lines.append(
+            f"instant replicas at the rate ask (ceil(rate / {per_replica:g}), 10% tolerance), "
+            "and held for the scale-down window "
+            f"({first['scale_down_stabilization_seconds']:g} s): " + "; ".join(parts)
+        )
+    return "\n".join(lines)
 
 
 def targets(
