@@ -29,16 +29,3 @@ class ConsistentHashScorer:
         weights = [rendezvous_weight(request.affinity_key, c.url) for c in candidates]
         best = max(weights)
         return [1.0 if w == best else 0.0 for w in weights]
-
-
-def rendezvous_top(
-    request: RoutingRequest, candidates: Sequence[Candidate], n: int
-) -> list[Candidate]:
-    """The `n` candidates first in the request's rendezvous order (all when it has no key).
-
-    Every gateway computes the same set from the prompt and the candidate set alone.
-    """
-    if request.affinity_key is None or len(candidates) <= n:
-        return list(candidates)
-    key = request.affinity_key
-    return sorted(candidates, key=lambda c: rendezvous_weight(key, c.url), reverse=True)[:n]

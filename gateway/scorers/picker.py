@@ -7,16 +7,16 @@ Policies (`spec.routing.policy`):
 
 - prefix-aware: bounded-load filter, then session 8, prefix match 4,
   consistent home 2, in-flight 0.5, queue 0.25, KV cache 0.25. Load scores
-  sum to at most 1 < 2, so the home replica wins unless a longer prefix
-  match lives elsewhere or the bound removed it.
-  A cold request (no endpoint's index holds even its prompt's first chunk,
-  so no replica can have it cached) gains nothing from one fixed home: it
-  chooses between its first COLD_CHOICES replicas in rendezvous order by load
-  (in-flight 2, queue 1, KV cache 0.5; home 1 breaks near-ties), then session 8.
-  This is "the power of two choices" over a consistent pair: unshared prompts
-  spread by load, while a new prefix starts on one of the same two replicas
-  whichever gateway sees it first, so with several gateways it lives on at most
-  two replicas. Once it is somewhere, later requests follow the prefix match.
+  sum to at most 1 < 2, so the home replica (the first of the prompt's
+  rendezvous order still within the bound) wins unless a longer prefix match
+  lives elsewhere. A cold prompt (matched nowhere) therefore goes home even
+  when another replica is lighter: where a new prefix starts depends only on
+  the prompt, the endpoint set and the bound, never on which gateway saw it
+  first, so with several gateways a prefix still lives on one replica (until
+  its load passes the bound, then on the next in the same order on every
+  gateway). The price is balance: unshared prompts spread like consistent
+  hashing with bounded loads (no replica past loadBound x the mean), not like
+  least-load; docs/architecture.md gives the measured cost.
 - least-load: bounded-load filter, session 8, in-flight 2, queue 1, KV cache 1.
 - round-robin: each candidate in turn.
 """
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kubellm.gateway.scorers.base import Candidate, RoutingRequest, Scorer
 from kubellm.gateway.scorers.bounded_load import within_bound
-from kubellm.gateway.scorers.consistent_hash import ConsistentHashScorer, rendezvous_top
+from kubellm.gateway.scorers.consistent_hash import ConsistentHashScorer
 from kubellm.gateway.scorers.in_flight import InFlightScorer
 from kubellm.gateway.scorers.kv_cache import KVCacheScorer
 from kubellm.gateway.scorers.prefix import PrefixIndex, PrefixScorer
@@ -37,25 +37,15 @@ from kubellm.gateway.scorers.queue import QueueScorer
 from kubellm.gateway.scorers.round_robin import RoundRobinScorer
 from kubellm.gateway.scorers.session import SessionScorer, SessionTable
 
-COLD_CHOICES = 2
-
 Filter = Callable[[Sequence[Candidate], float], list[Candidate]]
 
 
 @dataclass
 class Profile:
-    """Filters, then (optionally) the request's first `choices` replicas in rendezvous
-    order, then weighted scorers.
-
-    `cold` replaces this profile for a request that `is_warm` says no candidate
-    (before the filters) may hold cached; without them every request is warm.
-    """
+    """Filters, then weighted scorers."""
 
     filters: list[Filter]
     scorers: list[tuple[Scorer, float]]
-    choices: int | None = None
-    cold: Profile | None = None
-    is_warm: Callable[[RoutingRequest, Sequence[Candidate]], bool] | None = None
 
 
 def pick(
@@ -67,13 +57,9 @@ def pick(
 ) -> list[Candidate]:
     """Candidates best first: filtered ones by weighted score, then those filtered out."""
     rng = rng or random
-    if profile.cold is not None and profile.is_warm and not profile.is_warm(request, candidates):
-        profile = profile.cold
     kept: list[Candidate] = list(candidates)
     for keep in profile.filters:
         kept = keep(kept, load_bound)
-    if profile.choices:
-        kept = rendezvous_top(request, kept, profile.choices)
     totals = [0.0] * len(kept)
     for scorer, weight in profile.scorers:
         for i, value in enumerate(scorer.score(request, kept)):
@@ -105,20 +91,6 @@ def profiles(index: PrefixIndex, sessions: SessionTable) -> dict[str, Profile]:
                 (QueueScorer(), 0.25),
                 (KVCacheScorer(), 0.25),
             ],
-            cold=Profile(
-                filters=[within_bound],
-                choices=COLD_CHOICES,
-                scorers=[
-                    (session, 8.0),
-                    (InFlightScorer(), 2.0),
-                    (QueueScorer(), 1.0),
-                    (ConsistentHashScorer(), 1.0),
-                    (KVCacheScorer(), 0.5),
-                ],
-            ),
-            is_warm=lambda request, candidates: index.held_anywhere(
-                request.chunk_hashes, [c.url for c in candidates]
-            ),
         ),
         "least-load": Profile(filters=[within_bound], scorers=least_load),
         "round-robin": Profile(filters=[], scorers=[(RoundRobinScorer(), 1.0)]),

@@ -123,12 +123,6 @@ class PrefixIndex:
             count += 1
         return count
 
-    def held_anywhere(self, hashes: Sequence[int], urls: Sequence[str]) -> bool:
-        """Whether any of `urls` was sent this prompt's first chunk (so may have it cached)."""
-        if not hashes:
-            return False
-        return any(hashes[0] in self._by_url.get(url, ()) for url in urls)
-
     def forget(self, url: str) -> None:
         self._by_url.pop(url, None)
 

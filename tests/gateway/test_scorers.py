@@ -11,7 +11,7 @@ from kubellm.gateway.router import routing_request
 from kubellm.gateway.scorers import prefix
 from kubellm.gateway.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.scorers.bounded_load import capacity, within_bound
-from kubellm.gateway.scorers.consistent_hash import ConsistentHashScorer, rendezvous_top
+from kubellm.gateway.scorers.consistent_hash import ConsistentHashScorer, rendezvous_weight
 from kubellm.gateway.scorers.picker import pick, profiles
 from kubellm.gateway.scorers.session import SessionTable
 
@@ -120,34 +120,36 @@ def test_prefix_aware_prefers_home_until_it_is_over_the_bound():
     assert {c.url for c in pick(profile, request, busy, 1.25)} == {c.url for c in idle}
 
 
-def test_cold_prompt_takes_the_lighter_of_its_two_homes_and_a_held_prefix_goes_home():
-    """Low sharing: a prompt no replica holds is balanced by load between its two
-    rendezvous homes (the same two on every gateway), never sent elsewhere."""
+def _rendezvous_order(request: RoutingRequest, urls: list[str]) -> list[str]:
+    key = request.affinity_key
+    assert key is not None
+    return sorted(urls, key=lambda u: rendezvous_weight(key, u), reverse=True)
+
+
+def test_cold_prompt_goes_home_despite_lighter_replicas_and_spills_in_rendezvous_order():
+    """Where a new prefix starts depends on the prompt and the bound, not on load ranks."""
     index = prefix.PrefixIndex()
     profile = profiles(index, SessionTable())["prefix-aware"]
     system = {"role": "system", "content": "tenant policy text " * 40}
     first = routing_request("m", {"messages": [system, {"role": "user", "content": "a"}]}, None)
     later = routing_request("m", {"messages": [system, {"role": "user", "content": "b"}]}, None)
-    idle = [Candidate(f"http://e{i}") for i in range(4)]
-    home, second = (c.url for c in rendezvous_top(first, idle, 2))
-    assert pick(profile, first, idle, 1.25)[0].url == home  # idle replicas: the home wins
-    # the home is busier than its partner: the partner takes it (others as busy as the
-    # home; the bound, cap 3, keeps all)
-    loads = [Candidate(c.url, load={second: 0}.get(c.url, 2)) for c in idle]
-    assert pick(profile, first, loads, 1.25)[0].url == second
-    # an idle replica outside the pair does not take a cold prompt: its prefix stays on two
-    outsider = next(c.url for c in idle if c.url not in (home, second))
-    spread = [Candidate(c.url, load={outsider: 0}.get(c.url, 2)) for c in idle]
-    assert pick(profile, first, spread, 1.25)[0].url in (home, second)
-    # within a request of each other, the home still wins the tie-break
-    close = [Candidate(c.url, load={home: 3, second: 2}.get(c.url, 2)) for c in idle]
-    assert pick(profile, first, close, 1.25)[0].url == home
-    # once the prefix is held somewhere, a new question on it goes there despite the load
-    index.record(home, first.chunk_hashes)
-    assert pick(profile, later, loads, 1.25)[0].url == home
-    # and the bounded-load guard still moves it off an overloaded home
-    hot = [Candidate(c.url, load=6 if c.url == home else 1) for c in idle]
-    assert pick(profile, later, hot, 1.25)[0].url != home
+    urls = [f"http://e{i}" for i in range(4)]
+    home, second, third, _ = _rendezvous_order(first, urls)
+    # the home busier than every other replica but within the bound (cap 4): still home
+    lighter = [Candidate(u, load={home: 3}.get(u, 2)) for u in urls]
+    assert pick(profile, first, lighter, 1.25)[0].url == home
+    # the home past the bound (cap 3): the next replica in rendezvous order, though busier
+    over = [Candidate(u, load={home: 5, second: 1}.get(u, 0)) for u in urls]
+    assert pick(profile, first, over, 1.25)[0].url == second
+    both_over = [Candidate(u, load={home: 5, second: 5}.get(u, 1)) for u in urls]  # cap 5
+    assert pick(profile, first, both_over, 1.25)[0].url == third
+    # once the prefix is held somewhere, a new question on it goes there
+    index.record(second, first.chunk_hashes)
+    idle = [Candidate(u) for u in urls]
+    assert pick(profile, later, idle, 1.25)[0].url == second
+    # and the bounded-load guard still moves it off an overloaded holder
+    hot = [Candidate(u, load=6 if u == second else 1) for u in urls]
+    assert pick(profile, later, hot, 1.25)[0].url != second
 
 
 def test_least_load_picks_the_emptiest_engine():
@@ -160,16 +162,33 @@ def test_least_load_picks_the_emptiest_engine():
     assert pick(profile, RoutingRequest("m"), candidates, 1.25)[0].url == "b"
 
 
-def test_two_routers_with_separate_state_agree():
-    """Several gateway replicas: the choice depends on the prompt and the endpoints only."""
-    a, b = _profiles()["prefix-aware"], _profiles()["prefix-aware"]
-    candidates = [Candidate(f"http://e{i}") for i in range(4)]
+def test_two_routers_with_different_histories_and_load_views_agree():
+    """Several gateway replicas: each sees its own in-flight counts and has routed other
+    prompts, yet both send each new prefix to the same replica."""
+    index_a, index_b = prefix.PrefixIndex(), prefix.PrefixIndex()
+    a = profiles(index_a, SessionTable())["prefix-aware"]
+    b = profiles(index_b, SessionTable())["prefix-aware"]
+    urls = [f"http://e{i}" for i in range(4)]
+    for k in range(30):  # only gateway a has seen these
+        other = routing_request(
+            "m", {"messages": [{"role": "user", "content": f"o{k} " * 99}]}, None
+        )
+        index_a.record(urls[k % 4], other.chunk_hashes)
+
+    # the same engines seen at different moments: loads and queues far apart (a scrape
+    # apart), all within the bound (cap 8)
+    def view(loads: tuple[int, ...], waiting: tuple[int, ...]) -> list[Candidate]:
+        return [
+            Candidate(u, load=n, in_flight=n, waiting=w)
+            for u, n, w in zip(urls, loads, waiting, strict=True)
+        ]
+
+    view_a = view((5, 7, 5, 7), (0, 3, 0, 3))
+    view_b = view((7, 5, 7, 5), (3, 0, 3, 0))
     for k in range(50):
         body = {"messages": [{"role": "system", "content": f"tenant {k} " * 80}]}
         request = routing_request("m", body, None)
-        assert (
-            pick(a, request, candidates, 1.25)[0].url == pick(b, request, candidates, 1.25)[0].url
-        )
+        assert pick(a, request, view_a, 1.25)[0].url == pick(b, request, view_b, 1.25)[0].url
 
 
 @pytest.mark.parametrize(
