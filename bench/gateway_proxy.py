@@ -1,18 +1,47 @@
-"""Proxy cost: the latency the gateway adds and the request rate it sustains.
+"""Proxy cost: the request rate one gateway process sustains and the latency it adds.
 
-A near-zero-latency OpenAI-compatible backend (a raw ASGI app answering a fixed
-completion, or a short SSE stream) runs under uvicorn in its own process; the
-gateway (`python -m kubellm.gateway.cli --static ...`) in another. The load
-generator (this process, httpx) runs the same closed-loop load against the
-backend directly and through the gateway, in the same run, and prints
-p50/p99 latency, the added latency and requests/s, and the ratios.
+What runs (socket mode, the default):
 
-    python bench/gateway_proxy.py                      # 100 concurrent, 3,000 requests
-    python bench/gateway_proxy.py --concurrency 100 --requests 5000
-    python bench/gateway_proxy.py --in-process         # the gateway's own CPU per request
+- a near-zero-latency OpenAI-compatible backend: raw asyncio HTTP/1.1 keep-alive
+  server in its own process. Non-streamed requests get a fixed chat completion at
+  once; streamed requests get `--stream-chunks` SSE chunks `--stream-itl-ms` apart
+  (the first at once), then `data: [DONE]`.
+- one gateway process (`python -m kubellm.gateway.cli --static ...`, as deployed:
+  uvicorn, whatever event loop and HTTP parser it picks), pinned to core
+  `--gateway-core`;
+- the load generator (this process: raw asyncio HTTP/1.1 keep-alive connections,
+  closed loop, one request at a time per connection), pinned with the backend to
+  core `--load-core`. Both cost little CPU per request, so the direct figures
+  show what they can drive and the gateway figures are the gateway's.
 
-Note: the load generator shares the machine's cores with both servers, so the
-request rate is a lower bound for the gateway alone.
+Each phase runs against the backend directly and through the gateway, in the
+same run, same conditions:
+
+- `json-max`: non-streamed requests, `--concurrency` connections, as fast as
+  they are answered: the maximum request rate (the target is >= 1,500 req/s
+  through the gateway). Latency here is mostly queueing at saturation.
+- `stream`: `--streams` concurrent streams, paced by the backend's
+  inter-chunk time, so the gateway is loaded but not saturated: the latency it
+  adds (time to first chunk, whole stream, gap between chunks; the target is a
+  p99 added of at most 2 ms, on first chunk and whole stream). Each connection
+  starts at a random moment within one stream's length, as independent clients
+  would; without that, equal-length streams stay in lockstep and the figure is
+  the cost of 100 simultaneous arrivals (`--lockstep` shows it).
+
+Every request carries a distinct ~300-byte prompt (the router's prefix table
+sees real work). Gateway CPU per request is read from /proc for the gateway
+process over each measured phase.
+
+    python bench/gateway_proxy.py                    # both phases, 5 s each
+    python bench/gateway_proxy.py --seconds 10 --concurrency 100 --streams 100
+    python bench/gateway_proxy.py --in-process       # the gateway's CPU, no sockets
+
+`--in-process`: the gateway app called through httpx's ASGI transport, one request at
+a time, its upstream the same raw backend; this process's CPU time per request minus
+that of a bare ASGI app (before the upstream client became aiohttp this figure used
+httpx.MockTransport and wall time: the two are not strictly comparable).
+
+Prints a table and writes JSON (--out, default bench/results/gateway_proxy.json).
 """
 
 from __future__ import annotations
@@ -20,49 +49,329 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import random
+import resource
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import httpx
 import yaml
 
+# ---------------------------------------------------------------- backend (own process)
+
 BACKEND = r"""
-import json, sys, uvicorn
+import asyncio, json, re, socket, sys
 COMPLETION = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m",
     "choices": [{"index": 0, "finish_reason": "stop",
                  "message": {"role": "assistant", "content": "ok"}}],
     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
-CHUNK = b'data: {"id":"c","object":"chat.completion.chunk","created":0,"model":"m",' \
-        b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
-async def app(scope, receive, send):
-    if scope["type"] != "http":
-        return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
-    if scope["path"] in ("/health", "/metrics"):
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
-        return
-    if b'"stream": true' in body or b'"stream":true' in body:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
-        for _ in range(8):
-            await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
-        return
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": COMPLETION})
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="error")
+JSON_RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                 + str(len(COMPLETION)).encode() + b"\r\n\r\n" + COMPLETION)
+EMPTY = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 0\r\n\r\n"
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+EVENT = (b'data: {"id":"c","object":"chat.completion.chunk","created":0,"model":"m",'
+         b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n')
+DONE = b"data: [DONE]\n\n"
+def chunk(data):
+    return b"%x\r\n%s\r\n" % (len(data), data)
+CHUNKS = re.compile(rb'"bench_chunks":\s*(\d+)')
+ITL = re.compile(rb'"bench_itl_ms":\s*([\d.]+)')
+STREAM = re.compile(rb'"stream":\s*true')
+class Server(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.t = transport
+        self.buf = b""
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def data_received(self, data):
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].lower()
+            i = head.find(b"content-length:")
+            length = 0
+            if i >= 0:
+                j = head.find(b"\r\n", i)
+                length = int(head[i + 15:j if j > 0 else None])
+            if len(self.buf) < end + 4 + length:
+                return
+            body = self.buf[end + 4:end + 4 + length]
+            self.buf = self.buf[end + 4 + length:]
+            self.handle(head, body)
+    def handle(self, head, body):
+        if not head.startswith(b"post"):
+            self.t.write(EMPTY)
+            return
+        if not STREAM.search(body):
+            self.t.write(JSON_RESPONSE)
+            return
+        m = CHUNKS.search(body)
+        chunks = int(m.group(1)) if m else 8
+        m = ITL.search(body)
+        itl = float(m.group(1)) / 1000 if m else 0.0
+        self.t.write(SSE_HEAD + chunk(EVENT))
+        loop = asyncio.get_running_loop()
+        def send(left):
+            if self.t.is_closing():
+                return
+            if left == 0:
+                self.t.write(chunk(DONE) + b"0\r\n\r\n")
+                return
+            self.t.write(chunk(EVENT))
+            loop.call_later(itl, send, left - 1) if itl else send(left - 1)
+        if itl:
+            loop.call_later(itl, send, chunks - 1)
+        else:
+            send(chunks - 1)
+async def main(port):
+    import signal
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
+    server = await asyncio.get_running_loop().create_server(Server, "127.0.0.1", port, backlog=1024)
+    await stop.wait()
+try:
+    import uvloop
+    uvloop.run(main(int(sys.argv[1])))
+except ImportError:
+    asyncio.run(main(int(sys.argv[1])))
 """
+
+
+# The gateway under cProfile (--gateway-profile FILE): stats are written when it stops.
+PROFILED = """
+import cProfile, sys
+from kubellm.gateway import cli
+out = sys.argv[1]
+profile = cProfile.Profile()
+try:
+    profile.runcall(cli.main, sys.argv[2:])
+finally:
+    profile.dump_stats(out)
+"""
+
+# ---------------------------------------------------------------- load generator
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection; one request in flight at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.done: asyncio.Future[dict[str, Any]] | None = None
+        self.lost = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("connection closed"))
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    def request(self, data: bytes) -> asyncio.Future[dict[str, Any]]:
+        assert self.transport is not None
+        self.done = asyncio.get_running_loop().create_future()
+        self.status = 0
+        self.head_done = False
+        self.length: int | None = None  # content-length body; None: chunked
+        self.events: list[float] = []
+        self.sent = time.perf_counter()
+        self.transport.write(data)
+        return self.done
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        self.buf += data
+        buf = self.buf
+        if not self.head_done:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(buf[:end]).lower()
+            self.status = int(head[9:12])
+            i = head.find(b"content-length:")
+            if i >= 0:
+                j = head.find(b"\r\n", i)
+                self.length = int(head[i + 15 : j if j > 0 else None])
+            else:
+                self.length = None
+            del buf[: end + 4]
+            self.head_done = True
+        if self.length is not None:
+            if len(buf) < self.length:
+                return
+            del buf[: self.length]
+            self.events.append(now)
+            self._finish(now)
+            return
+        while True:  # chunked
+            j = buf.find(b"\r\n")
+            if j < 0:
+                return
+            size = int(buf[:j].split(b";")[0], 16)
+            if len(buf) < j + 2 + size + 2:
+                return
+            if size == 0:
+                del buf[: j + 4]
+                self._finish(now)
+                return
+            events = buf.count(b"data:", j + 2, j + 2 + size)
+            self.events.extend([now] * events)
+            del buf[: j + 2 + size + 2]
+
+    def _finish(self, now: float) -> None:
+        assert self.done is not None
+        if not self.done.done():
+            self.done.set_result(
+                {"status": self.status, "sent": self.sent, "events": self.events, "end": now}
+            )
+
+
+def request_bytes(port: int, body: dict[str, Any]) -> bytes:
+    raw = json.dumps(body).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+        b"content-type: application/json\r\naccept: */*\r\ncontent-length: %d\r\n\r\n%s"
+        % (port, len(raw), raw)
+    )
+
+
+def bodies(port: int, count: int, stream: bool, chunks: int, itl_ms: float) -> list[bytes]:
+    """Distinct prompts (a number up front), so prefix routing sees new prefixes."""
+    out = []
+    for i in range(count):
+        body: dict[str, Any] = {
+            "model": "m",
+            "messages": [{"role": "user", "content": f"{i} " + "hello " * 50}],
+            "stream": stream,
+        }
+        if stream:
+            body["bench_chunks"] = chunks
+            body["bench_itl_ms"] = itl_ms
+        out.append(request_bytes(port, body))
+    return out
+
+
+async def drive(
+    port: int, requests: list[bytes], concurrency: int, seconds: float, stagger: float = 0.0
+) -> dict:
+    """Closed loop on `concurrency` connections for `seconds`; one warm-up second first.
+
+    `stagger`: each connection starts at a random moment in its first `stagger` seconds,
+    so that equal-length streams do not all start (and send each chunk) in lockstep.
+    """
+    loop = asyncio.get_running_loop()
+    conns = []
+    for _ in range(concurrency):
+        _, proto = await loop.create_connection(Connection, "127.0.0.1", port)
+        conns.append(proto)
+    results: list[dict[str, Any]] = []
+    errors = 0
+    state = {"record": False, "stop": False, "next": 0}
+
+    async def worker(conn: Connection) -> None:
+        nonlocal errors
+        if stagger:
+            await asyncio.sleep(random.uniform(0, stagger))
+        while not state["stop"]:
+            data = requests[state["next"] % len(requests)]
+            state["next"] += 1
+            try:
+                r = await conn.request(data)
+            except ConnectionError:
+                errors += 1
+                return
+            if state["record"]:
+                if r["status"] != 200:
+                    errors += 1
+                results.append(r)
+
+    tasks = [asyncio.ensure_future(worker(c)) for c in conns]
+    await asyncio.sleep(1.0)  # warm-up
+    state["record"] = True
+    cpu0 = _cpu_self()
+    started = time.perf_counter()
+    hook = _phase_hook.get("start")
+    if hook:
+        hook()
+    await asyncio.sleep(seconds)
+    state["record"] = False
+    wall = time.perf_counter() - started
+    hook = _phase_hook.get("stop")
+    if hook:
+        hook()
+    cpu = _cpu_self() - cpu0
+    state["stop"] = True
+    await asyncio.gather(*tasks)
+    for c in conns:
+        assert c.transport is not None
+        c.transport.close()
+    return summarize(results, wall, errors, cpu)
+
+
+_phase_hook: dict[str, Callable[[], None]] = {}
+
+
+def _cpu_self() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _cpu_of(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarize(results: list[dict[str, Any]], wall: float, errors: int, cpu: float) -> dict:
+    e2e = [1000 * (r["end"] - r["sent"]) for r in results]
+    ttft = [1000 * (r["events"][0] - r["sent"]) for r in results if r["events"]]
+    gaps = [
+        1000 * (b - a) for r in results for a, b in zip(r["events"], r["events"][1:], strict=False)
+    ]
+    return {
+        "requests": len(results),
+        "errors": errors,
+        "rps": len(results) / wall,
+        "p50_ms": pct(e2e, 0.5),
+        "p99_ms": pct(e2e, 0.99),
+        "ttft_p50_ms": pct(ttft, 0.5),
+        "ttft_p99_ms": pct(ttft, 0.99),
+        "gap_p50_ms": pct(gaps, 0.5),
+        "gap_p99_ms": pct(gaps, 0.99),
+        "loadgen_cpu_ms_per_request": 1000 * cpu / max(1, len(results)),
+    }
+
+
+# ---------------------------------------------------------------- processes
+
+
+def run_loop(coro: Any) -> Any:
+    """The load generator's event loop: uvloop where installed (less CPU per request)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def free_port() -> int:
@@ -71,75 +380,151 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout: float = 20) -> None:
+def wait_listening(port: int, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+                if s.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
             pass
         time.sleep(0.1)
-    raise RuntimeError(f"{url} did not start")
+    raise RuntimeError(f"port {port} did not answer")
 
 
-async def load(url: str, stream: bool, concurrency: int, total: int) -> dict:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    latencies: list[float] = []
-    errors = 0
-    remaining = total
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
-
-        async def worker() -> None:
-            nonlocal remaining, errors
-            while remaining > 0:
-                remaining -= 1
-                start = time.perf_counter()
-                try:
-                    if stream:
-                        async with client.stream(
-                            "POST", f"{url}/v1/chat/completions", json=body
-                        ) as response:
-                            async for _ in response.aiter_raw():
-                                pass
-                    else:
-                        response = await client.post(f"{url}/v1/chat/completions", json=body)
-                    if response.status_code != 200:
-                        errors += 1
-                except httpx.HTTPError:
-                    errors += 1
-                latencies.append(time.perf_counter() - start)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - started
-    latencies.sort()
-    return {
-        "p50_ms": 1000 * latencies[len(latencies) // 2],
-        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-        "rps": len(latencies) / wall,
-        "errors": errors,
-    }
+def pinned(core: int) -> Callable[[], None]:
+    return lambda: os.sched_setaffinity(0, {core})
 
 
-async def in_process(requests: int) -> dict:
-    """The gateway's own CPU per request: no sockets, a mock upstream, one request at a time.
+def socket_mode(args: argparse.Namespace) -> dict:
+    os.sched_setaffinity(0, {args.load_core})
+    processes: list[subprocess.Popen[bytes]] = []
+    tmp = tempfile.TemporaryDirectory()
+    try:
+        backend_port, gateway_port = free_port(), free_port()
+        script = Path(tmp.name) / "backend.py"
+        script.write_text(BACKEND)
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(backend_port)],
+                preexec_fn=pinned(args.load_core),
+            )
+        )
+        wait_listening(backend_port)
+        static = Path(tmp.name) / "static.yaml"
+        backend_url = f"http://127.0.0.1:{backend_port}"
+        static.write_text(yaml.safe_dump({"models": [{"name": "m", "endpoints": [backend_url]}]}))
+        cli = ["--port", str(gateway_port), "--static", str(static)]
+        if args.gateway_profile:
+            command = [sys.executable, "-c", PROFILED, args.gateway_profile, *cli]
+        else:
+            command = [sys.executable, "-m", "kubellm.gateway.cli", *cli]
+        gateway = subprocess.Popen(command, preexec_fn=pinned(args.gateway_core))
+        processes.append(gateway)
+        wait_listening(gateway_port)
+        phases = [
+            (name, stream, concurrency)
+            for name, stream, concurrency in (
+                ("json-max", False, args.concurrency),
+                ("stream", True, args.streams),
+            )
+            if name in args.phases.split(",")
+        ]
+        rows = []
+        for phase, stream, concurrency in phases:
+            for path, port in (("direct", backend_port), ("gateway", gateway_port)):
+                reqs = bodies(port, 4096, stream, args.stream_chunks, args.stream_itl_ms)
+                cpu: dict[str, float] = {}
+                _phase_hook["start"] = lambda cpu=cpu: cpu.__setitem__("0", _cpu_of(gateway.pid))
+                _phase_hook["stop"] = lambda cpu=cpu: cpu.__setitem__("1", _cpu_of(gateway.pid))
+                stagger = args.stream_chunks * args.stream_itl_ms / 1000
+                stagger = 0.0 if not stream or args.lockstep else stagger
+                r = run_loop(drive(port, reqs, concurrency, args.seconds, stagger))
+                gw_cpu = cpu["1"] - cpu["0"]
+                r["gateway_cpu_ms_per_request"] = (
+                    1000 * gw_cpu / max(1, r["requests"]) if path == "gateway" else None
+                )
+                r["gateway_core_busy"] = gw_cpu / args.seconds if path == "gateway" else None
+                rows.append({"phase": phase, "path": path, "concurrency": concurrency, **r})
+        return {"rows": rows}
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGINT)  # uvicorn stops gracefully (a profile is written)
+            process.wait(10)
+        tmp.cleanup()
 
-    Same client, same ASGI transport, once through the gateway app (upstream:
-    httpx.MockTransport) and once to a bare ASGI app; the difference is the
-    gateway's work (parsing, routing, proxying, metrics).
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'phase':9} {'path':8} {'conc':>4} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'ttft p50':>8} {'ttft p99':>8} {'gap p99':>7} {'err':>4} {'gw CPU ms/req':>13} "
+        f"{'gw core':>7}"
+    )
+    for r in rows:
+        gw = r["gateway_cpu_ms_per_request"]
+        busy = r["gateway_core_busy"]
+        print(
+            f"{r['phase']:9} {r['path']:8} {r['concurrency']:>4} {r['rps']:>7.0f} "
+            f"{r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} {r['ttft_p50_ms']:>8.2f} "
+            f"{r['ttft_p99_ms']:>8.2f} {r['gap_p99_ms']:>7.2f} {r['errors']:>4} "
+            f"{'' if gw is None else f'{gw:.3f}':>13} {'' if busy is None else f'{busy:.0%}':>7}"
+        )
+
+
+def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    by = {(r["phase"], r["path"]): r for r in rows}
+    out: dict[str, Any] = {}
+    if ("json-max", "gateway") in by:
+        jd, jg = by["json-max", "direct"], by["json-max", "gateway"]
+        out["json_gateway_rps"] = jg["rps"]
+        out["json_rps_ratio_to_direct"] = jg["rps"] / jd["rps"]
+        out["target_rps_met"] = jg["rps"] >= 1500
+    if ("stream", "gateway") in by:
+        sd, sg = by["stream", "direct"], by["stream", "gateway"]
+        out["stream_added_ttft_p99_ms"] = sg["ttft_p99_ms"] - sd["ttft_p99_ms"]
+        out["stream_added_e2e_p99_ms"] = sg["p99_ms"] - sd["p99_ms"]
+        out["stream_added_gap_p99_ms"] = sg["gap_p99_ms"] - sd["gap_p99_ms"]
+        worst = max(out["stream_added_ttft_p99_ms"], out["stream_added_e2e_p99_ms"])
+        out["target_p99_met"] = worst <= 2
+    return out
+
+
+def print_verdict(v: dict[str, Any]) -> None:
+    if "json_gateway_rps" in v:
+        print(
+            f"json-max through the gateway: {v['json_gateway_rps']:.0f} req/s "
+            f"({v['json_rps_ratio_to_direct']:.0%} of direct); target >= 1500: "
+            f"{'met' if v['target_rps_met'] else 'MISSED'}"
+        )
+    if "stream_added_ttft_p99_ms" in v:
+        print(
+            f"stream, p99 added by the gateway: first chunk "
+            f"{v['stream_added_ttft_p99_ms']:+.2f} ms, whole stream "
+            f"{v['stream_added_e2e_p99_ms']:+.2f} ms, chunk gap "
+            f"{v['stream_added_gap_p99_ms']:+.2f} ms; target <= 2 ms: "
+            f"{'met' if v['target_p99_met'] else 'MISSED'}"
+        )
+
+
+# ---------------------------------------------------------------- in-process figure
+
+
+async def in_process(requests: int, backend_url: str) -> dict:
+    """The gateway's own CPU per request, without the gateway's server sockets.
+
+    The gateway app is called through httpx's ASGI transport one request at a
+    time; its upstream is the raw backend (another process, over loopback, with
+    the gateway's real upstream client). The same client calls a bare ASGI app
+    too; this process's CPU time per request, gateway minus bare, is the
+    gateway's work (parsing, routing, the upstream request, metrics).
     """
+    import httpx
     from kubellm.gateway.app import Gateway, create_app
     from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget
 
-    completion = json.dumps({"id": "c", "object": "chat.completion", "model": "m",
-                             "choices": [{"index": 0, "finish_reason": "stop",
-                                          "message": {"role": "assistant", "content": "ok"}}],
-                             "usage": {"completion_tokens": 1}}).encode()  # fmt: skip
-
-    def upstream(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=completion, headers={"content-type": "application/json"})
+    completion = b'{"id":"c","object":"chat.completion","model":"m","choices":[]}'
 
     async def bare(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
         while (await receive()).get("more_body"):
@@ -153,90 +538,90 @@ async def in_process(requests: int) -> dict:
         transport = httpx.ASGITransport(app)
         async with httpx.AsyncClient(transport=transport, base_url="http://g") as client:
             for _ in range(100):
-                await client.post("/v1/chat/completions", json=body)
-            start = time.perf_counter()
+                assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+            start = time.process_time()
             for _ in range(requests):
                 await client.post("/v1/chat/completions", json=body)
-            return (time.perf_counter() - start) / requests * 1000
+            return (time.process_time() - start) / requests * 1000
 
-    targets = {"m": ModelTarget("m", "m", endpoints=(Endpoint("http://b1"), Endpoint("http://b2")))}
-    mock = httpx.AsyncClient(transport=httpx.MockTransport(upstream))
-    gateway_ms = await per_request(create_app(Gateway(FixedDiscovery(targets), client=mock)))
+    targets = {"m": ModelTarget("m", "m", endpoints=(Endpoint(backend_url),))}
+    gateway = Gateway(FixedDiscovery(targets))
+    try:
+        gateway_ms = await per_request(create_app(gateway))
+    finally:
+        await gateway.stop()
     bare_ms = await per_request(bare)
     own = gateway_ms - bare_ms
     return {"gateway_ms": gateway_ms, "bare_ms": bare_ms, "gateway_cpu_ms": own,
             "ceiling_rps_per_core": 1000 / own}  # fmt: skip
 
 
+def in_process_mode(args: argparse.Namespace) -> dict:
+    os.sched_setaffinity(0, {args.gateway_core})
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        script = Path(tmp) / "backend.py"
+        script.write_text(BACKEND)
+        backend = subprocess.Popen(
+            [sys.executable, str(script), str(port)], preexec_fn=pinned(args.load_core)
+        )
+        try:
+            wait_listening(port)
+            return run_loop(in_process(args.requests, f"http://127.0.0.1:{port}"))
+        finally:
+            backend.send_signal(signal.SIGINT)
+            backend.wait(10)
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--concurrency", type=int, default=100)
-    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per phase and path")
+    p.add_argument("--concurrency", type=int, default=100, help="connections for json-max")
+    p.add_argument("--streams", type=int, default=100, help="concurrent streams for stream")
+    p.add_argument("--stream-chunks", type=int, default=16)
+    p.add_argument("--stream-itl-ms", type=float, default=25.0)
+    p.add_argument("--lockstep", action="store_true", help="stream: all connections start at once")
+    p.add_argument("--gateway-core", type=int, default=0)
+    p.add_argument("--load-core", type=int, default=1, help="core of backend and load generator")
+    p.add_argument("--phases", default="json-max,stream", help="comma-separated phases to run")
+    p.add_argument("--gateway-profile", metavar="FILE", help="run the gateway under cProfile")
     p.add_argument("--in-process", action="store_true", help="only the in-process CPU figure")
+    p.add_argument("--requests", type=int, default=3000, help="--in-process: requests timed")
     p.add_argument("--out", default="bench/results/gateway_proxy.json")
     args = p.parse_args(argv)
     if args.in_process:
-        r = asyncio.run(in_process(args.requests))
-        print(f"in-process: gateway {r['gateway_ms']:.3f} ms/request, bare app "
+        r = in_process_mode(args)
+        print(f"in-process (CPU time): gateway {r['gateway_ms']:.3f} ms/request, bare app "
               f"{r['bare_ms']:.3f} ms; the gateway's own CPU {r['gateway_cpu_ms']:.3f} ms/request "
               f"-> ceiling ~{r['ceiling_rps_per_core']:.0f} req/s per core")  # fmt: skip
         return 0
-    processes = []
-    tmp = tempfile.TemporaryDirectory()
-    try:
-        backend_port, gateway_port = free_port(), free_port()
-        script = Path(tmp.name) / "backend.py"
-        script.write_text(BACKEND)
-        processes.append(subprocess.Popen([sys.executable, str(script), str(backend_port)]))
-        backend = f"http://127.0.0.1:{backend_port}"
-        wait_healthy(backend)
-        static = Path(tmp.name) / "static.yaml"
-        static.write_text(yaml.safe_dump({"models": [{"name": "m", "endpoints": [backend]}]}))
-        processes.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kubellm.gateway.cli",
-                    "--port",
-                    str(gateway_port),
-                    "--static",
-                    str(static),
-                ]
-            )
-        )
-        gateway = f"http://127.0.0.1:{gateway_port}"
-        wait_healthy(gateway)
-        rows = []
-        print(f"{'mode':10} {'path':8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'errors':>6}")
-        for stream in (False, True):
-            mode = "stream" if stream else "json"
-            asyncio.run(load(backend, stream, args.concurrency, 200))  # warm up both
-            asyncio.run(load(gateway, stream, args.concurrency, 200))
-            direct = asyncio.run(load(backend, stream, args.concurrency, args.requests))
-            proxied = asyncio.run(load(gateway, stream, args.concurrency, args.requests))
-            for path, r in (("direct", direct), ("gateway", proxied)):
-                print(f"{mode:10} {path:8} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
-                      f"{r['rps']:>8.0f} {r['errors']:>6}")  # fmt: skip
-            added = {
-                "mode": mode, "concurrency": args.concurrency,
-                "direct": direct, "gateway": proxied,
-                "added_p50_ms": proxied["p50_ms"] - direct["p50_ms"],
-                "added_p99_ms": proxied["p99_ms"] - direct["p99_ms"],
-                "rps_ratio": proxied["rps"] / direct["rps"],
-            }  # fmt: skip
-            print(f"{mode:10} added    {added['added_p50_ms']:>8.2f} {added['added_p99_ms']:>8.2f} "
-                  f"{added['rps_ratio']:>7.0%}")  # fmt: skip
-            rows.append(added)
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(rows, indent=2))
-        print(f"wrote {out}")
-    finally:
-        for process in processes:
-            process.terminate()
-            process.wait(10)
-        tmp.cleanup()
+    print(
+        f"gateway: 1 process on core {args.gateway_core} (uvicorn; uvloop "
+        f"{'installed' if _installed('uvloop') else 'absent'}, httptools "
+        f"{'installed' if _installed('httptools') else 'absent'}); backend + load generator on "
+        f"core {args.load_core}; {args.seconds:g} s per row after 1 s warm-up"
+    )
+    print(
+        f"json-max: non-streamed, {args.concurrency} closed-loop connections (max rate); "
+        f"stream: {args.streams} concurrent streams of {args.stream_chunks} chunks "
+        f"{args.stream_itl_ms:g} ms apart, starts spread over one stream's length (latency added)"
+    )
+    result = socket_mode(args)
+    rows = result["rows"]
+    print_table(rows)
+    v = verdict(rows)
+    print_verdict(v)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    conditions = {k: v for k, v in vars(args).items() if k not in ("out", "in_process")}
+    out.write_text(json.dumps({"conditions": conditions, "rows": rows, "verdict": v}, indent=2))
+    print(f"wrote {out}")
     return 0
 
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from kubellm.gateway import proxy, slo_metrics
 from kubellm.gateway.discovery.base import Discovery, FallbackTarget, ModelTarget
 from kubellm.gateway.fallback import Route, Thresholds, decide, saturated
@@ -71,7 +71,7 @@ class Gateway:
         self,
         discovery: Discovery,
         settings: GatewaySettings | None = None,
-        client: httpx.AsyncClient | None = None,
+        client: aiohttp.ClientSession | None = None,
     ) -> None:
         self.discovery = discovery
         self.settings = s = settings or GatewaySettings()
@@ -79,10 +79,7 @@ class Gateway:
         self.load = LoadView(stale_after=s.stale_after)
         self.outliers = OutlierDetector(s.eject_after_failures, s.eject_base_seconds)
         self.router = Router(self.load, self.outliers)
-        self.client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(s.read_timeout, connect=s.connect_timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
-        )
+        self._client = client  # the upstream client; made in the event loop when first used
         self.fallback_in_flight: dict[str, int] = {}
         self.queued: dict[str, int] = {}
         self._changed = asyncio.Event()
@@ -90,6 +87,13 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
 
     # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        if self._client is None:
+            s = self.settings
+            self._client = proxy.new_session(s.connect_timeout, s.read_timeout)
+        return self._client
 
     def wake(self) -> None:
         """Capacity may have freed: let queued requests look again."""
@@ -129,7 +133,9 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        await self.client.aclose()
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
     # ---------------------------------------------------------------- checks
 
@@ -146,12 +152,25 @@ class Gateway:
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise errors.too_large(limit)
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
+        receive = request.receive
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        body = message.get("body", b"")
+        if not message.get("more_body", False):  # the usual case: one message
             if len(body) > limit:
                 raise errors.too_large(limit)
-        return bytes(body)
+            return body
+        buffer = bytearray(body)
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            buffer += message.get("body", b"")
+            if len(buffer) > limit:
+                raise errors.too_large(limit)
+            if not message.get("more_body", False):
+                return bytes(buffer)
 
     # ---------------------------------------------------------------- admission
 
@@ -201,7 +220,7 @@ class Gateway:
     # ---------------------------------------------------------------- handlers
 
     async def completions(self, request: Request) -> Response:
-        path = request.url.path
+        path = request.scope["path"]
         arrived = time.monotonic()
         try:
             self.authenticate(request)
@@ -215,8 +234,8 @@ class Gateway:
         target = self.discovery.snapshot().get(model)
         if target is None:
             return self._refused(errors.model_not_found(model))
-        labels = _labels(target)
-        self.metrics.pending.labels(*labels).inc()
+        series = self.metrics.target(_labels(target))
+        series.pending.inc()
         finished = False
 
         def finish(route: str, code: int) -> None:
@@ -224,9 +243,9 @@ class Gateway:
             if finished:
                 return
             finished = True
-            self.metrics.pending.labels(*labels).dec()
-            self.metrics.requests.labels(*labels, route, str(code)).inc()
-            self.metrics.e2e.labels(*labels).observe(time.monotonic() - arrived)
+            series.pending.dec()
+            series.requests(route, code).inc()
+            series.e2e.observe(time.monotonic() - arrived)
 
         try:
             return await until_disconnect(
@@ -250,11 +269,10 @@ class Gateway:
     ) -> Response:
         """Admission, then forwarding to a replica or the fallback, or a refusal."""
         model = target.served_name
-        labels = _labels(target)
         session = request.headers.get("x-session-id")
         routing = routing_request(model, body, session)
         target, route, reason, order, waited = await self.admit(target, routing)
-        self.metrics.queue_wait.labels(*labels).observe(waited)
+        self.metrics.target(_labels(target)).queue_wait.observe(waited)
         if route is Route.REJECT:
             # saturated: 429, come back soon; no replica at all: 503 until one is up
             status = 429 if reason == "saturated" else 503
@@ -263,7 +281,7 @@ class Gateway:
             return error.response()
         if route is Route.FALLBACK:
             assert target.fallback is not None
-            self.metrics.fallback.labels(*labels, reason).inc()
+            self.metrics.fallback.labels(*_labels(target), reason).inc()
             return await self._forward_fallback(
                 target, target.fallback, body, request, arrived, finish
             )
@@ -282,7 +300,8 @@ class Gateway:
         arrived: float,
         finish: Callable[[str, int], None],
     ) -> Response:
-        targets = [(c.url, f"{c.url}{request.url.path}") for c in order]
+        path = request.scope["path"]
+        targets = [(c.url, c.url + path) for c in order]
         try:
             attempt = await proxy.open_upstream(
                 self.client,
@@ -301,7 +320,7 @@ class Gateway:
             finish("replica", error.status)
             return error.response()
         ratio = self.router.routed(routing, attempt.url)
-        self.metrics.prefix_match.labels(*_labels(target)).observe(ratio)
+        self.metrics.target(_labels(target)).prefix_match.observe(ratio)
         return await self._relay(
             target, attempt.response, attempt.release, body, arrived, "replica", finish, None
         )
@@ -341,13 +360,11 @@ class Gateway:
         headers = _forward_headers(request)
         if fallback.api_key:
             headers["authorization"] = f"Bearer {fallback.api_key}"
-        url = f"{fallback.url}{request.url.path.removeprefix('/v1')}"
+        url = f"{fallback.url}{request.scope['path'].removeprefix('/v1')}"
+        headers.setdefault("content-type", "application/json")
         try:
-            response = await self.client.send(
-                self.client.build_request("POST", url, json=outgoing, headers=headers),
-                stream=True,
-            )
-        except httpx.HTTPError as error:
+            response = await self.client.post(url, json=outgoing, headers=headers)
+        except proxy.UPSTREAM_ERRORS as error:
             release()
             failure = errors.upstream_failed(f"The fallback API failed: {type(error).__name__}.")
             finish("fallback", failure.status)
@@ -362,7 +379,7 @@ class Gateway:
     async def _relay(
         self,
         target: ModelTarget,
-        response: httpx.Response,
+        response: aiohttp.ClientResponse,
         release: Callable[[], None],
         body: dict[str, Any],
         arrived: float,
@@ -370,55 +387,61 @@ class Gateway:
         finish: Callable[[str, int], None],
         rename: str | None,
     ) -> Response:
-        labels = _labels(target)
+        series = self.metrics.target(_labels(target))
         headers = {"x-kubellm-route": route}
         content_type = response.headers.get("content-type", "application/json")
-        streaming = body.get("stream") is True and response.status_code == 200
+        status = response.status
+        streaming = body.get("stream") is True and status == 200
         if not streaming:
+            content: bytes | None
             try:
-                content = await response.aread()
-            except httpx.HTTPError:
+                content = await response.read()
+            except proxy.UPSTREAM_ERRORS:
                 content = None
             finally:
-                await response.aclose()
+                proxy.close_response(response)
                 release()
             if content is None:
                 error = errors.upstream_failed("The upstream failed while answering.")
                 finish(route, error.status)
                 return error.response()
-            if rename and response.status_code == 200:
+            if rename and status == 200:
                 content = _rename_json(content, rename)
             elapsed = time.monotonic() - arrived
-            if response.status_code == 200:
-                self.metrics.ttft.labels(*labels).observe(elapsed)
+            if status == 200:
+                series.ttft.observe(elapsed)
                 if route == "fallback":
                     for kind, count in _usage(content).items():
-                        self.metrics.fallback_tokens.labels(*labels, kind).inc(count)
-                tokens = _completion_tokens(content)
-                budget = target.slo.ttft_seconds + target.slo.itl_seconds * tokens
-                if elapsed <= budget:
-                    self.metrics.goodput.labels(*labels).inc()
-            finish(route, response.status_code)
-            return Response(content, response.status_code, headers, media_type=content_type)
+                        self.metrics.fallback_tokens.labels(*series.labels, kind).inc(count)
+                slo = target.slo
+                # within the TTFT target, the budget is met whatever the token count: no parse
+                if elapsed <= slo.ttft_seconds or elapsed <= (
+                    slo.ttft_seconds + slo.itl_seconds * _completion_tokens(content)
+                ):
+                    series.goodput.inc()
+            finish(route, status)
+            return Response(content, status, headers, media_type=content_type)
 
         timing = proxy.StreamTiming(start=arrived)
         transform = (lambda chunk: proxy.rename_model_in_sse(chunk, rename)) if rename else None
 
         async def close() -> None:
-            await response.aclose()
+            proxy.close_response(response)
             release()
             if timing.ttft is not None:
-                self.metrics.ttft.labels(*labels).observe(timing.ttft)
+                series.ttft.observe(timing.ttft)
             for gap in timing.gaps:
-                self.metrics.itl.labels(*labels).observe(gap)
+                series.itl.observe(gap)
             completed = timing.error is None and timing.first is not None
             if completed and slo_metrics.met_slo(
                 timing.ttft, timing.mean_itl, target.slo.ttft_seconds, target.slo.itl_seconds
             ):
-                self.metrics.goodput.labels(*labels).inc()
+                series.goodput.inc()
             finish(route, 200 if completed else 502)
 
-        stream: AsyncIterator[bytes] = proxy.relay_stream(response, timing, transform)
+        stream: AsyncIterator[bytes] = proxy.relay_stream(
+            proxy.http_chunks(response), timing, transform
+        )
         return proxy.DisconnectAwareStreamingResponse(
             stream, status_code=200, headers=headers, media_type=content_type, on_close=close
         )
@@ -450,27 +473,12 @@ async def until_disconnect(request: Request, work: Awaitable[Response]) -> Respo
 
     Cancelling closes the upstream request (its response is closed in `finally`
     blocks), so an engine stops working for a client that left. Streams watch
-    for disconnects themselves once their headers are sent.
+    for disconnects themselves once their headers are sent. `work` runs in the
+    request's own task; one watcher task cancels it on a disconnect.
     """
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        watcher.cancel()
-        raise
-    if task.done():
-        watcher.cancel()
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    async with proxy.DisconnectWatch(request.receive) as watch:
+        return await work
+    assert watch.disconnected
     raise ClientDisconnect()
 
 

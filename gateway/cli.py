@@ -9,6 +9,7 @@ Imports stay light here; the app is built inside `run`.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 
@@ -103,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubellm gateway: {error}", file=sys.stderr)
         return 1
     app = create_app(Gateway(discovery, settings))
+    # What exists now (modules, the app) lives as long as the process: keep it out of the
+    # cyclic GC's full collections, whose pauses otherwise land on requests in flight.
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

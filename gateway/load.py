@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubellm import metrics
@@ -112,18 +112,22 @@ class LoadView:
             del self._stats[url]
 
 
-async def scrape_once(client: httpx.AsyncClient, url: str, view: LoadView) -> bool:
+_SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+
+
+async def scrape_once(client: aiohttp.ClientSession, url: str, view: LoadView) -> bool:
     try:
-        response = await client.get(f"{url}/metrics", timeout=2.0)
-        response.raise_for_status()
-        view.record(url, parse_engine_metrics(response.text, view.clock()))
+        async with client.get(f"{url}/metrics", timeout=_SCRAPE_TIMEOUT) as response:
+            response.raise_for_status()
+            text = await response.text()
+        view.record(url, parse_engine_metrics(text, view.clock()))
         return True
-    except (httpx.HTTPError, ValueError):
+    except (TimeoutError, aiohttp.ClientError, ValueError):
         return False  # the stats age and go stale; the endpoint is not trusted on them
 
 
 async def scrape_loop(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     urls: Callable[[], Iterable[str]],
     view: LoadView,
     interval: float = 1.0,

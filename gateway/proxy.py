@@ -13,16 +13,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import functools
 import json
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-import anyio
-import httpx
+import aiohttp
 from kubellm.gateway.protocol.errors import sse_error_event
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -32,11 +31,42 @@ _TOKEN = re.compile(rb'"(?:content|text)":\s*"[^"]')
 
 FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "openai-organization")
 
+# What an upstream failing looks like: refused or reset connections, timeouts (connect,
+# or `read_timeout` of silence), a body cut short.
+UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, TimeoutError)
 
-@functools.lru_cache(maxsize=4096)
-def _url(url: str) -> httpx.URL:
-    """Parsed upstream URLs, cached: httpx's URL parsing is a large share of proxy CPU."""
-    return httpx.URL(url)
+
+def new_session(connect_timeout: float, read_timeout: float) -> aiohttp.ClientSession:
+    """The gateway's upstream client: keep-alive connections, no pool cap.
+
+    `read_timeout` bounds each silence (between reads, mid-stream included), not the
+    whole answer. Created inside the running event loop. Nothing is added to what the
+    client sent: no content type is made up for a body that came without one.
+    """
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60),
+        timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout, sock_read=read_timeout
+        ),
+        skip_auto_headers=("Content-Type",),
+    )
+
+
+def close_response(response: aiohttp.ClientResponse) -> None:
+    """Release a fully read answer's connection for reuse; close any other (so the engine
+    sees the request end: a client that left, a stream that broke)."""
+    if response.content.is_eof():
+        response.release()
+    else:
+        response.close()
+
+
+async def http_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The body as the engine framed it: one item per HTTP chunk (an SSE event, usually),
+    not whatever happened to be buffered, so each event is timed and relayed on its own."""
+    async for data, _ in response.content.iter_chunks():
+        if data:
+            yield data
 
 
 @dataclass
@@ -44,7 +74,7 @@ class Attempt:
     """One upstream that answered without a 5xx, and the release for its in-flight slot."""
 
     url: str
-    response: httpx.Response
+    response: aiohttp.ClientResponse
     release: Callable[[], None]
     failures: list[str] = field(default_factory=list)
 
@@ -56,7 +86,7 @@ class AllUpstreamsFailed(Exception):
 
 
 async def open_upstream(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     targets: Sequence[tuple[str, str]],
     body: bytes,
     headers: dict[str, str],
@@ -70,9 +100,8 @@ async def open_upstream(
     for key, url in list(targets)[: max(1, attempts)]:
         release = acquire(key)
         try:
-            request = client.build_request("POST", _url(url), content=body, headers=headers)
-            response = await client.send(request, stream=True)
-        except httpx.HTTPError as error:
+            response = await client.post(url, data=body, headers=headers)
+        except UPSTREAM_ERRORS as error:
             release()
             on_failure(key)
             failures.append(f"{key}: {type(error).__name__}")
@@ -80,11 +109,11 @@ async def open_upstream(
         except BaseException:
             release()
             raise
-        if response.status_code >= 500:
-            await response.aclose()
+        if response.status >= 500:
+            response.close()
             release()
             on_failure(key)
-            failures.append(f"{key}: HTTP {response.status_code}")
+            failures.append(f"{key}: HTTP {response.status}")
             continue
         on_success(key)
         return Attempt(key, response, release, failures)
@@ -128,15 +157,17 @@ def rename_model_in_sse(chunk: bytes, served_name: str) -> bytes:
 
 
 async def relay_stream(
-    response: httpx.Response,
+    chunks: AsyncIterator[bytes],
     timing: StreamTiming,
     transform: Callable[[bytes], bytes] | None = None,
 ) -> AsyncIterator[bytes]:
-    """Yield the upstream body; on a mid-stream failure yield one SSE error event and stop."""
+    """Yield the upstream body (`chunks`: as they arrive); on a mid-stream failure yield
+    one SSE error event and stop. The caller closes the upstream response."""
     pending = b""
+    search = _TOKEN.search
     try:
-        async for chunk in response.aiter_raw():
-            if _TOKEN.search(chunk):
+        async for chunk in chunks:
+            if search(chunk):
                 now = time.monotonic()
                 if timing.first is None:
                     timing.first = now
@@ -153,15 +184,53 @@ async def relay_stream(
                 yield transform(complete + sep)
         if pending:
             yield transform(pending) if transform else pending
-    except httpx.HTTPError as error:
+    except UPSTREAM_ERRORS as error:
         timing.error = f"upstream stream failed: {type(error).__name__}"
         yield sse_error_event(
             "The model replica failed mid-stream; the response is incomplete.",
             "server_error",
             "upstream_stream_error",
         )
-    finally:
-        await response.aclose()
+
+
+class DisconnectWatch:
+    """Cancel the current task when the client disconnects, in one watcher task.
+
+    Use as `async with DisconnectWatch(receive) as watch:`; when the watcher
+    cancelled the task, the CancelledError is turned into `watch.disconnected`
+    being True (and the task's cancel request withdrawn), any other cancellation
+    propagates. Cheaper than running the work in a second task and waiting on both.
+    """
+
+    __slots__ = ("_receive", "_running", "_task", "_watcher", "disconnected")
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._running = True
+        self.disconnected = False
+
+    async def __aenter__(self) -> DisconnectWatch:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        return self
+
+    async def _watch(self) -> None:
+        receive = self._receive
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if self._running:
+            self.disconnected = True
+            self._task.cancel()
+
+    async def __aexit__(self, kind: object, error: object, tb: object) -> bool:
+        self._running = False
+        self._watcher.cancel()
+        if kind is asyncio.CancelledError and self.disconnected:
+            self._task.uncancel()  # our own cancel, delivered: the task goes on
+            return True
+        return False
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):
@@ -170,7 +239,8 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
     Starlette only notices a disconnect when a send fails; a slow engine may
     not produce a chunk for a long time, and its request would run on. Here the
     relay is cancelled as soon as `http.disconnect` arrives, which closes the
-    upstream connection and so cancels the request at the engine.
+    upstream connection and so cancels the request at the engine. `on_close`
+    runs however the stream ends (it does not wait on anything, so it completes).
     """
 
     def __init__(self, *args: object, on_close: Callable[[], Awaitable[None]], **kw: object):
@@ -179,19 +249,8 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with anyio.create_task_group() as group:
-
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):
-                        await self.stream_response(send)
-                    group.cancel_scope.cancel()
-
-                async def watch() -> None:
-                    await self.listen_for_disconnect(receive)
-                    group.cancel_scope.cancel()
-
-                group.start_soon(stream)
-                group.start_soon(watch)
+            async with DisconnectWatch(receive):
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._on_close()
+            await self._on_close()

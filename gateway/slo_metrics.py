@@ -10,7 +10,8 @@ target. Each gateway app has its own registry, so several can live in one proces
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.utils import floatToGoString
@@ -55,11 +56,54 @@ class GatewayMetrics:
     slo_objective: Gauge
     fallback_tokens: Counter
 
+    _targets: dict[tuple[str, ...], TargetMetrics] = field(
+        default_factory=dict, init=False, repr=False
+    )
+
+    def target(self, labels: tuple[str, ...]) -> TargetMetrics:
+        """One deployment's series, looked up once (`.labels()` costs on every request)."""
+        found = self._targets.get(labels)
+        if found is None:
+            found = self._targets[labels] = TargetMetrics(self, labels)
+        return found
+
     def publish_slo(self, labels: Sequence[str], ttft: float, itl: float, objective: float) -> None:
         """Export one deployment's SLO as series the recording rules join on `le`."""
         self.slo_target.labels(*labels, "ttft", bucket_label(ttft, _LATENCY)).set(ttft)
         self.slo_target.labels(*labels, "itl", bucket_label(itl, _ITL)).set(itl)
         self.slo_objective.labels(*labels).set(objective)
+
+
+class TargetMetrics:
+    """The children of the per-deployment series, resolved once per label set.
+
+    `requests` children (route, code) are cached on first use too.
+    """
+
+    __slots__ = (
+        "_metrics", "_requests", "e2e", "goodput", "itl", "labels", "pending",
+        "prefix_match", "queue_wait", "ttft",
+    )  # fmt: skip
+
+    def __init__(self, metrics: GatewayMetrics, labels: tuple[str, ...]) -> None:
+        self._metrics = metrics
+        self.labels = labels
+        self.pending: Any = metrics.pending.labels(*labels)
+        self.ttft: Any = metrics.ttft.labels(*labels)
+        self.itl: Any = metrics.itl.labels(*labels)
+        self.e2e: Any = metrics.e2e.labels(*labels)
+        self.goodput: Any = metrics.goodput.labels(*labels)
+        self.queue_wait: Any = metrics.queue_wait.labels(*labels)
+        self.prefix_match: Any = metrics.prefix_match.labels(*labels)
+        self._requests: dict[tuple[str, int], Any] = {}
+
+    def requests(self, route: str, code: int) -> Any:
+        child = self._requests.get((route, code))
+        if child is None:
+            child = self._requests[route, code] = self._metrics.requests.labels(
+                *self.labels, route, str(code)
+            )
+        return child
 
 
 def create(registry: CollectorRegistry | None = None) -> GatewayMetrics:

@@ -78,7 +78,6 @@ def test_ejection_period_grows_and_expires():
 
 
 async def test_stream_timing_starts_at_the_first_generated_text():
-    import httpx
     from kubellm.gateway.proxy import StreamTiming, relay_stream
 
     role = b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
@@ -88,8 +87,7 @@ async def test_stream_timing_starts_at_the_first_generated_text():
         for chunk in (role, token, token, b"data: [DONE]\n\n"):
             yield chunk
 
-    response = httpx.Response(200, content=body())
-    timing = StreamTiming(start=0.0)
-    relayed = b"".join([chunk async for chunk in relay_stream(response, timing)])
+    timing = StreamTiming(start=0.0)  # relay_stream takes the upstream body's chunks
+    relayed = b"".join([chunk async for chunk in relay_stream(body(), timing)])
     assert relayed == role + token + token + b"data: [DONE]\n\n"  # unchanged
     assert timing.chunks == 2 and len(timing.gaps) == 1 and timing.error is None
