@@ -23,7 +23,14 @@ from typing import Any
 import aiohttp
 from kubellm.gateway import proxy, slo_metrics
 from kubellm.gateway.discovery.base import Discovery, FallbackTarget, ModelTarget
-from kubellm.gateway.fallback import Route, Thresholds, decide, saturated
+from kubellm.gateway.fallback import (
+    CompletionRate,
+    Route,
+    Thresholds,
+    decide,
+    predicted_wait,
+    saturated,
+)
 from kubellm.gateway.load import LoadView, scrape_loop
 from kubellm.gateway.outliers import OutlierDetector
 from kubellm.gateway.protocol import errors
@@ -82,6 +89,7 @@ class Gateway:
         self._client = client  # the upstream client; made in the event loop when first used
         self.fallback_in_flight: dict[str, int] = {}
         self.queued: dict[str, int] = {}
+        self.completed = CompletionRate()  # replica answers finished, to predict queue waits
         self._changed = asyncio.Event()
         self.load.on_release(self.wake)
         self._tasks: list[asyncio.Task[None]] = []
@@ -197,13 +205,17 @@ class Gateway:
                 thresholds = self.settings.thresholds
                 open_ = [c for c in candidates if not saturated(c, thresholds)]
                 now = time.monotonic()
-                room = queued or self.queued.get(model, 0) < self.settings.max_queue
+                waiting = self.queued.get(model, 0)
+                room = queued or waiting < self.settings.max_queue
+                position = waiting if queued else waiting + 1
                 decision = decide(
                     ready=len(candidates),
                     unsaturated=len(open_),
                     fallback=target.fallback,
                     fallback_in_flight=self.fallback_in_flight.get(model, 0),
                     may_wait=room and now < deadline,
+                    wait=predicted_wait(position, self.completed.rate(c.url for c in candidates)),
+                    budget_left=deadline - now if ready_now else 0.0,
                 )
                 if decision.route is not Route.QUEUE:
                     order = self.router.order(target, routing, open_) if open_ else []
@@ -321,8 +333,16 @@ class Gateway:
             return error.response()
         ratio = self.router.routed(routing, attempt.url)
         self.metrics.target(_labels(target)).prefix_match.observe(ratio)
+        release, url, done = attempt.release, attempt.url, []
+
+        def release_completed() -> None:
+            if not done:
+                done.append(True)
+                self.completed.record(url)
+            release()
+
         return await self._relay(
-            target, attempt.response, attempt.release, body, arrived, "replica", finish, None
+            target, attempt.response, release_completed, body, arrived, "replica", finish, None
         )
 
     def _refused(self, error: GatewayError) -> Response:

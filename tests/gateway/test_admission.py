@@ -152,3 +152,42 @@ def _thresholds(**kw):
     from kubellm.gateway.fallback import Thresholds
 
     return Thresholds(**kw)
+
+
+def test_short_predicted_wait_queues_for_a_replica_long_one_goes_to_fallback(engines, gateway):
+    """Saturated replicas that finish requests often: a request waits for a slot rather
+    than paying for the external API; when the predicted wait breaks the TTFT target,
+    it goes to the fallback at once instead of spending its budget in the queue."""
+    (engine, server), (api, api_server) = engines(2)
+    engine.behaviour.tokens = 2
+    gw = gateway(
+        {"tiny": model("tiny", [server], slo=SLO(ttft_seconds=5), fallback=_fallback(api_server))},
+        thresholds=_thresholds(max_in_flight=1),
+    )
+    for _ in range(10):  # ten answers finished within the window: about 1 per second
+        gw.client().chat.completions.create(model="tiny", messages=CHAT)
+    assert gw.gateway.completed.rate([server.url]) >= 0.9
+
+    engine.behaviour.tokens, engine.behaviour.token_delay = 10, 0.05  # holds its slot ~0.5 s
+    pool, futures = _hold(gw, 1)
+    wait_until(lambda: engine.active == 1, 5)
+    answer = gw.client().chat.completions.create(model="tiny", messages=CHAT)  # waits ~1 s
+    assert answer.choices[0].message.content.startswith(engine.name)
+    futures[0].result(timeout=10)
+    assert api.bodies == []
+    assert gw.metric("kubellm_gateway_queue_wait_seconds_sum", **LABELS) > 0
+
+    # a TTFT target shorter than the predicted wait (~0.8 s): the fallback, without first
+    # queueing until the 0.6 s budget is spent as it would with no prediction
+    pool.shutdown()
+    fallback = _fallback(api_server)
+    gw.update({"tiny": model("tiny", [server], slo=SLO(ttft_seconds=0.6), fallback=fallback)})
+    waited = gw.metric("kubellm_gateway_queue_wait_seconds_sum", **LABELS)
+    pool, futures = _hold(gw, 1)
+    wait_until(lambda: engine.active == 1, 5)
+    answer = gw.client().chat.completions.create(model="tiny", messages=CHAT)
+    assert answer.choices[0].message.content.startswith(api.name)
+    assert gw.metric("kubellm_gateway_queue_wait_seconds_sum", **LABELS) - waited < 0.3
+    futures[0].result(timeout=10)
+    pool.shutdown()
+    assert gw.metric("kubellm_gateway_fallback_requests_total", **LABELS, reason="saturated") == 1

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 from kubellm.gateway.discovery.base import FallbackTarget
-from kubellm.gateway.fallback import Route, Thresholds, decide, saturated
+from kubellm.gateway.fallback import (
+    CompletionRate,
+    Route,
+    Thresholds,
+    decide,
+    predicted_wait,
+    saturated,
+)
 from kubellm.gateway.router import routing_request
 from kubellm.gateway.scorers import prefix
 from kubellm.gateway.scorers.base import Candidate, RoutingRequest
@@ -213,6 +221,43 @@ def test_admission_decision(ready, open_, fallback, fb_busy, may_wait, route, re
     )
     decision = decide(ready, open_, target, fb_busy, may_wait)
     assert (decision.route, decision.reason) == (route, reason)
+
+
+@pytest.mark.parametrize(
+    ("ready", "fallback", "wait", "budget", "may_wait", "route", "reason"),
+    [
+        (2, True, 0.2, 0.5, True, Route.QUEUE, "short-wait"),  # a slot frees in time
+        (2, True, 0.8, 0.5, True, Route.FALLBACK, "saturated"),  # it would break the TTFT
+        (2, True, math.inf, 0.5, True, Route.FALLBACK, "saturated"),  # nothing finishing
+        (2, True, 0.2, 0.5, False, Route.FALLBACK, "saturated"),  # queue full
+        (2, False, 0.8, 0.5, True, Route.QUEUE, "saturated"),  # no fallback: wait, as before
+        (0, True, 0.0, 0.5, True, Route.FALLBACK, "no-ready-replicas"),  # nothing to wait on
+    ],
+)
+def test_admission_weighs_predicted_wait_against_the_budget(
+    ready, fallback, wait, budget, may_wait, route, reason
+):
+    target = FallbackTarget("http://x/v1", max_concurrency=4) if fallback else None
+    decision = decide(ready, 0, target, 0, may_wait, wait=wait, budget_left=budget)
+    assert (decision.route, decision.reason) == (route, reason)
+
+
+def test_completion_rate_and_predicted_wait():
+    now = [100.0]
+    rate = CompletionRate(window=10.0, clock=lambda: now[0])
+    assert rate.rate(["a", "b"]) == 0.0
+    assert predicted_wait(1, 0.0) == math.inf
+    for _ in range(20):
+        rate.record("a")
+    for _ in range(10):
+        rate.record("b")
+    assert rate.rate(["a", "b"]) == 3.0  # 30 completions in a 10 s window
+    assert rate.rate(["a"]) == 2.0  # only the model's own endpoints count
+    assert predicted_wait(6, rate.rate(["a", "b"])) == 2.0  # sixth in line
+    now[0] = 105.0
+    rate.record("a")
+    now[0] = 110.5  # the first 30 left the window
+    assert rate.rate(["a", "b"]) == 0.1
 
 
 def test_saturation_thresholds():
