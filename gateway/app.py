@@ -208,13 +208,14 @@ class Gateway:
                 waiting = self.queued.get(model, 0)
                 room = queued or waiting < self.settings.max_queue
                 position = waiting if queued else waiting + 1
+                rate = 0.0 if open_ else self.completed.rate(c.url for c in candidates)
                 decision = decide(
                     ready=len(candidates),
                     unsaturated=len(open_),
                     fallback=target.fallback,
                     fallback_in_flight=self.fallback_in_flight.get(model, 0),
                     may_wait=room and now < deadline,
-                    wait=predicted_wait(position, self.completed.rate(c.url for c in candidates)),
+                    wait=predicted_wait(position, rate),
                     budget_left=deadline - now if ready_now else 0.0,
                 )
                 if decision.route is not Route.QUEUE:

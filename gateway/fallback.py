@@ -76,7 +76,11 @@ class CompletionRate:
         self._done: dict[str, deque[float]] = {}
 
     def record(self, url: str) -> None:
-        self._done.setdefault(url, deque()).append(self.clock())
+        now = self.clock()
+        times = self._done.setdefault(url, deque())
+        times.append(now)
+        while times[0] < now - self.window:  # bounded by the window, read or not
+            times.popleft()
 
     def rate(self, urls: Iterable[str]) -> float:
         """Completions per second summed over `urls` (0 when none finished in the window)."""

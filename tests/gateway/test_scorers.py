@@ -258,6 +258,10 @@ def test_completion_rate_and_predicted_wait():
     rate.record("a")
     now[0] = 110.5  # the first 30 left the window
     assert rate.rate(["a", "b"]) == 0.1
+    for _ in range(1000):  # memory stays bounded by the window even when rate() is not read
+        now[0] += 1.0
+        rate.record("c")
+    assert len(rate._done["c"]) <= 11
 
 
 def test_saturation_thresholds():
