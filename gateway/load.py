@@ -59,6 +59,7 @@ class LoadView:
         self.clock = clock
         self.in_flight: dict[str, int] = {}
         self._stats: dict[str, EngineStats] = {}
+        self._own_at_scrape: dict[str, int] = {}
         self._listeners: list[Callable[[], None]] = []
 
     def on_release(self, listener: Callable[[], None]) -> None:
@@ -88,6 +89,7 @@ class LoadView:
 
     def record(self, url: str, stats: EngineStats) -> None:
         self._stats[url] = stats
+        self._own_at_scrape[url] = self.in_flight.get(url, 0)
         self._notify()
 
     def stats(self, url: str) -> EngineStats | None:
@@ -98,18 +100,26 @@ class LoadView:
         return stats
 
     def load(self, url: str) -> float:
-        """Requests on the engine: the larger of our own count and its reported queue."""
+        """Requests on the engine: its reported running + waiting, moved by what this
+        gateway sent or saw finish since that scrape, and never below our own count.
+
+        The correction keeps a scrape that is a fraction of a second old from
+        hiding a burst this gateway just sent; with several gateways each corrects
+        by its own share, so their views of a replica stay close.
+        """
         own = self.in_flight.get(url, 0)
         stats = self.stats(url)
         if stats is None:
             return float(own)
-        return max(float(own), stats.running + stats.waiting)
+        since = own - self._own_at_scrape.get(url, 0)
+        return max(float(own), stats.running + stats.waiting + since)
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop stats of endpoints no longer known (in-flight counts drain on their own)."""
         keep = set(keep)
         for url in [u for u in self._stats if u not in keep]:
             del self._stats[url]
+            self._own_at_scrape.pop(url, None)
 
 
 _SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kubellm.gateway.load import LoadView, parse_engine_metrics
+from kubellm.gateway.load import EngineStats, LoadView, parse_engine_metrics
 from kubellm.gateway.outliers import OutlierDetector
 
 VLLM_METRICS = """\
@@ -50,10 +50,27 @@ def test_stale_metrics_are_not_trusted():
     view = LoadView(stale_after=5, clock=clock)
     view.record("a", parse_engine_metrics(VLLM_METRICS, clock()))
     view.acquire("a")
-    assert view.load("a") == 6.0  # the engine's running + waiting beat our 1
+    assert view.load("a") == 7.0  # the engine's running + waiting, plus the 1 sent since
     clock.now += 6
     assert view.stats("a") is None
     assert view.load("a") == 1.0  # only what the gateway knows for sure
+
+
+def test_load_corrects_the_last_scrape_by_what_this_gateway_did_since():
+    clock = Clock()
+    view = LoadView(stale_after=5, clock=clock)
+    held = [view.acquire("a") for _ in range(2)]
+    view.record("a", EngineStats(waiting=1, running=4, kv_usage=0.5, scraped_at=clock()))
+    assert view.load("a") == 5.0  # our 2 are among the engine's 5
+    held += [view.acquire("a") for _ in range(3)]  # a burst the scrape has not seen
+    assert view.load("a") == 8.0
+    for release in held[:4]:
+        release()
+    assert view.load("a") == 4.0  # 3 sent and 4 finished since the scrape: 5 - 1
+    held[4]()
+    view.record("a", EngineStats(waiting=0, running=0, kv_usage=0.0, scraped_at=clock()))
+    view.acquire("a")
+    assert view.load("a") == 1.0  # never below our own count
 
 
 def test_ejection_period_grows_and_expires():
