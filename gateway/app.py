@@ -332,7 +332,7 @@ class Gateway:
             )
             finish("replica", error.status)
             return error.response()
-        ratio = self.router.routed(routing, attempt.url)
+        ratio = self.router.routed(routing, attempt.url, [c.url for c in order])
         self.metrics.target(_labels(target)).prefix_match.observe(ratio)
         release, url, done = attempt.release, attempt.url, []
 

@@ -16,6 +16,7 @@ from kubellm.gateway.load import LoadView
 from kubellm.gateway.outliers import OutlierDetector
 from kubellm.gateway.scorers import prefix
 from kubellm.gateway.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.scorers.consistent_hash import rendezvous_weight
 from kubellm.gateway.scorers.picker import pick, profiles
 from kubellm.gateway.scorers.session import SessionTable
 
@@ -46,6 +47,7 @@ class Router:
         self.rng = rng or random.Random()
         self.index = prefix.PrefixIndex(index_capacity)
         self.sessions = SessionTable()
+        self.sharing = prefix.Sharing()
         self.profiles = profiles(self.index, self.sessions)
 
     def candidates(self, target: ModelTarget) -> list[Candidate]:
@@ -69,14 +71,40 @@ class Router:
     def order(
         self, target: ModelTarget, request: RoutingRequest, candidates: Sequence[Candidate]
     ) -> list[Candidate]:
-        profile = self.profiles[target.routing.policy]
+        policy = target.routing.policy
+        if policy == "prefix-aware" and self.unshared(request):
+            policy = "least-load"
+        profile = self.profiles[policy]
         return pick(profile, request, candidates, target.routing.load_bound, self.rng)
 
-    def routed(self, request: RoutingRequest, url: str) -> float:
-        """Remember where a request went; returns the prefix match ratio it had there."""
-        total = len(request.chunk_hashes)
-        ratio = self.index.matched(url, request.chunk_hashes) / total if total else 0.0
-        self.index.record(url, request.chunk_hashes)
+    def unshared(self, request: RoutingRequest) -> bool:
+        """A cold prompt (this gateway never routed its first chunk) of a model whose
+        recent traffic shares almost no prefixes: load decides, not the prompt's home."""
+        hashes = request.chunk_hashes
+        return self.sharing.low(request.model) and not (hashes and self.sharing.seen(hashes[0]))
+
+    def routed(self, request: RoutingRequest, url: str, candidates: Sequence[str]) -> float:
+        """Remember where a request went; returns the prefix match ratio it had there.
+
+        A cold prompt that went elsewhere than its home (the home was past the load
+        bound, or load decided) is not indexed there: this gateway would otherwise
+        keep sending its prefix to a replica other gateways know nothing of. Its
+        next request goes home, or to the same next replica every gateway picks.
+        """
+        hashes = request.chunk_hashes
+        total = len(hashes)
+        ratio = self.index.matched(url, hashes) / total if total else 0.0
+        cold = bool(total) and not self.sharing.observe(request.model, hashes[0])
+        if not cold or url == home(request, candidates):
+            self.index.record(url, hashes)
         if request.session:
             self.sessions.record(request.session, url)
         return ratio
+
+
+def home(request: RoutingRequest, urls: Sequence[str]) -> str | None:
+    """The first of `urls` in the request's rendezvous order."""
+    key = request.affinity_key
+    if key is None or not urls:
+        return None
+    return max(urls, key=lambda url: rendezvous_weight(key, url))

@@ -16,7 +16,10 @@ Policies (`spec.routing.policy`):
   its load passes the bound, then on the next in the same order on every
   gateway). The price is balance: unshared prompts spread like consistent
   hashing with bounded loads (no replica past loadBound x the mean), not like
-  least-load; docs/architecture.md gives the measured cost.
+  least-load. So the router (gateway/router.py) routes a cold prompt by the
+  least-load profile instead while the model's recent traffic shares almost no
+  prefixes (`prefix.Sharing`), and does not index a cold prompt where it went
+  other than home, so no gateway pins a prefix to a replica only it knows of.
 - least-load: bounded-load filter, session 8, in-flight 2, queue 1, KV cache 1.
 - round-robin: each candidate in turn.
 """

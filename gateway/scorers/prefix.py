@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -141,3 +141,40 @@ class PrefixScorer:
         if not total:
             return [0.0] * len(candidates)
         return [self.index.matched(c.url, request.chunk_hashes) / total for c in candidates]
+
+
+class Sharing:
+    """Which prompt beginnings this gateway has seen, and how much of each model's recent
+    traffic shares them.
+
+    `observe` remembers a prompt's first chunk hash (a bounded LRU set, about
+    120 bytes an entry) and samples, per model, whether it had been seen before.
+    Fewer than `low_below` seen among a full `window` of samples means the traffic
+    is essentially unshared: there a cold prompt gains nothing from a fixed home
+    and may go to the least-loaded replica. Every gateway replica sees a like share
+    of the same traffic, so they switch alike.
+    """
+
+    def __init__(self, window: int = 64, low_below: int = 4, capacity: int = 65_536) -> None:
+        self.window = window
+        self.low_below = low_below
+        self.capacity = capacity
+        self._firsts: OrderedDict[int, None] = OrderedDict()
+        self._samples: dict[str, deque[bool]] = {}
+
+    def seen(self, first: int) -> bool:
+        return first in self._firsts
+
+    def observe(self, model: str, first: int) -> bool:
+        """Record a routed prompt's first chunk; returns whether it had been seen before."""
+        before = first in self._firsts
+        self._firsts[first] = None
+        self._firsts.move_to_end(first)
+        if len(self._firsts) > self.capacity:
+            self._firsts.popitem(last=False)
+        self._samples.setdefault(model, deque(maxlen=self.window)).append(before)
+        return before
+
+    def low(self, model: str) -> bool:
+        samples = self._samples.get(model)
+        return samples is not None and len(samples) == self.window and sum(samples) < self.low_below

@@ -271,3 +271,69 @@ def test_saturation_thresholds():
     assert saturated(Candidate("a", kv_usage=0.95), t)
     assert saturated(Candidate("a", in_flight=10), t)
     assert not saturated(Candidate("a"), t)  # unknown (stale) is not saturated
+
+
+def _router():
+    from kubellm.gateway.load import LoadView
+    from kubellm.gateway.outliers import OutlierDetector
+    from kubellm.gateway.router import Router
+
+    return Router(LoadView(), OutlierDetector(), random.Random(0))
+
+
+def _target(urls):
+    from kubellm.gateway.discovery.base import Endpoint, ModelTarget
+
+    return ModelTarget("m", "m", endpoints=tuple(Endpoint(u) for u in urls))
+
+
+def test_a_cold_prompt_spilled_off_its_home_is_not_pinned_to_where_it_spilled():
+    """Gateway a sees a new prefix while its home is past the bound and sends it to the
+    next replica; gateway b sees it later, home within bound. Their next requests on it
+    must agree: home, not where a alone once sent it."""
+    a, b = _router(), _router()
+    urls = [f"http://e{i}" for i in range(4)]
+    target = _target(urls)
+    system = {"role": "system", "content": "tenant policy text " * 40}
+    first = routing_request("m", {"messages": [system, {"role": "user", "content": "a"}]}, None)
+    later = routing_request("m", {"messages": [system, {"role": "user", "content": "b"}]}, None)
+    home, second, *_ = _rendezvous_order(first, urls)
+    busy = [Candidate(u, load={home: 5, second: 1}.get(u, 0)) for u in urls]
+    spilled = a.order(target, first, busy)[0].url
+    assert spilled == second
+    a.routed(first, spilled, urls)
+    b.routed(first, b.order(target, first, [Candidate(u) for u in urls])[0].url, urls)
+    idle = [Candidate(u) for u in urls]
+    assert a.order(target, later, idle)[0].url == b.order(target, later, idle)[0].url == home
+    # a warm prompt's spill is indexed as usual: a hot prefix may live on two replicas
+    a.routed(later, second, urls)
+    assert a.index.matched(second, later.chunk_hashes) > 0
+
+
+def test_unshared_traffic_sends_cold_prompts_by_load_and_shared_traffic_home():
+    router = _router()
+    urls = [f"http://e{i}" for i in range(4)]
+    target = _target(urls)
+
+    def unique(k: int) -> RoutingRequest:
+        return routing_request(
+            "m", {"messages": [{"role": "user", "content": f"{k} " * 200}]}, None
+        )
+
+    probe = unique(10_000)
+    home = _rendezvous_order(probe, urls)[0]
+    # the home busier than the others, within the bound (cap 4)
+    loads = [
+        Candidate(u, load=3 if u == home else 2, in_flight=3 if u == home else 2) for u in urls
+    ]
+    assert router.order(target, probe, loads)[0].url == home  # no evidence yet: home
+    for k in range(router.sharing.window):  # a full window of prompts seen nowhere before
+        router.routed(unique(k), urls[k % 4], urls)
+    assert router.sharing.low("m")
+    assert router.order(target, probe, loads)[0].url != home  # the lighter replicas now
+    # the same model's traffic turning shared switches it back
+    again = unique(1)
+    for _ in range(router.sharing.window):
+        router.routed(again, home, urls)
+    assert not router.sharing.low("m")
+    assert router.order(target, probe, loads)[0].url == home
