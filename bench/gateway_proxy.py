@@ -35,6 +35,11 @@ process over each measured phase.
     python bench/gateway_proxy.py                    # both phases, 5 s each
     python bench/gateway_proxy.py --seconds 10 --concurrency 100 --streams 100
     python bench/gateway_proxy.py --in-process       # the gateway's CPU, no sockets
+    python bench/gateway_proxy.py --phases stream --relay-floor --gateway-gc-log /tmp/gc.log
+
+`--relay-floor` adds a stream row through a bare TCP relay on the gateway's core: what the
+topology itself adds (one more process, two more loopback hops), the floor under any proxy.
+`--gateway-gc-log FILE` prints the gateway's cyclic-GC pauses during each measured phase.
 
 `--in-process`: the gateway app called through httpx's ASGI transport, one request at
 a time, its upstream the same raw backend; this process's CPU time per request minus
@@ -146,6 +151,48 @@ except ImportError:
 """
 
 
+# A bare TCP relay (--relay-floor): bytes copied between each client connection and its own
+# backend connection, no HTTP parsing, on the gateway's core. What it adds is the floor of this
+# topology (one more process and two more loopback hops) under any proxy, Python or not.
+RELAY = r"""
+import asyncio, sys
+class Up(asyncio.Protocol):
+    def __init__(self, down):
+        self.down = down
+    def connection_made(self, transport):
+        self.t = transport
+    def data_received(self, data):
+        self.down.write(data)
+    def connection_lost(self, exc):
+        self.down.close()
+class Down(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.t, self.up, self.early = transport, None, []
+        asyncio.ensure_future(self.connect())
+    async def connect(self):
+        loop = asyncio.get_running_loop()
+        _, self.up = await loop.create_connection(lambda: Up(self.t), "127.0.0.1", UP)
+        for data in self.early:
+            self.up.t.write(data)
+    def data_received(self, data):
+        self.early.append(data) if self.up is None else self.up.t.write(data)
+    def connection_lost(self, exc):
+        if self.up is not None:
+            self.up.t.close()
+async def main(port):
+    import signal
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
+    server = await asyncio.get_running_loop().create_server(Down, "127.0.0.1", port, backlog=1024)
+    await stop.wait()
+UP = int(sys.argv[1])
+try:
+    import uvloop
+    uvloop.run(main(int(sys.argv[2])))
+except ImportError:
+    asyncio.run(main(int(sys.argv[2])))
+"""
+
 # The gateway under cProfile (--gateway-profile FILE): stats are written when it stops.
 PROFILED = """
 import cProfile, sys
@@ -156,6 +203,25 @@ try:
     profile.runcall(cli.main, sys.argv[2:])
 finally:
     profile.dump_stats(out)
+"""
+
+# The gateway with its cyclic-GC pauses logged (--gateway-gc-log FILE): one JSON line per
+# collection (CLOCK_MONOTONIC start, seconds paused, generation), written when it stops.
+GC_LOGGED = """
+import gc, json, sys, time
+from kubellm.gateway import cli
+out, log, began = sys.argv[1], [], [0.0]
+def note(phase, info):
+    if phase == "start":
+        began[0] = time.monotonic()
+    else:
+        log.append((began[0], time.monotonic() - began[0], info["generation"]))
+gc.callbacks.append(note)
+try:
+    cli.main(sys.argv[2:])
+finally:
+    with open(out, "w") as handle:
+        handle.writelines(json.dumps(entry) + "\\n" for entry in log)
 """
 
 # ---------------------------------------------------------------- load generator
@@ -419,11 +485,26 @@ def socket_mode(args: argparse.Namespace) -> dict:
         cli = ["--port", str(gateway_port), "--static", str(static)]
         if args.gateway_profile:
             command = [sys.executable, "-c", PROFILED, args.gateway_profile, *cli]
+        elif args.gateway_gc_log:
+            command = [sys.executable, "-c", GC_LOGGED, args.gateway_gc_log, *cli]
         else:
             command = [sys.executable, "-m", "kubellm.gateway.cli", *cli]
         gateway = subprocess.Popen(command, preexec_fn=pinned(args.gateway_core))
         processes.append(gateway)
         wait_listening(gateway_port)
+        paths = [("direct", backend_port), ("gateway", gateway_port)]
+        if args.relay_floor:
+            relay_port = free_port()
+            script = Path(tmp.name) / "relay.py"
+            script.write_text(RELAY)
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), str(backend_port), str(relay_port)],
+                    preexec_fn=pinned(args.gateway_core),
+                )
+            )
+            wait_listening(relay_port)
+            paths.append(("tcp-relay", relay_port))
         phases = [
             (name, stream, concurrency)
             for name, stream, concurrency in (
@@ -434,11 +515,15 @@ def socket_mode(args: argparse.Namespace) -> dict:
         ]
         rows = []
         for phase, stream, concurrency in phases:
-            for path, port in (("direct", backend_port), ("gateway", gateway_port)):
+            for path, port in paths if stream else paths[:2]:
                 reqs = bodies(port, 4096, stream, args.stream_chunks, args.stream_itl_ms)
                 cpu: dict[str, float] = {}
-                _phase_hook["start"] = lambda cpu=cpu: cpu.__setitem__("0", _cpu_of(gateway.pid))
-                _phase_hook["stop"] = lambda cpu=cpu: cpu.__setitem__("1", _cpu_of(gateway.pid))
+                _phase_hook["start"] = lambda cpu=cpu: cpu.update(
+                    {"0": _cpu_of(gateway.pid), "t0": time.monotonic()}
+                )
+                _phase_hook["stop"] = lambda cpu=cpu: cpu.update(
+                    {"1": _cpu_of(gateway.pid), "t1": time.monotonic()}
+                )
                 stagger = args.stream_chunks * args.stream_itl_ms / 1000
                 stagger = 0.0 if not stream or args.lockstep else stagger
                 r = run_loop(drive(port, reqs, concurrency, args.seconds, stagger))
@@ -447,18 +532,39 @@ def socket_mode(args: argparse.Namespace) -> dict:
                     1000 * gw_cpu / max(1, r["requests"]) if path == "gateway" else None
                 )
                 r["gateway_core_busy"] = gw_cpu / args.seconds if path == "gateway" else None
+                r["window"] = (cpu["t0"], cpu["t1"]) if path == "gateway" else None
                 rows.append({"phase": phase, "path": path, "concurrency": concurrency, **r})
-        return {"rows": rows}
     finally:
         for process in processes:
             process.send_signal(signal.SIGINT)  # uvicorn stops gracefully (a profile is written)
             process.wait(10)
         tmp.cleanup()
+    if args.gateway_gc_log:
+        log = [json.loads(line) for line in Path(args.gateway_gc_log).read_text().splitlines()]
+        for row in rows:
+            if row["window"]:
+                t0, t1 = row["window"]
+                row["gc"] = gc_summary([e for e in log if t0 <= e[0] < t1], t1 - t0)
+    return {"rows": rows}
+
+
+def gc_summary(log: list[list[float]], seconds: float) -> dict[str, dict[str, float]]:
+    """Per generation: collections per second, mean and max pause (ms), share of the time."""
+    out = {}
+    for gen in (0, 1, 2):
+        pauses = [1000 * e[1] for e in log if e[2] == gen]
+        out[f"gen{gen}"] = {
+            "per_s": len(pauses) / seconds,
+            "mean_ms": sum(pauses) / len(pauses) if pauses else 0.0,
+            "max_ms": max(pauses, default=0.0),
+            "busy": sum(pauses) / 1000 / seconds,
+        }
+    return out
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
-        f"{'phase':9} {'path':8} {'conc':>4} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'phase':9} {'path':9} {'conc':>4} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
         f"{'ttft p50':>8} {'ttft p99':>8} {'gap p99':>7} {'err':>4} {'gw CPU ms/req':>13} "
         f"{'gw core':>7}"
     )
@@ -466,11 +572,21 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         gw = r["gateway_cpu_ms_per_request"]
         busy = r["gateway_core_busy"]
         print(
-            f"{r['phase']:9} {r['path']:8} {r['concurrency']:>4} {r['rps']:>7.0f} "
+            f"{r['phase']:9} {r['path']:9} {r['concurrency']:>4} {r['rps']:>7.0f} "
             f"{r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} {r['ttft_p50_ms']:>8.2f} "
             f"{r['ttft_p99_ms']:>8.2f} {r['gap_p99_ms']:>7.2f} {r['errors']:>4} "
             f"{'' if gw is None else f'{gw:.3f}':>13} {'' if busy is None else f'{busy:.0%}':>7}"
         )
+    for r in rows:
+        if r.get("gc"):
+            print(
+                f"gateway GC pauses, {r['phase']}: "
+                + "; ".join(
+                    f"{gen} {g['per_s']:.1f}/s mean {g['mean_ms']:.2f} ms max {g['max_ms']:.2f} "
+                    f"ms ({g['busy']:.1%} of the time)"
+                    for gen, g in r["gc"].items()
+                )
+            )
 
 
 def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -488,6 +604,11 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["stream_added_gap_p99_ms"] = sg["gap_p99_ms"] - sd["gap_p99_ms"]
         worst = max(out["stream_added_ttft_p99_ms"], out["stream_added_e2e_p99_ms"])
         out["target_p99_met"] = worst <= 2
+    if ("stream", "tcp-relay") in by:
+        sd, sr = by["stream", "direct"], by["stream", "tcp-relay"]
+        out["relay_added_ttft_p99_ms"] = sr["ttft_p99_ms"] - sd["ttft_p99_ms"]
+        out["relay_added_e2e_p99_ms"] = sr["p99_ms"] - sd["p99_ms"]
+        out["relay_added_gap_p99_ms"] = sr["gap_p99_ms"] - sd["gap_p99_ms"]
     return out
 
 
@@ -505,6 +626,13 @@ def print_verdict(v: dict[str, Any]) -> None:
             f"{v['stream_added_e2e_p99_ms']:+.2f} ms, chunk gap "
             f"{v['stream_added_gap_p99_ms']:+.2f} ms; target <= 2 ms: "
             f"{'met' if v['target_p99_met'] else 'MISSED'}"
+        )
+    if "relay_added_ttft_p99_ms" in v:
+        print(
+            f"stream, p99 added by a bare TCP relay (the floor): first chunk "
+            f"{v['relay_added_ttft_p99_ms']:+.2f} ms, whole stream "
+            f"{v['relay_added_e2e_p99_ms']:+.2f} ms, chunk gap "
+            f"{v['relay_added_gap_p99_ms']:+.2f} ms"
         )
 
 
@@ -591,6 +719,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-core", type=int, default=1, help="core of backend and load generator")
     p.add_argument("--phases", default="json-max,stream", help="comma-separated phases to run")
     p.add_argument("--gateway-profile", metavar="FILE", help="run the gateway under cProfile")
+    p.add_argument(
+        "--relay-floor",
+        action="store_true",
+        help="stream: also through a bare TCP relay on the gateway's core (the topology's floor)",
+    )
+    p.add_argument(
+        "--gateway-gc-log", metavar="FILE", help="log the gateway's GC pauses; print them per phase"
+    )
     p.add_argument("--in-process", action="store_true", help="only the in-process CPU figure")
     p.add_argument("--requests", type=int, default=3000, help="--in-process: requests timed")
     p.add_argument("--out", default="bench/results/gateway_proxy.json")

@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,9 +42,11 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
+from starlette.types import Message, Receive, Scope, Send
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+FORWARDED = proxy.FORWARDED_HEADERS
 
 
 def hash_key(key: str) -> str:
@@ -147,20 +149,19 @@ class Gateway:
 
     # ---------------------------------------------------------------- checks
 
-    def authenticate(self, request: Request) -> None:
+    def authenticate(self, authorization: str | None) -> None:
+        """Check the `Authorization` header's value (None: absent) against the key hashes."""
         if not self.settings.api_key_hashes:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
+        scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or hash_key(key.strip()) not in self.settings.api_key_hashes:
             raise errors.unauthorized()
 
-    async def read_body(self, request: Request) -> bytes:
+    async def read_body(self, receive: Receive, declared: str | None) -> bytes:
+        """The request body, refused once it exceeds the limit (`declared`: its content-length)."""
         limit = self.settings.max_body_bytes
-        declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise errors.too_large(limit)
-        receive = request.receive
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
@@ -232,95 +233,78 @@ class Gateway:
 
     # ---------------------------------------------------------------- handlers
 
-    async def completions(self, request: Request) -> Response:
-        path = request.scope["path"]
+    async def serve(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """POST `path` (CHAT or COMPLETIONS), as a raw ASGI handler.
+
+        Served without Starlette's request and response objects: a stream in flight
+        holds few objects, and none in a reference cycle, so it costs the cyclic
+        garbage collector little (its pauses land on every stream in flight).
+        """
         arrived = time.monotonic()
+        headers = _wanted_headers(scope["headers"])
         try:
-            self.authenticate(request)
-            raw = await self.read_body(request)
+            self.authenticate(headers.get("authorization"))
+            raw = await self.read_body(receive, headers.get("content-length"))
             body = parse_body(raw, path)
         except GatewayError as error:
-            return self._refused(error)
+            return await self._refused(error)(scope, receive, send)
         except ClientDisconnect:
-            return Response(status_code=499)
+            return await Response(status_code=499)(scope, receive, send)
         model = body["model"]
         target = self.discovery.snapshot().get(model)
         if target is None:
-            return self._refused(errors.model_not_found(model))
-        series = self.metrics.target(_labels(target))
-        series.pending.inc()
-        finished = False
-
-        def finish(route: str, code: int) -> None:
-            nonlocal finished
-            if finished:
-                return
-            finished = True
-            series.pending.dec()
-            series.requests(route, code).inc()
-            series.e2e.observe(time.monotonic() - arrived)
-
+            return await self._refused(errors.model_not_found(model))(scope, receive, send)
+        call = _Call(self.metrics.target(_labels(target)), arrived, path, headers, send)
+        # Until the answer is sent, a client that leaves cancels the work: the upstream
+        # request is closed (its response is closed in `finally` blocks), so an engine
+        # stops working for a client that left, queued, waiting or mid-stream.
         try:
-            return await until_disconnect(
-                request, self._route(request, target, raw, body, arrived, finish)
-            )
-        except ClientDisconnect:
-            finish("none", 499)  # queued or waiting for a non-streamed answer; upstream closed
-            return Response(status_code=499)
+            async with proxy.DisconnectWatch(receive) as watch:
+                await self._route(call, target, raw, body)
         except BaseException:
-            finish("none", 499)
+            call.finish("none", 499)
             raise
+        if watch.disconnected and not call.started:
+            call.finish("none", 499)  # queued or waiting for a non-streamed answer
+            await Response(status_code=499)(scope, receive, send)
 
     async def _route(
-        self,
-        request: Request,
-        target: ModelTarget,
-        raw: bytes,
-        body: dict[str, Any],
-        arrived: float,
-        finish: Callable[[str, int], None],
-    ) -> Response:
+        self, call: _Call, target: ModelTarget, raw: bytes, body: dict[str, Any]
+    ) -> None:
         """Admission, then forwarding to a replica or the fallback, or a refusal."""
         model = target.served_name
-        session = request.headers.get("x-session-id")
-        routing = routing_request(model, body, session)
+        routing = routing_request(model, body, call.headers.get("x-session-id"))
         target, route, reason, order, waited = await self.admit(target, routing)
         self.metrics.target(_labels(target)).queue_wait.observe(waited)
         if route is Route.REJECT:
             # saturated: 429, come back soon; no replica at all: 503 until one is up
             status = 429 if reason == "saturated" else 503
             error = errors.overloaded(model, self.settings.retry_after_seconds, status)
-            finish("none", error.status)
-            return error.response()
+            call.finish("none", error.status)
+            return await call.error(error)
         if route is Route.FALLBACK:
             assert target.fallback is not None
             self.metrics.fallback.labels(*_labels(target), reason).inc()
-            return await self._forward_fallback(
-                target, target.fallback, body, request, arrived, finish
-            )
-        return await self._forward_replicas(
-            target, routing, order, raw, body, request, arrived, finish
-        )
+            return await self._forward_fallback(call, target, target.fallback, body)
+        return await self._forward_replicas(call, target, routing, order, raw, body)
 
     async def _forward_replicas(
         self,
+        call: _Call,
         target: ModelTarget,
         routing: RoutingRequest,
         order: list[Candidate],
         raw: bytes,
         body: dict[str, Any],
-        request: Request,
-        arrived: float,
-        finish: Callable[[str, int], None],
-    ) -> Response:
-        path = request.scope["path"]
+    ) -> None:
+        path = call.path
         targets = [(c.url, c.url + path) for c in order]
         try:
             attempt = await proxy.open_upstream(
                 self.client,
                 targets,
                 raw,
-                _forward_headers(request),
+                _forward_headers(call.headers),
                 self.load.acquire,
                 self._failed,
                 self.outliers.success,
@@ -330,21 +314,20 @@ class Gateway:
             error = errors.upstream_failed(
                 f"No replica of `{target.served_name}` answered ({len(failed.failures)} tried)."
             )
-            finish("replica", error.status)
-            return error.response()
+            call.finish("replica", error.status)
+            return await call.error(error)
         ratio = self.router.routed(routing, attempt.url, [c.url for c in order])
         self.metrics.target(_labels(target)).prefix_match.observe(ratio)
-        release, url, done = attempt.release, attempt.url, []
+        release, url, completed = attempt.release, attempt.url, self.completed
 
         def release_completed() -> None:
-            if not done:
-                done.append(True)
-                self.completed.record(url)
-            release()
+            nonlocal release
+            if release is not None:  # once: count the answer toward the completion rate
+                completed.record(url)
+                release()
+                release = None
 
-        return await self._relay(
-            target, attempt.response, release_completed, body, arrived, "replica", finish, None
-        )
+        await self._relay(call, target, attempt.response, release_completed, body, "replica", None)
 
     def _refused(self, error: GatewayError) -> Response:
         """Count a request refused before it had a model (labels empty: no cardinality)."""
@@ -356,14 +339,8 @@ class Gateway:
             self.topology_changed()
 
     async def _forward_fallback(
-        self,
-        target: ModelTarget,
-        fallback: FallbackTarget,
-        body: dict[str, Any],
-        request: Request,
-        arrived: float,
-        finish: Callable[[str, int], None],
-    ) -> Response:
+        self, call: _Call, target: ModelTarget, fallback: FallbackTarget, body: dict[str, Any]
+    ) -> None:
         model = target.served_name
         self.fallback_in_flight[model] = self.fallback_in_flight.get(model, 0) + 1
         released = False
@@ -378,38 +355,34 @@ class Gateway:
         outgoing = dict(body)
         if fallback.model:
             outgoing["model"] = fallback.model
-        headers = _forward_headers(request)
+        headers = _forward_headers(call.headers)
         if fallback.api_key:
             headers["authorization"] = f"Bearer {fallback.api_key}"
-        url = f"{fallback.url}{request.scope['path'].removeprefix('/v1')}"
+        url = f"{fallback.url}{call.path.removeprefix('/v1')}"
         headers.setdefault("content-type", "application/json")
         try:
             response = await self.client.post(url, json=outgoing, headers=headers)
         except proxy.UPSTREAM_ERRORS as error:
             release()
             failure = errors.upstream_failed(f"The fallback API failed: {type(error).__name__}.")
-            finish("fallback", failure.status)
-            return failure.response()
+            call.finish("fallback", failure.status)
+            return await call.error(failure)
         except BaseException:
             release()
             raise
-        return await self._relay(
-            target, response, release, body, arrived, "fallback", finish, model
-        )
+        await self._relay(call, target, response, release, body, "fallback", model)
 
     async def _relay(
         self,
+        call: _Call,
         target: ModelTarget,
         response: aiohttp.ClientResponse,
         release: Callable[[], None],
         body: dict[str, Any],
-        arrived: float,
         route: str,
-        finish: Callable[[str, int], None],
         rename: str | None,
-    ) -> Response:
-        series = self.metrics.target(_labels(target))
-        headers = {"x-kubellm-route": route}
+    ) -> None:
+        series = call.series
         content_type = response.headers.get("content-type", "application/json")
         status = response.status
         streaming = body.get("stream") is True and status == 200
@@ -424,11 +397,11 @@ class Gateway:
                 release()
             if content is None:
                 error = errors.upstream_failed("The upstream failed while answering.")
-                finish(route, error.status)
-                return error.response()
+                call.finish(route, error.status)
+                return await call.error(error)
             if rename and status == 200:
                 content = _rename_json(content, rename)
-            elapsed = time.monotonic() - arrived
+            elapsed = time.monotonic() - call.arrived
             if status == 200:
                 series.ttft.observe(elapsed)
                 if route == "fallback":
@@ -440,13 +413,32 @@ class Gateway:
                     slo.ttft_seconds + slo.itl_seconds * _completion_tokens(content)
                 ):
                     series.goodput.inc()
-            finish(route, status)
-            return Response(content, status, headers, media_type=content_type)
+            call.finish(route, status)
+            call.started = True
+            send = call.send
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": _response_headers(route, content_type, status, len(content)),
+                }
+            )
+            await send({"type": "http.response.body", "body": content})
+            return
 
-        timing = proxy.StreamTiming(start=arrived)
-        transform = (lambda chunk: proxy.rename_model_in_sse(chunk, rename)) if rename else None
-
-        async def close() -> None:
+        timing = proxy.StreamTiming(start=call.arrived)
+        call.started = True
+        try:
+            with contextlib.suppress(OSError):  # the client's connection broke: stop
+                await call.send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": _response_headers(route, content_type, 200, None),
+                    }
+                )
+                await proxy.relay(response, call.send, timing, rename)
+        finally:  # however the stream ended (a client leaving cancels the relay)
             proxy.close_response(response)
             release()
             if timing.ttft is not None:
@@ -458,18 +450,11 @@ class Gateway:
                 timing.ttft, timing.mean_itl, target.slo.ttft_seconds, target.slo.itl_seconds
             ):
                 series.goodput.inc()
-            finish(route, 200 if completed else 502)
-
-        stream: AsyncIterator[bytes] = proxy.relay_stream(
-            proxy.http_chunks(response), timing, transform
-        )
-        return proxy.DisconnectAwareStreamingResponse(
-            stream, status_code=200, headers=headers, media_type=content_type, on_close=close
-        )
+            call.finish(route, 200 if completed else 502)
 
     async def list_models(self, request: Request) -> Response:
         try:
-            self.authenticate(request)
+            self.authenticate(request.headers.get("authorization"))
         except GatewayError as error:
             return error.response()
         data = [
@@ -489,26 +474,83 @@ class Gateway:
 # -------------------------------------------------------------------- helpers
 
 
-async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
-    """Run `work` unless the client goes away first; then cancel it, raising ClientDisconnect.
+class _Call:
+    """One completion request: what its handlers share, and its outcome counted once."""
 
-    Cancelling closes the upstream request (its response is closed in `finally`
-    blocks), so an engine stops working for a client that left. Streams watch
-    for disconnects themselves once their headers are sent. `work` runs in the
-    request's own task; one watcher task cancels it on a disconnect.
-    """
-    async with proxy.DisconnectWatch(request.receive) as watch:
-        return await work
-    assert watch.disconnected
-    raise ClientDisconnect()
+    __slots__ = ("arrived", "finished", "headers", "path", "send", "series", "started")
+
+    def __init__(
+        self,
+        series: slo_metrics.TargetMetrics,
+        arrived: float,
+        path: str,
+        headers: dict[str, str],
+        send: Send,
+    ) -> None:
+        self.series = series
+        self.arrived = arrived
+        self.path = path
+        self.headers = headers
+        self.send = send
+        self.finished = False
+        self.started = False  # the answer's status line went out
+        series.pending.inc()
+
+    def finish(self, route: str, code: int) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        series = self.series
+        series.pending.dec()
+        series.requests(route, code).inc()
+        series.e2e.observe(time.monotonic() - self.arrived)
+
+    async def error(self, error: GatewayError) -> None:
+        self.started = True
+        await error.response()({"type": "http"}, _no_receive, self.send)
+
+
+async def _no_receive() -> Message:
+    raise RuntimeError("a response does not read the request")
+
+
+# The request headers the gateway reads (ASGI servers send names in lower case).
+_WANTED = frozenset(
+    (b"authorization", b"content-length", b"x-session-id", *(h.encode() for h in FORWARDED))
+)
+
+
+def _wanted_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The headers the gateway reads, decoded; the first value of a repeated one."""
+    out: dict[str, str] = {}
+    for name, value in raw:
+        if name in _WANTED:
+            key = name.decode()
+            if key not in out:
+                out[key] = value.decode("latin-1")
+    return out
+
+
+def _response_headers(
+    route: str, content_type: str, status: int, length: int | None
+) -> list[tuple[bytes, bytes]]:
+    """What Starlette's Response (`length`: its body's) or StreamingResponse (None) sends with
+    the `x-kubellm-route` header and the upstream's content type."""
+    headers = [(b"x-kubellm-route", route.encode("latin-1"))]
+    if length is not None and not (status < 200 or status in (204, 304)):
+        headers.append((b"content-length", str(length).encode("latin-1")))
+    if content_type.startswith("text/") and "charset=" not in content_type.lower():
+        content_type += "; charset=utf-8"
+    headers.append((b"content-type", content_type.encode("latin-1")))
+    return headers
 
 
 def _labels(target: ModelTarget) -> tuple[str, str, str]:
     return (target.served_name, target.deployment, target.namespace)
 
 
-def _forward_headers(request: Request) -> dict[str, str]:
-    return {k: v for k in proxy.FORWARDED_HEADERS if (v := request.headers.get(k))}
+def _forward_headers(headers: dict[str, str]) -> dict[str, str]:
+    return {k: v for k in FORWARDED if (v := headers.get(k))}
 
 
 def _rename_json(content: bytes, served_name: str) -> bytes:
@@ -579,7 +621,39 @@ def parse_body(raw: bytes, path: str) -> dict[str, Any]:
     return body
 
 
-def create_app(gateway: Gateway) -> Starlette:
+class _Completions:
+    """The ASGI endpoint of one completion route, for what reaches it through Starlette
+    (a request under a root path)."""
+
+    __slots__ = ("gateway", "path")
+
+    def __init__(self, gateway: Gateway, path: str) -> None:
+        self.gateway = gateway
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.gateway.serve(self.path, scope, receive, send)
+
+
+class GatewayApp:
+    """The gateway's ASGI app: POSTs to the completion routes go straight to their
+    handler; everything else (the other routes, 404s, 405s, lifespan) to Starlette."""
+
+    def __init__(self, gateway: Gateway, app: Starlette) -> None:
+        self.gateway = gateway
+        self.app = app
+        self.state = app.state
+        self._serve = gateway.serve
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            path = scope["path"]
+            if path in (CHAT, COMPLETIONS):
+                return await self._serve(path, scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(gateway: Gateway) -> GatewayApp:
     """The ASGI app; starting it starts discovery and scraping, stopping it stops them."""
 
     @contextlib.asynccontextmanager
@@ -600,8 +674,8 @@ def create_app(gateway: Gateway) -> Starlette:
 
     app = Starlette(
         routes=[
-            HttpRoute(CHAT, gateway.completions, methods=["POST"]),
-            HttpRoute(COMPLETIONS, gateway.completions, methods=["POST"]),
+            HttpRoute(CHAT, _Completions(gateway, CHAT), methods=["POST"]),
+            HttpRoute(COMPLETIONS, _Completions(gateway, COMPLETIONS), methods=["POST"]),
             HttpRoute("/v1/models", gateway.list_models, methods=["GET"]),
             HttpRoute("/health", gateway.health, methods=["GET"]),
             HttpRoute("/metrics", gateway.prometheus, methods=["GET"]),
@@ -610,4 +684,4 @@ def create_app(gateway: Gateway) -> Starlette:
         lifespan=lifespan,
     )
     app.state.gateway = gateway
-    return app
+    return GatewayApp(gateway, app)

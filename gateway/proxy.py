@@ -7,24 +7,24 @@
 - `relay_stream` copies an SSE stream chunk by chunk, timing TTFT and ITL;
   if the engine dies or stalls mid-stream it ends the client's stream with an
   error event at once, never a hang.
-- `DisconnectAwareStreamingResponse` stops relaying (and so closes the
-  upstream request) as soon as the client disconnects.
+- `relay` sends a stream to the client as raw ASGI messages, one per upstream
+  HTTP chunk, with the same timing and the same error event.
+- `DisconnectWatch` cancels the request's work (and so closes the upstream
+  request) as soon as the client disconnects, mid-stream included.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 from kubellm.gateway.protocol.errors import sse_error_event
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Send
 
 # A chunk carrying generated text (engines send an empty role chunk before the first token).
 _TOKEN = re.compile(rb'"(?:content|text)":\s*"[^"]')
@@ -129,6 +129,20 @@ class StreamTiming:
     gaps: list[float] = field(default_factory=list)
     error: str | None = None
 
+    def token(self, now: float) -> None:
+        """A chunk carrying generated text arrived at `now`."""
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            self.gaps.append(now - self.last)
+        self.last = now
+        self.chunks += 1
+
+    def failed(self, error: BaseException) -> bytes:
+        """The upstream broke mid-stream: note it; the SSE error event that ends the stream."""
+        self.error = f"upstream stream failed: {type(error).__name__}"
+        return _MID_STREAM_ERROR
+
     @property
     def ttft(self) -> float | None:
         return None if self.first is None else self.first - self.start
@@ -138,6 +152,13 @@ class StreamTiming:
         if self.first is None or self.last is None or self.chunks < 2:
             return None
         return (self.last - self.first) / (self.chunks - 1)
+
+
+_MID_STREAM_ERROR = sse_error_event(
+    "The model replica failed mid-stream; the response is incomplete.",
+    "server_error",
+    "upstream_stream_error",
+)
 
 
 def rename_model_in_sse(chunk: bytes, served_name: str) -> bytes:
@@ -168,13 +189,7 @@ async def relay_stream(
     try:
         async for chunk in chunks:
             if search(chunk):
-                now = time.monotonic()
-                if timing.first is None:
-                    timing.first = now
-                elif timing.last is not None:
-                    timing.gaps.append(now - timing.last)
-                timing.last = now
-                timing.chunks += 1
+                timing.token(time.monotonic())
             if transform is None:
                 yield chunk
                 continue
@@ -185,12 +200,43 @@ async def relay_stream(
         if pending:
             yield transform(pending) if transform else pending
     except UPSTREAM_ERRORS as error:
-        timing.error = f"upstream stream failed: {type(error).__name__}"
-        yield sse_error_event(
-            "The model replica failed mid-stream; the response is incomplete.",
-            "server_error",
-            "upstream_stream_error",
-        )
+        yield timing.failed(error)
+
+
+async def relay(
+    response: aiohttp.ClientResponse,
+    send: Send,
+    timing: StreamTiming,
+    rename: str | None = None,
+) -> None:
+    """Send the upstream body to the client as ASGI body messages, one per HTTP chunk as
+    it arrives, then end the response; what `relay_stream` yields, without its layers of
+    async generators on the path of every chunk. `rename`: the served name to put in the
+    events' `model` (fallback answers). The caller sends the status line and closes the
+    upstream response."""
+    if rename is not None:
+        transform = lambda chunk: rename_model_in_sse(chunk, rename)  # noqa: E731
+        async for chunk in relay_stream(http_chunks(response), timing, transform):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    else:
+        readchunk = response.content.readchunk
+        search = _TOKEN.search
+        monotonic = time.monotonic
+        while True:
+            try:
+                data, end_of_chunk = await readchunk()
+            except UPSTREAM_ERRORS as error:
+                data = timing.failed(error)
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+                break
+            if not data:
+                if end_of_chunk:
+                    continue
+                break  # the end of the body
+            if search(data):
+                timing.token(monotonic())
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class DisconnectWatch:
@@ -200,6 +246,8 @@ class DisconnectWatch:
     cancelled the task, the CancelledError is turned into `watch.disconnected`
     being True (and the task's cancel request withdrawn), any other cancellation
     propagates. Cheaper than running the work in a second task and waiting on both.
+    Leaving the block drops the references between the watch and the two tasks,
+    so that nothing of a finished request waits for the cyclic garbage collector.
     """
 
     __slots__ = ("_receive", "_running", "_task", "_watcher", "disconnected")
@@ -212,45 +260,27 @@ class DisconnectWatch:
     async def __aenter__(self) -> DisconnectWatch:
         task = asyncio.current_task()
         assert task is not None
-        self._task = task
-        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        self._task: asyncio.Task[object] | None = task
+        self._watcher: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
+            self._watch()
+        )
         return self
 
     async def _watch(self) -> None:
         receive = self._receive
         while (await receive())["type"] != "http.disconnect":
             pass
-        if self._running:
+        if self._running and self._task is not None:
             self.disconnected = True
             self._task.cancel()
 
     async def __aexit__(self, kind: object, error: object, tb: object) -> bool:
         self._running = False
-        self._watcher.cancel()
+        task, watcher = self._task, self._watcher
+        self._task = self._watcher = None
+        assert task is not None and watcher is not None
+        watcher.cancel()
         if kind is asyncio.CancelledError and self.disconnected:
-            self._task.uncancel()  # our own cancel, delivered: the task goes on
+            task.uncancel()  # our own cancel, delivered: the task goes on
             return True
         return False
-
-
-class DisconnectAwareStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always watches for the client going away.
-
-    Starlette only notices a disconnect when a send fails; a slow engine may
-    not produce a chunk for a long time, and its request would run on. Here the
-    relay is cancelled as soon as `http.disconnect` arrives, which closes the
-    upstream connection and so cancels the request at the engine. `on_close`
-    runs however the stream ends (it does not wait on anything, so it completes).
-    """
-
-    def __init__(self, *args: object, on_close: Callable[[], Awaitable[None]], **kw: object):
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with DisconnectWatch(receive):
-                with contextlib.suppress(OSError):
-                    await self.stream_response(send)
-        finally:
-            await self._on_close()

@@ -106,3 +106,32 @@ def test_client_leaving_a_non_streamed_request_frees_the_replica(engines, gatewa
     wait_until(lambda: gw.gateway.load.in_flight == {}, 3, "the upstream request to close")
     assert gw.metric("kubellm_gateway_pending_requests", **labels) == 0
     assert gw.metric("kubellm_gateway_requests_total", **labels, target="none", code="499") == 1
+
+
+async def test_disconnect_watch_leaves_nothing_for_the_cyclic_collector():
+    """A finished request's watch, watcher task and cancelled error are freed by reference
+    counting alone: none of them waits for a (pausing) cyclic garbage collection."""
+    import asyncio
+    import gc
+    import weakref
+
+    from kubellm.gateway.proxy import DisconnectWatch
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()  # the client never leaves
+        return {"type": "http.disconnect"}
+
+    gc.disable()
+    try:
+        before = asyncio.all_tasks()
+        async with DisconnectWatch(receive) as watch:
+            (task,) = asyncio.all_tasks() - before  # the watcher
+            watcher = weakref.ref(task)
+            del task
+        await asyncio.sleep(0)  # the cancelled watcher runs to its end
+        await asyncio.sleep(0)
+        assert not watch.disconnected
+        del watch
+        assert watcher() is None
+    finally:
+        gc.enable()
