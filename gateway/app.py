@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from kubellm.gateway import proxy, slo_metrics
+from kubellm.gateway import proxy, slo_metrics, upstream
 from kubellm.gateway.discovery.base import Discovery, FallbackTarget, ModelTarget
 from kubellm.gateway.fallback import (
     CompletionRate,
@@ -88,7 +88,8 @@ class Gateway:
         self.load = LoadView(stale_after=s.stale_after)
         self.outliers = OutlierDetector(s.eject_after_failures, s.eject_base_seconds)
         self.router = Router(self.load, self.outliers)
-        self._client = client  # the upstream client; made in the event loop when first used
+        self._client = client  # the fallback API's and scraping's client; made when first used
+        self._replicas: upstream.Pool | None = None  # the replicas' client
         self.fallback_in_flight: dict[str, int] = {}
         self.queued: dict[str, int] = {}
         self.completed = CompletionRate()  # replica answers finished, to predict queue waits
@@ -104,6 +105,14 @@ class Gateway:
             s = self.settings
             self._client = proxy.new_session(s.connect_timeout, s.read_timeout)
         return self._client
+
+    @property
+    def replicas(self) -> upstream.Pool:
+        """The client for engine replicas (plain http): keep-alive, request written at once."""
+        if self._replicas is None:
+            s = self.settings
+            self._replicas = upstream.Pool(s.connect_timeout, s.read_timeout)
+        return self._replicas
 
     def wake(self) -> None:
         """Capacity may have freed: let queued requests look again."""
@@ -146,6 +155,9 @@ class Gateway:
         if self._client is not None:
             await self._client.close()
             self._client = None
+        if self._replicas is not None:
+            await self._replicas.close()
+            self._replicas = None
 
     # ---------------------------------------------------------------- checks
 
@@ -301,7 +313,7 @@ class Gateway:
         targets = [(c.url, c.url + path) for c in order]
         try:
             attempt = await proxy.open_upstream(
-                self.client,
+                self.replicas,
                 targets,
                 raw,
                 _forward_headers(call.headers),
@@ -309,6 +321,7 @@ class Gateway:
                 self._failed,
                 self.outliers.success,
                 self.settings.attempts,
+                self.client,
             )
         except proxy.AllUpstreamsFailed as failed:
             error = errors.upstream_failed(
@@ -376,7 +389,7 @@ class Gateway:
         self,
         call: _Call,
         target: ModelTarget,
-        response: aiohttp.ClientResponse,
+        response: proxy.AnyResponse,
         release: Callable[[], None],
         body: dict[str, Any],
         route: str,

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+from kubellm.gateway import upstream
 from kubellm.gateway.protocol.errors import sse_error_event
 from starlette.types import Receive, Send
 
@@ -32,8 +33,16 @@ _TOKEN = re.compile(rb'"(?:content|text)":\s*"[^"]')
 FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "openai-organization")
 
 # What an upstream failing looks like: refused or reset connections, timeouts (connect,
-# or `read_timeout` of silence), a body cut short.
-UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, TimeoutError)
+# or `read_timeout` of silence), a body cut short; from aiohttp (the fallback API) or
+# from `upstream` (the replicas).
+UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (
+    aiohttp.ClientError,
+    upstream.UpstreamError,
+    TimeoutError,
+)
+
+# An answer being relayed: from a replica (`upstream`) or from the fallback API (aiohttp).
+AnyResponse = upstream.Response | aiohttp.ClientResponse
 
 
 def new_session(connect_timeout: float, read_timeout: float) -> aiohttp.ClientSession:
@@ -52,18 +61,24 @@ def new_session(connect_timeout: float, read_timeout: float) -> aiohttp.ClientSe
     )
 
 
-def close_response(response: aiohttp.ClientResponse) -> None:
+def close_response(response: AnyResponse) -> None:
     """Release a fully read answer's connection for reuse; close any other (so the engine
     sees the request end: a client that left, a stream that broke)."""
-    if response.content.is_eof():
+    if isinstance(response, upstream.Response):
+        response.close()
+    elif response.content.is_eof():
         response.release()
     else:
         response.close()
 
 
-async def http_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+async def http_chunks(response: AnyResponse) -> AsyncIterator[bytes]:
     """The body as the engine framed it: one item per HTTP chunk (an SSE event, usually),
     not whatever happened to be buffered, so each event is timed and relayed on its own."""
+    if isinstance(response, upstream.Response):
+        while data := await response.readchunk():
+            yield data
+        return
     async for data, _ in response.content.iter_chunks():
         if data:
             yield data
@@ -74,7 +89,7 @@ class Attempt:
     """One upstream that answered without a 5xx, and the release for its in-flight slot."""
 
     url: str
-    response: aiohttp.ClientResponse
+    response: AnyResponse
     release: Callable[[], None]
     failures: list[str] = field(default_factory=list)
 
@@ -86,7 +101,7 @@ class AllUpstreamsFailed(Exception):
 
 
 async def open_upstream(
-    client: aiohttp.ClientSession,
+    client: upstream.Pool,
     targets: Sequence[tuple[str, str]],
     body: bytes,
     headers: dict[str, str],
@@ -94,13 +109,20 @@ async def open_upstream(
     on_failure: Callable[[str], None],
     on_success: Callable[[str], None],
     attempts: int,
+    session: aiohttp.ClientSession | None = None,
 ) -> Attempt:
-    """Send to `targets` ((endpoint key, full URL) best first) until one answers below 500."""
+    """Send to `targets` ((endpoint key, full URL) best first) until one answers below 500.
+
+    Plain http:// URLs go through `client`; any other (https) through `session`."""
     failures: list[str] = []
     for key, url in list(targets)[: max(1, attempts)]:
         release = acquire(key)
         try:
-            response = await client.post(url, data=body, headers=headers)
+            response: AnyResponse
+            if url.startswith("http://") or session is None:
+                response = await client.post(url, body, headers)
+            else:
+                response = await session.post(url, data=body, headers=headers)
         except UPSTREAM_ERRORS as error:
             release()
             on_failure(key)
@@ -204,7 +226,7 @@ async def relay_stream(
 
 
 async def relay(
-    response: aiohttp.ClientResponse,
+    response: AnyResponse,
     send: Send,
     timing: StreamTiming,
     rename: str | None = None,
@@ -214,7 +236,23 @@ async def relay(
     async generators on the path of every chunk. `rename`: the served name to put in the
     events' `model` (fallback answers). The caller sends the status line and closes the
     upstream response."""
-    if rename is not None:
+    if isinstance(response, upstream.Response) and rename is None:
+        read = response.readchunk
+        search = _TOKEN.search
+        monotonic = time.monotonic
+        while True:
+            try:
+                data = await read()
+            except UPSTREAM_ERRORS as error:
+                data = timing.failed(error)
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+                break
+            if not data:
+                break  # the end of the body
+            if search(data):
+                timing.token(monotonic())
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+    elif rename is not None:
         transform = lambda chunk: rename_model_in_sse(chunk, rename)  # noqa: E731
         async for chunk in relay_stream(http_chunks(response), timing, transform):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
