@@ -128,8 +128,11 @@ async def test_disconnect_watch_leaves_nothing_for_the_cyclic_collector():
             (task,) = asyncio.all_tasks() - before  # the watcher
             watcher = weakref.ref(task)
             del task
-        await asyncio.sleep(0)  # the cancelled watcher runs to its end
-        await asyncio.sleep(0)
+        loop, deadline = asyncio.get_running_loop(), asyncio.get_running_loop().time() + 5
+        while (running := watcher()) is not None and not running.done():
+            assert loop.time() < deadline, "the cancelled watcher did not finish"
+            await asyncio.sleep(0)  # let it run to its end
+        del running
         assert not watch.disconnected
         del watch
         assert watcher() is None

@@ -83,7 +83,7 @@ async def test_chunked_body_split_across_reads(serve, monkeypatch):
             arrived.clear()
             writer.write(piece)
             await writer.drain()
-            await arrived.wait()
+            await asyncio.wait_for(arrived.wait(), 5)
         writer.write(b"\n5;ext=1\r\nworld\r\n0\r\nX-Trailer: 1\r\n\r\n")
         await writer.drain()
         await reader.read()  # until the client closes
@@ -155,7 +155,7 @@ async def test_a_partly_read_answer_closes_its_connection(serve):
         assert await response.readchunk() == b"first"
         response.close()  # the client left mid-stream
         assert not any(pool._idle.values())  # not kept for reuse
-        await server.closed[0].wait()  # the server saw the connection end
+        await asyncio.wait_for(server.closed[0].wait(), 5)  # the server saw the connection end
         second = await pool.post(f"{url}/", b"x", {})
         assert await second.readchunk() == b"first"
         second.close()
@@ -190,7 +190,7 @@ async def test_silence_past_the_read_timeout_fails_the_read(serve):
             await response.readchunk()
         assert isinstance(upstream.ReadTimeout("x"), proxy.UPSTREAM_ERRORS)
         response.close()
-        await server.closed[0].wait()  # the timed-out connection was closed
+        await asyncio.wait_for(server.closed[0].wait(), 5)  # the timed-out connection was closed
     finally:
         await pool.close()
 
