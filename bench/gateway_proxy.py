@@ -23,10 +23,18 @@ same run, same conditions:
 - `stream`: `--streams` concurrent streams, paced by the backend's
   inter-chunk time, so the gateway is loaded but not saturated: the latency it
   adds (time to first chunk, whole stream, gap between chunks; the target is a
-  p99 added of at most 2 ms, on first chunk and whole stream). Each connection
-  starts at a random moment within one stream's length, as independent clients
-  would; without that, equal-length streams stay in lockstep and the figure is
-  the cost of 100 simultaneous arrivals (`--lockstep` shows it).
+  p99 added of at most 2 ms, on first chunk and whole stream). Streams arrive as
+  independent clients' do, a Poisson process at the rate that keeps `--streams`
+  in flight on average (Little's law: streams / stream length), on a pool of
+  keep-alive connections. `--arrivals closed` instead runs one stream after
+  another on each of `--streams` connections, each connection starting at a
+  random moment within one stream's length: there a next request starts when the
+  previous one ends, so streams that end in the same event-loop turn (the
+  backend and this load generator share a core and run in turns) start
+  together and stay in step; over a run, groups of up to ~10 simultaneous
+  arrivals form and the figure becomes the cost of those bursts (`--lockstep`:
+  all of them at once). The `burst` column is the most requests started within
+  any 1 ms, so the arrival pattern behind each row shows.
 
 Every request carries a distinct ~300-byte prompt (the router's prefix table
 sees real work). Gateway CPU per request is read from /proc for the gateway
@@ -332,14 +340,23 @@ def bodies(port: int, count: int, stream: bool, chunks: int, itl_ms: float) -> l
 
 
 async def drive(
-    port: int, requests: list[bytes], concurrency: int, seconds: float, stagger: float = 0.0
+    port: int,
+    requests: list[bytes],
+    concurrency: int,
+    seconds: float,
+    stagger: float = 0.0,
+    rate: float | None = None,
+    rng: random.Random | None = None,
 ) -> dict:
-    """Closed loop on `concurrency` connections for `seconds`; one warm-up second first.
+    """Load for `seconds` after one warm-up second; the requests answered meanwhile.
 
-    `stagger`: each connection starts at a random moment in its first `stagger` seconds,
-    so that equal-length streams do not all start (and send each chunk) in lockstep.
+    Closed loop (`rate` None): one request after another on each of `concurrency`
+    connections; `stagger`: each connection starts at a random moment in its first
+    `stagger` seconds. Open loop (`rate`): Poisson arrivals at `rate` per second, each
+    on an idle keep-alive connection (`concurrency` opened up front, more as needed).
     """
     loop = asyncio.get_running_loop()
+    rng = rng or random.Random(1)
     conns = []
     for _ in range(concurrency):
         _, proto = await loop.create_connection(Connection, "127.0.0.1", port)
@@ -348,24 +365,52 @@ async def drive(
     errors = 0
     state = {"record": False, "stop": False, "next": 0}
 
-    async def worker(conn: Connection) -> None:
+    async def exchange(conn: Connection) -> bool:
         nonlocal errors
-        if stagger:
-            await asyncio.sleep(random.uniform(0, stagger))
-        while not state["stop"]:
-            data = requests[state["next"] % len(requests)]
-            state["next"] += 1
-            try:
-                r = await conn.request(data)
-            except ConnectionError:
+        data = requests[state["next"] % len(requests)]
+        state["next"] += 1
+        try:
+            r = await conn.request(data)
+        except ConnectionError:
+            errors += 1
+            return False
+        if state["record"]:
+            if r["status"] != 200:
                 errors += 1
-                return
-            if state["record"]:
-                if r["status"] != 200:
-                    errors += 1
-                results.append(r)
+            results.append(r)
+        return True
 
-    tasks = [asyncio.ensure_future(worker(c)) for c in conns]
+    async def worker(conn: Connection) -> None:
+        if stagger:
+            await asyncio.sleep(rng.uniform(0, stagger))
+        while not state["stop"] and await exchange(conn):
+            pass
+
+    async def one(conn: Connection) -> None:
+        if await exchange(conn):
+            conns.append(conn)
+
+    async def arrivals(rate: float) -> None:
+        pending: set[asyncio.Future[None]] = set()
+        due = loop.time()
+        while not state["stop"]:
+            due += rng.expovariate(rate)
+            if due > loop.time():
+                await asyncio.sleep(due - loop.time())
+            if conns:
+                conn = conns.pop()
+            else:
+                _, conn = await loop.create_connection(Connection, "127.0.0.1", port)
+            task = asyncio.ensure_future(one(conn))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        if pending:
+            await asyncio.wait(pending, timeout=30)
+
+    if rate is None:
+        tasks = [asyncio.ensure_future(worker(c)) for c in conns]
+    else:
+        tasks = [asyncio.ensure_future(arrivals(rate))]
     await asyncio.sleep(1.0)  # warm-up
     state["record"] = True
     cpu0 = _cpu_self()
@@ -382,7 +427,7 @@ async def drive(
     cpu = _cpu_self() - cpu0
     state["stop"] = True
     await asyncio.gather(*tasks)
-    for c in conns:
+    for c in conns:  # closed loop: all; open loop: the idle ones (the rest closed below)
         assert c.transport is not None
         c.transport.close()
     return summarize(results, wall, errors, cpu)
@@ -408,6 +453,17 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def max_within(times: list[float], window: float) -> int:
+    """The most of `times` that fall within any `window` seconds."""
+    times = sorted(times)
+    most, first = 0, 0
+    for last, t in enumerate(times):
+        while t - times[first] > window:
+            first += 1
+        most = max(most, last - first + 1)
+    return most
+
+
 def summarize(results: list[dict[str, Any]], wall: float, errors: int, cpu: float) -> dict:
     e2e = [1000 * (r["end"] - r["sent"]) for r in results]
     ttft = [1000 * (r["events"][0] - r["sent"]) for r in results if r["events"]]
@@ -416,6 +472,8 @@ def summarize(results: list[dict[str, Any]], wall: float, errors: int, cpu: floa
     ]
     return {
         "requests": len(results),
+        "in_flight": sum(r["end"] - r["sent"] for r in results) / wall,  # Little's law
+        "burst": max_within([r["sent"] for r in results], 0.001),
         "errors": errors,
         "rps": len(results) / wall,
         "p50_ms": pct(e2e, 0.5),
@@ -524,9 +582,12 @@ def socket_mode(args: argparse.Namespace) -> dict:
                 _phase_hook["stop"] = lambda cpu=cpu: cpu.update(
                     {"1": _cpu_of(gateway.pid), "t1": time.monotonic()}
                 )
-                stagger = args.stream_chunks * args.stream_itl_ms / 1000
-                stagger = 0.0 if not stream or args.lockstep else stagger
-                r = run_loop(drive(port, reqs, concurrency, args.seconds, stagger))
+                length = args.stream_chunks * args.stream_itl_ms / 1000
+                closed = not stream or args.lockstep or args.arrivals == "closed"
+                stagger = 0.0 if not stream or args.lockstep else length
+                rate = None if closed else concurrency / length
+                rng = random.Random(args.seed)  # the same arrivals on every path
+                r = run_loop(drive(port, reqs, concurrency, args.seconds, stagger, rate, rng))
                 gw_cpu = cpu["1"] - cpu["0"]
                 r["gateway_cpu_ms_per_request"] = (
                     1000 * gw_cpu / max(1, r["requests"]) if path == "gateway" else None
@@ -565,16 +626,17 @@ def gc_summary(log: list[list[float]], seconds: float) -> dict[str, dict[str, fl
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'phase':9} {'path':9} {'conc':>4} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
-        f"{'ttft p50':>8} {'ttft p99':>8} {'gap p99':>7} {'err':>4} {'gw CPU ms/req':>13} "
+        f"{'ttft p50':>8} {'ttft p99':>8} {'gap p99':>7} {'burst':>5} {'err':>4} "
+        f"{'gw CPU ms/req':>13} "
         f"{'gw core':>7}"
     )
     for r in rows:
         gw = r["gateway_cpu_ms_per_request"]
         busy = r["gateway_core_busy"]
         print(
-            f"{r['phase']:9} {r['path']:9} {r['concurrency']:>4} {r['rps']:>7.0f} "
+            f"{r['phase']:9} {r['path']:9} {r['in_flight']:>4.0f} {r['rps']:>7.0f} "
             f"{r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} {r['ttft_p50_ms']:>8.2f} "
-            f"{r['ttft_p99_ms']:>8.2f} {r['gap_p99_ms']:>7.2f} {r['errors']:>4} "
+            f"{r['ttft_p99_ms']:>8.2f} {r['gap_p99_ms']:>7.2f} {r['burst']:>5} {r['errors']:>4} "
             f"{'' if gw is None else f'{gw:.3f}':>13} {'' if busy is None else f'{busy:.0%}':>7}"
         )
     for r in rows:
@@ -714,7 +776,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=100, help="concurrent streams for stream")
     p.add_argument("--stream-chunks", type=int, default=16)
     p.add_argument("--stream-itl-ms", type=float, default=25.0)
-    p.add_argument("--lockstep", action="store_true", help="stream: all connections start at once")
+    p.add_argument(
+        "--arrivals",
+        choices=("poisson", "closed"),
+        default="poisson",
+        help="stream: Poisson arrivals keeping --streams in flight on average, or a closed "
+        "loop on --streams connections (drifts into bursts of simultaneous arrivals)",
+    )
+    p.add_argument("--seed", type=int, default=1, help="stream arrivals")
+    p.add_argument(
+        "--lockstep", action="store_true", help="stream: closed loop, all connections start at once"
+    )
     p.add_argument("--gateway-core", type=int, default=0)
     p.add_argument("--load-core", type=int, default=1, help="core of backend and load generator")
     p.add_argument("--phases", default="json-max,stream", help="comma-separated phases to run")
@@ -746,7 +818,15 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"json-max: non-streamed, {args.concurrency} closed-loop connections (max rate); "
         f"stream: {args.streams} concurrent streams of {args.stream_chunks} chunks "
-        f"{args.stream_itl_ms:g} ms apart, starts spread over one stream's length (latency added)"
+        f"{args.stream_itl_ms:g} ms apart, "
+        + (
+            "all starting at once"
+            if args.lockstep
+            else "closed loop, starts spread over one stream"
+            if args.arrivals == "closed"
+            else "Poisson arrivals"
+        )
+        + " (latency added)"
     )
     result = socket_mode(args)
     rows = result["rows"]
