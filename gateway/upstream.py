@@ -9,7 +9,11 @@ What it supports, and nothing more:
   either) by the server closing the connection; 1xx interim answers are skipped;
 - a keep-alive pool per host:port: a connection goes back to the pool only when its
   response was read to the end, and is closed otherwise (so an engine sees a request
-  whose client left end at once);
+  whose client left end at once); one idle for `idle_timeout` seconds is closed rather
+  than reused (the default, 4 s, is under uvicorn's 5 s keep-alive, which vLLM's
+  server uses: the engine does not close a connection just as a request goes out on it);
+- `User-Agent: kubellm-gateway/VERSION` and `Accept-Encoding: identity` unless the caller
+  sends its own (the body is relayed as it comes, so it must not come compressed);
 - a connect timeout, and a read timeout bounding each silence while a read waits
   (mid-stream included), checked by one timer per response rather than one per read
   (while the reader is busy elsewhere, a silence may last up to twice the timeout).
@@ -24,9 +28,12 @@ import asyncio
 from collections import deque
 from urllib.parse import urlsplit
 
+from kubellm import __version__
+
 _SKIPPED_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 _MAX_HEAD = 64 * 1024  # status line and headers
 _HIGH_WATER = 256 * 1024  # buffered body bytes before the socket stops being read
+_DEFAULT_HEADERS = {"user-agent": f"kubellm-gateway/{__version__}", "accept-encoding": "identity"}
 
 
 class UpstreamError(Exception):
@@ -53,6 +60,7 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timeout = 0.0
         self.answered = False  # bytes arrived since the current request was sent
+        self.idle_since = 0.0  # when it went back to the pool
 
     # -------------------------------------------------------------- protocol
 
@@ -279,24 +287,44 @@ class Response:
 class Pool:
     """Keep-alive connections per host:port, and the requests sent over them."""
 
-    def __init__(self, connect_timeout: float, read_timeout: float) -> None:
+    def __init__(
+        self, connect_timeout: float, read_timeout: float, idle_timeout: float = 4.0
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.idle_timeout = idle_timeout
         self._idle: dict[tuple[str, int], deque[_Connection]] = {}
         self._closed = False
+
+    def idle(self, key: tuple[str, int]) -> int:
+        """How many connections to `key` are pooled (some may have expired meanwhile)."""
+        return len(self._idle.get(key, ()))
 
     def put(self, conn: _Connection) -> None:
         if self._closed:
             conn.close()
-        else:
-            self._idle.setdefault(conn.key, deque()).append(conn)
+            return
+        now = conn.idle_since = conn.loop.time()
+        idle = self._idle.setdefault(conn.key, deque())
+        idle.append(conn)
+        # the oldest are at the left (connections are reused newest first): drop those
+        # expired or closed by the server, so a pool after a burst does not keep them all
+        while idle and (idle[0].closed or now - idle[0].idle_since > self.idle_timeout):
+            idle.popleft().close()
 
     def _pooled(self, key: tuple[str, int]) -> _Connection | None:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()  # the most recently used: the least likely to be stale
-            if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
-                return conn
+            if conn.closed or conn.transport is None or conn.transport.is_closing():
+                conn.close()
+                continue
+            if conn.loop.time() - conn.idle_since > self.idle_timeout:
+                conn.close()  # the newest has expired, so has every older one
+                while idle:
+                    idle.pop().close()
+                return None
+            return conn
         return None
 
     async def _connect(self, key: tuple[str, int]) -> _Connection:
@@ -323,8 +351,14 @@ class Pool:
             target += "?" + parts.query
         host = parts.netloc.rsplit("@", 1)[-1]
         lines = [f"POST {target} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n"]
+        given: set[str] = set()
         for name, value in headers.items():
-            if name.lower() not in _SKIPPED_HEADERS:
+            lower = name.lower()
+            given.add(lower)
+            if lower not in _SKIPPED_HEADERS:
+                lines.append(f"{name}: {value}\r\n")
+        for name, value in _DEFAULT_HEADERS.items():
+            if name not in given:
                 lines.append(f"{name}: {value}\r\n")
         lines.append("\r\n")
         request = "".join(lines).encode("latin-1") + body

@@ -6,15 +6,23 @@ wires in), so this test does not depend on the other components' subcommands.
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
+import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import openai
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
-from tests.gateway.upstream import wait_until
+from tests.gateway.upstream import FakeEngine, ServerThread, wait_until
 
 
 def _free_port() -> int:
@@ -23,34 +31,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_gateway(static: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """`python -m kubellm.gateway.cli --port P --static FILE`, listening when returned."""
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kubellm.gateway.cli", "--port", str(port), "--static", str(static)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        except httpx.HTTPError:
+            if process.poll() is not None:
+                raise AssertionError(process.stdout.read().decode()) from None
+            return False
+
+    try:
+        wait_until(up, 20, "the gateway to listen")
+    except BaseException:
+        process.terminate()
+        process.wait(10)
+        raise
+    return process, port
+
+
 def test_gateway_command_serves_a_static_file(engines, tmp_path):
     ((engine, server),) = engines(1)
     static = tmp_path / "static.yaml"
     static.write_text(yaml.safe_dump({"models": [{"name": "tiny", "endpoints": [server.url]}]}))
-    port = _free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kubellm.gateway.cli",
-            "--port",
-            str(port),
-            "--static",
-            str(static),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    process, port = _start_gateway(static)
     try:
-
-        def up() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-            except httpx.HTTPError:
-                assert process.poll() is None, process.stdout.read().decode()
-                return False
-
-        wait_until(up, 20, "the gateway to listen")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         answer = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}]
@@ -59,6 +72,71 @@ def test_gateway_command_serves_a_static_file(engines, tmp_path):
     finally:
         process.terminate()
         process.wait(10)
+
+
+def _self_signed(directory: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 signed by its own key: (certificate file, key file)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kubellm test engine")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = directory / "engine.crt", directory / "engine.key"
+    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return str(cert_file), str(key_file)
+
+
+def test_an_https_replica_is_verified_against_ssl_cert_file(tmp_path):
+    """An https endpoint goes through the TLS client: trusted via SSL_CERT_FILE, refused
+    (502, nothing relayed) while its certificate is not trusted."""
+    tls = _self_signed(tmp_path)
+    engine = FakeEngine("tls")
+    server = ServerThread(engine.app(), tls=tls).start()
+    static = tmp_path / "static.yaml"
+    static.write_text(yaml.safe_dump({"models": [{"name": "tiny", "endpoints": [server.url]}]}))
+    assert server.url.startswith("https://")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    try:
+        untrusted = {k: v for k, v in os.environ.items() if k != "SSL_CERT_FILE"}
+        for env, trusted in ((untrusted, False), ({**untrusted, "SSL_CERT_FILE": tls[0]}, True)):
+            process, port = _start_gateway(static, env)
+            try:
+                url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                with httpx.stream("POST", url, json=body, timeout=20) as response:
+                    text = response.read().decode()
+                if trusted:
+                    assert response.status_code == 200, text
+                    assert response.headers["x-kubellm-route"] == "replica"
+                    assert "tls-t0" in text and text.rstrip().endswith("data: [DONE]")
+                else:
+                    assert response.status_code == 502, text
+                    assert "tls-t0" not in text
+            finally:
+                process.terminate()
+                process.wait(10)
+        assert engine.completed == 1  # the untrusted attempt never reached the engine
+    finally:
+        server.stop()
 
 
 def test_bad_static_file_exits_with_the_field_named(tmp_path):

@@ -233,3 +233,100 @@ async def test_a_stale_kept_alive_connection_is_replaced(serve):
         assert server.connections == 2
     finally:
         await pool.close()
+
+
+async def test_a_connection_idle_past_the_idle_timeout_is_closed_not_reused(serve):
+    async def handler(reader, writer):
+        while True:
+            head, body = await read_request(reader)
+            if not head:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    server, url = await serve(handler)
+    pool = upstream.Pool(connect_timeout=5, read_timeout=30, idle_timeout=4.0)
+    key = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    try:
+        # two at once: two connections, both pooled afterwards
+        answers = await asyncio.gather(
+            pool.post(f"{url}/", b"a", {}), pool.post(f"{url}/", b"b", {})
+        )
+        for answer in answers:
+            assert await answer.read() in (b"a", b"b")
+            answer.close()
+        assert server.connections == 2 and pool.idle(key) == 2
+        for conn in pool._idle[key]:
+            conn.idle_since -= 5.0  # as if idle for 5 s, past the 4 s timeout
+        third = await pool.post(f"{url}/", b"c", {})
+        assert await third.read() == b"c"
+        third.close()
+        assert server.connections == 3  # a new connection, not an expired one
+        assert pool.idle(key) == 1  # the expired ones are gone from the pool...
+        for closed in server.closed[:2]:  # ...and closed, so the engine frees them
+            await asyncio.wait_for(closed.wait(), 5)
+        fourth = await pool.post(f"{url}/", b"d", {})  # within the timeout: reused
+        assert await fourth.read() == b"d"
+        fourth.close()
+        assert server.connections == 3
+    finally:
+        await pool.close()
+
+
+async def test_returning_a_connection_drops_expired_ones_left_behind(serve):
+    async def handler(reader, writer):
+        while True:
+            head, body = await read_request(reader)
+            if not head:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    server, url = await serve(handler)
+    pool = upstream.Pool(connect_timeout=5, read_timeout=30, idle_timeout=4.0)
+    key = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    try:
+        answers = await asyncio.gather(*(pool.post(f"{url}/", b"x", {}) for _ in range(3)))
+        for answer in answers:
+            await answer.read()
+            answer.close()
+        assert pool.idle(key) == 3
+        oldest = list(pool._idle[key])[:2]
+        for conn in oldest:
+            conn.idle_since -= 5.0
+        # the newest is reused and comes back: the two expired ones behind it are dropped
+        again = await pool.post(f"{url}/", b"y", {})
+        await again.read()
+        again.close()
+        assert pool.idle(key) == 1 and all(conn.closed for conn in oldest)
+        assert server.connections == 3
+    finally:
+        await pool.close()
+
+
+async def test_engines_are_told_who_asks_and_to_send_the_body_uncompressed(serve):
+    heads: list[bytes] = []
+
+    async def handler(reader, writer):
+        while True:
+            head, _ = await read_request(reader)
+            if not head:
+                return
+            heads.append(head.lower())
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+
+    _, url = await serve(handler)
+    pool = upstream.Pool(connect_timeout=5, read_timeout=30)
+    try:
+        for headers in ({}, {"User-Agent": "mine", "accept-encoding": "br"}):
+            response = await pool.post(f"{url}/", b"x", headers)
+            await response.read()
+            response.close()
+    finally:
+        await pool.close()
+    default, given = heads
+    assert b"\r\nuser-agent: kubellm-gateway/" in default
+    assert b"\r\naccept-encoding: identity\r\n" in default
+    assert given.count(b"user-agent:") == 1 and b"user-agent: mine\r\n" in given
+    assert given.count(b"accept-encoding:") == 1 and b"accept-encoding: br\r\n" in given

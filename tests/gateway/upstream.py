@@ -154,14 +154,20 @@ def _chunk(model: str, chat: bool, text: str) -> dict[str, Any]:
 class ServerThread:
     """An ASGI app served by uvicorn on 127.0.0.1:<free port> in a background thread."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, tls: tuple[str, str] | None = None) -> None:
+        """`tls`: (certificate file, key file) to serve https."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            app, log_level="error", lifespan="auto", timeout_graceful_shutdown=2
+            app,
+            log_level="error",
+            lifespan="auto",
+            timeout_graceful_shutdown=2,
+            ssl_certfile=tls[0] if tls else None,
+            ssl_keyfile=tls[1] if tls else None,
         )
         self.server = uvicorn.Server(config)
         self.loop = asyncio.new_event_loop()
