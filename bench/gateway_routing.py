@@ -27,6 +27,14 @@ divided by S.
     python bench/gateway_routing.py --policies prefix-aware,vllm-router:cache_aware
     (the peer comes from the bench-peers extra: pip install -e ".[bench-peers]")
 
+Several gateways: `--gateways 1,2` runs each case with one gateway and with two,
+one right after the other. A run's hit rate moves by a few points from one seed
+(or one run) to the next: which replica a hot prefix spills to when its home
+passes the load bound depends on the exact timing. So `--seeds 7,11,13` repeats
+every case per seed; with more than one seed a mean row follows each case, and
+the ratio of the mean hit rates, N gateways to one, is printed per workload,
+policy and rate (the target: at least 0.90).
+
 Prints a table and writes JSON (--out, default bench/results/gateway_routing.json).
 """
 
@@ -241,6 +249,7 @@ def quantile(values: list[float], q: float) -> float | None:
 
 
 def run_one(args: argparse.Namespace, kind: str, policy: str, rate: float) -> dict[str, Any]:
+    """One run: `args.seed` and `args.gateways` (one number each) say which."""
     prompts = workload(kind, args.requests, args.seed)
     with Fleet(args, policy) as fleet:
         q0, h0 = engine_counters(fleet.engines)
@@ -253,7 +262,7 @@ def run_one(args: argparse.Namespace, kind: str, policy: str, rate: float) -> di
     good = sum(1 for r in ok if r["ttft"] / s <= args.ttft_slo and r["itl"] / s <= args.itl_slo)
     sim_seconds = outcome["wall"] / s
     return {
-        "workload": kind, "policy": policy, "gateways": args.gateways,
+        "workload": kind, "policy": policy, "gateways": args.gateways, "seed": args.seed,
         "rate_per_sim_s": rate / (1 / s), "requests": len(prompts), "ok": len(ok),
         "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
         "ttft_p50": quantile(ttfts, 0.5), "ttft_p95": quantile(ttfts, 0.95),
@@ -266,6 +275,23 @@ def fmt(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def print_row(row: dict[str, Any], seed: str) -> None:
+    print(f"{row['workload']:8} {row['policy']:24} {row['gateways']:>2} {seed:>5} "
+          f"{row['rate_per_sim_s']:>7.2f} {row['ok']:>4} {row['hit_rate']:>6.1%} "
+          f"{fmt(row['ttft_p50']):>7} {fmt(row['ttft_p95']):>7} {fmt(row['itl_p95'], '.4f'):>7} "
+          f"{row['goodput_rps']:>9.2f}", flush=True)  # fmt: skip
+
+
+def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs of one case (seeds differ) averaged: counts and rates, quantiles too."""
+    out = dict(rows[0])
+    for key in ("ok", "hit_rate", "ttft_p50", "ttft_p95", "itl_p95", "goodput_rps"):
+        values = [r[key] for r in rows if r[key] is not None]
+        out[key] = sum(values) / len(values) if values else None
+    out["seed"] = "mean"
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default="shared,low")
@@ -273,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", default="4,8", help="arrivals per WALL second, comma-separated")
     p.add_argument("--requests", type=int, default=96, help="requests per run")
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--gateways", type=int, default=1)
+    p.add_argument("--gateways", default="1", help="gateway processes, comma-separated: 1,2")
     p.add_argument("--profile", default="llama-3.1-8b-h100")
     p.add_argument("--num-blocks", type=int, default=2000, help="KV blocks per replica")
     p.add_argument("--time-scale", type=float, default=4.0)
@@ -281,26 +307,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-slo", type=float, default=0.5, help="simulated seconds")
     p.add_argument("--itl-slo", type=float, default=0.05, help="simulated seconds")
     p.add_argument("--timeout", type=float, default=120)
-    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--seeds", "--seed", default="7", help="workload seeds, comma-separated")
     p.add_argument("--out", default="bench/results/gateway_routing.json")
     args = p.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    gateway_counts = [int(g) for g in args.gateways.split(",")]
 
-    rows = []
-    header = (f"{'workload':8} {'policy':24} {'gw':>2} {'rate/s':>7} {'ok':>4} {'hit':>6} "
-              f"{'ttft50':>7} {'ttft95':>7} {'itl95':>7} {'goodput/s':>9}")  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    means: list[dict[str, Any]] = []
+    header = (f"{'workload':8} {'policy':24} {'gw':>2} {'seed':>5} {'rate/s':>7} {'ok':>4} "
+              f"{'hit':>6} {'ttft50':>7} {'ttft95':>7} {'itl95':>7} {'goodput/s':>9}")  # fmt: skip
     print(header, flush=True)
     for kind in args.workloads.split(","):
         for rate in (float(r) for r in args.rates.split(",")):
             for policy in args.policies.split(","):
-                row = run_one(args, kind, policy, rate)
-                rows.append(row)
-                print(f"{kind:8} {policy:24} {row['gateways']:>2} {row['rate_per_sim_s']:>7.2f} "
-                      f"{row['ok']:>4} {row['hit_rate']:>6.1%} {fmt(row['ttft_p50']):>7} "
-                      f"{fmt(row['ttft_p95']):>7} {fmt(row['itl_p95'], '.4f'):>7} "
-                      f"{row['goodput_rps']:>9.2f}", flush=True)  # fmt: skip
-                out = Path(args.out)  # written after each run: a failed run keeps the others
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+                case: dict[int, list[dict[str, Any]]] = {g: [] for g in gateway_counts}
+                for seed in seeds:  # one gateway count right after the other, per seed
+                    for gateways in gateway_counts:
+                        run = argparse.Namespace(**{**vars(args), "seed": seed,
+                                                    "gateways": gateways})  # fmt: skip
+                        row = run_one(run, kind, policy, rate)
+                        rows.append(row)
+                        case[gateways].append(row)
+                        print_row(row, str(seed))
+                        out = Path(args.out)  # written after each run: a failed run keeps the rest
+                        out.parent.mkdir(parents=True, exist_ok=True)
+                        out.write_text(json.dumps(
+                            {"args": vars(args), "rows": rows, "means": means}, indent=2
+                        ))  # fmt: skip
+                if len(seeds) > 1:
+                    for gateways in gateway_counts:
+                        means.append(mean_row(case[gateways]))
+                        print_row(means[-1], "mean")
+                one = mean_row(case[1])["hit_rate"] if 1 in case else None
+                for gateways in gateway_counts:
+                    if one and gateways != 1:
+                        ratio = mean_row(case[gateways])["hit_rate"] / one
+                        print(f"{kind:8} {policy:24} hit rate, {gateways} gateways / 1: "
+                              f"{ratio:.3f} over {len(seeds)} seed(s) (target >= 0.90: "
+                              f"{'met' if ratio >= 0.9 else 'MISSED'})", flush=True)  # fmt: skip
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "means": means},
+                                         indent=2))  # fmt: skip
     print(f"wrote {args.out}")
     return 0
 
