@@ -107,6 +107,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubellm gateway: {error}", file=sys.stderr)
         return 1
     app = create_app(Gateway(discovery, settings))
+    tune_gc()
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def tune_gc() -> None:
+    """Set the cyclic garbage collector up for a process that serves the gateway; call it
+    once the app exists, before serving."""
     # What exists now (modules, the app) lives as long as the process: keep it out of the
     # cyclic GC's full collections, whose pauses otherwise land on requests in flight.
     gc.collect()
@@ -117,8 +125,6 @@ def run(args: argparse.Namespace) -> int:
     # once a second at 100 streams (~2.4 ms each); at YOUNG_COLLECTION_EVERY, once every
     # 5-20 s (~5 ms each): fewer requests in flight meet a pause.
     gc.set_threshold(YOUNG_COLLECTION_EVERY, *gc.get_threshold()[1:])
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from kubellm.fleet import status as fleet_status
 from kubellm.fleet.processes import Supervisor
 from kubellm.fleet.runtime import LocalBackend, LocalRuntime
 from kubellm.gateway.app import Gateway, GatewaySettings, create_app
+from kubellm.gateway.cli import tune_gc
 from kubellm.gateway.discovery.base import FixedDiscovery
 
 STATE_FILE = "fleet.json"
@@ -70,6 +71,7 @@ async def serve(args: argparse.Namespace, deployments: list) -> int:
     server = _Server(
         uvicorn.Config(create_app(gateway), host=args.host, port=args.port, log_level="warning")
     )
+    tune_gc()  # as `kubellm gateway` does: this process serves the fleet's gateway
     gateway_url = f"http://{args.host}:{args.port}"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
