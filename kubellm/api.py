@@ -14,9 +14,10 @@ message, whichever side rejects the manifest.
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from kubellm import cel
@@ -31,6 +32,18 @@ SHORT_NAMES = ("llmd",)
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kubellm/engine:0.1.0"
 MODEL_SOURCE_SCHEMES = ("hf", "pvc", "file", "s3")
+
+# The API server's resource.Quantity grammar (k8s.io/apimachinery/pkg/api/resource), without
+# the sign: a resource request is never negative. The CRD carries it as the string's
+# `pattern`, so `kubectl apply` refuses what `kubellm validate` refuses.
+QUANTITY_PATTERN = (
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+_QUANTITY = re.compile(QUANTITY_PATTERN)
+# Integers in a manifest are int64 on the API server (int32 for replica counts).
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
 
 
 class Rule:
@@ -56,8 +69,16 @@ class _Model(BaseModel):
         populate_by_name=True,
         extra="forbid",
         validate_default=True,
+        allow_inf_nan=False,  # JSON has no infinity: the API server could not store it
     )
     rules: ClassVar[tuple[Rule, ...]] = ()
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _int64(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
+            raise ValueError(f"{value} does not fit in a 64-bit integer (at most {INT64_MAX})")
+        return value
 
     @model_validator(mode="after")
     def _check_rules(self) -> _Model:
@@ -211,8 +232,26 @@ class GPUResources(_Model):
 
 class Resources(_Model):
     gpu: GPUResources = _nested(GPUResources, "GPUs per replica.")
-    cpu: str | None = Field(default=None, description="CPU request, e.g. '8'.")
-    memory: str | None = Field(default=None, description="Memory request, e.g. '64Gi'.")
+    cpu: str | None = Field(
+        default=None,
+        description="CPU request, a Kubernetes quantity: '8', '500m'.",
+        json_schema_extra={"pattern": QUANTITY_PATTERN},
+    )
+    memory: str | None = Field(
+        default=None,
+        description="Memory request, a Kubernetes quantity: '64Gi', '512Mi', '4G'.",
+        json_schema_extra={"pattern": QUANTITY_PATTERN},
+    )
+
+    @field_validator("cpu", "memory")
+    @classmethod
+    def _quantity(cls, value: str | None) -> str | None:
+        if value is not None and not _QUANTITY.match(value):
+            raise ValueError(
+                f"{value!r} is not a Kubernetes quantity: a number with an optional suffix "
+                "(m, k, M, G, T, Ki, Mi, Gi, Ti), e.g. '500m', '2', '4Gi'"
+            )
+        return value
 
 
 # --------------------------------------------------------------------------- autoscaling
@@ -342,7 +381,9 @@ class LLMDeploymentSpec(_Model):
     model: ModelSpec
     engine: EngineSpec = _nested(EngineSpec, "How vLLM runs the model.")
     resources: Resources = _nested(Resources, "Resources of one replica.")
-    replicas: int = Field(default=1, ge=0, description="Desired replicas (the scale subresource).")
+    replicas: int = Field(
+        default=1, ge=0, le=INT32_MAX, description="Desired replicas (the scale subresource)."
+    )
     autoscaling: Autoscaling | None = Field(
         default=None, description="Scale on KV-cache occupancy and queue depth; off when absent."
     )
