@@ -64,6 +64,7 @@ class ModelShape:
     dtype: str = "bf16"  # weight dtype, a key of WEIGHT_BITS
     max_context: int | None = None  # max_position_embeddings, when known
     name: str = "custom"
+    num_attention_heads: int | None = None  # query heads, when known (tensor-parallel check)
 
 
 def estimate_params(config: Mapping[str, Any]) -> float:
@@ -103,6 +104,7 @@ def shape_from_hf_config(config: Mapping[str, Any], name: str = "custom") -> Mod
         dtype=_TORCH_DTYPES.get(torch_dtype, "bf16"),
         max_context=config.get("max_position_embeddings"),
         name=name,
+        num_attention_heads=heads,
     )
 
 
@@ -205,6 +207,31 @@ def cost_per_million_tokens(
     return gpu_hour_price / tokens_per_hour(throughput_tps, utilization) * 1e6
 
 
+def check_tensor_parallel(shape: ModelShape, tensor_parallel: int) -> None:
+    """Refuse a tensor-parallel size vLLM would refuse for this model.
+
+    vLLM splits the attention heads evenly across the GPUs of a replica, so the
+    size must divide the attention heads; KV heads are split when there are at
+    least as many as GPUs, else replicated, so one must divide the other.
+    """
+    if tensor_parallel < 1:
+        raise CapacityError(f"--tensor-parallel must be at least 1, got {tensor_parallel}")
+    heads = shape.num_attention_heads
+    if heads and heads % tensor_parallel:
+        sizes = [d for d in range(1, heads + 1) if heads % d == 0 and d <= 16]
+        raise CapacityError(
+            f"tensor parallel size {tensor_parallel} does not divide the model's {heads} "
+            f"attention heads (vLLM requires it): use one of {', '.join(map(str, sizes))}"
+        )
+    kv = shape.num_kv_heads
+    if (kv % tensor_parallel) if kv >= tensor_parallel else (tensor_parallel % kv):
+        raise CapacityError(
+            f"tensor parallel size {tensor_parallel} and the model's {kv} KV heads: one must "
+            f"divide the other (vLLM splits or replicates KV heads): change the tensor parallel "
+            f"size"
+        )
+
+
 def break_even_utilization(
     gpu_hour_price: float, throughput_tps: float, api_price_per_million: float
 ) -> float:
@@ -262,6 +289,7 @@ def plan(
     """Size one replica (on `tensor_parallel` GPUs) and the fleet for a workload."""
     if workload.context_tokens < 1:
         raise CapacityError("context tokens must be at least 1")
+    check_tensor_parallel(shape, tensor_parallel)
     if shape.max_context and workload.context_tokens > shape.max_context:
         raise CapacityError(
             f"context of {workload.context_tokens} tokens exceeds the model's maximum of "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -84,33 +85,73 @@ def _validate(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- plan
 
 
+def _number(kind: type, low: float, *, inclusive: bool = True, high: float | None = None) -> Any:
+    """An argparse type: a finite number of `kind` in [low, high] (or (low, high])."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if value < low or (not inclusive and value == low):
+            bound = f"at least {low:g}" if inclusive else f"more than {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:g}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+_COUNT = _number(int, 1)
+_POSITIVE = _number(float, 0, inclusive=False)
+_FRACTION = _number(float, 0, inclusive=False, high=1)
+
+
 def _configure_plan(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     model = parser.add_argument_group("model (a config file, a known name, or explicit numbers)")
     model.add_argument("--model-config", metavar="PATH", help="Hugging Face config.json")
     model.add_argument(
         "--model", choices=sorted(capacity.KNOWN_MODELS), help="a well-known architecture"
     )
-    model.add_argument("--layers", type=int)
-    model.add_argument("--kv-heads", type=int)
-    model.add_argument("--head-dim", type=int)
-    model.add_argument("--params-billions", type=float)
+    model.add_argument("--layers", type=_COUNT, help="transformer layers")
+    model.add_argument("--kv-heads", type=_COUNT, help="KV heads")
+    model.add_argument("--head-dim", type=_COUNT, help="dimension of one attention head")
+    model.add_argument(
+        "--attention-heads", type=_COUNT, help="query heads (checks --tensor-parallel divides it)"
+    )
+    model.add_argument(
+        "--params-billions", type=_POSITIVE, help="parameters (not needed with --weights-gib)"
+    )
     model.add_argument(
         "--dtype", choices=sorted(capacity.WEIGHT_BITS), help="weight dtype (default: the config's)"
     )
     model.add_argument("--kv-dtype", choices=sorted(capacity.KV_BYTES), default="bf16")
-    model.add_argument("--weights-gib", type=float, help="override the computed weight size")
+    model.add_argument("--weights-gib", type=_POSITIVE, help="override the computed weight size")
     gpu = parser.add_argument_group("GPU")
-    gpu.add_argument("--gpu-memory-gib", type=float, default=80.0)
-    gpu.add_argument("--usable-fraction", type=float, default=0.9)
-    gpu.add_argument("--bandwidth-gbps", type=float, default=2000.0, help="memory bandwidth, GB/s")
-    gpu.add_argument("--gpu-hour-price", type=float, help="dollars per GPU hour")
-    gpu.add_argument("--tensor-parallel", type=int, default=1, help="GPUs per replica")
+    gpu.add_argument("--gpu-memory-gib", type=_POSITIVE, default=80.0, help="memory of one GPU")
+    gpu.add_argument(
+        "--usable-fraction", type=_FRACTION, default=0.9, help="share of it vLLM may use"
+    )
+    gpu.add_argument(
+        "--bandwidth-gbps", type=_POSITIVE, default=2000.0, help="memory bandwidth, GB/s"
+    )
+    gpu.add_argument("--gpu-hour-price", type=_POSITIVE, help="dollars per GPU hour")
+    gpu.add_argument("--tensor-parallel", type=_COUNT, default=1, help="GPUs per replica")
     work = parser.add_argument_group("workload")
-    work.add_argument("--context-tokens", type=int, default=4096, help="tokens per request")
-    work.add_argument("--concurrency", type=int, help="concurrent requests to serve")
-    work.add_argument("--throughput-tokens-per-second", type=float, help="sustained output tok/s")
-    work.add_argument("--utilization", type=float, default=1.0, help="share of the hour busy")
-    work.add_argument("--api-price-per-million", type=float, help="API price per 1M tokens")
+    work.add_argument("--context-tokens", type=_COUNT, default=4096, help="tokens per request")
+    work.add_argument("--concurrency", type=_COUNT, help="concurrent requests to serve")
+    work.add_argument(
+        "--throughput-tokens-per-second", type=_POSITIVE, help="sustained output tok/s"
+    )
+    work.add_argument("--utilization", type=_FRACTION, default=1.0, help="share of the hour busy")
+    work.add_argument("--api-price-per-million", type=_POSITIVE, help="API price per 1M tokens")
     parser.add_argument("--json", action="store_true", help="print one flat JSON object")
 
 
@@ -129,18 +170,22 @@ def _shape(args: argparse.Namespace) -> capacity.ModelShape:
             "--layers": args.layers,
             "--kv-heads": args.kv_heads,
             "--head-dim": args.head_dim,
-            "--params-billions": args.params_billions,
+            # The parameter count only sizes the weights: --weights-gib gives them directly.
+            "--params-billions": args.params_billions or args.weights_gib,
         }
         missing = [flag for flag, value in explicit.items() if value is None]
         if missing:
             raise capacity.CapacityError(
-                "give --model-config PATH, --model NAME, or all of " + ", ".join(missing)
+                "give --model-config PATH, --model NAME, or all of "
+                + ", ".join(missing)
+                + (" (or --weights-gib)" if "--params-billions" in missing else "")
             )
         shape = capacity.ModelShape(
             num_layers=args.layers,
             num_kv_heads=args.kv_heads,
             head_dim=args.head_dim,
-            params=args.params_billions * 1e9,
+            params=(args.params_billions or 0.0) * 1e9,
+            num_attention_heads=args.attention_heads,
         )
     if args.dtype:
         shape = capacity.ModelShape(**{**shape.__dict__, "dtype": args.dtype})
@@ -179,9 +224,10 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({k: v for k, v in result.__dict__.items() if v is not None}))
         return 0
+    params = f"{shape.params / 1e9:.2f}B params" if shape.params else "weights given"
     rows = [
         ("model", f"{shape.name}: {shape.num_layers} layers, {shape.num_kv_heads} KV heads, "
-                  f"head dim {shape.head_dim}, {shape.params / 1e9:.2f}B params, {shape.dtype}"),
+                  f"head dim {shape.head_dim}, {params}, {shape.dtype}"),
         ("KV cache per token", f"{result.kv_bytes_per_token:,} B"),
         (f"KV cache per {args.context_tokens:,}-token request",
          _fmt_bytes(result.kv_bytes_per_request)),
@@ -200,8 +246,11 @@ def _plan(args: argparse.Namespace) -> int:
         rows.append((f"cost per million output tokens at {args.utilization:.0%} utilization",
                      f"${result.cost_per_million_tokens:,.2f}"))  # fmt: skip
     if result.break_even_utilization is not None:
+        even = result.break_even_utilization
         rows.append((f"break-even utilization vs ${args.api_price_per_million:g}/M API",
-                     f"{result.break_even_utilization:.0%}"))  # fmt: skip
+                     f"{even:.0%}" if even <= 1 else
+                     f"never: the API is cheaper at any utilization (even 100% busy costs "
+                     f"{even:.1f}x the API's price)"))  # fmt: skip
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
