@@ -13,8 +13,15 @@ import sys
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Explain what is slow in a fleet from its metrics. With no --url, --engine-url or "
+        "--prometheus it diagnoses the local fleet that `kubellm up` runs here (its gateway "
+        "and every ready engine, found the way `kubellm status` finds them)."
+    )
     source = parser.add_argument_group("where the metrics come from")
-    source.add_argument("--url", help="the gateway's base URL (its /metrics is scraped)")
+    source.add_argument(
+        "--url", help="the gateway's base URL (its /metrics is scraped; default: the local fleet's)"
+    )
     source.add_argument(
         "--engine-url",
         action="append",
@@ -51,47 +58,109 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="ITL target (default: the gateway's, else 0.25s)",
     )
+    source.add_argument(
+        "--run-dir",
+        default=".kubellm/run",
+        help="where `kubellm up` runs: its fleet.json names the gateway and the engines "
+        "(default .kubellm/run)",
+    )
+    parser.add_argument(
+        "-f",
+        "--filename",
+        metavar="FILE",
+        help="the LLMDeployment manifest, so advice names what to change in it "
+        "(default: the local fleet's, when it runs one model)",
+    )
     parser.add_argument("--json", action="store_true", help="print the snapshot and findings")
+
+
+def _spec(args: argparse.Namespace, recorded: dict[str, dict]) -> object | None:
+    """The spec the advice is worded for: -f FILE, else the local fleet's only model."""
+    from kubellm import api, manifests
+
+    if args.filename:
+        deployments = list(manifests.load(args.filename))
+        return deployments[0].spec if len(deployments) == 1 else None
+    if len(recorded) == 1:
+        try:
+            return api.LLMDeploymentSpec.model_validate(next(iter(recorded.values())))
+        except ValueError:
+            return None
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
     import json
+    import math
+    import time
     from dataclasses import asdict
 
     import httpx
 
+    from kubellm import manifests
     from kubellm.diagnose import collect, triage
+    from kubellm.progress import Ticker
 
     if args.samples < 1:
         print("kubellm diagnose: --samples: must be at least 1", file=sys.stderr)
         return 2
-    if args.window <= 0:
-        print("kubellm diagnose: --window: must be positive", file=sys.stderr)
+    if not args.window > 0 or not math.isfinite(args.window):
+        print("kubellm diagnose: --window: must be a positive number of seconds", file=sys.stderr)
         return 2
-    try:
-        if args.prometheus:
-            snap = collect.from_prometheus(
-                args.prometheus, args.window, args.ttft_target, args.itl_target
-            )
-        elif args.url or args.engine_url:
-            snap = collect.scrape(
-                args.url,
-                args.engine_url,
-                args.window,
-                args.ttft_target,
-                args.itl_target,
-                samples=args.samples,
-            )
-        else:
+    gateway, engines, recorded = args.url, list(args.engine_url), {}
+    if not (args.prometheus or args.url or args.engine_url):
+        fleet = collect.local_fleet(args.run_dir)
+        if fleet is None:
             print(
-                "kubellm diagnose: give --url (gateway), --engine-url or --prometheus",
+                f"kubellm diagnose: no running fleet found ({args.run_dir}/fleet.json): start "
+                "one with `kubellm up -f FILE`, or give --url (a gateway), --engine-url or "
+                "--prometheus",
                 file=sys.stderr,
             )
             return 2
+        gateway, engines, recorded = fleet.gateway, fleet.engines, fleet.specs
+    elif args.url and not args.engine_url:
+        # The local fleet's gateway: its engines are known without asking for their ports.
+        fleet = collect.local_fleet(args.run_dir)
+        if fleet is not None and fleet.gateway.rstrip("/") == args.url.rstrip("/"):
+            engines, recorded = fleet.engines, fleet.specs
+    try:
+        spec = _spec(args, recorded)
+    except manifests.ManifestError as error:
+        print(f"kubellm diagnose: {error}", file=sys.stderr)
+        return 1
+    where = args.prometheus or ", ".join(
+        [*([f"gateway {gateway}"] if gateway else []), f"{len(engines)} engine(s)"]
+    )
+    ticker = Ticker(f"kubellm diagnose: watching {where} for {args.window:g}s")
+    taken = 0
+
+    def wait(seconds: float) -> None:
+        nonlocal taken
+        time.sleep(seconds)
+        taken += 1
+        ticker.note(f"sample {taken}/{args.samples}")
+
+    try:
+        with ticker:
+            if args.prometheus:
+                snap = collect.from_prometheus(
+                    args.prometheus, args.window, args.ttft_target, args.itl_target
+                )
+            else:
+                snap = collect.scrape(
+                    gateway,
+                    engines,
+                    args.window,
+                    args.ttft_target,
+                    args.itl_target,
+                    samples=args.samples,
+                    wait=wait,
+                )
     except (httpx.HTTPError, collect.CollectError) as error:
         print(f"kubellm diagnose: {error}", file=sys.stderr)
         return 1
-    findings = triage.triage(snap)
+    findings = triage.triage(snap, spec=spec)  # type: ignore[arg-type]
     if args.json:
         print(
             json.dumps(

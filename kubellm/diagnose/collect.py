@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -18,10 +22,48 @@ class CollectError(RuntimeError):
 
 
 def _get(client: httpx.Client, base: str) -> str:
-    response = client.get(base.rstrip("/") + "/metrics")
+    url = base.rstrip("/") + "/metrics"
+    try:
+        response = client.get(url)
+    except httpx.ConnectError:
+        raise CollectError(
+            f"cannot connect to {url}: connection refused or host unreachable"
+        ) from None
+    except httpx.TimeoutException:
+        raise CollectError(f"{url} did not answer in time") from None
+    except httpx.HTTPError as error:
+        raise CollectError(f"{url}: {type(error).__name__}: {error}") from None
     if response.status_code != 200:
-        raise CollectError(f"{base}/metrics answered HTTP {response.status_code}")
+        raise CollectError(f"{url} answered HTTP {response.status_code}")
     return response.text
+
+
+@dataclass
+class LocalFleet:
+    """What a running `kubellm up` wrote down about itself (its run directory's state)."""
+
+    gateway: str
+    engines: list[str]  # base URLs of the ready replicas
+    specs: dict[str, dict[str, Any]]  # LLMDeployment name -> its spec (JSON), when recorded
+
+
+def local_fleet(run_dir: str | Path, state_file: str = "fleet.json") -> LocalFleet | None:
+    """The fleet `kubellm up` runs from this directory, the way `kubellm status` finds it."""
+    path = Path(run_dir) / state_file
+    try:
+        state = json.loads(path.read_text())
+        deployments = state["deployments"]
+        gateway = str(state["gateway"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    engines = [
+        str(replica["url"])
+        for deployment in deployments.values()
+        for replica in deployment.get("replicas", [])
+        if replica.get("state") == "ready" and replica.get("url")
+    ]
+    specs = {name: d["spec"] for name, d in deployments.items() if isinstance(d.get("spec"), dict)}
+    return LocalFleet(gateway=gateway, engines=engines, specs=specs)
 
 
 def scrape(
@@ -114,7 +156,11 @@ def from_prometheus(
     values: dict[str, float | None] = {}
     try:
         for field, query in _queries(window).items():
-            response = client.get(url.rstrip("/") + "/api/v1/query", params={"query": query})
+            endpoint = url.rstrip("/") + "/api/v1/query"
+            try:
+                response = client.get(endpoint, params={"query": query})
+            except httpx.HTTPError as error:
+                raise CollectError(f"cannot query Prometheus at {endpoint}: {error}") from None
             body = response.json() if response.status_code in (200, 400, 422) else {}
             if body.get("status") != "success":
                 reason = body.get("error", f"HTTP {response.status_code}")

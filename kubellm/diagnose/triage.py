@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kubellm import metrics
+from kubellm import api, metrics
 from kubellm.diagnose.snapshot import (
     GATEWAY_QUEUE_WAIT,
     PREEMPTIONS,
@@ -60,12 +60,137 @@ def _latency_names(snap: Snapshot) -> tuple[str, str]:
     return metrics.GATEWAY_TTFT, metrics.GATEWAY_ITL
 
 
-def triage(snap: Snapshot, thresholds: Thresholds | None = None) -> list[Finding]:
-    """Walk the tree; an empty list means nothing looks wrong in this window."""
+def no_traffic(snap: Snapshot) -> bool:
+    """No request reached the fleet in the window (nothing to judge latency by)."""
+    if snap.request_rate is not None:
+        return snap.request_rate == 0 and not snap.running and not snap.waiting
+    return (
+        snap.ttft_p95_s is None
+        and not snap.running
+        and not snap.waiting
+        and not snap.generation_tokens_per_s
+    )
+
+
+class _Advice:
+    """Suggestions worded for the manifest, when it is known (else for any fleet)."""
+
+    def __init__(self, spec: api.LLMDeploymentSpec | None) -> None:
+        self.spec = spec
+        scaling = spec.autoscaling if spec is not None else None
+        self.autoscaling = scaling if scaling is not None and scaling.enabled else None
+        self.known = spec is not None
+
+    def more_replicas(self) -> str:
+        if self.autoscaling is not None:
+            return (
+                f"raise autoscaling.maxReplicas (now {self.autoscaling.max_replicas}) or add "
+                "GPUs; the fleet cannot absorb the load"
+            )
+        if self.known:
+            assert self.spec is not None
+            return (
+                f"autoscaling is off: raise spec.replicas (now {self.spec.replicas}) or turn "
+                "on spec.autoscaling; the fleet cannot absorb the load"
+            )
+        return "raise autoscaling.maxReplicas (or spec.replicas) or add GPUs"
+
+    def scale_sooner(self, what: str) -> list[str]:
+        if self.autoscaling is None:
+            return [] if self.known else [f"with autoscaling on: {what}"]
+        a = self.autoscaling
+        return [
+            f"{what} (now targetKVCacheUsage {a.target_kv_cache_usage:g}, targetQueueDepth "
+            f"{a.target_queue_depth:g}, scaleUpStabilizationSeconds "
+            f"{a.scale_up_stabilization_seconds})"
+        ]
+
+    def fewer_replicas(self) -> str:
+        if self.autoscaling is not None:
+            return (
+                f"run fewer replicas (lower autoscaling.minReplicas, now "
+                f"{self.autoscaling.min_replicas}) or consolidate models onto shared GPUs"
+            )
+        if self.known:
+            assert self.spec is not None
+            return (
+                f"run fewer replicas (spec.replicas, now {self.spec.replicas}) or turn on "
+                "spec.autoscaling so the count follows the load"
+            )
+        return (
+            "run fewer replicas (lower autoscaling.minReplicas) or consolidate models onto "
+            "shared GPUs"
+        )
+
+    def scale_to_zero(self) -> list[str]:
+        if self.autoscaling is not None and self.autoscaling.scale_to_zero:
+            return []
+        where = (
+            "autoscaling.scaleToZero"
+            if self.autoscaling is not None or not self.known
+            else ("spec.autoscaling with scaleToZero")
+        )
+        return [
+            f"enable {where} for models with idle hours; the fallback API serves the cold start"
+        ]
+
+    def chunked_prefill(self) -> str:
+        engine = self.spec.engine if self.spec is not None else None
+        if engine is not None and engine.chunked_prefill.enabled:
+            return (
+                "lower engine.chunkedPrefill.maxNumBatchedTokens (now "
+                f"{engine.chunked_prefill.max_num_batched_tokens}) so a long prefill takes "
+                "less of each step"
+            )
+        return (
+            "enable chunked prefill (engine.chunkedPrefill.maxNumBatchedTokens) so "
+            "long prefills do not block the batch"
+        )
+
+    def prefix_caching(self) -> str:
+        if self.spec is None:
+            return "turn on prefix caching (engine.prefixCaching) and prefix-aware routing"
+        missing = []
+        if not self.spec.engine.prefix_caching:
+            missing.append("engine.prefixCaching: true")
+        if self.spec.routing.policy != "prefix-aware":
+            missing.append(f"routing.policy: prefix-aware (now {self.spec.routing.policy})")
+        if missing:
+            return "set " + " and ".join(missing)
+        return "prefix caching and prefix-aware routing are on: the prompts share little"
+
+
+def triage(
+    snap: Snapshot,
+    thresholds: Thresholds | None = None,
+    spec: api.LLMDeploymentSpec | None = None,
+) -> list[Finding]:
+    """Walk the tree; an empty list means nothing looks wrong in this window.
+
+    With the deployment's `spec`, suggestions name what to change in that manifest
+    (and skip what it already does); without it they are worded for any fleet.
+    """
     t = thresholds or Thresholds()
+    advice = _Advice(spec)
     ttft_target, itl_target = _targets(snap, t)
     ttft_name, itl_name = _latency_names(snap)
     findings: list[Finding] = []
+
+    if no_traffic(snap):
+        evidence = {"engines": float(snap.engines)}
+        if snap.request_rate is not None:
+            evidence[f"{metrics.GATEWAY_REQUESTS} (req/s)"] = snap.request_rate
+        return [
+            Finding(
+                "no-traffic",
+                f"No requests in the {snap.window_s:.3g}s window: nothing to judge latency by",
+                evidence,
+                [
+                    "run diagnose while the fleet serves traffic (e.g. alongside "
+                    "`kubellm bench`), or widen --window",
+                ],
+            )
+        ]
 
     if snap.fallback_share is not None and snap.fallback_share >= t.overflow_share:
         findings.append(
@@ -81,9 +206,11 @@ def triage(snap: Snapshot, thresholds: Thresholds | None = None) -> list[Finding
                     ),
                 },
                 [
-                    "raise autoscaling.maxReplicas or add GPUs; the fleet cannot absorb the load",
-                    "scale up sooner: lower targetKVCacheUsage / targetQueueDepth or the "
-                    "scale-up stabilization window",
+                    advice.more_replicas(),
+                    *advice.scale_sooner(
+                        "scale up sooner: lower targetKVCacheUsage / targetQueueDepth or the "
+                        "scale-up stabilization window"
+                    ),
                     "if bursts are short, the fallback is doing its job; check its cost",
                 ],
             )
@@ -98,7 +225,7 @@ def triage(snap: Snapshot, thresholds: Thresholds | None = None) -> list[Finding
         latency[f"{itl_name} (p95)"] = snap.itl_p95_s
 
     if ttft_high and not itl_high:
-        findings.append(_ttft_finding(snap, t, latency, ttft_target))
+        findings.append(_ttft_finding(snap, t, latency, ttft_target, advice))
     elif itl_high and not ttft_high:
         findings.append(_decode_finding(snap, t, latency, itl_target))
     elif ttft_high and itl_high:
@@ -116,14 +243,14 @@ def triage(snap: Snapshot, thresholds: Thresholds | None = None) -> list[Finding
             )
         )
     elif snap.ttft_p95_s is not None or snap.request_rate is not None or snap.engines:
-        idle = _idle_finding(snap, t, latency)
+        idle = _idle_finding(snap, t, latency, advice)
         if idle is not None:
             findings.append(idle)
     return findings
 
 
 def _ttft_finding(
-    snap: Snapshot, t: Thresholds, latency: dict[str, float], ttft_target: float
+    snap: Snapshot, t: Thresholds, latency: dict[str, float], ttft_target: float, advice: _Advice
 ) -> Finding:
     """Slow first token, smooth stream: queueing, or long prompts to prefill."""
     evidence = dict(latency)
@@ -140,10 +267,19 @@ def _ttft_finding(
         evidence[f"{metrics.NUM_REQUESTS_WAITING} (sum)"] = snap.waiting
     if queueing:
         causes.append("requests queue")
-        suggestions += [
-            "scale out: add replicas (lower targetQueueDepth so the autoscaler "
-            "reacts to the queue sooner)"
-        ]
+        if advice.autoscaling is not None:
+            suggestions.append(
+                "scale out: add replicas (lower autoscaling.targetQueueDepth, now "
+                f"{advice.autoscaling.target_queue_depth:g}, so the autoscaler reacts to the "
+                "queue sooner)"
+            )
+        elif advice.known:
+            suggestions.append(advice.more_replicas())
+        else:
+            suggestions.append(
+                "scale out: add replicas (lower targetQueueDepth so the autoscaler "
+                "reacts to the queue sooner)"
+            )
     long_prompts = (
         snap.mean_prompt_tokens is not None and snap.mean_prompt_tokens >= t.long_prompt_tokens
     )
@@ -155,10 +291,7 @@ def _ttft_finding(
         )
     if long_prompts:
         causes.append("prompts are long")
-        suggestions += [
-            "enable chunked prefill (engine.chunkedPrefill.maxNumBatchedTokens) so "
-            "long prefills do not block the batch"
-        ]
+        suggestions.append(advice.chunked_prefill())
     cold = (
         snap.prefix_cache_hit_rate is not None
         and snap.prefix_cache_hit_rate < t.low_prefix_hit_rate
@@ -166,7 +299,7 @@ def _ttft_finding(
     if cold and (long_prompts or not queueing):
         causes.append("the prefix cache rarely hits")
         suggestions += [
-            "turn on prefix caching (engine.prefixCaching) and prefix-aware routing",
+            advice.prefix_caching(),
             "put the shared part of prompts first and keep it stable; shorten the "
             "shared system prompt",
         ]
@@ -220,7 +353,9 @@ def _decode_finding(
     )
 
 
-def _idle_finding(snap: Snapshot, t: Thresholds, latency: dict[str, float]) -> Finding | None:
+def _idle_finding(
+    snap: Snapshot, t: Thresholds, latency: dict[str, float], advice: _Advice
+) -> Finding | None:
     """Fine latency on mostly idle replicas: paying for capacity nobody uses."""
     if not snap.engines or snap.kv_cache_usage_max is None or snap.running is None:
         return None
@@ -239,14 +374,10 @@ def _idle_finding(snap: Snapshot, t: Thresholds, latency: dict[str, float]) -> F
         evidence[f"{metrics.GATEWAY_REQUESTS} (req/s)"] = snap.request_rate
     suggestions = []
     if snap.engines > 1:
-        suggestions.append(
-            "run fewer replicas (lower autoscaling.minReplicas) or consolidate "
-            "models onto shared GPUs"
-        )
-    suggestions.append(
-        "enable autoscaling.scaleToZero for models with idle hours; the "
-        "fallback API serves the cold start"
-    )
+        suggestions.append(advice.fewer_replicas())
+    suggestions += advice.scale_to_zero()
+    if not suggestions:
+        suggestions.append("scale-to-zero is on: the replicas go once the idle time passes")
     return Finding(
         "low-utilization",
         "Latency is fine but the replicas are mostly idle: low utilization "
@@ -258,11 +389,12 @@ def _idle_finding(snap: Snapshot, t: Thresholds, latency: dict[str, float]) -> F
 
 def format_findings(snap: Snapshot, findings: list[Finding]) -> str:
     """Findings for people, with their evidence."""
-    head = (
-        f"window {snap.window_s:g}s, {snap.engines} engine(s), latency from "
-        f"{snap.latency_source or 'nowhere (no traffic in the window)'}"
+    source = (
+        f"latency from {snap.latency_source}"
+        if snap.latency_source
+        else "no latency figures (no requests in the window)"
     )
-    lines = [head]
+    lines = [f"window {snap.window_s:.3g}s, {snap.engines} engine(s), {source}"]
     if not findings:
         lines.append("no problem found: latency within targets, no overflow, capacity in use")
     for i, f in enumerate(findings, 1):

@@ -201,6 +201,8 @@ def _write_state(run_dir: Path, gateway_url: str, runtime: LocalRuntime) -> None
         "deployments": {
             name: {
                 "model": d.manifest.served_name,
+                # kubellm diagnose words its advice for this spec
+                "spec": d.manifest.spec.model_dump(by_alias=True, exclude_none=True, mode="json"),
                 "desired": runtime.desired_replicas(name),
                 "replicas": [
                     {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -42,7 +43,7 @@ def test_diagnose_command_prints_json(
     assert report["snapshot"]["engines"] == 1 and isinstance(report["findings"], list)
 
 
-def test_diagnose_needs_a_source(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["diagnose"]) == 2
+def test_diagnose_needs_a_source(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["diagnose", "--run-dir", str(tmp_path)]) == 2  # no fleet runs there
     assert "--url" in capsys.readouterr().err
     assert main(["diagnose", "--url", "http://127.0.0.1:9", "--window", "0"]) == 2
