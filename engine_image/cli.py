@@ -3,6 +3,7 @@
     kubellm engine --spec FILE --port PORT             # vLLM (the image's entrypoint)
     kubellm engine --backend sim --port PORT --served-model-name NAME
                    [--profile NAME] [--time-scale X]   # the simulated engine
+                   [--spec FILE]                       # ... simulating that spec
     kubellm engine tiny-model DIR                      # the tiny test checkpoint
 
 Imports stay light here; vLLM, torch and the simulator load inside `run`.
@@ -12,8 +13,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from kubellm.sources import SPEC_PATH
+
+if TYPE_CHECKING:
+    from kubellm.engine import sim_profiles
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +30,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", nargs="?", help="where tiny-model writes (a folder)")
     parser.add_argument("--backend", choices=["vllm", "sim"], default="vllm")
     parser.add_argument(
-        "--spec", default=SPEC_PATH, metavar="FILE",
-        help=f"LLMDeployment (or its spec), JSON or YAML (default: {SPEC_PATH})",
+        "--spec", metavar="FILE",
+        help=f"LLMDeployment (or its spec), JSON or YAML (vllm default: {SPEC_PATH}; the "
+        "simulator reads one only when given)",
     )  # fmt: skip
     parser.add_argument("--port", type=int, help="HTTP port (default: spec.engine.port; sim 8000)")
     parser.add_argument(
@@ -40,18 +46,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     sim = parser.add_argument_group("simulator (--backend sim)")
     sim.add_argument(
-        "--profile", default="llama-3.1-8b-h100", help="llama-3.1-8b-h100 (default) or tiny-cpu"
+        "--profile",
+        help="llama-3.1-8b-h100 (the default) or tiny-cpu (the default for a --spec with "
+        "resources.gpu.count 0)",
     )
     sim.add_argument(
         "--time-scale", type=float, default=1.0,
         help="wall seconds per simulated second (0.1: ten times faster; 0: no waiting)",
     )  # fmt: skip
-    sim.add_argument("--block-size", type=int, help="override the profile's KV block size")
+    sim.add_argument(
+        "--block-size", type=int, help="override the profile's (and the spec's) KV block size"
+    )
     sim.add_argument("--num-blocks", type=int, help="override the profile's KV pool size")
+    sim.description = sim_spec_note()
     sim.add_argument(
         "--tokenizer", metavar="DIR",
         help="tokenize with this Hugging Face tokenizer instead of ~4 characters per token",
     )  # fmt: skip
+
+
+def sim_spec_note() -> str:
+    """What the simulator takes from a spec (for --help): the fields it models and ignores."""
+    from kubellm.engine.sim_profiles import IGNORED_FIELDS, SPEC_FIELDS
+
+    return (
+        f"With --spec, the simulator honours spec.engine {', '.join(SPEC_FIELDS)}; it ignores "
+        f"{', '.join(IGNORED_FIELDS)} (the profile stands for the hardware and the model)."
+    )
 
 
 def _tiny(args: argparse.Namespace) -> int:
@@ -71,7 +92,7 @@ def _vllm(args: argparse.Namespace) -> int:
     from kubellm.engine import launcher
 
     try:
-        target = launcher.load_target(args.spec)
+        target = launcher.load_target(args.spec or SPEC_PATH)
         if args.served_model_name:
             target = launcher.EngineTarget(target.spec, args.served_model_name)
         host = args.host or "0.0.0.0"
@@ -84,15 +105,32 @@ def _vllm(args: argparse.Namespace) -> int:
     return launcher.run(plan, health_url=f"http://{probe_host}:{port}/health")
 
 
+def sim_profile(name: str | None, spec: str | None) -> tuple[sim_profiles.Profile, str | None]:
+    """The simulator's profile (named, or the default for the spec's hardware) with the
+    spec's engine fields mapped on, and the spec's served name (None without a spec)."""
+    from kubellm.engine import launcher, sim_profiles
+
+    if spec is None:
+        return sim_profiles.get(name or sim_profiles.default_for(cpu=False)), None
+    try:
+        target = launcher.load_target(spec)
+    except launcher.LaunchError as error:
+        raise ValueError(str(error)) from None
+    cpu = target.spec.resources.gpu.count == 0
+    base = sim_profiles.get(name or sim_profiles.default_for(cpu))
+    return sim_profiles.from_spec(base, target.spec.engine, cpu=cpu), target.served_name
+
+
 def _sim(args: argparse.Namespace) -> int:
     from kubellm.engine import sim_server as server
 
     try:
+        profile, served = sim_profile(args.profile, args.spec)
         return server.serve(
             host=args.host or "127.0.0.1",
             port=args.port or 8000,
-            served_model_name=args.served_model_name or "sim",
-            profile=args.profile,
+            served_model_name=args.served_model_name or served or "sim",
+            profile=profile,
             time_scale=args.time_scale,
             block_size=args.block_size,
             num_blocks=args.num_blocks,

@@ -25,13 +25,18 @@ and public figures:
 bench/engine_batching.py on a 2-core machine: 512 output tok/s at 1 stream
 (~1.9 ms per step) and 5,248 tok/s at 32 streams (~6.1 ms per step), so
 1.8 ms per step + 0.13 ms per decode token; prefill cost is a guess.
+
+`from_spec` maps an LLMDeployment's engine fields onto a profile, so
+`kubellm up --engine sim` simulates the spec it is given: the fields in
+`SPEC_FIELDS` change the simulation; those in `IGNORED_FIELDS` do not, each
+with the reason (the profile stands for the hardware and the model).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kubellm import capacity
+from kubellm import api, capacity
 
 
 @dataclass(frozen=True)
@@ -109,3 +114,63 @@ def get(name: str) -> Profile:
         raise ValueError(
             f"--profile {name!r} is unknown; known profiles: {', '.join(sorted(PROFILES))}"
         ) from None
+
+
+def default_for(cpu: bool) -> str:
+    """The profile for a spec that names none: the tiny CPU one for CPU engines."""
+    return "tiny-cpu" if cpu else "llama-3.1-8b-h100"
+
+
+# vLLM's KV block size when the spec sets none: 16 on GPUs, 128 on its CPU backend
+# (vllm/platforms/cpu.py). A simulator at another block size counts other prefix hits.
+VLLM_DEFAULT_BLOCK_SIZE_GPU = 16
+VLLM_DEFAULT_BLOCK_SIZE_CPU = 128
+
+# Engine fields (their manifest names) the simulator honours, and how.
+SPEC_FIELDS: dict[str, str] = {
+    "maxModelLen": "context length cap (the profile's when unset)",
+    "maxNumSeqs": "sequences running at once; the rest queue (the profile's when unset)",
+    "blockSize": "KV block size; the pool keeps its bytes (unset: vLLM's default, "
+    f"{VLLM_DEFAULT_BLOCK_SIZE_GPU} on GPUs, {VLLM_DEFAULT_BLOCK_SIZE_CPU} on CPU)",
+    "prefixCaching": "prefix cache on or off",
+    "chunkedPrefill.enabled": "long prompts split across steps, or wait for a whole budget",
+    "chunkedPrefill.maxNumBatchedTokens": "token budget of one step",
+}
+# Engine fields the simulator ignores, and why.
+IGNORED_FIELDS: dict[str, str] = {
+    "image": "no container runs",
+    "dtype": "step costs come from the profile",
+    "quantization": "step costs come from the profile",
+    "kvCacheDtype": "the KV pool comes from the profile (--num-blocks resizes it)",
+    "gpuMemoryUtilization": "the KV pool comes from the profile (--num-blocks resizes it)",
+    "tensorParallelSize": "step costs and the KV pool come from the profile",
+    "speculative": "one token per step; speculative decoding is not modelled",
+    "port": "the simulator listens on --port",
+    "extraArgs": "vLLM flags, not interpreted",
+}
+
+
+def from_spec(base: Profile, engine: api.EngineSpec, *, cpu: bool) -> Profile:
+    """`base` with the engine fields of a spec that the simulator models (`SPEC_FIELDS`).
+
+    ValueError, naming the field, for a combination vLLM would refuse at start-up."""
+    default_block = VLLM_DEFAULT_BLOCK_SIZE_CPU if cpu else VLLM_DEFAULT_BLOCK_SIZE_GPU
+    block_size = engine.block_size or default_block
+    chunked = engine.chunked_prefill
+    profile = replace(
+        base,
+        block_size=block_size,
+        num_blocks=max(1, base.num_blocks * base.block_size // block_size),
+        max_num_seqs=engine.max_num_seqs or base.max_num_seqs,
+        max_model_len=engine.max_model_len or base.max_model_len,
+        max_num_batched_tokens=chunked.max_num_batched_tokens,
+        chunked_prefill=chunked.enabled,
+        prefix_caching=engine.prefix_caching,
+    )
+    if not profile.chunked_prefill and profile.max_num_batched_tokens < profile.max_model_len:
+        raise ValueError(
+            f"spec.engine.chunkedPrefill.maxNumBatchedTokens {profile.max_num_batched_tokens} "
+            f"is below the context length {profile.max_model_len} with chunked prefill off: "
+            "long prompts could never run (set spec.engine.maxModelLen or raise the budget)"
+        )
+    return profile

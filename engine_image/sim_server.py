@@ -177,9 +177,13 @@ def create_app(
         if stream_mode:
 
             async def events() -> AsyncIterator[str]:
-                if chat:
-                    yield _sse(chunk(None, None, first=True))
+                # As vLLM: the chat role chunk goes out with the first token, after
+                # prefill (clients that time the first chunk measure a real TTFT).
+                first = chat
                 async for piece in sim.tokens(request):
+                    if first:
+                        yield _sse(chunk(None, None, first=True))
+                        first = False
                     yield _sse(chunk(piece, None))
                 yield _sse(chunk(None if chat else "", "length"))
                 if include_usage:
@@ -256,12 +260,22 @@ def banner(host: str, port: int, name: str, profile: str, time_scale: float) -> 
     )
 
 
+def describe(profile: profiles.Profile) -> str:
+    """The figures a spec can change, for the start-up line."""
+    return (
+        f"max_num_seqs {profile.max_num_seqs}, max_model_len {profile.max_model_len}, "
+        f"block_size {profile.block_size}, num_blocks {profile.num_blocks}, "
+        f"max_num_batched_tokens {profile.max_num_batched_tokens}, "
+        f"chunked_prefill {profile.chunked_prefill}, prefix_caching {profile.prefix_caching}"
+    )
+
+
 def serve(
     *,
     host: str,
     port: int,
     served_model_name: str,
-    profile: str,
+    profile: str | profiles.Profile,
     time_scale: float,
     block_size: int | None = None,
     num_blocks: int | None = None,
@@ -274,6 +288,8 @@ def serve(
         served_model_name, profile, time_scale,
         block_size=block_size, num_blocks=num_blocks, tokenizer_dir=tokenizer,
     )  # fmt: skip
-    print(banner(host, port, served_model_name, profile, time_scale), file=sys.stderr, flush=True)
+    chosen = app.state.simulator.profile
+    line = banner(host, port, served_model_name, chosen.name, time_scale)
+    print(f"{line}; {describe(chosen)}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
     return 0

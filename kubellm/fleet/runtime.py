@@ -7,7 +7,8 @@ same three contracts are met by one object:
 
 - the operator's plan (`kubellm.operator.builders.engine_spec_json`: what an
   engine runs) is written to a file and run as `kubellm engine --spec FILE`
-  processes by the `Supervisor` (`--engine sim` runs the simulator instead);
+  processes by the `Supervisor` (`--engine sim` runs the simulator on the same
+  file instead);
 - `gateway_targets()` feeds the gateway's `Discovery` interface (ready,
   non-draining replicas and each deployment's routing, fallback and SLO);
 - `LocalBackend` implements the autoscaler's `Backend` interface: it lists
@@ -125,17 +126,19 @@ class LocalRuntime:
 
     def _command(self, manifest: api.LLMDeployment) -> CommandFor:
         base = [sys.executable, "-m", "kubellm.cli", "engine"]
-        served = manifest.served_name
-        if self.engine == "sim":
-            # The simulator's hardware profile: the tiny CPU one for CPU deployments.
-            cpu = manifest.spec.resources.gpu.count == 0
-            profile = self.sim_profile or ("tiny-cpu" if cpu else "llama-3.1-8b-h100")
-            extra = ["--time-scale", f"{self.sim_time_scale:g}", "--profile", profile]
-            return lambda _name, port: [*base, "--backend", "sim", "--port", str(port),
-                                        "--served-model-name", served, *extra]  # fmt: skip
         self.run_dir.mkdir(parents=True, exist_ok=True)
         spec_file = self.run_dir / f"{manifest.metadata.name}.json"
         spec_file.write_text(builders.engine_spec_json(manifest))
+        if self.engine == "sim":
+            # The simulator reads the same spec file and simulates the engine fields it
+            # models (kubellm.engine.sim_profiles.SPEC_FIELDS) on its hardware profile
+            # (tiny-cpu for CPU deployments unless --sim-profile names one).
+            extra = ["--time-scale", f"{self.sim_time_scale:g}", "--spec", str(spec_file)]
+            if self.sim_profile:
+                extra += ["--profile", self.sim_profile]
+            return lambda _name, port: [*base, "--backend", "sim", "--port", str(port),
+                                        "--served-model-name", manifest.served_name,
+                                        *extra]  # fmt: skip
         return lambda _name, port: [*base, "--spec", str(spec_file), "--port", str(port),
                                     "--host", "127.0.0.1"]  # fmt: skip
 

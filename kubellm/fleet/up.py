@@ -26,9 +26,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "-f", "--filename", action="append", required=True, metavar="FILE",
         help="LLMDeployment manifest (repeatable), the files kubectl apply takes",
     )  # fmt: skip
+    from kubellm.engine.cli import sim_spec_note
+
     parser.add_argument(
         "--engine", choices=["vllm", "sim"], default="vllm",
-        help="vllm: real vLLM processes (the engine-cpu extra); sim: the simulated engine",
+        help="vllm: real vLLM processes (the engine-cpu extra); sim: the simulated engine. "
+        + sim_spec_note(),
     )  # fmt: skip
     parser.add_argument("--port", type=int, default=8080, help="gateway port (and /metrics)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway listen address")

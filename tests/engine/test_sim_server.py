@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import json
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -13,26 +14,12 @@ from kubellm.engine.sim_server import OWNED_BY, banner
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubellm import metrics
+from tests.fixtures.polling import eventually
 
 SLOW = sim_profiles.Profile(
     name="slow", block_size=16, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=256,
     max_model_len=512, step_base_s=0.05, prefill_token_s=0.0, decode_token_s=0.0,
 )  # fmt: skip
-
-
-def deadline_loop(timeout: float = 10.0) -> AsyncIterator[int]:
-    """Yield until `timeout` seconds pass (bounded polling for async conditions)."""
-
-    async def loop() -> AsyncIterator[int]:
-        end = asyncio.get_running_loop().time() + timeout
-        count = 0
-        while asyncio.get_running_loop().time() < end:
-            yield count
-            count += 1
-            await asyncio.sleep(0.01)
-        raise TimeoutError(f"condition not met within {timeout}s")
-
-    return loop()
 
 
 async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
@@ -59,10 +46,12 @@ async def test_queue_and_running_gauges_follow_the_load() -> None:
     async with client_for(app) as client:
         body = {"model": "m", "prompt": "x" * 64, "max_tokens": 20}
         tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(5)]
-        async for _ in deadline_loop():
+
+        async def queued() -> dict[str, float] | None:
             sample = await scrape(client)
-            if sample[metrics.NUM_REQUESTS_WAITING] > 0:
-                break
+            return sample if sample[metrics.NUM_REQUESTS_WAITING] > 0 else None
+
+        sample = await eventually(queued, what="a request to queue")
         assert sample[metrics.NUM_REQUESTS_RUNNING] == SLOW.max_num_seqs
         assert sample[metrics.KV_CACHE_USAGE] > 0
         responses = await asyncio.gather(*tasks)
@@ -93,14 +82,10 @@ async def test_a_client_that_goes_away_frees_its_kv_blocks() -> None:
     async with client_for(app) as client:
         body = {"model": "m", "prompt": "x" * 64, "max_tokens": 400}
         task = asyncio.create_task(client.post("/v1/completions", json=body))
-        async for _ in deadline_loop():
-            if simulator.engine.running:
-                break
+        await eventually(lambda: simulator.engine.running, what="the request to run")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        async for _ in deadline_loop():
-            if not simulator.engine.has_work:
-                break
+        await eventually(lambda: not simulator.engine.has_work, what="the engine to go idle")
         assert simulator.engine.kv_cache_usage() == 0.0
 
 
@@ -126,3 +111,44 @@ async def test_invalid_json_is_a_400() -> None:
         response = await client.post("/v1/completions", content=b"{not json")
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "BadRequestError"
+
+
+def test_the_chat_role_chunk_goes_out_with_the_first_token_after_prefill(
+    sim_server: Callable[..., str],
+) -> None:
+    """As vLLM's chat serving: the role chunk waits for the first token, so a client that
+    times the first chunk measures the real time to first token."""
+    url = sim_server("m", SLOW, time_scale=1.0)  # 50 ms per step of wall time
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "stream": True}  # fmt: skip
+    events = []
+    with (
+        httpx.Client(base_url=url, timeout=30) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if not events:  # the first chunk is out: the engine has made the first token
+                text = client.get("/metrics").text
+                first_token_seen = {
+                    s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                }[f"{metrics.TIME_TO_FIRST_TOKEN}_count"]
+            events.append(line.removeprefix("data: "))
+    assert first_token_seen == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["choices"][0]["delta"]["content"] for c in chunks[1:4])  # the 3 tokens
+    assert all(c["choices"][0]["delta"].get("role") is None for c in chunks[1:])
+    assert len(chunks) == 5 and chunks[4]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_completion_stream_starts_with_the_first_token(sim_server: Callable[..., str]) -> None:
+    url = sim_server("m", SLOW, time_scale=0.0)
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        response = client.post("/v1/completions", json=body)
+    chunks = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    assert [bool(c["choices"][0]["text"]) for c in chunks] == [True, True, False]
