@@ -13,8 +13,11 @@ What it copies from vLLM (v1 engine), because the control plane depends on it:
   allocated for the tokens a step will compute. Queries count the request's
   tokens and hits the tokens found, once per request (a preempted request's
   second lookup is not counted, as in vLLM). Freed blocks keep their hash and
-  join an LRU free queue (a request's blocks are freed tail first, so its last
-  blocks are evicted first); allocating a block evicts its old hash.
+  join the back of an LRU free queue (a request's blocks are freed tail first, so
+  its last blocks are evicted first); freed blocks without a hash (a partial last
+  block) go to the front, reused before any cached block; allocating a block
+  evicts its old hash. Like vLLM, a recomputed block whose hash is already cached
+  is cached too (one hash, several blocks), so the hash outlives either copy.
 - Continuous batching: each step gives a token budget to running requests
   first (one token per decoding request, a chunk for a prefilling one), then
   admits waiting requests in arrival order while budget, `max_num_seqs` and
@@ -50,7 +53,8 @@ class BlockPool:
         self.free: collections.OrderedDict[int, None] = collections.OrderedDict(
             (i, None) for i in range(num_blocks)
         )
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[int, int] = {}  # block hash -> the block a lookup finds
+        self.copies: dict[int, list[int]] = {}  # block hash -> more blocks holding it
 
     @property
     def num_free(self) -> int:
@@ -70,24 +74,50 @@ class BlockPool:
         """The least recently freed block, its old hash evicted from the cache."""
         block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]
-        if block.block_hash is not None and self.cached.get(block.block_hash) == block_id:
-            del self.cached[block.block_hash]
+        if block.block_hash is not None:
+            self._evict(block.block_hash, block_id)
         block.block_hash = None
         block.ref_cnt = 1
         return block_id
 
+    def _evict(self, block_hash: int, block_id: int) -> None:
+        copies = self.copies.get(block_hash)
+        if self.cached.get(block_hash) == block_id:
+            if copies:  # the next copy, in caching order, answers lookups now
+                self.cached[block_hash] = copies.pop(0)
+            else:
+                del self.cached[block_hash]
+        elif copies and block_id in copies:
+            copies.remove(block_id)
+        if copies is not None and not copies:
+            del self.copies[block_hash]
+
     def release(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference from each block, tail first, so tails are evicted first."""
+        """Drop one reference from each block, tail first, so tails are evicted first.
+
+        As vLLM: a freed block with a hash joins the back of the queue (LRU); one
+        without (it can never be hit) goes to the front, to be reused first."""
+        unhashed = []
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free[block_id] = None
+                if block.block_hash is None:
+                    unhashed.append(block_id)
+                else:
+                    self.free[block_id] = None
+        for block_id in reversed(unhashed):  # at the front, in the order freed
+            self.free[block_id] = None
+            self.free.move_to_end(block_id, last=False)
 
     def cache(self, block_id: int, block_hash: int) -> None:
         block = self.blocks[block_id]
-        if block.block_hash is None and block_hash not in self.cached:
-            block.block_hash = block_hash
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        if block_hash in self.cached:  # a recomputed copy: cached too, found second
+            self.copies.setdefault(block_hash, []).append(block_id)
+        else:
             self.cached[block_hash] = block_id
 
 
