@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from kubellm.engine.corpus import CORPUS
@@ -73,7 +75,7 @@ def _tokenizer():  # -> transformers.PreTrainedTokenizerFast
     return tokenizer
 
 
-def train(model, tokenizer, steps: int) -> float:  # type: ignore[no-untyped-def]
+def train(model, tokenizer, steps: int, progress=None) -> float:  # type: ignore[no-untyped-def]
     """Fit the model to the corpus for `steps` steps (seconds on one core); final loss.
 
     Deterministic: fixed seed, one thread, fixed batch order. The point is a
@@ -92,7 +94,9 @@ def train(model, tokenizer, steps: int) -> float:  # type: ignore[no-untyped-def
         optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR, weight_decay=0.0)
         model.train()
         loss = torch.tensor(0.0)
-        for _ in range(steps):
+        for step in range(steps):
+            if progress is not None and step % 20 == 0:
+                progress(f"training step {step}/{steps}")
             starts = torch.randint(
                 0, len(data) - TRAIN_SEQ_LEN, (TRAIN_BATCH,), generator=generator
             )
@@ -106,16 +110,24 @@ def train(model, tokenizer, steps: int) -> float:  # type: ignore[no-untyped-def
         torch.set_num_threads(threads)
 
 
-def build(directory: str | Path, train_steps: int = TRAIN_STEPS) -> Path:
+def build(
+    directory: str | Path,
+    train_steps: int = TRAIN_STEPS,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
     """Write the tiny checkpoint (config, safetensors weights, tokenizer) into `directory`.
 
     The weights are trained for `train_steps` steps on the corpus (0: random).
+    `progress`, when given, is told what is happening (a short phrase) as it goes.
     """
+    say = progress or (lambda _: None)
+    say("loading torch and transformers")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    say("training the tokenizer")
     tokenizer = _tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -135,7 +147,8 @@ def build(directory: str | Path, train_steps: int = TRAIN_STEPS) -> Path:
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config)
     if train_steps:
-        train(model, tokenizer, train_steps)
+        train(model, tokenizer, train_steps, progress)
+    say("writing the checkpoint")
     model.eval().save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "generation_config.json").unlink(missing_ok=True)  # vLLM needs none
@@ -160,3 +173,10 @@ def describe(directory: str | Path) -> dict[str, object]:
     config = json.loads((Path(directory) / "config.json").read_text())
     keys = ("num_hidden_layers", "num_key_value_heads", "head_dim", "vocab_size")
     return {key: config.get(key) for key in keys}
+
+
+if __name__ == "__main__":  # `python -m kubellm.engine.tiny DIR`: what `kubellm up` runs
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m kubellm.engine.tiny DIR")
+    build(sys.argv[1], progress=lambda what: print(f"tiny: {what}", flush=True))
+    print(f"tiny: built {sys.argv[1]}", flush=True)

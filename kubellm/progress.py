@@ -68,11 +68,11 @@ class Ticker:
     def _write(self, final: str | None = None) -> None:
         with self._lock:
             text = final if final is not None else self.line()
-            if self.tty:
-                pad = " " * max(0, self._width - len(text))
+            if self.tty:  # blank the previous line, then write this one over it
+                blank = "\r" + " " * self._width if self._width > len(text) else ""
                 self._width = len(text)
                 end = "\n" if final is not None else ""
-                self.stream.write(f"\r{text}{pad}{end}")
+                self.stream.write(f"{blank}\r{text}{end}")
             else:
                 self.stream.write(text + "\n")
             self.stream.flush()

@@ -110,6 +110,8 @@ async def serve(args: argparse.Namespace, deployments: list) -> int:
     async def show() -> None:
         rows = await _rows(http, gateway_url, runtime)
         print(fleet_status.format_table(rows), flush=True)
+        for line in _starting(runtime, args.engine):
+            print(f"kubellm up: {line}", flush=True)
 
     printed_events = 0
 
@@ -190,6 +192,24 @@ async def _rows(
             )
         )
     return rows
+
+
+def _starting(runtime: LocalRuntime, engine: str) -> list[str]:
+    """A line per replica still starting: for how long, what it does, where its output goes."""
+    from kubellm.progress import elapsed
+
+    what = (
+        "vLLM loads the model and warms up; the first start takes a minute or two on CPUs"
+        if engine == "vllm"
+        else "the simulator starts"
+    )
+    now = time.monotonic()
+    return [
+        f"{r.name} starting for {elapsed(now - r.started)} ({what}); its output: {r.log_path}"
+        for name in runtime.deployments
+        for r in runtime.supervisor.endpoints(name)
+        if r.state == "starting"
+    ]
 
 
 def _write_state(run_dir: Path, gateway_url: str, runtime: LocalRuntime) -> None:

@@ -202,7 +202,10 @@ class Supervisor:
             )
         replica.state = "starting"
         replica.started = time.monotonic()
-        self.event(f"{replica.name} starting on port {replica.port} (pid {replica.process.pid})")
+        self.event(
+            f"{replica.name} starting on port {replica.port} (pid {replica.process.pid}); "
+            f"its output goes to {replica.log_path}"
+        )
 
     async def _stop(self, replica: Replica) -> None:
         replica.state = "stopped"

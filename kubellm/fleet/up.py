@@ -19,8 +19,20 @@ from pathlib import Path
 TINY_ANNOTATION = "kubellm.io/build-tiny-model"
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The epilog as written, and every option's default shown."""
+
+
+def _sim_profiles() -> list[str] | None:
+    try:
+        from kubellm.engine.sim_profiles import PROFILES
+    except ImportError:  # pragma: no cover - the engine package is part of this distribution
+        return None
+    return sorted(PROFILES)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.formatter_class = _Help
     parser.epilog = __doc__.split("\n\n")[1]
     parser.add_argument(
         "-f", "--filename", action="append", required=True, metavar="FILE",
@@ -41,12 +53,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run-dir", default=".kubellm/run", help="engine logs, spec files and fleet state"
     )
-    parser.add_argument("--autoscale-period", type=float, default=5.0, metavar="SECONDS")
+    parser.add_argument(
+        "--autoscale-period", type=float, default=5.0, metavar="SECONDS",
+        help="how often the autoscaler reads the metrics and decides (deployments with "
+        "spec.autoscaling)",
+    )  # fmt: skip
     parser.add_argument(
         "--sim-time-scale", type=float, default=1.0,
         help="simulator: wall seconds per simulated second (0.1 runs ten times faster)",
     )  # fmt: skip
-    parser.add_argument("--sim-profile", help="simulator hardware/model profile")
+    parser.add_argument(
+        "--sim-profile", choices=_sim_profiles(),
+        help="simulator hardware/model profile (default: tiny-cpu for deployments with "
+        "resources.gpu.count 0, else llama-3.1-8b-h100)",
+    )  # fmt: skip
     parser.add_argument(
         "--status-interval", type=float, default=5.0, metavar="SECONDS",
         help="how often to print the status table (0: never)",
@@ -80,7 +100,7 @@ def vllm_missing() -> str | None:
     return None
 
 
-def prepare_models(deployments: list, engine: str) -> list[str]:
+def prepare_models(deployments: list, engine: str, run_dir: str = ".kubellm/run") -> list[str]:
     """Build the tiny checkpoint where a manifest asks for it and it is missing."""
     from kubellm import sources
 
@@ -98,11 +118,68 @@ def prepare_models(deployments: list, engine: str) -> list[str]:
                 f"{manifest.metadata.name}: spec.model.source {manifest.spec.model.source!r}: "
                 f"{path} does not exist"
             )
-        from kubellm.engine import tiny
-
-        tiny.build(path)
+        build_tiny(Path(path), Path(run_dir) / "logs" / "tiny-build.log")
         notes.append(f"built the tiny checkpoint at {path}")
     return notes
+
+
+def build_tiny(path: Path, log_path: Path) -> None:
+    """Build the tiny checkpoint in a child process, showing its progress on stderr.
+
+    A child, so torch and its threads never load into the fleet's own process (they
+    would print leak warnings when it exits); its output goes to `log_path`.
+    """
+    import subprocess
+
+    from kubellm.progress import Ticker
+
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(path.name + ".partial")
+    argv = [sys.executable, "-m", "kubellm.engine.tiny", str(staging)]
+    with (
+        log_path.open("w") as log,
+        Ticker(f"kubellm up: building the tiny checkpoint (log: {log_path})") as ticker,
+    ):
+        child = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert child.stdout is not None
+        for line in child.stdout:
+            log.write(line)
+            log.flush()
+            if line.startswith("tiny: "):
+                ticker.note(line.removeprefix("tiny: ").strip())
+        if child.wait() != 0:
+            ticker.finish("failed")
+            raise RuntimeError(f"building the tiny checkpoint failed; see {log_path}")
+    staging.replace(path)
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why the gateway cannot listen on host:port, in words, or None when it can."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        return f"--host {host!r} is not an address this machine has ({error.strerror})"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return (
+                    f"port {port} on {host} is already in use (another `kubellm up`? "
+                    f"`kubellm status` tells): stop it, or choose another port with --port"
+                )
+            if error.errno == errno.EACCES:
+                return f"port {port} needs privileges: choose one above 1023 with --port"
+            return f"cannot listen on {host}:{port} ({error.strerror}): change --host or --port"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,10 +196,16 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm" and (why := vllm_missing()):
         print(f"kubellm up: {why}", file=sys.stderr)
         return 1
+    if not 0 < args.port < 65536:
+        print(f"kubellm up: --port must be in 1-65535, got {args.port}", file=sys.stderr)
+        return 2
+    if why := port_in_use(args.host, args.port):
+        print(f"kubellm up: {why}", file=sys.stderr)
+        return 1
     try:
-        for note in prepare_models(deployments, args.engine):
-            print(note, flush=True)
-    except (FileNotFoundError, ValueError) as error:
+        for note in prepare_models(deployments, args.engine, args.run_dir):
+            print(f"kubellm up: {note}", flush=True)
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as error:
         print(f"kubellm up: {error}", file=sys.stderr)
         return 1
 

@@ -277,3 +277,46 @@ def test_real_vllm_replica_answers_through_the_gateway(
     # vLLM's own children (its engine core) share the replica's process group.
     assert all(_process_group(p) == [] for p in pids), out
     assert _port_free(fleet.port)
+
+
+def test_a_port_clash_names_the_port_and_suggests_another(tmp_path: Path) -> None:
+    manifest = _manifest(tmp_path / "clash.yaml", "clash", {
+        "model": {"source": "file:///nonexistent/sim-only"}, "resources": {"gpu": {"count": 0}},
+    })  # fmt: skip
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "kubellm.cli", "up", "--engine", "sim", "--port", str(port),
+             "--run-dir", str(tmp_path / "run"), "-f", str(manifest)],
+            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert f"port {port} on 127.0.0.1 is already in use" in result.stderr
+    assert "--port" in result.stderr
+    assert "Errno" not in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "fleet.json").exists()  # nothing was started
+
+
+def test_up_help_explains_every_option_with_its_default() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kubellm.cli", "up", "--help"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "--autoscale-period SECONDS how often the autoscaler" in text
+    assert "(default: 5.0)" in text and "(default: 8080)" in text
+    assert "{llama-3.1-8b-h100,tiny-cpu" in text  # --sim-profile lists its choices
+
+
+def test_the_starting_line_gives_elapsed_time_and_the_log(start_fleet: Any, tmp_path: Path) -> None:
+    manifest = _manifest(tmp_path / "slow.yaml", "slow", {
+        "model": {"source": "file:///nonexistent/sim-only"}, "resources": {"gpu": {"count": 0}},
+    })  # fmt: skip
+    fleet = start_fleet(manifest)
+    wait_until(lambda: fleet.ready("slow") == 1, timeout=60, what="one ready replica")
+    out = fleet.stop()
+    log = fleet.run_dir / "logs" / "slow-0.log"
+    assert "slow-0 starting on port" in out and f"its output goes to {log}" in out
