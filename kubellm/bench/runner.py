@@ -72,13 +72,14 @@ def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[flo
     return [x * scale for x in out]
 
 
-def _error_message(status: int, body: bytes) -> str:
+def _error_message(status: int, body: bytes, retry_after: str | None = None) -> str:
     try:
         error = json.loads(body).get("error")
         message = error.get("message") if isinstance(error, dict) else error
     except (ValueError, AttributeError):
         message = body[:200].decode(errors="replace")
-    return f"HTTP {status}: {message}"
+    wait = f" (Retry-After: {retry_after})" if retry_after else ""
+    return f"HTTP {status}: {message}{wait}"
 
 
 class _StreamTimer:
@@ -143,18 +144,20 @@ class _StreamTimer:
 
 async def _post_httpx(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
-) -> AsyncIterator[int | bytes]:
+) -> AsyncIterator[tuple[int, str | None] | bytes]:
+    """(status, Retry-After header), then the body's bytes."""
     async with client.stream("POST", url, json=body, headers=headers) as response:
-        yield response.status_code
+        yield response.status_code, response.headers.get("retry-after")
         async for raw in response.aiter_bytes():
             yield raw
 
 
 async def _post_aiohttp(
     session: Any, url: str, body: dict[str, Any], headers: dict[str, str]
-) -> AsyncIterator[int | bytes]:
+) -> AsyncIterator[tuple[int, str | None] | bytes]:
+    """(status, Retry-After header), then the body's bytes."""
     async with session.post(url, json=body, headers=headers) as response:
-        yield response.status
+        yield response.status, response.headers.get("Retry-After")
         async for raw in response.content.iter_any():
             yield raw
 
@@ -189,10 +192,10 @@ async def send(
     try:
         stream = post(client, target.endpoint(chat), body, headers)
         try:
-            status = await anext(stream)
+            status, retry_after = await anext(stream)  # type: ignore[misc]
             if status != 200:
                 rest = b"".join([raw async for raw in stream if isinstance(raw, bytes)])
-                timer.result.error = _error_message(int(status), rest)
+                timer.result.error = _error_message(int(status), rest, retry_after)
             else:
                 async for raw in stream:
                     if isinstance(raw, bytes) and not timer.feed(raw):
@@ -201,6 +204,8 @@ async def send(
             await stream.aclose()
     except Exception as error:  # a load generator counts failures; it does not stop
         timer.result.error = f"{type(error).__name__}: {error}"
+        if isinstance(error, httpx.TransportError):  # httpx's message names no address
+            timer.result.error += f" ({target.endpoint(chat)})"
     return timer.finish()
 
 

@@ -72,11 +72,35 @@ def is_good(result: RequestResult, ttft_target: float | None, itl_target: float 
     return itl_target is None or tpot is None or tpot <= itl_target
 
 
+# Numbers that say where or when, kept as they are when errors are grouped: URLs,
+# host:port and IP addresses (a refused connection must name them), Python's
+# ('host', port) tuples, errno codes, and Retry-After delays.
+_KEPT = re.compile(
+    r"https?://\S+"
+    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"
+    r"|\b[A-Za-z][\w.-]*:\d+\b"
+    r"|\('[^']*', \d+\)"
+    r"|\[Errno \d+\]"
+    r"|(?i:retry[- ]after)\W*\d+(?:\.\d+)?"
+)
+
+
+def _mask_numbers(text: str) -> str:
+    """Numbers -> N, except those in the spans _KEPT matches."""
+    out, last = [], 0
+    for kept in _KEPT.finditer(text):
+        out += [re.sub(r"\d+", "N", text[last : kept.start()]), kept.group()]
+        last = kept.end()
+    out.append(re.sub(r"\d+", "N", text[last:]))
+    return "".join(out)
+
+
 def _error_kind(error: str | None) -> str:
-    """Group messages that differ only in numbers (token counts, ids); keep the status."""
+    """Group messages that differ only in counts and ids; keep the status, the addresses
+    and the Retry-After delays (see _KEPT)."""
     line = (error or "error").splitlines()[0]
     status, _, rest = line.partition(": ") if line.startswith("HTTP ") else ("", "", line)
-    return ((status + ": ") if status else "") + re.sub(r"\d+", "N", rest)[:120]
+    return ((status + ": ") if status else "") + _mask_numbers(rest)[:160]
 
 
 def summarize(

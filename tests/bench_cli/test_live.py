@@ -6,12 +6,14 @@ import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from kubellm.bench import runner, workloads
 from kubellm.cli import main
+from tests.fixtures.engines import _ThreadedServer, free_port
 
 
 def test_rate_run_prints_the_table_and_writes_json_and_png(
@@ -177,3 +179,38 @@ def test_an_infinite_rate_is_written_as_valid_json(
 
     document = json.loads(out.read_text(), parse_constant=no_constants)
     assert document["runs"][0]["rate"] == "inf" and document["runs"][0]["completed"] == 4
+
+
+def _too_busy_app() -> Any:
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def busy(_: Any) -> JSONResponse:
+        body = {"error": {"message": "overloaded, retry after 7 s"}}
+        return JSONResponse(body, status_code=429, headers={"Retry-After": "7"})
+
+    return Starlette(routes=[Route("/v1/completions", busy, methods=["POST"])])
+
+
+@pytest.mark.parametrize("http_client", ["aiohttp", "httpx"])
+def test_error_summaries_keep_the_address_and_the_retry_after(
+    http_client: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    refused = f"127.0.0.1:{free_port()}"
+    busy = _ThreadedServer(_too_busy_app())
+    busy_url = busy.start()
+    try:
+        runs = {}
+        for name, url in (("refused", f"http://{refused}"), ("busy", busy_url)):
+            out_json = tmp_path / f"{name}.json"
+            args = ["--concurrency", "1", "--num-requests", "2", "--quiet"]
+            args += ["--http-client", http_client, "--json", str(out_json)]
+            assert main(["bench", "--url", url, "--model", "m", *args]) == 1
+            runs[name] = json.loads(out_json.read_text())["runs"][0]["errors"]
+    finally:
+        busy.stop()
+    capsys.readouterr()
+    [refused_kind] = runs["refused"]
+    assert refused in refused_kind and "N.N.N.N" not in refused_kind
+    assert runs["busy"] == {"HTTP 429: overloaded, retry after 7 s (Retry-After: 7)": 2}

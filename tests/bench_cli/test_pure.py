@@ -192,3 +192,24 @@ def test_a_local_tokenizer_gives_prompts_of_exact_length(tiny_model_dir: Path) -
         got = len(tokenizer.encode(turn.prompt, add_special_tokens=False))
         offs.append(abs(got - turn.prompt_tokens))
     assert max(offs) <= 2 and offs.count(0) >= 6  # exact, bar an unsettled round trip
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        ("HTTP 400: 1025 tokens > 1024", "HTTP 400: N tokens > N"),
+        ("Cannot connect to host 10.0.0.7:8080 ssl:default [Connect call failed "
+         "('10.0.0.7', 8080)]",
+         "Cannot connect to host 10.0.0.7:8080 ssl:default [Connect call failed "
+         "('10.0.0.7', 8080)]"),
+        ("Cannot connect to host gw.local:443 [Errno 111] refused",
+         "Cannot connect to host gw.local:443 [Errno 111] refused"),
+        ("HTTP 429: busy, retry after 3 s", "HTTP 429: busy, retry after 3 s"),
+        ("HTTP 503: queue full for 12 requests (Retry-After: 5)",
+         "HTTP 503: queue full for N requests (Retry-After: 5)"),
+        ("HTTP 502: http://127.0.0.1:4001/v1/completions answered 500",
+         "HTTP 502: http://127.0.0.1:4001/v1/completions answered N"),
+    ],
+)  # fmt: skip
+def test_error_kinds_keep_addresses_and_retry_after(error: str, kind: str) -> None:
+    assert stats._error_kind(error) == kind
