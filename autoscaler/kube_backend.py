@@ -16,12 +16,11 @@ import httpx
 import pydantic
 from kubellm.autoscaler.backend import Endpoint, Target
 
-from kubellm import api, kube
+from kubellm import api, contracts, kube
+from kubellm.contracts import DEPLOYMENT_LABEL
 
 log = logging.getLogger(__name__)
 
-DEPLOYMENT_LABEL = "kubellm.io/deployment"
-PORT_NAME = "http"
 COMPONENT = "kubellm-autoscaler"
 MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
 
@@ -125,25 +124,9 @@ def _target(item: dict[str, Any]) -> Target | None:
 
 
 def slice_endpoints(item: dict[str, Any]) -> list[Endpoint]:
-    """The engine endpoints of one EndpointSlice, on its port named `http`."""
-    port = next(
-        (p.get("port") for p in item.get("ports") or [] if p.get("name") == PORT_NAME), None
-    )
-    if port is None:
-        return []
-    out = []
-    for endpoint in item.get("endpoints") or []:
-        addresses = endpoint.get("addresses") or []
-        if not addresses:
-            continue
-        host = f"[{addresses[0]}]" if ":" in addresses[0] else addresses[0]
-        conditions = endpoint.get("conditions") or {}
-        out.append(
-            Endpoint(
-                name=(endpoint.get("targetRef") or {}).get("name") or addresses[0],
-                metrics_url=f"http://{host}:{port}/metrics",
-                # Kubernetes: an absent `ready` means ready; terminating endpoints are not.
-                ready=conditions.get("ready") is not False and not conditions.get("terminating"),
-            )
-        )
-    return out
+    """The engine endpoints of one EndpointSlice, on its port named `http`; ready means
+    ready and not terminating."""
+    return [
+        Endpoint(name=e.name, metrics_url=f"{e.url}/metrics", ready=e.routable)
+        for e in contracts.slice_endpoints(item)
+    ]

@@ -6,6 +6,9 @@ routes on them, the autoscaler scales on them, the alerts watch them.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # a fraction in [0, 1], despite the name
@@ -41,3 +44,25 @@ GATEWAY_PREFIX_MATCH = "kubellm_gateway_prefix_match_ratio"  # histogram: routed
 GATEWAY_SLO_TARGET = "kubellm_gateway_slo_target_seconds"  # gauge
 GATEWAY_SLO_OBJECTIVE = "kubellm_gateway_slo_objective"  # gauge
 GATEWAY_FALLBACK_TOKENS = "kubellm_gateway_fallback_tokens_total"  # + kind=prompt|completion
+
+
+def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
+    """Prometheus' histogram_quantile over cumulative (upper bound, count) buckets; None
+    when the histogram is empty. The one implementation (fleet status, diagnose)."""
+    ordered = sorted(buckets)
+    if not ordered or ordered[-1][1] == 0:
+        return None
+    total = ordered[-1][1]
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in ordered:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
+                count - lower_count
+            )
+        lower_bound, lower_count = bound, count
+    return lower_bound

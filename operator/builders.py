@@ -16,20 +16,17 @@ Children of an `LLMDeployment` named N (all in its namespace, all owned by it):
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from kubellm import api, sources
+from kubellm import api, contracts, sources
+from kubellm.contracts import DEPLOYMENT_LABEL, PORT_NAME, engine_spec_json
 
 FIELD_MANAGER = "kubellm-operator"
 SPEC_HASH_ANNOTATION = "kubellm.io/spec-hash"
-DEPLOYMENT_LABEL = "kubellm.io/deployment"
-# Interim rollout overrides until the API grows `spec.rollout` (see the operator's notes).
 
 ENGINE_CONTAINER = "engine"
-PORT_NAME = "http"
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 SHM_DIR = "/dev/shm"
@@ -71,21 +68,12 @@ def spec_configmap_name(llmd: api.LLMDeployment) -> str:
 
 def selector_labels(llmd: api.LLMDeployment) -> dict[str, str]:
     """The immutable pod selector of the engine Deployment (and its Service and PDB)."""
-    return {
-        "app.kubernetes.io/name": "kubellm-engine",
-        "app.kubernetes.io/instance": llmd.metadata.name,
-        DEPLOYMENT_LABEL: llmd.metadata.name,
-    }
+    return contracts.selector_labels(llmd.metadata.name)
 
 
 def labels(llmd: api.LLMDeployment) -> dict[str, str]:
     """Labels on every child; the Service's reach the EndpointSlices the gateway watches."""
-    return {
-        **selector_labels(llmd),
-        "app.kubernetes.io/component": "engine",
-        "app.kubernetes.io/managed-by": "kubellm-operator",
-        "app.kubernetes.io/part-of": "kubellm",
-    }
+    return contracts.engine_labels(llmd.metadata.name)
 
 
 def selector_string(llmd: api.LLMDeployment) -> str:
@@ -116,32 +104,6 @@ def _metadata(llmd: api.LLMDeployment, name: str, options: Options) -> dict[str,
 
 
 # --------------------------------------------------------------------------- engine spec
-
-
-def engine_spec_document(llmd: api.LLMDeployment) -> dict[str, Any]:
-    """The LLMDeployment as the engine launcher reads it from SPEC_PATH.
-
-    Only what shapes the engine process (model, engine, resources) is kept, so
-    that scaling (`spec.replicas`), routing, fallback or SLO edits do not change
-    the spec hash and so never restart GPU pods. Omitted fields take their
-    defaults, so the document is itself a valid LLMDeployment.
-    """
-    spec = llmd.spec
-    dump = {"by_alias": True, "exclude_none": True, "mode": "json"}
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": api.KIND,
-        "metadata": {"name": llmd.metadata.name, "namespace": llmd.metadata.namespace},
-        "spec": {
-            "model": spec.model.model_dump(**dump),
-            "engine": spec.engine.model_dump(**dump),
-            "resources": spec.resources.model_dump(**dump),
-        },
-    }
-
-
-def engine_spec_json(llmd: api.LLMDeployment) -> str:
-    return json.dumps(engine_spec_document(llmd), sort_keys=True, indent=2) + "\n"
 
 
 def spec_hash(llmd: api.LLMDeployment) -> str:

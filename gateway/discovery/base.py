@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kubellm.api import SLO, Routing
+from kubellm.contracts import FallbackTarget  # the core builds it from a spec: fallback_target
+
+__all__ = ["Discovery", "Endpoint", "FallbackTarget", "FixedDiscovery", "ModelTarget"]
 
 
 @dataclass(frozen=True)
@@ -22,17 +25,6 @@ class Endpoint:
 
     url: str
     draining: bool = False
-
-
-@dataclass(frozen=True)
-class FallbackTarget:
-    """An external OpenAI-compatible API that takes overflow. The key is never printed."""
-
-    url: str
-    model: str | None = None
-    api_key: str | None = field(default=None, repr=False)
-    max_concurrency: int = 64
-    triggers: tuple[str, ...] = ("saturated", "no-ready-replicas")
 
 
 @dataclass(frozen=True)

@@ -22,43 +22,26 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
-from kubellm.gateway.discovery.base import Endpoint, FallbackTarget, ModelTarget
+from kubellm.gateway.discovery.base import Endpoint, ModelTarget
 
 from kubellm import kube
 from kubellm.api import LLMDeployment
+from kubellm.contracts import DEPLOYMENT_LABEL, fallback_target, slice_endpoints
 from kubellm.manifests import ManifestError, parse
 
 log = logging.getLogger(__name__)
-
-DEPLOYMENT_LABEL = "kubellm.io/deployment"
-PORT_NAME = "http"
 
 SecretKey = tuple[str, str, str]  # namespace, secret name, key
 
 
 def endpoints_of(slice_: Mapping[str, Any]) -> list[Endpoint]:
-    """Engine URLs of one EndpointSlice (port `http`), with their draining state."""
-    port = next(
-        (p.get("port") for p in slice_.get("ports") or [] if p.get("name") == PORT_NAME), None
-    )
-    if port is None:
-        return []
-    out = []
-    for item in slice_.get("endpoints") or []:
-        conditions = item.get("conditions") or {}
-        ready = conditions.get("ready") is not False
-        serving = conditions.get("serving", ready) is not False
-        terminating = conditions.get("terminating") is True
-        if ready and not terminating:
-            draining = False
-        elif serving and terminating:
-            draining = True
-        else:
-            continue
-        for address in (item.get("addresses") or [])[:1]:
-            host = f"[{address}]" if ":" in address else address
-            out.append(Endpoint(f"http://{host}:{port}", draining))
-    return out
+    """Engine URLs of one EndpointSlice (port `http`): ready ones, and draining ones
+    (serving while terminating: they finish what they have)."""
+    return [
+        Endpoint(e.url, draining=not e.routable)
+        for e in slice_endpoints(slice_)
+        if e.routable or e.draining
+    ]
 
 
 def secret_keys(deployments: list[LLMDeployment]) -> set[SecretKey]:
@@ -106,18 +89,9 @@ def build_targets(
             log.warning("served name %r is claimed twice; %s/%s ignored", name,
                         d.metadata.namespace, d.metadata.name)  # fmt: skip
             continue
-        fallback = None
-        spec = d.spec.fallback
-        if spec is not None and spec.url:
-            ref = spec.api_key_secret_ref
-            key = keys.get((d.metadata.namespace, ref.name, ref.key)) if ref else None
-            fallback = FallbackTarget(
-                url=spec.url.rstrip("/"),
-                model=spec.model,
-                api_key=key,
-                max_concurrency=spec.max_concurrency,
-                triggers=tuple(spec.triggers),
-            )
+        ref = d.spec.fallback.api_key_secret_ref if d.spec.fallback else None
+        key = keys.get((d.metadata.namespace, ref.name, ref.key)) if ref else None
+        fallback = fallback_target(d.spec.fallback, key)
         endpoints = by_owner.get((d.metadata.namespace, d.metadata.name), [])
         targets[name] = ModelTarget(
             served_name=name,

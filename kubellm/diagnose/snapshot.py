@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubellm import metrics
-from kubellm.fleet.status import histogram_quantile
+from kubellm.metrics import histogram_quantile
 
 # Gateway series defined by the gateway itself (not in the core contract).
 GATEWAY_QUEUE_WAIT = "kubellm_gateway_queue_wait_seconds"

@@ -5,8 +5,8 @@ In a cluster the operator turns a deployment into a Deployment of engine pods
 ready pods through EndpointSlices, and the autoscaler writes `/scale`. Here the
 same three contracts are met by one object:
 
-- the operator's plan (`kubellm.operator.builders.engine_spec_json`: what an
-  engine runs) is written to a file and run as `kubellm engine --spec FILE`
+- the engine spec (`kubellm.contracts.engine_spec_json`: what the operator
+  mounts in an engine pod) is written to a file and run as `kubellm engine --spec FILE`
   processes by the `Supervisor` (`--engine sim` runs the simulator on the same
   file instead);
 - `gateway_targets()` feeds the gateway's `Discovery` interface (ready,
@@ -30,10 +30,10 @@ from typing import Any
 from kubellm import api
 from kubellm.autoscaler.backend import Endpoint as ScalerEndpoint
 from kubellm.autoscaler.backend import Target
+from kubellm.contracts import FallbackTarget, engine_spec_json, fallback_target
 from kubellm.fleet.processes import CommandFor, Supervisor
 from kubellm.gateway.discovery.base import Endpoint as GatewayEndpoint
-from kubellm.gateway.discovery.base import FallbackTarget, ModelTarget
-from kubellm.operator import builders
+from kubellm.gateway.discovery.base import ModelTarget
 
 
 def secret_env_var(ref: api.SecretKeyRef) -> str:
@@ -43,19 +43,9 @@ def secret_env_var(ref: api.SecretKeyRef) -> str:
 
 
 def _fallback(spec: api.LLMDeploymentSpec) -> FallbackTarget | None:
-    fallback = spec.fallback
-    if fallback is None or fallback.url is None:
-        return None
-    key = None
-    if fallback.api_key_secret_ref is not None:
-        key = os.environ.get(secret_env_var(fallback.api_key_secret_ref))
-    return FallbackTarget(
-        url=fallback.url,
-        model=fallback.model,
-        api_key=key,
-        max_concurrency=fallback.max_concurrency,
-        triggers=tuple(fallback.triggers),
-    )
+    """The fallback API, its key from the environment (`secret_env_var`)."""
+    ref = spec.fallback.api_key_secret_ref if spec.fallback else None
+    return fallback_target(spec.fallback, os.environ.get(secret_env_var(ref)) if ref else None)
 
 
 @dataclass
@@ -114,7 +104,7 @@ class LocalRuntime:
             old = current.manifest
             current.manifest = manifest
             before = len(changes)
-            if builders.engine_spec_json(old) != builders.engine_spec_json(manifest):
+            if engine_spec_json(old) != engine_spec_json(manifest):
                 self.supervisor.set_command(name, self._command(manifest))
                 changes.append(f"{name} engine spec changed: replacing replicas")
             if old.spec.replicas != manifest.spec.replicas:
@@ -128,7 +118,7 @@ class LocalRuntime:
         base = [sys.executable, "-m", "kubellm.cli", "engine"]
         self.run_dir.mkdir(parents=True, exist_ok=True)
         spec_file = self.run_dir / f"{manifest.metadata.name}.json"
-        spec_file.write_text(builders.engine_spec_json(manifest))
+        spec_file.write_text(engine_spec_json(manifest))
         if self.engine == "sim":
             # The simulator reads the same spec file and simulates the engine fields it
             # models (kubellm.engine.sim_profiles.SPEC_FIELDS) on its hardware profile

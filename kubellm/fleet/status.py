@@ -6,9 +6,7 @@ line of `kubellm up` print them.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,27 +23,6 @@ def _families(text: str) -> dict[str, list[tuple[dict[str, str], float, str]]]:
     return out
 
 
-def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
-    """Prometheus' histogram_quantile over cumulative (upper bound, count) buckets."""
-    ordered = sorted(buckets)
-    if not ordered or ordered[-1][1] == 0:
-        return None
-    total = ordered[-1][1]
-    rank = q * total
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, count in ordered:
-        if count >= rank:
-            if math.isinf(bound):
-                return lower_bound
-            if count == lower_count:
-                return bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
-                count - lower_count
-            )
-        lower_bound, lower_count = bound, count
-    return lower_bound
-
-
 def _quantiles(samples: list[tuple[dict[str, str], float, str]], model: str) -> dict[str, float]:
     buckets: dict[float, float] = defaultdict(float)
     for labels, value, name in samples:
@@ -53,7 +30,7 @@ def _quantiles(samples: list[tuple[dict[str, str], float, str]], model: str) -> 
             buckets[float(labels["le"])] += value
     out = {}
     for q in (0.5, 0.95):
-        value = histogram_quantile(q, buckets.items())
+        value = metrics.histogram_quantile(q, buckets.items())
         if value is not None:
             out[f"p{int(q * 100)}"] = value
     return out

@@ -15,11 +15,11 @@ from kubellm.fleet.runtime import LocalBackend, LocalRuntime, secret_env_var
 
 def test_histogram_quantile_interpolates_like_prometheus() -> None:
     buckets = [(0.1, 10.0), (0.2, 30.0), (0.4, 40.0), (float("inf"), 40.0)]
-    assert status.histogram_quantile(0.5, buckets) == pytest.approx(0.15)
-    assert status.histogram_quantile(0.25, buckets) == pytest.approx(0.1)
-    assert status.histogram_quantile(0.875, buckets) == pytest.approx(0.3)
-    assert status.histogram_quantile(0.5, []) is None
-    assert status.histogram_quantile(0.99, [(1.0, 0.0), (float("inf"), 5.0)]) == 1.0
+    assert metrics.histogram_quantile(0.5, buckets) == pytest.approx(0.15)
+    assert metrics.histogram_quantile(0.25, buckets) == pytest.approx(0.1)
+    assert metrics.histogram_quantile(0.875, buckets) == pytest.approx(0.3)
+    assert metrics.histogram_quantile(0.5, []) is None
+    assert metrics.histogram_quantile(0.99, [(1.0, 0.0), (float("inf"), 5.0)]) == 1.0
 
 
 def _gateway_text() -> str:

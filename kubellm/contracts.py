@@ -1,0 +1,183 @@
+"""What the components agree on about engines, beyond the API models and metric names.
+
+Each contract lives here once; the operator writes it, the gateway, the
+autoscaler and the local fleet read it:
+
+- labels: every child of an LLMDeployment N carries `kubellm.io/deployment=N`
+  (`DEPLOYMENT_LABEL`), and the Service passes it to its EndpointSlices, which is
+  how the gateway and the autoscaler find N's engines;
+- the engine port is named `http` (`PORT_NAME`) on the pod, the Service and the
+  EndpointSlices;
+- `slice_endpoints` reads an EndpointSlice into one record per engine, with the
+  endpoint conditions as Kubernetes defines them (each component then applies its
+  own rule: the gateway routes to ready ones and lets terminating ones finish, the
+  autoscaler counts ready ones);
+- `engine_spec_document` / `engine_spec_json`: the LLMDeployment as the engine
+  reads it from `sources.SPEC_PATH` (the operator mounts it, the local fleet writes
+  it to a file; vLLM's launcher and the simulator read it);
+- `fallback_target` turns `spec.fallback` into the settings of the overflow API
+  the gateway calls (`FallbackTarget`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kubellm import api
+
+DEPLOYMENT_LABEL = "kubellm.io/deployment"
+PORT_NAME = "http"
+
+
+# --------------------------------------------------------------------------- labels
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The immutable pod selector of deployment `name`'s engines (Deployment, Service, PDB)."""
+    return {
+        "app.kubernetes.io/name": "kubellm-engine",
+        "app.kubernetes.io/instance": name,
+        DEPLOYMENT_LABEL: name,
+    }
+
+
+def engine_labels(name: str) -> dict[str, str]:
+    """Labels on every child of deployment `name`; the Service's reach its EndpointSlices."""
+    return {
+        **selector_labels(name),
+        "app.kubernetes.io/component": "engine",
+        "app.kubernetes.io/managed-by": "kubellm-operator",
+        "app.kubernetes.io/part-of": "kubellm",
+    }
+
+
+# --------------------------------------------------------------------------- EndpointSlices
+
+
+@dataclass(frozen=True)
+class SliceEndpoint:
+    """One engine of an EndpointSlice: where it listens and its conditions."""
+
+    name: str  # the pod (targetRef), else the address
+    url: str  # http://host:port, no path
+    ready: bool
+    serving: bool
+    terminating: bool
+
+    @property
+    def routable(self) -> bool:
+        """May take new requests: ready and not on its way out."""
+        return self.ready and not self.terminating
+
+    @property
+    def draining(self) -> bool:
+        """On its way out but still serving: finishes what it has, takes nothing new."""
+        return self.serving and self.terminating
+
+
+def slice_endpoints(slice_: Mapping[str, Any]) -> list[SliceEndpoint]:
+    """The engines of one EndpointSlice on its port named `http` (none without that port).
+
+    Conditions as Kubernetes defines them: an absent `ready` means ready, an absent
+    `serving` means what `ready` says, an absent `terminating` means not terminating.
+    Only an endpoint's first address is used (the others are the same pod)."""
+    port = next(
+        (p.get("port") for p in slice_.get("ports") or [] if p.get("name") == PORT_NAME), None
+    )
+    if port is None:
+        return []
+    out = []
+    for item in slice_.get("endpoints") or []:
+        addresses = item.get("addresses") or []
+        if not addresses:
+            continue
+        host = f"[{addresses[0]}]" if ":" in addresses[0] else addresses[0]
+        conditions = item.get("conditions") or {}
+        ready = conditions.get("ready") is not False
+        out.append(
+            SliceEndpoint(
+                name=(item.get("targetRef") or {}).get("name") or addresses[0],
+                url=f"http://{host}:{port}",
+                ready=ready,
+                serving=conditions.get("serving", ready) is not False,
+                terminating=conditions.get("terminating") is True,
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- the engine spec
+
+
+def engine_spec_document(llmd: api.LLMDeployment) -> dict[str, Any]:
+    """The LLMDeployment as the engine launcher reads it from SPEC_PATH.
+
+    Only what shapes the engine process (model, engine, resources) is kept, so
+    that scaling (`spec.replicas`), routing, fallback or SLO edits do not change
+    the spec hash and so never restart GPU pods. Omitted fields take their
+    defaults, so the document is itself a valid LLMDeployment.
+    """
+    spec = llmd.spec
+    dump: dict[str, Any] = {"by_alias": True, "exclude_none": True, "mode": "json"}
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": {"name": llmd.metadata.name, "namespace": llmd.metadata.namespace},
+        "spec": {
+            "model": spec.model.model_dump(**dump),
+            "engine": spec.engine.model_dump(**dump),
+            "resources": spec.resources.model_dump(**dump),
+        },
+    }
+
+
+def engine_spec_json(llmd: api.LLMDeployment) -> str:
+    """`engine_spec_document` as the file's text (stable: sorted keys)."""
+    return json.dumps(engine_spec_document(llmd), sort_keys=True, indent=2) + "\n"
+
+
+# --------------------------------------------------------------------------- the fallback API
+
+
+@dataclass(frozen=True)
+class FallbackTarget:
+    """An external OpenAI-compatible API that takes overflow. The key is never printed."""
+
+    url: str
+    model: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    max_concurrency: int = 64
+    triggers: tuple[str, ...] = ("saturated", "no-ready-replicas")
+
+
+class FallbackSettings(Protocol):
+    """What `fallback_target` reads: `api.Fallback`, or a static file's equivalent."""
+
+    @property
+    def url(self) -> str | None: ...
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def max_concurrency(self) -> int: ...
+    @property
+    def triggers(self) -> Sequence[str]: ...
+
+
+def fallback_target(
+    settings: FallbackSettings | None, api_key: str | None = None
+) -> FallbackTarget | None:
+    """The overflow API of a deployment, or None when it has no fallback URL.
+
+    The URL loses any trailing `/` (the gateway appends `/chat/completions` etc.)."""
+    if settings is None or not settings.url:
+        return None
+    return FallbackTarget(
+        url=settings.url.rstrip("/"),
+        model=settings.model,
+        api_key=api_key,
+        max_concurrency=settings.max_concurrency,
+        triggers=tuple(settings.triggers),
+    )
