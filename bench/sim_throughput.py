@@ -11,11 +11,12 @@ Two figures:
 3. HTTP over loopback: `kubellm engine --backend sim` in its own process,
    64 httpx clients here (the client costs as much as the server).
 
-    /work/venv/bin/python bench/sim_throughput.py
+    .venv/bin/python bench/sim_throughput.py
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import heapq
 import random
@@ -157,6 +158,9 @@ async def run_socket(total: int = 1000, concurrency: int = 64) -> dict[str, floa
 
 
 def main() -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()  # no options: --help prints what it measures, and nothing runs
     core = run_core()
     print(f"simulator core: {REPLICAS} replicas, {RATE:g} req/s x {TRACE_S:g} s trace "
           f"({core['requests']:.0f} requests, {core['finished']:.0f} finished, "

@@ -1,0 +1,23 @@
+"""Every benchmark script answers --help with what it measures, and runs nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted((ROOT / "bench").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_help_prints_usage_and_runs_nothing(script: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(script), "--help"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage:")
+    assert len(result.stdout.splitlines()) > 3  # a description, not only the usage line
