@@ -43,23 +43,50 @@ def test_import_contracts_hold(tmp_path: Path) -> None:
     _installed_shape(tmp_path)
     result = _lint(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 2 kept, 0 broken" in result.stdout
+    assert "Contracts: 4 kept, 0 broken" in result.stdout
+
+
+COMPONENTS = "Components are independent of each other"
+CORE = "The core imports no component"
+NO_TOOLS = "Components import neither the tools nor the composition root"
+TOOLS = "The tools are independent of each other"
 
 
 @pytest.mark.parametrize(
-    ("where", "line"),
+    ("where", "line", "contract"),
     [
-        ("kubellm/gateway/_probe.py", "import kubellm.operator\n"),
-        ("kubellm/_probe.py", "import kubellm.autoscaler\n"),
+        ("kubellm/gateway/_probe.py", "import kubellm.operator\n", COMPONENTS),
+        ("kubellm/_probe.py", "import kubellm.autoscaler\n", CORE),
+        ("kubellm/contracts.py", "import kubellm.gateway\n", CORE),
+        # the tools and the local fleet
+        ("kubellm/gateway/_probe.py", "import kubellm.bench.runner\n", NO_TOOLS),
+        ("kubellm/engine/_probe.py", "import kubellm.fleet.runtime\n", NO_TOOLS),
+        ("kubellm/autoscaler/_probe.py", "import kubellm.diagnose\n", NO_TOOLS),
+        ("kubellm/bench/_probe.py", "import kubellm.gateway\n", CORE),
+        ("kubellm/diagnose/_probe.py", "import kubellm.engine.sim\n", CORE),
+        ("kubellm/diagnose/_probe.py", "import kubellm.bench.stats\n", TOOLS),
+        ("kubellm/bench/_probe.py", "import kubellm.fleet.main\n", CORE),  # fleet wiring
+        ("kubellm/fleet/status.py", "import kubellm.gateway\n", CORE),
+        ("kubellm/fleet/processes.py", "import kubellm.autoscaler\n", CORE),
     ],
 )
-def test_a_forbidden_import_breaks_a_contract(tmp_path: Path, where: str, line: str) -> None:
+def test_a_forbidden_import_breaks_its_contract(
+    tmp_path: Path, where: str, line: str, contract: str
+) -> None:
     _installed_shape(tmp_path)
     probe = tmp_path / where
-    probe.write_text(line)
+    probe.write_text((probe.read_text() if probe.exists() else "") + line)
     if where == "kubellm/_probe.py":  # make the probe part of the core contract's sources
         api = tmp_path / "kubellm" / "api.py"
         api.write_text(api.read_text() + "\nfrom kubellm import _probe  # noqa\n")
     result = _lint(tmp_path)
     assert result.returncode != 0
-    assert "BROKEN" in result.stdout
+    assert f"{contract} BROKEN" in " ".join(result.stdout.split()), result.stdout
+
+
+def test_the_fleets_wiring_may_import_components(tmp_path: Path) -> None:
+    """The composition root (kubellm up) starts components: not a broken contract."""
+    _installed_shape(tmp_path)
+    runtime = tmp_path / "kubellm" / "fleet" / "runtime.py"
+    runtime.write_text(runtime.read_text() + "import kubellm.engine.sim\n")
+    assert _lint(tmp_path).returncode == 0
