@@ -15,7 +15,7 @@ import importlib
 import json
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,10 @@ from kubellm import __version__, capacity, crd, manifests
 COMPONENT_COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("kubellm.operator.cli", "Run the operator: reconcile LLMDeployments."),
     "gateway": ("kubellm.gateway.cli", "Run the OpenAI-compatible gateway."),
+    "epp": (
+        "kubellm.gateway.epp.cli",
+        "Run the endpoint picker for Envoy-based gateways (Gateway API Inference Extension).",
+    ),
     "autoscaler": ("kubellm.autoscaler.cli", "Run the KV-cache and queue-depth autoscaler."),
     "engine": ("kubellm.engine.cli", "Run an engine: vLLM from a spec, or the simulator."),
     "up": ("kubellm.fleet.up", "Run the whole control plane locally, without Kubernetes."),
@@ -35,23 +39,9 @@ COMPONENT_COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(_: argparse.Namespace) -> int:
-        print(f"kubellm {name}: not available in this version yet.", file=sys.stderr)
-        return 2
-
-    return run
-
-
 def _component(sub: Any, name: str, module_name: str, help_text: str) -> None:
     parser = sub.add_parser(name, help=help_text, description=help_text)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name is None or not module_name.startswith(error.name):
-            raise
-        parser.set_defaults(func=_not_built(name))
-        return
+    module = importlib.import_module(module_name)
     module.configure(parser)
     parser.set_defaults(func=module.run)
 

@@ -1,0 +1,175 @@
+"""`kubellm epp`: run the endpoint picker for Envoy-based gateways (Gateway API
+Inference Extension).
+
+    kubellm epp --static examples/gateway-static.yaml      # models from a file
+    kubellm epp --namespace llm                            # watch LLMDeployments
+
+The gateway's Envoy calls it over ext_proc gRPC on --grpc-port; gRPC health on
+--grpc-port and --grpc-health-port; Prometheus metrics on --metrics-port /metrics.
+Imports stay light here; the servers are built inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _endpoint(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected ip:port, got {value!r}")
+    return value
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port")
+    parser.add_argument(
+        "--grpc-health-port", type=int, default=9003, help="gRPC health port (0: pick one)"
+    )
+    parser.add_argument("--metrics-port", type=int, default=9090, help="HTTP /metrics port")
+    parser.add_argument(
+        "--static",
+        metavar="FILE",
+        help="serve the models listed in FILE instead of watching the cluster",
+    )
+    parser.add_argument(
+        "--namespace",
+        help="watch only this namespace (cluster mode; default: all namespaces)",
+    )
+    parser.add_argument(
+        "--fallback-forwarder",
+        metavar="IP:PORT",
+        type=_endpoint,
+        help="where overflow goes when admission picks the fallback API: the fallback "
+        "forwarder Service (a `kubellm gateway` that holds the API key); without it, "
+        "overflow gets 429/503",
+    )
+    parser.add_argument(
+        "--endpoints-per-answer",
+        type=int,
+        default=1,
+        help="endpoints listed per answer, best first, for gateways that retry down the "
+        "list (Envoy's ORIGINAL_DST cluster, as in the reference configuration, reads one)",
+    )
+    parser.add_argument(
+        "--destination-header",
+        default="x-gateway-destination-endpoint",
+        help="the header (and metadata key) that carries the picked endpoints",
+    )
+    parser.add_argument(
+        "--metadata-namespace",
+        default="envoy.lb",
+        help="the dynamic-metadata namespace of the picked endpoints",
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument("--max-queue", type=int, default=256, help="waiting requests per model")
+    parser.add_argument(
+        "--zero-replica-wait",
+        type=float,
+        default=60.0,
+        help="seconds a request may wait for a model with no ready replica (scale from zero)",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=float,
+        default=8.0,
+        help="engine queue depth at which a replica counts as saturated",
+    )
+    parser.add_argument(
+        "--max-kv-usage",
+        type=float,
+        default=0.95,
+        help="KV-cache usage at which a replica counts as saturated",
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="requests per replica at which it counts as saturated (default: no cap)",
+    )
+    parser.add_argument("--scrape-interval", type=float, default=1.0)
+    parser.add_argument("--log-level", default="warning")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    from kubellm.gateway.epp.server import EndpointPicker, PickerSettings, serve
+    from kubellm.gateway.routing.admission import Thresholds
+    from kubellm.gateway.routing.scheduler import SchedulerSettings
+
+    logging.basicConfig(level=args.log_level.upper())
+    for flag in ("max_body_bytes", "max_queue", "endpoints_per_answer"):
+        if getattr(args, flag) < 1:
+            print(f"kubellm epp: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 1
+    try:
+        if args.static:
+            from kubellm.gateway.discovery.static import StaticConfigError, StaticDiscovery
+
+            try:
+                discovery = StaticDiscovery(args.static)
+            except (StaticConfigError, OSError) as error:
+                print(f"kubellm epp: {error}", file=sys.stderr)
+                return 1
+        else:
+            from kubellm.gateway.discovery.kubernetes import KubernetesDiscovery
+
+            from kubellm import kube
+
+            discovery = KubernetesDiscovery(kube.load(), namespace=args.namespace)
+        settings = PickerSettings(
+            max_body_bytes=args.max_body_bytes,
+            destination_header=args.destination_header,
+            metadata_namespace=args.metadata_namespace,
+            fallback_forwarder=args.fallback_forwarder,
+            endpoints_per_answer=args.endpoints_per_answer,
+            scheduler=SchedulerSettings(
+                thresholds=Thresholds(args.max_waiting, args.max_kv_usage, args.max_in_flight),
+                max_queue=args.max_queue,
+                zero_replica_wait_seconds=args.zero_replica_wait,
+                scrape_interval=args.scrape_interval,
+            ),
+        )
+    except (ValueError, OSError, KeyError) as error:
+        print(f"kubellm epp: {error}", file=sys.stderr)
+        return 1
+
+    async def main() -> None:
+        picker = EndpointPicker(discovery, settings)
+        await picker.start()
+        servers = await serve(
+            picker, args.host, args.grpc_port, args.grpc_health_port, args.metrics_port
+        )
+        print(f"kubellm epp: serving ext_proc on {args.host}:{servers.ports['grpc']}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await servers.stop()
+            await picker.stop()
+
+    try:
+        asyncio.run(main())
+    except (OSError, RuntimeError) as error:  # grpc: "Failed to bind to address ..."
+        print(f"kubellm epp: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kubellm.gateway.epp.cli`: the same as `kubellm epp`."""
+    parser = argparse.ArgumentParser(prog="kubellm epp", description=__doc__)
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

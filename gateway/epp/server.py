@@ -1,0 +1,446 @@
+"""The endpoint picker's servers: ext_proc over gRPC (with the gRPC health services the
+protocol names) and `/metrics` over HTTP.
+
+One ext_proc stream carries one HTTP exchange. `Exchange` follows it:
+
+- request headers, then the body (full-duplex: buffered here until the end; buffered
+  mode: one message) -> parse the OpenAI request, admit it through the routing core,
+  answer with the picked endpoints (or an OpenAI-format error as an immediate response:
+  400 bad body, 404 unknown model, 413 too large, 429 shed, 503 nothing to send it to);
+- response headers and body chunks -> outlier feedback (5xx before any byte), TTFT and
+  ITL into the gateway's metric names, and the in-flight count released at the end,
+  or when the stream closes early (client gone, replica died mid-stream).
+
+The fallback API in this mode: when admission says FALLBACK the request goes to the
+fallback forwarder (`--fallback-forwarder`, a `kubellm gateway` serving the models'
+fallbacks alone; it holds the API key), within the model's fallback concurrency cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kubellm.gateway.discovery.base import Discovery, ModelTarget
+from kubellm.gateway.epp import messages as m
+from kubellm.gateway.protocol import errors
+from kubellm.gateway.protocol.errors import GatewayError
+from kubellm.gateway.protocol.openai import PATHS, parse_body
+from kubellm.gateway.routing import slo
+from kubellm.gateway.routing.admission import Route
+from kubellm.gateway.routing.router import routing_request
+from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings, labels
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+log = logging.getLogger("kubellm.epp")
+
+# The gRPC health services the protocol names, plus the reference EPP's probe name.
+HEALTH_SERVICES = ("", "liveness", "readiness", m.SERVICE, "inference-extension")
+SESSION_HEADER = "x-session-id"
+ROUTE_HEADER = "x-kubellm-route"
+
+
+@dataclass
+class PickerSettings:
+    max_body_bytes: int = 8 * 1024 * 1024
+    destination_header: str = m.DESTINATION
+    metadata_namespace: str = m.METADATA_NAMESPACE
+    fallback_forwarder: str | None = None  # ip:port of the fallback forwarder Service
+    # Endpoints listed per answer, best first. Gateways that retry down the list (the
+    # protocol allows it) can use more; Envoy's ORIGINAL_DST cluster reads one address.
+    endpoints_per_answer: int = 1
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+
+
+def host_port(url: str) -> str:
+    """`http://10.0.0.7:8000` -> `10.0.0.7:8000`: discovery's URLs as the protocol's form."""
+    return urlsplit(url).netloc or url
+
+
+class EndpointPicker:
+    """The ext_proc service over one routing core (`Scheduler`)."""
+
+    def __init__(self, discovery: Discovery, settings: PickerSettings | None = None) -> None:
+        self.settings = settings or PickerSettings()
+        self.scheduler = Scheduler(discovery, self.settings.scheduler)
+        self._client: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def metrics(self) -> slo.GatewayMetrics:
+        return self.scheduler.metrics
+
+    async def start(self) -> None:
+        """Start discovery and the engine scrape loop."""
+        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        self._tasks = [asyncio.create_task(c) for c in self.scheduler.tasks(self._client)]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._client is not None:
+            await self._client.close()
+
+    async def process(
+        self, requests: AsyncIterator[m.ProcessingRequest], context: Any
+    ) -> AsyncIterator[m.ProcessingResponse | bytes]:
+        """One ext_proc stream: one HTTP exchange."""
+        exchange = Exchange(self)
+        try:
+            async for request in requests:
+                try:
+                    answers = await exchange.handle(request)
+                except Exception:  # a bug here must not hang the client's request
+                    log.exception("ext_proc message failed")
+                    answers = [exchange.refuse(
+                        errors.GatewayError(500, "The endpoint picker failed.", "server_error")
+                    )]  # fmt: skip
+                for answer in answers:
+                    yield answer
+        finally:
+            exchange.close()
+
+
+class Exchange:
+    """What the picker knows about one HTTP exchange while Envoy streams it through."""
+
+    def __init__(self, picker: EndpointPicker) -> None:
+        self.picker = picker
+        self.sched = picker.scheduler
+        self.request_mode: m.BodyMode = m.BUFFERED
+        self.response_mode: m.BodyMode = m.NONE
+        self.headers: dict[str, str] = {}
+        self.subset: list[str] | None = None
+        self.body = bytearray()
+        self.routed = False
+        self.route = "none"
+        self.url: str | None = None  # the replica picked first
+        self.target: ModelTarget | None = None
+        self.record: slo.RequestRecord | None = None
+        self.timing: slo.StreamTiming | None = None
+        self.release: Callable[[], None] | None = None
+        self.status = 0
+        self.finished = False
+
+    # ------------------------------------------------------------------ messages
+
+    async def handle(self, request: m.ProcessingRequest) -> list[m.ProcessingResponse | bytes]:
+        modes = m.body_modes(request)
+        if modes is not None:
+            self.request_mode, self.response_mode = modes
+        kind = m.kind(request)
+        if kind == "request_headers":
+            return await self._request_headers(request)
+        if kind == "request_body":
+            return await self._request_body(request)
+        if kind == "request_trailers":
+            answers: list[m.ProcessingResponse | bytes] = []
+            if not self.routed:
+                answers += await self._route(bytes(self.body), "request_headers")
+                if self.routed and self.request_mode == m.FULL_DUPLEX:
+                    answers += m.body_pieces(bytes(self.body))
+            return [*answers, m.CONTINUE_REQUEST_TRAILERS]
+        if kind == "response_headers":
+            return self._response_headers(request)
+        if kind == "response_body":
+            return self._response_body(request)
+        if kind == "response_trailers":
+            self.finish()
+            return [m.CONTINUE_RESPONSE_TRAILERS]
+        return []
+
+    async def _request_headers(self, request: m.ProcessingRequest) -> list[Any]:
+        http = request.request_headers
+        assert http is not None
+        self.headers = m.headers(http)
+        self.subset = m.subset(request)
+        if http.end_of_stream:  # no body: route now
+            return await self._route(b"", "request_headers")
+        if self.request_mode == m.FULL_DUPLEX:
+            return []  # answered once the whole body is here
+        if self.request_mode == m.STREAMED:
+            return [self.refuse(GatewayError(
+                500,
+                "The endpoint picker needs the request body mode FULL_DUPLEX_STREAMED or "
+                "BUFFERED in the gateway's ext_proc configuration (it is STREAMED).",
+                "server_error",
+            ))]  # fmt: skip
+        return [m.CONTINUE_REQUEST_HEADERS]
+
+    async def _request_body(self, request: m.ProcessingRequest) -> list[Any]:
+        http = request.request_body
+        assert http is not None
+        if self.routed:  # a body after the answer (should not happen): pass it on
+            return [m.CONTINUE_REQUEST_BODY]
+        self.body += http.body
+        limit = self.picker.settings.max_body_bytes
+        if len(self.body) > limit:
+            return [self.refuse(errors.too_large(limit))]
+        if not http.end_of_stream:
+            return [] if self.request_mode == m.FULL_DUPLEX else [m.CONTINUE_REQUEST_BODY]
+        body = bytes(self.body)
+        if self.request_mode == m.FULL_DUPLEX:
+            answers = await self._route(body, "request_headers")
+            if self.routed:
+                answers += m.body_pieces(body)
+            return answers
+        return await self._route(body, "request_body")
+
+    def _response_headers(self, request: m.ProcessingRequest) -> list[Any]:
+        http = request.response_headers
+        assert http is not None
+        values = m.headers(http)
+        try:
+            self.status = int(values.get(":status", "0"))
+        except ValueError:
+            self.status = 0
+        served = m.filter_metadata(request, self.picker.settings.metadata_namespace, m.SERVED)
+        if isinstance(served, str) and self.url and host_port(self.url) != served:
+            self._moved_to(served)
+        if self.url is not None and self.route == "replica":
+            if self.status >= 500:
+                self.sched.failed(self.url)
+            else:
+                self.sched.succeeded(self.url)
+        if http.end_of_stream:
+            self.finish()
+        return [m.CONTINUE_RESPONSE_HEADERS]
+
+    def _response_body(self, request: m.ProcessingRequest) -> list[Any]:
+        http = request.response_body
+        assert http is not None
+        if self.timing is not None and http.body:
+            self.timing.chunk(http.body, time.monotonic())
+        if http.end_of_stream:
+            self.finish()
+        if self.response_mode == m.FULL_DUPLEX:
+            return [m.echo_chunk(http.body, http.end_of_stream)]
+        return [m.CONTINUE_RESPONSE_BODY]
+
+    # ------------------------------------------------------------------ routing
+
+    def refuse(self, error: GatewayError) -> m.ProcessingResponse:
+        """An OpenAI-format error, answered by Envoy without going upstream."""
+        self.status = error.status
+        self.routed = True  # nothing more to decide
+        if self.record is not None:
+            self.record.finish(self.route, error.status)
+        return m.immediate(error.status, error.body(), error.headers, details=error.code or "")
+
+    async def _route(self, body: bytes, phase: str) -> list[Any]:
+        path = self.headers.get(":path", "").split("?", 1)[0]
+        model: str | None = None
+        parsed: dict[str, Any] = {}
+        try:
+            if path in PATHS:
+                parsed = parse_body(body, path)
+            elif body:
+                with contextlib.suppress(ValueError):
+                    loaded = json.loads(body)
+                    parsed = loaded if isinstance(loaded, dict) else {}
+        except GatewayError as error:
+            return [self.refuse(error)]
+        found = parsed.get("model")
+        model = found if isinstance(found, str) and found else None
+        if model is None:
+            return self._route_any(phase)
+        target = self.sched.discovery.snapshot().get(model)
+        if target is None:
+            return [self.refuse(errors.model_not_found(model))]
+        self.target = target
+        self.record = slo.RequestRecord(self.sched.metrics.target(labels(target)), time.monotonic())
+        routing = routing_request(model, parsed, self.headers.get(SESSION_HEADER))
+        admission = await self.sched.admit(target, routing)
+        self.target = target = admission.target
+        if admission.route is Route.FALLBACK:
+            forwarder = self.picker.settings.fallback_forwarder
+            if forwarder is None:
+                return [self.refuse(errors.overloaded(model, 1, admission.status))]
+            self.route = "fallback"
+            self.release = self.sched.fallback_slot(model)
+            self.sched.metrics.fallback.labels(*labels(target), admission.reason).inc()
+            return [self._answer(phase, [forwarder], body, {"x-kubellm-fallback-reason":
+                                                             admission.reason})]  # fmt: skip
+        if admission.route is not Route.REPLICA:
+            return [self.refuse(errors.overloaded(model, 1, admission.status))]
+        allowed = self.subset
+        order = [c for c in admission.order if allowed is None or host_port(c.url) in allowed]
+        if not order:
+            return [self.refuse(GatewayError(
+                503, f"No endpoint of model `{model}` is in the gateway's endpoint subset.",
+                "server_error", "service_unavailable",
+            ))]  # fmt: skip
+        self.route = "replica"
+        self.url = order[0].url
+        self.release = self.sched.acquire(self.url)
+        self.sched.routed(target, routing, self.url, admission.order)
+        self.timing = slo.StreamTiming(start=self.record.arrived)
+        listed = [host_port(c.url) for c in order[: self.picker.settings.endpoints_per_answer]]
+        return [self._answer(phase, listed, body)]
+
+    def _route_any(self, phase: str) -> list[Any]:
+        """A request naming no model (`GET /v1/models`, `/health`, ...): the least loaded
+        ready endpoint of any model, within the subset."""
+        candidates = [
+            c
+            for target in self.sched.discovery.snapshot().values()
+            for c in self.sched.router.candidates(target)
+            if self.subset is None or host_port(c.url) in self.subset
+        ]
+        if not candidates:
+            return [self.refuse(GatewayError(
+                503, "No model server endpoint is ready.", "server_error", "service_unavailable"
+            ))]  # fmt: skip
+        best = min(candidates, key=lambda c: (c.load, c.in_flight))
+        self.url = best.url
+        self.release = self.sched.acquire(best.url)
+        return [self._answer(phase, [host_port(best.url)], b"")]
+
+    def _answer(
+        self, phase: str, endpoints: list[str], body: bytes, extra: dict[str, str] | None = None
+    ) -> m.ProcessingResponse:
+        self.routed = True
+        settings = self.picker.settings
+        set_headers = {ROUTE_HEADER: self.route, **(extra or {})}
+        if body:
+            set_headers["content-length"] = str(len(body))
+        return m.route_response(
+            phase, endpoints, set_headers, settings.destination_header, settings.metadata_namespace
+        )
+
+    def _moved_to(self, served: str) -> None:
+        """Envoy retried on a later endpoint of the list: count the request there."""
+        if self.target is None or self.route != "replica":
+            return
+        for endpoint in self.target.endpoints:
+            if host_port(endpoint.url) == served:
+                if self.release is not None:
+                    self.release()
+                self.url = endpoint.url
+                self.release = self.sched.acquire(endpoint.url)
+                return
+
+    # ------------------------------------------------------------------ the end
+
+    def finish(self) -> None:
+        """The response ended normally."""
+        if self.finished:
+            return
+        if self.url is not None and self.route == "replica" and self.status < 500:
+            self.sched.completed(self.url)
+        self._end(None)
+
+    def close(self) -> None:
+        """The ext_proc stream closed: if the response had not ended, it broke."""
+        if not self.finished:
+            self._end("stream closed before the response ended")
+
+    def _end(self, error: str | None) -> None:
+        self.finished = True
+        if self.release is not None:
+            self.release()
+            self.release = None
+        record, target = self.record, self.target
+        if record is None or target is None:
+            return
+        status = self.status or (499 if error else 200)
+        if self.timing is not None and self.route == "replica":
+            if error:
+                self.timing.failed(error)
+            record.streamed(self.timing, target.slo.ttft_seconds, target.slo.itl_seconds)
+        if error and self.status and self.status < 400:
+            status = 502  # the answer started and broke: a server-side failure
+        record.finish(self.route, status)
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+def ext_proc_handler(picker: EndpointPicker) -> grpc.GenericRpcHandler:
+    """The ExternalProcessor service, (de)serialised with envoy-data-plane's messages."""
+    return grpc.method_handlers_generic_handler(
+        m.SERVICE,
+        {
+            m.METHOD: grpc.stream_stream_rpc_method_handler(
+                picker.process, request_deserializer=m.parse, response_serializer=m.serialize
+            )
+        },
+    )
+
+
+@dataclass
+class Servers:
+    grpc: grpc.aio.Server
+    health: Any
+    metrics: web.AppRunner | None
+    ports: dict[str, int]
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.grpc.stop(grace)
+        if self.metrics is not None:
+            await self.metrics.cleanup()
+
+
+async def serve(
+    picker: EndpointPicker,
+    host: str = "127.0.0.1",
+    grpc_port: int = 9002,
+    health_port: int | None = 9003,
+    metrics_port: int | None = 9090,
+) -> Servers:
+    """Start the gRPC server (ext_proc and health on `grpc_port`, health alone on
+    `health_port` too) and the `/metrics` HTTP server; port 0 picks a free one."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", picker.settings.max_body_bytes + (1 << 20)),
+            ("grpc.max_send_message_length", picker.settings.max_body_bytes + (1 << 20)),
+        ]
+    )
+    server.add_generic_rpc_handlers((ext_proc_handler(picker),))
+    checker = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    ports = {"grpc": server.add_insecure_port(f"{host}:{grpc_port}")}
+    if health_port is not None:
+        ports["health"] = server.add_insecure_port(f"{host}:{health_port}")
+    await server.start()
+    for name in HEALTH_SERVICES:
+        await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+    runner = None
+    if metrics_port is not None:
+        runner = web.AppRunner(metrics_app(picker), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, metrics_port)
+        await site.start()
+        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+        ports["metrics"] = sockets[0].getsockname()[1] if sockets else metrics_port
+    return Servers(server, checker, runner, ports)
+
+
+def metrics_app(picker: EndpointPicker) -> web.Application:
+    async def prometheus(_: web.Request) -> web.Response:
+        picker.scheduler.update_ready_gauge()
+        body = generate_latest(picker.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthy(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/metrics", prometheus)
+    app.router.add_get("/health", healthy)
+    return app

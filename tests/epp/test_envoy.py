@@ -1,0 +1,222 @@
+"""End to end: client -> a real Envoy (reference-style configuration) -> kubellm epp over
+ext_proc -> the picked replica (simulated engines), on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.fixtures.engines import wait_until
+
+BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
+SHARED = "You are a careful assistant. Answer in one line. " * 12
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=20)
+
+
+def _successes(replica: str) -> float:
+    text = httpx.get(f"{replica}/metrics", timeout=5).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:request_success_total"
+    )
+
+
+def test_completion_goes_through_envoy_to_a_picked_replica(envoy_stack, sims):
+    replicas = sims(2)
+    stack = envoy_stack([{"name": "tiny", "endpoints": replicas}])
+    response = httpx.post(f"{stack.url}/v1/completions", json=BODY, timeout=20)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"]
+    assert sum(_successes(r) for r in replicas) == 1
+    wait_until(lambda: stack.metric("kubellm_gateway_requests_total", target="replica",
+               code="200") == 1, 5, "the EPP to count the answer")  # fmt: skip
+    assert stack.metric("kubellm_gateway_pending_requests") == 0
+
+
+def test_shared_prefix_requests_stay_on_one_replica(envoy_stack, sims):
+    replicas = sims(2)
+    stack = envoy_stack([{"name": "tiny", "endpoints": replicas}])
+    client = _client(stack.url)
+    for i in range(6):
+        client.completions.create(model="tiny", prompt=f"{SHARED} question {i}", max_tokens=2)
+    counts = sorted(_successes(r) for r in replicas)
+    assert sum(counts) == 6
+    assert counts[-1] >= 5, counts  # the first, cold, prompt may go by load
+    assert stack.metric("kubellm_gateway_prefix_match_ratio_count") == 6
+
+
+def test_streaming_chat_through_envoy_observes_ttft_and_itl(envoy_stack, sims):
+    # ~20 ms per token: chunks arrive apart, so the EPP sees gaps between them
+    stack = envoy_stack([{"name": "tiny", "endpoints": sims(2, time_scale=10.0)}])
+    stream = _client(stack.url).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "count"}], max_tokens=8, stream=True
+    )
+    texts = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta]
+    assert len([t for t in texts if t]) >= 2
+    wait_until(lambda: stack.metric("kubellm_gateway_time_to_first_token_seconds_count") == 1,
+               5, "TTFT observed")  # fmt: skip
+    assert stack.metric("kubellm_gateway_inter_token_latency_seconds_count") >= 1
+    assert stack.metric("kubellm_gateway_requests_total", target="replica", code="200") == 1
+    assert stack.metric("kubellm_gateway_pending_requests") == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b'{"model": "tiny", "prompt": ', 400, None),  # not JSON
+        (json.dumps({"model": "tiny"}).encode(), 400, "prompt"),
+        (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "model"),
+    ],
+)
+def test_malformed_requests_get_openai_errors_from_envoy(envoy_stack, sims, body, status, param):
+    stack = envoy_stack([{"name": "tiny", "endpoints": sims(1)}])
+    response = httpx.post(f"{stack.url}/v1/completions", content=body, timeout=10,
+                          headers={"content-type": "application/json"})  # fmt: skip
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param
+
+
+def test_no_replica_is_503_and_saturation_is_429(envoy_stack, scripted):
+    stack = envoy_stack(
+        [
+            {"name": "empty", "endpoints": []},
+            {"name": "tiny", "endpoints": [scripted.url], "slo": {"ttftSeconds": 0.05}},
+        ],
+        epp_args=("--zero-replica-wait", "0", "--max-in-flight", "1"),
+    )
+    empty = httpx.post(f"{stack.url}/v1/completions", json={**BODY, "model": "empty"}, timeout=10)
+    assert empty.status_code == 503
+    assert empty.json()["error"]["code"] == "service_unavailable"
+    stream = {**BODY, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=stream, timeout=20) as held:
+        assert held.status_code == 200
+        chunks = held.iter_bytes()  # kept: a dropped iterator closes the response
+        next(chunks)  # in flight on the only replica until it is dropped
+        shed = httpx.post(f"{stack.url}/v1/completions", json=BODY, timeout=10)
+        assert shed.status_code == 429
+        assert shed.json()["error"]["type"] == "rate_limit_error"
+        assert shed.headers["retry-after"]
+        scripted.drop.set()
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+def test_failure_mode_when_the_epp_is_down(envoy_stack, sims, fail_open):
+    replicas = sims(1)
+    # FailOpen buffers request bodies (gateway/epp/envoy.py says why)
+    stack = envoy_stack([{"name": "tiny", "endpoints": replicas}], failure_mode_allow=fail_open)
+    assert httpx.post(f"{stack.url}/v1/completions", json=BODY, timeout=10).status_code == 200
+    stack.stop_epp()
+    response = httpx.post(f"{stack.url}/v1/completions", json=BODY, timeout=10)
+    if fail_open:  # Envoy sends it to the pool itself
+        assert response.status_code == 200, response.text
+        assert _successes(replicas[0]) == 2
+    else:
+        assert response.status_code >= 500
+        assert _successes(replicas[0]) == 1
+
+
+def test_client_cannot_pick_its_own_upstream(envoy_stack, sims):
+    """A destination header sent by the client is removed before the EPP answers."""
+    replicas = sims(1)
+    stack = envoy_stack([{"name": "tiny", "endpoints": replicas}], failure_mode_allow=True)
+    stack.stop_epp()
+    forged = {"x-gateway-destination-endpoint": "127.0.0.1:1"}
+    response = httpx.post(f"{stack.url}/v1/completions", json=BODY, headers=forged, timeout=10)
+    assert response.status_code == 200  # FailOpen's pool route, not the forged address
+
+
+class ScriptedReplica:
+    """A replica on a raw socket: it answers a completion with stream headers and one
+    chunk, then holds the connection until `drop` is set and drops it (a crash
+    mid-stream); `/metrics` and other GETs get an empty 200, so it stays routable."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.drop = threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        self.server.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            request = conn.recv(65536)
+            if request.startswith(b"GET"):
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                return
+            chunk = b'data: {"choices": [{"text": "one", "index": 0}]}\n\n'
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n"
+                         + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")  # fmt: skip
+            self.drop.wait(10)
+            conn.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture
+def scripted() -> Iterator[ScriptedReplica]:
+    replica = ScriptedReplica()
+    replica.thread.start()
+    yield replica
+    replica.drop.set()
+    replica.stop.set()
+    replica.thread.join(timeout=5)
+    replica.server.close()
+
+
+def test_replica_dying_mid_stream_ends_the_clients_stream_with_an_error(envoy_stack, scripted):
+    stack = envoy_stack([{"name": "tiny", "endpoints": [scripted.url]}])
+    received = b""
+    with (
+        pytest.raises(httpx.HTTPError),
+        httpx.stream(
+            "POST", f"{stack.url}/v1/completions", json={**BODY, "stream": True}, timeout=10
+        ) as response,
+    ):
+        assert response.status_code == 200
+        for part in response.iter_bytes():
+            received += part
+            scripted.drop.set()  # the replica dies after the first chunk arrived
+    assert b"one" in received and b"[DONE]" not in received
+    wait_until(lambda: stack.metric("kubellm_gateway_pending_requests") == 0, 5,
+               "the EPP to release the broken request")  # fmt: skip
+    assert stack.metric("kubellm_gateway_requests_total", code="200") == 0
+
+
+def test_grpc_health_services_the_protocol_names(envoy_stack, sims):
+    stack = envoy_stack([{"name": "tiny", "endpoints": sims(1)}])
+    port = stack.epp.command[stack.epp.command.index("--grpc-port") + 1]
+
+    async def check() -> list[int]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            names = ["liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"]
+            answers = [await stub.Check(health_pb2.HealthCheckRequest(service=n), timeout=5)
+                       for n in names]  # fmt: skip
+            return [a.status for a in answers]
+
+    assert asyncio.run(check()) == [health_pb2.HealthCheckResponse.SERVING] * 3
