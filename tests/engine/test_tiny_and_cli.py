@@ -11,9 +11,12 @@ import pytest
 from kubellm.engine import cli as engine_cli
 from kubellm.engine import tiny
 
+from tests.fixtures.engines import requires_engine_extra
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@requires_engine_extra
 def test_tiny_checkpoint_is_deterministic_and_fits_vllms_cpu_backend(tmp_path: Path) -> None:
     first = tiny.build(tmp_path / "first", train_steps=5)
     again = tiny.build(tmp_path / "again", train_steps=5)
@@ -71,6 +74,7 @@ def test_the_kubellm_command_wires_the_engine_subcommand() -> None:
     assert args.func is engine_cli.run and args.backend == "sim"
 
 
+@requires_engine_extra
 def test_tiny_model_writes_a_checkpoint(tmp_path: Path) -> None:
     out = run_cli("tiny-model", str(tmp_path / "m"), "--train-steps", "0")
     assert out.returncode == 0, out.stderr
