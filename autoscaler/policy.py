@@ -161,6 +161,11 @@ def register(name: str) -> Callable[[Callable[[], Policy]], Callable[[], Policy]
     return add
 
 
+def unregister(name: str) -> None:
+    """Remove a registered policy (a plugin being unloaded); unknown names are ignored."""
+    _REGISTRY.pop(name, None)
+
+
 def names() -> list[str]:
     _load_builtins()
     return sorted(_REGISTRY)

@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from kubellm import api, metrics
 from tests.fixtures import rbac
+from tests.fixtures.polling import eventually
 
 RBAC_FILE = Path(__file__).resolve().parents[2] / "autoscaler" / "rbac-requests.yaml"
 
@@ -74,11 +75,9 @@ class MetricsServer:
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._task = asyncio.create_task(self._server.serve())
-        deadline = asyncio.get_running_loop().time() + 10
-        while not self._server.started:
-            assert not self._task.done(), "metrics server failed to start"
-            assert asyncio.get_running_loop().time() < deadline, "metrics server did not start"
-            await asyncio.sleep(0.01)
+        server, task = self._server, self._task
+        await eventually(lambda: server.started or task.done(), what="the metrics server")
+        assert server.started, "metrics server failed to start"
 
     @property
     def port(self) -> int:

@@ -25,6 +25,7 @@ from tests.autoscaler.conftest import (
     gateway_text,
     llmd,
 )
+from tests.fixtures.polling import eventually
 
 T0 = 1_800_000_000.0
 
@@ -226,10 +227,8 @@ async def test_run_steps_until_stopped(cluster: Any, clients: Any, metrics_serve
     engine = await add_engine(cluster, metrics_server, engine_text(0, 1, 0.5), "a")
     stop = asyncio.Event()
     task = asyncio.create_task(scaler(clients, Clock(), period=0.01).run(stop))
-    deadline = asyncio.get_running_loop().time() + 10
-    while engine.scrapes < 3:
-        assert asyncio.get_running_loop().time() < deadline and not task.done()
-        await asyncio.sleep(0.01)
+    await eventually(lambda: engine.scrapes >= 3 or task.done(), what="three scrapes")
+    assert not task.done()
     stop.set()
     await asyncio.wait_for(task, timeout=10)
 
@@ -282,10 +281,8 @@ async def test_cli_runs_against_a_kubeconfig(
     args.period = 0.05
     stop = asyncio.Event()
     task = asyncio.create_task(cli._main(args, p.get(args.policy), stop))
-    deadline = asyncio.get_running_loop().time() + 10
-    while not scale_writes(cluster):
-        assert asyncio.get_running_loop().time() < deadline and not task.done()
-        await asyncio.sleep(0.01)
+    await eventually(lambda: scale_writes(cluster) or task.done(), what="a /scale write")
+    assert not task.done()
     stop.set()
     assert await asyncio.wait_for(task, timeout=10) == 0
     assert scale_writes(cluster)[0] == 3

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 from kubellm.autoscaler import policy as p
@@ -314,7 +315,16 @@ def test_registry() -> None:
     )
 
 
-def test_register_a_policy() -> None:
+@pytest.fixture
+def registry() -> Iterator[None]:
+    """The policy registry as it was before the test: policies a test registers go."""
+    before = set(p.names())
+    yield
+    for name in set(p.names()) - before:
+        p.unregister(name)
+
+
+def test_register_a_policy(registry: None) -> None:
     @p.register("fixed-test")
     @dataclasses.dataclass(frozen=True)
     class Fixed:
@@ -324,6 +334,9 @@ def test_register_a_policy() -> None:
             return p.Decision(spec.max_replicas, p.MAX_REPLICAS)
 
     assert p.get("fixed-test").decide(obs(1), p.PolicyState(), spec(max_replicas=3)).replicas == 3
+    p.unregister("fixed-test")
+    with pytest.raises(ValueError, match="unknown autoscaling policy 'fixed-test'"):
+        p.get("fixed-test")
 
 
 def test_concurrency_policy() -> None:

@@ -30,6 +30,7 @@ from kubellm.operator import handlers
 
 from kubellm import api, kube
 from tests.fixtures import rbac
+from tests.fixtures.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 RBAC_FILE = ROOT / "operator" / "rbac-requests.yaml"
@@ -102,19 +103,9 @@ class Emulator(kmock.KubernetesEmulator):
 
 
 async def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        try:
-            value = predicate()
-        except (KeyError, AttributeError, TypeError, IndexError):
-            value = None
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        await asyncio.sleep(0.02)
+    """`eventually`, where an object the emulator does not hold yet counts as not yet."""
+    lookups = (KeyError, AttributeError, TypeError, IndexError)
+    return await eventually(predicate, timeout, what, interval=0.02, ignore=lookups)
 
 
 def rbac_rules() -> set[tuple[str, str, str]]:
