@@ -17,10 +17,10 @@ signal's ask without and with the scale-down window (what the sizing rule
 itself costs); then checks the targets of issue #6. Writes
 `summary.json` and `autoscale.png` to --out. Details: bench/_autoscale/.
 
-    /work/venv/bin/python bench/autoscale_sim.py [--mix long|short] [--out bench/out]
+    python bench/autoscale_sim.py [--mix long|short] [--out bench/out]
     # what-ifs: a spec.autoscaling override (targetRequestsPerReplica=none: no rate signal)
-    /work/venv/bin/python bench/autoscale_sim.py --traces bursty-day --set minReplicas=2
-    /work/venv/bin/python bench/autoscale_sim.py --set targetRequestsPerReplica=none
+    python bench/autoscale_sim.py --traces bursty-day --set minReplicas=2
+    python bench/autoscale_sim.py --set targetRequestsPerReplica=none
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""A minimal Kubernetes API client configuration, for components that talk to the API
-server directly with httpx (the gateway's discovery, the autoscaler's /scale writes).
-The operator uses kopf's own client.
+"""A minimal Kubernetes API client configuration, shared by every component that talks
+to the API server: the gateway's discovery, the autoscaler's backend, and the operator
+(kopf logs in with it; the reconciler's own calls go through an httpx client from it).
 
 Configuration comes from the pod's service account when running in a cluster,
 otherwise from a kubeconfig file (KUBECONFIG or ~/.kube/config), token or

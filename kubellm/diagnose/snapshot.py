@@ -15,10 +15,8 @@ from dataclasses import asdict, dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubellm import metrics
-from kubellm.metrics import histogram_quantile
+from kubellm.metrics import GATEWAY_QUEUE_WAIT, histogram_quantile
 
-# Gateway series defined by the gateway itself (not in the core contract).
-GATEWAY_QUEUE_WAIT = "kubellm_gateway_queue_wait_seconds"
 # vLLM series beyond the core contract that the tree reads when present.
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"

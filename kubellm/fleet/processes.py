@@ -231,14 +231,6 @@ class Supervisor:
         self.replicas.clear()
         await self._client.aclose()
 
-    def pids(self) -> list[int]:
-        return [
-            r.process.pid
-            for rs in self.replicas.values()
-            for r in rs
-            if r.process is not None and r.process.returncode is None
-        ]
-
     def event(self, message: str) -> None:
         log.info(message)
         self.events.append(message)
