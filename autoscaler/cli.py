@@ -59,12 +59,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubellm autoscaler: --policy: {error}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_main(args, chosen))
+        return asyncio.run(serve(args, chosen))
     except KeyboardInterrupt:
         return 0
 
 
-async def _main(args: argparse.Namespace, chosen: Policy, stop: asyncio.Event | None = None) -> int:
+async def serve(args: argparse.Namespace, chosen: Policy, stop: asyncio.Event | None = None) -> int:
     """Run until SIGINT/SIGTERM (or until `stop` is set, for tests)."""
     import asyncio
     import contextlib

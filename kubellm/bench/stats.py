@@ -95,7 +95,7 @@ def _mask_numbers(text: str) -> str:
     return "".join(out)
 
 
-def _error_kind(error: str | None) -> str:
+def error_kind(error: str | None) -> str:
     """Group messages that differ only in counts and ids; keep the status, the addresses
     and the Retry-After delays (see _KEPT)."""
     line = (error or "error").splitlines()[0]
@@ -119,7 +119,7 @@ def summarize(
     errors: dict[str, int] = {}
     for r in results:
         if not r.ok:
-            kind = _error_kind(r.error)
+            kind = error_kind(r.error)
             errors[kind] = errors.get(kind, 0) + 1
     summary: dict[str, Any] = {
         **(label or {}),

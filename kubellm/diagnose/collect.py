@@ -110,7 +110,7 @@ def scrape(
     )
 
 
-def _queries(w: str) -> dict[str, str]:
+def prometheus_queries(w: str) -> dict[str, str]:
     """PromQL for each snapshot field, over a window `w` (e.g. '30s')."""
 
     def q(name: str, quantile: float) -> str:
@@ -155,7 +155,7 @@ def from_prometheus(
     window = f"{max(1, round(window_s))}s"
     values: dict[str, float | None] = {}
     try:
-        for field, query in _queries(window).items():
+        for field, query in prometheus_queries(window).items():
             endpoint = url.rstrip("/") + "/api/v1/query"
             try:
                 response = client.get(endpoint, params={"query": query})

@@ -280,7 +280,7 @@ async def test_cli_runs_against_a_kubeconfig(
     args = parser.parse_args(["--kubeconfig", str(kubeconfig), "--metrics-port", "0"])
     args.period = 0.05
     stop = asyncio.Event()
-    task = asyncio.create_task(cli._main(args, p.get(args.policy), stop))
+    task = asyncio.create_task(cli.serve(args, p.get(args.policy), stop))
     await eventually(lambda: scale_writes(cluster) or task.done(), what="a /scale write")
     assert not task.done()
     stop.set()

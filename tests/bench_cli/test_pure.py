@@ -212,4 +212,4 @@ def test_a_local_tokenizer_gives_prompts_of_exact_length(tiny_model_dir: Path) -
     ],
 )  # fmt: skip
 def test_error_kinds_keep_addresses_and_retry_after(error: str, kind: str) -> None:
-    assert stats._error_kind(error) == kind
+    assert stats.error_kind(error) == kind

@@ -197,7 +197,7 @@ def test_prometheus_queries_fill_the_snapshot() -> None:
     assert snap.ttft_p95_s == 3.0 and snap.fallback_share == 0.25
     assert snap.kv_cache_usage_max == 0.9 and snap.engines == 2
     assert snap.ttft_p50_s is None and snap.itl_target_s == 0.2
-    assert len(queries) == len(collect._queries("30s"))
+    assert len(queries) == len(collect.prometheus_queries("30s"))
 
 
 def test_a_prometheus_error_names_the_field() -> None:
