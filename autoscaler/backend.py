@@ -25,6 +25,7 @@ class Target:
     replicas: int  # what /scale holds now (spec.replicas)
     autoscaling: api.Autoscaling
     status: dict[str, Any] = field(default_factory=dict)  # status.autoscaler, camelCase
+    has_fallback: bool = False  # spec.fallback is set: the gateway sends overflow there
 
     @property
     def key(self) -> str:

@@ -120,6 +120,7 @@ def _target(item: dict[str, Any]) -> Target | None:
         replicas=deployment.spec.replicas,
         autoscaling=autoscaling,
         status=dict((item.get("status") or {}).get("autoscaler") or {}),
+        has_fallback=deployment.spec.fallback is not None and bool(deployment.spec.fallback.url),
     )
 
 

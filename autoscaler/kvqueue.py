@@ -67,6 +67,8 @@ class Signals:
     want_kv: int
     rate: float | None = None  # requests/s arriving (None: the rate signal is off or unknown)
     want_rate: int = 0
+    per_replica: float | None = None  # the rate signal's target, the spec's or derived
+    derived: bool = False  # per_replica was derived from the learned rate
 
     @property
     def kv_mean(self) -> float | None:
@@ -85,6 +87,11 @@ def _ask(load: float, target: float, current: int, tolerance: float) -> int:
 
 
 DRAIN_SECONDS = 60.0  # a queue-driven scale-up aims to drain the backlog within this
+# Without targetRequestsPerReplica: this share of the learned rate (what one saturated
+# replica answers per second), the headroom for spikes that arrive faster than a model loads.
+DERIVED_HEADROOM = 0.8
+LEARN_WEIGHT = 0.2  # moving average of the per-replica rate over saturated periods
+LEARN_AFTER_SECONDS = 30.0  # saturated this long before answers measure a replica
 
 
 @p.register(p.DEFAULT_POLICY)
@@ -96,7 +103,43 @@ class KVQueuePolicy:
     scale_down_pods: int = 1
     scale_down_percent: float = 50.0
 
-    def signals(self, obs: p.Observation, spec: api.Autoscaling) -> Signals:
+    def per_replica(self, spec: api.Autoscaling, learned: float | None) -> float | None:
+        """The rate signal's requests/s per replica: the spec's, else derived from `learned`."""
+        if spec.target_requests_per_replica is not None:
+            return spec.target_requests_per_replica
+        return None if learned is None else learned * DERIVED_HEADROOM
+
+    @staticmethod
+    def learn(
+        obs: p.Observation, spec: api.Autoscaling, state: p.PolicyState
+    ) -> tuple[float | None, float | None]:
+        """The learned per-replica rate and since when every replica has been saturated.
+
+        Saturated: every fresh ready replica has a queue of at least its target,
+        none is stale, and the replicas' answer rate is known. Once that has
+        held for `LEARN_AFTER_SECONDS` (answers lag the load at first), this
+        period's answers per replica are folded into a moving average.
+        """
+        fresh = obs.fresh
+        saturated = (
+            obs.replica_answer_rate is not None
+            and bool(fresh)
+            and not obs.stale
+            and all(r.waiting >= spec.target_queue_depth for r in fresh)
+        )
+        learned = state.learned_rate
+        if not saturated:
+            return learned, None
+        since = state.saturated_since if state.saturated_since is not None else obs.now
+        assert obs.replica_answer_rate is not None
+        sample = obs.replica_answer_rate / len(fresh)
+        if obs.now - since >= LEARN_AFTER_SECONDS and sample > 0:
+            learned = sample if learned is None else learned + LEARN_WEIGHT * (sample - learned)
+        return learned, since
+
+    def signals(
+        self, obs: p.Observation, spec: api.Autoscaling, learned: float | None = None
+    ) -> Signals:
         fresh = obs.fresh
         n = len(fresh)
         waiting = sum(r.waiting for r in fresh)
@@ -105,7 +148,7 @@ class KVQueuePolicy:
         absorbed = min(waiting, obs.starting * running / n) if n else 0.0
         backlog = waiting - absorbed
         want_queue = _ask(backlog, spec.target_queue_depth, n, self.tolerance) if backlog > 0 else 0
-        per_replica = spec.target_requests_per_replica
+        per_replica = self.per_replica(spec, learned)
         known = [r for r in (obs.request_rate, obs.recent_request_rate) if r is not None]
         rate = max(known) if per_replica is not None and known else None
         want_rate = 0
@@ -124,13 +167,16 @@ class KVQueuePolicy:
             want_kv=_ask(kv_sum, spec.target_kv_cache_usage, n, self.tolerance),
             rate=rate,
             want_rate=want_rate,
+            per_replica=per_replica,
+            derived=per_replica is not None and spec.target_requests_per_replica is None,
         )
 
     def decide(
         self, observation: p.Observation, state: p.PolicyState, spec: api.Autoscaling
     ) -> p.Decision:
         obs, now, current = observation, observation.now, observation.current_replicas
-        sig = self.signals(obs, spec)
+        learned, saturated_since = self.learn(obs, spec, state)
+        sig = self.signals(obs, spec, learned)
         pending = obs.gateway_pending
         unknown_load = obs.stale or (current > 0 and not obs.replicas)
 
@@ -165,6 +211,21 @@ class KVQueuePolicy:
             (floor, p.MIN_REPLICAS),
         ]
         rec, driver = max(candidates, key=lambda c: c[0])
+        # The fallback takes the overflow: load is a reason to add replicas only once the
+        # fallback's share of the window's requests passes maxFallbackShare (sustained).
+        absorbing = (
+            obs.fallback_share is not None
+            and current > 0
+            and obs.fallback_share <= spec.max_fallback_share
+        )
+        floors = max(floor, 1 if pending and pending > 0 else 0)
+        if absorbing and rec > max(current, floors):
+            rec, driver = max(current, floors), p.FALLBACK_ABSORBING
+        # Learning what a replica serves (the gateway readable, no rate given or learned yet):
+        # the queue and KV signals add one replica a period, not a guess at the load.
+        learning = sig.per_replica is None and obs.replica_answer_rate is not None
+        if learning and driver in (p.QUEUE_DEPTH, p.KV_CACHE_USAGE) and rec > current + 1:
+            rec = max(current + 1, floors)
         if rec > spec.max_replicas:
             rec, driver = spec.max_replicas, p.MAX_REPLICAS
         hold = (
@@ -178,6 +239,8 @@ class KVQueuePolicy:
             rec, driver = min(current, spec.max_replicas), hold
         elif not unknown_load:
             hold = None  # starting replicas held nothing back: the signals speak for themselves
+        if driver == p.FALLBACK_ABSORBING and rec == current:
+            hold = p.FALLBACK_ABSORBING
 
         # Stabilisation windows over the remembered recommendations.
         history = [*(state.recommendations or [(now, current)]), (now, rec)]
@@ -209,7 +272,9 @@ class KVQueuePolicy:
             replicas=target,
             reason=reason,
             message=message,
-            state=p.PolicyState(_compact(history, now - keep), idle_since),
+            state=p.PolicyState(
+                _compact(history, now - keep), idle_since, learned, saturated_since
+            ),
             kv_cache_usage=sig.kv_mean,
             queue_depth=sig.queue_mean,
         )
@@ -253,10 +318,16 @@ class KVQueuePolicy:
                 f"KV cache mean {sig.kv_mean:.2f} (target {spec.target_kv_cache_usage:.2f}) "
                 f"asks {sig.want_kv}"
             )
-        if sig.rate is not None:
+        if sig.rate is not None and sig.per_replica is not None:
+            source = " derived" if sig.derived else ""
             parts.append(
-                f"rate {sig.rate:.1f} req/s (target {spec.target_requests_per_replica:g}/replica) "
+                f"rate {sig.rate:.1f} req/s (target{source} {sig.per_replica:.3g}/replica) "
                 f"asks {sig.want_rate}"
+            )
+        if obs.fallback_share is not None:
+            parts.append(
+                f"fallback took {obs.fallback_share:.1%} of requests "
+                f"(max {spec.max_fallback_share:.0%} before adding replicas)"
             )
         stale = sum(1 for r in obs.replicas if not r.fresh)
         if stale:

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from kubellm.autoscaler import observe, rate
+from kubellm.autoscaler import observe, overflow, rate
 from kubellm.autoscaler import policy as p
 from kubellm.autoscaler.backend import Backend, Target
+from kubellm.autoscaler.overflow import GatewayWindow
 from kubellm.autoscaler.rate import RateWindow
 from kubellm.autoscaler.telemetry import Telemetry
 
@@ -111,13 +112,16 @@ class Autoscaler:
         pending = _pending(gateway_text, target)
         now = self.clock()
         window, counted = _request_window(gateway_text, target, now)
+        answers, answered = _gateway_window(gateway_text, target, now)
         observation = p.Observation(
             now=now,
             current_replicas=target.replicas,
             replicas=tuple(replicas),
             gateway_pending=pending,
-            request_rate=window.rate if window and counted else None,
-            recent_request_rate=window.recent if window and counted else None,
+            request_rate=window.rate if counted else None,
+            recent_request_rate=window.recent if counted else None,
+            fallback_share=answers.fallback_share if answered and target.has_fallback else None,
+            replica_answer_rate=answers.replica_rate if answered else None,
         )
         state = p.PolicyState.from_status(target.status)
         decision = self.policy.decide(observation, state, target.autoscaling)
@@ -135,7 +139,9 @@ class Autoscaler:
             "kvCacheUsage": _rounded(decision.kv_cache_usage),
             "queueDepth": _rounded(decision.queue_depth),
             "requestRate": _rounded(observation.request_rate),
-            "requestSamples": window.to_status() if window else None,
+            "requestSamples": window.to_status() or None,
+            overflow.STATUS_KEY: answers.to_status() or None,
+            "fallbackShare": _rounded(observation.fallback_share),
             **decision.state.to_status(),
         }
         if any(target.status.get(k) != v for k, v in status.items()):
@@ -160,14 +166,12 @@ def _pending(gateway_text: str | None, target: Target) -> float | None:
 
 def _request_window(
     gateway_text: str | None, target: Target, now: float
-) -> tuple[RateWindow | None, bool]:
+) -> tuple[RateWindow, bool]:
     """The gateway's request counts in the rate window (`kubellm.autoscaler.rate.observe`).
 
-    (None, False) where the spec does not ask for the rate signal (no
-    targetRequestsPerReplica): nothing to count, nothing to persist.
+    Counted with or without targetRequestsPerReplica: unset, the policy derives
+    the per-replica rate and still needs the arrival rate.
     """
-    if target.autoscaling.target_requests_per_replica is None:
-        return None, False
     admitted = None
     if gateway_text is not None:
         try:
@@ -177,6 +181,26 @@ def _request_window(
         except observe.MetricsError as error:
             log.info("gateway metrics unusable: %s", error)
     return rate.observe(target.status, now, admitted)
+
+
+def _gateway_window(
+    gateway_text: str | None, target: Target, now: float
+) -> tuple[GatewayWindow, bool]:
+    """The gateway's admitted, fallback and replica-answered counts over the scale-down
+    window (`kubellm.autoscaler.overflow.observe`)."""
+    counts = None
+    if gateway_text is not None:
+        names = (target.served_name, target.name, target.namespace)
+        try:
+            counts = (
+                observe.gateway_admitted(gateway_text, *names),
+                observe.gateway_fallback(gateway_text, *names),
+                observe.gateway_answered(gateway_text, names[0], "replica", *names[1:]),
+            )
+        except observe.MetricsError as error:
+            log.info("gateway metrics unusable: %s", error)
+    window = target.autoscaling.scale_down_stabilization_seconds
+    return overflow.observe(target.status, now, counts, window)
 
 
 def _rounded(value: float | None) -> float | None:

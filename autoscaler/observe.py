@@ -74,12 +74,35 @@ def gateway_admitted(text: str, model: str, deployment: str = "", namespace: str
     return _gateway_sum(text, names, model, deployment, namespace)
 
 
+def gateway_answered(
+    text: str, model: str, route: str, deployment: str = "", namespace: str = ""
+) -> float:
+    """Requests the gateway answered for `model` by `route` (the counter's `target` label:
+    replica, fallback or none), every code. The replicas' answers while every replica is
+    saturated measure what one replica serves (the policy's derived rate)."""
+    names = (metrics.GATEWAY_REQUESTS,)
+    return _gateway_sum(text, names, model, deployment, namespace, route)
+
+
+def gateway_fallback(text: str, model: str, deployment: str = "", namespace: str = "") -> float:
+    """Requests the gateway has sent to the fallback API for `model` so far, every reason
+    (counted when sent, so a fallback request counts while it is still streaming)."""
+    return _gateway_sum(text, (metrics.GATEWAY_FALLBACK,), model, deployment, namespace)
+
+
 def _gateway_sum(
-    text: str, names: tuple[str, ...], model: str, deployment: str, namespace: str
+    text: str,
+    names: tuple[str, ...],
+    model: str,
+    deployment: str,
+    namespace: str,
+    route: str | None = None,
 ) -> float:
     total = 0.0
     for sample, labels, value in _samples(text):
         if sample not in names or labels.get("model") != model:
+            continue
+        if route is not None and labels.get("target") != route:
             continue
         if deployment and labels.get("deployment", deployment) != deployment:
             continue

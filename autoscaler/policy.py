@@ -38,6 +38,7 @@ REPLICAS_STARTING = "ReplicasStarting"
 STEADY = "Steady"
 CONCURRENCY = "Concurrency"
 REQUEST_RATE = "RequestRate"
+FALLBACK_ABSORBING = "FallbackAbsorbing"
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,11 @@ class Observation:
     `gateway_pending` is None when the gateway's metrics could not be read.
     `request_rate` (requests/s arriving at the gateway over the last 30 s) and
     `recent_request_rate` (over the last period) are None when unknown: no
-    gateway, too few scrapes yet, or the rate signal is off for this spec.
+    gateway or too few scrapes yet. `fallback_share` is the share of admitted
+    requests the gateway sent to the fallback over the scale-down window
+    (None: the deployment has no fallback, or the gateway is unreadable);
+    `replica_answer_rate` the requests/s the replicas answered over the last
+    period (None: unknown).
     """
 
     now: float
@@ -74,6 +79,8 @@ class Observation:
     gateway_pending: float | None = None
     request_rate: float | None = None
     recent_request_rate: float | None = None
+    fallback_share: float | None = None
+    replica_answer_rate: float | None = None
 
     @property
     def fresh(self) -> tuple[ReplicaMetrics, ...]:
@@ -96,10 +103,17 @@ class PolicyState:
     `recommendations`: (time, replicas) pairs inside the stabilisation
     windows, oldest first. `idle_since`: when the deployment was last seen
     becoming idle (no waiting, running or gateway-pending requests).
+    `learned_rate`: requests/s one replica answered while every replica was
+    saturated (a moving average), the derived per-replica rate where
+    `targetRequestsPerReplica` is unset; `saturated_since`: since when every
+    ready replica has been saturated (the learned rate waits out the first
+    seconds, while answers still lag the load).
     """
 
     recommendations: tuple[tuple[float, int], ...] = ()
     idle_since: float | None = None
+    learned_rate: float | None = None
+    saturated_since: float | None = None  # every replica saturated since (None: not now)
 
     def to_status(self) -> dict[str, Any]:
         """The camelCase fields this state adds to status.autoscaler."""
@@ -108,6 +122,12 @@ class PolicyState:
                 {"time": format_time(t), "replicas": r} for t, r in self.recommendations
             ],
             "idleSince": format_time(self.idle_since) if self.idle_since is not None else None,
+            "learnedRequestsPerReplica": None
+            if self.learned_rate is None
+            else round(self.learned_rate, 4),
+            "saturatedSince": None
+            if self.saturated_since is None
+            else format_time(self.saturated_since),
         }
 
     @classmethod
@@ -125,7 +145,19 @@ class PolicyState:
             idle_since = parse_time(idle) if idle else None
         except ValueError:
             idle_since = None
-        return cls(tuple(sorted(recommendations)), idle_since)
+        learned = status.get("learnedRequestsPerReplica")
+        try:
+            learned_rate = float(learned) if learned is not None else None
+        except (TypeError, ValueError):
+            learned_rate = None
+        if learned_rate is not None and not 0 < learned_rate < float("inf"):
+            learned_rate = None
+        saturated = status.get("saturatedSince")
+        try:
+            saturated_since = parse_time(saturated) if saturated else None
+        except (TypeError, ValueError):
+            saturated_since = None
+        return cls(tuple(sorted(recommendations)), idle_since, learned_rate, saturated_since)
 
 
 @dataclass(frozen=True)

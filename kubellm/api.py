@@ -288,7 +288,16 @@ class Autoscaling(_Model):
         gt=0,
         description="Requests per second one replica serves within the SLO. When set, the "
         "request rate the gateway sees (kubellm_gateway_requests_total) divided by it is a "
-        "floor on the replica count; unset, the rate signal is off.",
+        "floor on the replica count; unset, the autoscaler derives it from what the "
+        "replicas answer while saturated.",
+    )
+    max_fallback_share: float = Field(
+        default=0.05,
+        ge=0,
+        le=1,
+        description="With spec.fallback set: the share of requests the fallback may take over "
+        "the scale-down window before load adds a replica; spikes under it go to the "
+        "fallback. 0: any overflow is a reason to scale up.",
     )
 
 
@@ -438,6 +447,15 @@ class AutoscalerRequestSample(_Status):
     count: float
 
 
+class AutoscalerGatewaySample(_Status):
+    """The gateway's cumulative counts for the model at one time (fallback share, answers)."""
+
+    time: str = Field(description="RFC 3339 time, milliseconds.")
+    admitted: float
+    fallback: float
+    replica: float
+
+
 class AutoscalerStatus(_Status):
     """Written by the autoscaler only; its state lives here so a restart loses nothing."""
 
@@ -456,6 +474,21 @@ class AutoscalerStatus(_Status):
     )
     request_samples: list[AutoscalerRequestSample] | None = Field(
         default=None, description="The gateway's request counts inside the rate window."
+    )
+    gateway_samples: list[AutoscalerGatewaySample] | None = Field(
+        default=None,
+        description="The gateway's admitted, fallback and replica-answered counts inside the "
+        "scale-down window.",
+    )
+    fallback_share: float | None = Field(
+        default=None, description="Share of requests the fallback took over the window."
+    )
+    learned_requests_per_replica: float | None = Field(
+        default=None,
+        description="Requests/s one replica answered while every replica was saturated.",
+    )
+    saturated_since: str | None = Field(
+        default=None, description="Since when every ready replica has been saturated."
     )
 
 

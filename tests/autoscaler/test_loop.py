@@ -314,12 +314,34 @@ async def test_request_rate_from_successive_gateway_scrapes(
     assert "rate 16.0 req/s (target 5/replica) asks 4" in status["message"]
 
 
-async def test_no_rate_target_no_request_samples(
+async def test_without_a_rate_target_the_loop_learns_it_while_saturated(
     cluster: Any, clients: Any, metrics_server: Any
 ) -> None:
-    cluster.objects[LLMD, "default", "tiny"] = llmd(replicas=1)
-    await add_engine(cluster, metrics_server, engine_text(0, 6, 0.1), "a")
+    cluster.objects[LLMD, "default", "tiny"] = llmd(replicas=1, maxReplicas=8)
+    await add_engine(cluster, metrics_server, engine_text(8, 6, 0.9), "a")  # saturated
     gateway = await metrics_server(gateway_text({"tiny": 6}, {"tiny": 100}))
-    [outcome] = await scaler(clients, Clock(), gateway_metrics_url=gateway.url).step()
-    assert outcome.observation.request_rate is None
-    assert "requestSamples" not in obj(cluster)["status"]["autoscaler"]
+    clock = Clock()
+    [outcome] = await scaler(clients, clock, gateway_metrics_url=gateway.url).step()
+    status = obj(cluster)["status"]["autoscaler"]
+    assert outcome.observation.request_rate is None  # one sample: no rate yet
+    assert len(status["requestSamples"]) == 1 and len(status["gatewaySamples"]) == 1
+    assert status.get("learnedRequestsPerReplica") is None
+
+    # 76 more answered by the one replica in 5 s, its queue at its target: saturated, but
+    # answers lag the load at first, so nothing is learned until it has lasted 30 s
+    gateway.text = gateway_text({"tiny": 10}, {"tiny": 176})
+    clock.now += 5
+    [outcome] = await scaler(clients, clock, gateway_metrics_url=gateway.url).step()
+    status = obj(cluster)["status"]["autoscaler"]
+    assert outcome.observation.replica_answer_rate == pytest.approx(76 / 5)
+    assert status["saturatedSince"] and status.get("learnedRequestsPerReplica") is None
+
+    # 30 s later, still saturated: 456 more answered, 15.2/s is what a replica serves;
+    # the rate signal uses 0.8 of it
+    gateway.text = gateway_text({"tiny": 10}, {"tiny": 632})
+    clock.now += 30
+    [outcome] = await scaler(clients, clock, gateway_metrics_url=gateway.url).step()
+    status = obj(cluster)["status"]["autoscaler"]
+    assert status["learnedRequestsPerReplica"] == pytest.approx(15.2)
+    assert f"(target derived {0.8 * 15.2:.3g}/replica)" in status["message"]
+    assert status.get("fallbackShare") is None  # no spec.fallback: the share is not weighed

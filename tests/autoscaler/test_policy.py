@@ -347,3 +347,98 @@ def test_concurrency_policy() -> None:
     assert held.replicas == 3  # the busy recommendation is still in the stable window
     later = kpa.decide(obs(3, IDLE, IDLE, IDLE, now=NOW + 65), held.state, spec(max_replicas=8))
     assert (later.replicas, later.reason) == (1, p.LOW_LOAD)
+
+
+# ---------------------------------------------------------------- the derived per-replica rate
+
+
+def test_learns_what_a_replica_serves_while_every_replica_is_saturated() -> None:
+    saturated = dataclasses.replace(
+        obs(2, rep(6, 120, 0.9), rep(5, 120, 0.9), rate=20), replica_answer_rate=16.0
+    )
+    first = POLICY.decide(saturated, p.PolicyState(), spec(max_replicas=8))
+    # saturation just began: answers still lag the load, nothing learned; the queue adds
+    # one replica, not a guess at the load
+    assert first.state.saturated_since == NOW and first.state.learned_rate is None
+    assert first.replicas == 3
+    state = p.PolicyState(saturated_since=NOW - 30)  # saturated for 30 s
+    decision = POLICY.decide(saturated, state, spec(max_replicas=8))
+    assert decision.state.learned_rate == pytest.approx(8.0)  # 16 answered/s over 2 replicas
+    # the rate signal then asks ceil(20 / (0.8 x 8)) = 4
+    assert decision.replicas == 4 and "target derived 6.4/replica" in decision.message
+
+    # a moving average: a later saturated period at 10/replica moves it a fifth of the way
+    later = dataclasses.replace(saturated, now=NOW + 5, replica_answer_rate=20.0)
+    again = POLICY.decide(later, decision.state, spec(max_replicas=8))
+    assert again.state.learned_rate == pytest.approx(8.0 + 0.2 * (10.0 - 8.0))
+
+
+@pytest.mark.parametrize(
+    "observation",
+    [
+        obs(2, rep(6, 120, 0.9), rep(1, 90, 0.6), rate=20),  # one replica under its queue target
+        obs(2, rep(6, 120, 0.9), rep(fresh=False), rate=20),  # one replica's load unknown
+    ],
+    ids=["not every replica saturated", "stale metrics"],
+)
+def test_answers_of_a_fleet_not_saturated_teach_nothing(observation: p.Observation) -> None:
+    observation = dataclasses.replace(observation, replica_answer_rate=9.0)
+    state = p.PolicyState(learned_rate=7.5, saturated_since=NOW - 60)
+    decision = POLICY.decide(observation, state, spec(max_replicas=8))
+    assert decision.state.learned_rate == 7.5 and decision.state.saturated_since is None
+
+
+def test_the_spec_rate_wins_over_the_learned_one() -> None:
+    light = obs(4, *[rep(0, 10, 0.05)] * 4, rate=21)
+    state = p.PolicyState(learned_rate=100.0)  # would ask for one replica
+    decision = POLICY.decide(light, state, spec(**RATE, **DOWN_NOW))
+    assert decision.replicas == 4 and "target 5/replica" in decision.message
+
+
+def test_the_learned_rate_survives_a_restart_through_the_status() -> None:
+    status = p.PolicyState((), None, 7.25, NOW).to_status()
+    assert status["learnedRequestsPerReplica"] == 7.25
+    assert p.PolicyState.from_status(status) == p.PolicyState((), None, 7.25, NOW)
+    for odd in ("x", -1, 0, float("inf"), None):
+        assert p.PolicyState.from_status({"learnedRequestsPerReplica": odd}).learned_rate is None
+
+
+# ---------------------------------------------------------------- the fallback takes spikes
+
+FALLBACK_SPEC = {"max_replicas": 8, "max_fallback_share": 0.05}
+
+
+@pytest.mark.parametrize(
+    ("share", "replicas", "reason"),
+    [
+        (0.03, 2, p.FALLBACK_ABSORBING),  # a spike the fallback absorbs: no replica added
+        (0.05, 2, p.FALLBACK_ABSORBING),  # at the knob: still absorbed
+        (0.20, 5, p.QUEUE_DEPTH),  # sustained overflow: the signals speak
+        (None, 5, p.QUEUE_DEPTH),  # no fallback (or the gateway unknown): as without one
+    ],
+)
+def test_load_adds_replicas_only_once_the_fallback_share_passes_the_knob(
+    share: float | None, replicas: int, reason: str
+) -> None:
+    busy = dataclasses.replace(obs(2, rep(10, 120, 0.9), rep(10, 120, 0.9)), fallback_share=share)
+    decision = POLICY.decide(busy, p.PolicyState(), spec(**FALLBACK_SPEC))
+    assert (decision.replicas, decision.reason) == (replicas, reason), decision.message
+    if share is not None:
+        assert f"fallback took {share:.1%} of requests" in decision.message
+
+
+def test_a_zero_share_scales_up_on_any_overflow() -> None:
+    busy = dataclasses.replace(obs(2, rep(10, 120, 0.9), rep(10, 120, 0.9)), fallback_share=0.01)
+    decision = POLICY.decide(busy, p.PolicyState(), spec(max_replicas=8, max_fallback_share=0))
+    assert decision.replicas == 5
+
+
+def test_the_fallback_never_holds_the_floors_or_scale_down() -> None:
+    # wake-up from zero and minReplicas are not load: the fallback share does not hold them
+    wake = dataclasses.replace(obs(0, pending=3), fallback_share=0.0)
+    assert POLICY.decide(wake, p.PolicyState(), spec(**ZERO_OK)).replicas == 1
+    low = dataclasses.replace(obs(1, IDLE), fallback_share=0.0)
+    assert POLICY.decide(low, p.PolicyState(), spec(min_replicas=3, max_replicas=5)).replicas == 3
+    # and scale-down goes on as without a fallback
+    light = dataclasses.replace(obs(4, *[IDLE] * 4), fallback_share=0.0)
+    assert POLICY.decide(light, p.PolicyState(), spec(**DOWN_NOW)).replicas == 2
