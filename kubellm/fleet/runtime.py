@@ -179,6 +179,7 @@ class LocalBackend:
                     replicas=self.runtime.desired_replicas(deployment.name),
                     autoscaling=spec.autoscaling,
                     status=dict(deployment.autoscaler_status),
+                    has_fallback=spec.fallback is not None and bool(spec.fallback.url),
                 )
             )
         return out
