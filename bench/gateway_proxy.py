@@ -727,8 +727,8 @@ async def in_process(requests: int, backend_url: str) -> dict:
     gateway's work (parsing, routing, the upstream request, metrics).
     """
     import httpx
-    from kubellm.gateway.app import Gateway, create_app
     from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget
+    from kubellm.gateway.http.app import Gateway, create_app
 
     completion = b'{"id":"c","object":"chat.completion","model":"m","choices":[]}'
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+from typing import Any
 
 # The cyclic GC's young-generation threshold in the gateway process (Python's default: 700).
 YOUNG_COLLECTION_EVERY = 20_000
@@ -59,8 +60,67 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="gateway requests per replica at which it counts as saturated (default: no cap)",
     )
-    parser.add_argument("--scrape-interval", type=float, default=1.0)
+    parser.add_argument(
+        "--scrape-interval", type=float, default=1.0, help="seconds between engine scrapes"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics on this port only, not on --port (keep it off the public listener)",
+    )
     parser.add_argument("--log-level", default="warning")
+    up = parser.add_argument_group(
+        "toward replicas and the fallback API (a model's spec.routing.timeouts overrides each)"
+    )
+    up.add_argument("--connect-timeout", type=float, default=2.0, help="opening a connection")
+    up.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=None,
+        help="a stream's first body byte; past it, retry on another replica and eject this "
+        "one (default: 5 x the model's TTFT target, at least 10 s)",
+    )
+    up.add_argument(
+        "--idle-timeout", type=float, default=60.0, help="the longest silence within a stream"
+    )
+    up.add_argument(
+        "--total-timeout",
+        type=float,
+        default=600.0,
+        help="a whole request (bounds non-streamed answers, which arrive in one piece)",
+    )
+    up.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        help="a non-streamed answer, held whole before it is sent on",
+    )
+    up.add_argument(
+        "--max-upstream-head-bytes",
+        type=int,
+        default=64 * 1024,
+        help="an answer's status line and headers",
+    )
+    client = parser.add_argument_group("from clients")
+    client.add_argument(
+        "--header-timeout", type=float, default=10.0, help="a request's line and headers"
+    )
+    client.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="a request's body, after its headers",
+    )
+    client.add_argument(
+        "--keep-alive-timeout", type=float, default=5.0, help="an idle kept-alive connection"
+    )
+    client.add_argument(
+        "--max-connections",
+        type=int,
+        default=0,
+        help="open client connections; over it, a 503 and close (0: half the descriptor limit)",
+    )
 
 
 def _api_key_hashes(path: str | None) -> frozenset[str]:
@@ -76,16 +136,21 @@ def _api_key_hashes(path: str | None) -> frozenset[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-    from kubellm.gateway.app import Gateway, GatewaySettings, create_app
-    from kubellm.gateway.fallback import Thresholds
+    import asyncio
 
+    import uvicorn
+    from kubellm.gateway.http import server
+    from kubellm.gateway.http.app import Gateway, create_app, create_metrics_app
+    from kubellm.gateway.routing import slo
+
+    metrics = slo.create()
     try:
         if args.static:
             from kubellm.gateway.discovery.static import StaticConfigError, StaticDiscovery
 
             try:
-                discovery = StaticDiscovery(args.static)
+                counted = metrics.config_reload_errors.inc
+                discovery = StaticDiscovery(args.static, on_reload_error=counted)
             except (StaticConfigError, OSError) as error:
                 print(f"kubellm gateway: {error}", file=sys.stderr)
                 return 1
@@ -95,21 +160,61 @@ def run(args: argparse.Namespace) -> int:
             from kubellm import kube
 
             discovery = KubernetesDiscovery(kube.load(), namespace=args.namespace)
-        settings = GatewaySettings(
-            max_body_bytes=args.max_body_bytes,
-            api_key_hashes=_api_key_hashes(args.api_keys_file),
-            thresholds=Thresholds(args.max_waiting, args.max_kv_usage, args.max_in_flight),
-            max_queue=args.max_queue,
-            zero_replica_wait_seconds=args.zero_replica_wait,
-            scrape_interval=args.scrape_interval,
-        )
+        settings = settings_from(args)
     except (ValueError, OSError, KeyError) as error:
         print(f"kubellm gateway: {error}", file=sys.stderr)
         return 1
-    app = create_app(Gateway(discovery, settings))
+    gateway = Gateway(discovery, settings, metrics=metrics)
+    separate = args.metrics_port is not None
+    limits = server.ClientLimits(
+        header_timeout=args.header_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_connections=args.max_connections,
+    )
+    refused = metrics.connections_refused.inc
+    servers = [
+        uvicorn.Server(
+            server.config(
+                create_app(gateway, metrics_route=not separate), limits, refused,
+                host=args.host, port=args.port, log_level=args.log_level,
+            )
+        )
+    ]  # fmt: skip
+    if separate:
+        servers.append(
+            uvicorn.Server(
+                server.config(
+                    create_metrics_app(gateway), limits, refused,
+                    host=args.host, port=args.metrics_port, log_level=args.log_level,
+                    lifespan="off",
+                )
+            )
+        )  # fmt: skip
     tune_gc()
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    asyncio.run(server.serve([(s, None) for s in servers]))
     return 0
+
+
+def settings_from(args: argparse.Namespace) -> Any:
+    """The gateway's settings from its command line."""
+    from kubellm.gateway.http.app import GatewaySettings
+    from kubellm.gateway.routing.admission import Thresholds
+
+    return GatewaySettings(
+        max_body_bytes=args.max_body_bytes,
+        api_key_hashes=_api_key_hashes(args.api_keys_file),
+        thresholds=Thresholds(args.max_waiting, args.max_kv_usage, args.max_in_flight),
+        max_queue=args.max_queue,
+        zero_replica_wait_seconds=args.zero_replica_wait,
+        scrape_interval=args.scrape_interval,
+        connect_timeout=args.connect_timeout,
+        first_byte_timeout=args.first_byte_timeout,
+        idle_timeout=args.idle_timeout,
+        total_timeout=args.total_timeout,
+        max_response_bytes=args.max_response_bytes,
+        max_upstream_head_bytes=args.max_upstream_head_bytes,
+        body_timeout=args.body_timeout,
+    )
 
 
 def tune_gc() -> None:

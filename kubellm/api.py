@@ -304,6 +304,93 @@ class Autoscaling(_Model):
 # --------------------------------------------------------------------------- routing, fallback, SLO
 
 
+class Timeouts(_Model):
+    """How long the gateway waits on a replica at each stage (unset: the gateway's defaults,
+    `kubellm gateway --help`; docs/operations.md, "Timeouts and limits")."""
+
+    connect_seconds: float | None = Field(
+        default=None, gt=0, le=300, description="Opening a connection to a replica."
+    )
+    first_byte_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        le=3600,
+        description="From sending a streamed request to its first body byte; past it the "
+        "request is retried on another replica and this one ejected. Default: 5 x "
+        "slo.ttftSeconds, at least 10 s.",
+    )
+    idle_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        le=3600,
+        description="The longest silence between two chunks of a stream.",
+    )
+    total_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        le=86400,
+        description="The whole request; bounds non-streamed answers, which arrive in one piece.",
+    )
+
+
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+class EndpointPicker(_Model):
+    """The endpoint picker (EPP) Service a Gateway calls for the pool's requests: `kubellm
+    epp` from the chart (`epp.enabled`), in the LLMDeployment's namespace (the Inference
+    Extension's `endpointPickerRef` names a Service of the pool's own namespace)."""
+
+    name: str = Field(
+        default="kubellm-epp", min_length=1, max_length=63, pattern=_DNS_LABEL,
+        description="The EPP Service's name.",
+    )  # fmt: skip
+    port: int = Field(default=9002, ge=1, le=65535, description="The EPP Service's gRPC port.")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose",
+        description="What the Gateway does when the EPP does not answer: FailClose refuses "
+        "the request, FailOpen sends it to a pool endpoint of the Gateway's own choosing.",
+    )
+
+
+class GatewayParentRef(_Model):
+    """A Gateway (Gateway API) whose listeners take the HTTPRoute the operator creates."""
+
+    name: str = Field(min_length=1, max_length=253)
+    namespace: str | None = Field(
+        default=None, min_length=1, max_length=63, pattern=_DNS_LABEL,
+        description="Default: the LLMDeployment's namespace.",
+    )  # fmt: skip
+    section_name: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN,
+        description="One listener of the Gateway (default: all that allow the route).",
+    )  # fmt: skip
+
+
+class InferencePoolRouting(_Model):
+    """Serve this deployment through a Gateway API implementation (Istio, kgateway, Envoy
+    Gateway, GKE, ...) with the Gateway API Inference Extension: the operator creates an
+    `InferencePool` (inference.networking.k8s.io/v1) selecting the engine pods, whose
+    endpoint picker is kubellm's (`kubellm epp`), and, with `parentRefs`, an `HTTPRoute`
+    from those Gateways to the pool. Without the Inference Extension's CRDs nothing is
+    created and the `InferencePool` condition says why."""
+
+    endpoint_picker: EndpointPicker = Field(default_factory=EndpointPicker)
+    parent_refs: list[GatewayParentRef] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Gateways to attach an HTTPRoute to; empty: no HTTPRoute (bring your own "
+        "route with the InferencePool as its backendRef).",
+    )
+    match_model_header: bool = Field(
+        default=False,
+        description="Match only requests whose X-Gateway-Model-Name header is the served "
+        "model name, so several models can share one Gateway (the Inference Extension's "
+        "body-based router sets the header from the body's `model`).",
+    )
+
+
 class Routing(_Model):
     policy: Literal["prefix-aware", "least-load", "round-robin"] = Field(default="prefix-aware")
     load_bound: float = Field(
@@ -311,6 +398,12 @@ class Routing(_Model):
         ge=1,
         description="A replica may take a prefix-matched request while its load is at most "
         "loadBound x the mean load.",
+    )
+    timeouts: Timeouts = _nested(Timeouts, "How long the gateway waits on a replica at each stage.")
+    inference_pool: InferencePoolRouting | None = Field(
+        default=None,
+        description="Also serve through a Gateway API Inference Extension InferencePool, with "
+        "kubellm's endpoint picker.",
     )
 
 

@@ -44,6 +44,9 @@ GATEWAY_PREFIX_MATCH = "kubellm_gateway_prefix_match_ratio"  # histogram: routed
 GATEWAY_SLO_TARGET = "kubellm_gateway_slo_target_seconds"  # gauge
 GATEWAY_SLO_OBJECTIVE = "kubellm_gateway_slo_objective"  # gauge
 GATEWAY_FALLBACK_TOKENS = "kubellm_gateway_fallback_tokens_total"  # + kind=prompt|completion
+# Process-wide health of the gateway itself (no model labels).
+GATEWAY_CONNECTIONS_REFUSED = "kubellm_gateway_connections_refused_total"  # over the cap
+GATEWAY_CONFIG_RELOAD_ERRORS = "kubellm_gateway_config_reload_errors_total"  # static file
 
 
 def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:

@@ -24,17 +24,19 @@ connections.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
 from kubellm.gateway.discovery.base import Endpoint, FallbackTarget, ModelTarget
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kubellm.api import SLO, Fallback, Routing
-from kubellm.manifests import explain
+from kubellm.manifests import ManifestError, explain, read_documents
+
+log = logging.getLogger("kubellm.gateway")
 
 
 class StaticConfigError(ValueError):
@@ -129,23 +131,37 @@ def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, Mode
 
 
 def load(path: str | Path, env: Mapping[str, str] | None = None) -> dict[str, ModelTarget]:
+    """The models of a static file. Its YAML is read as manifests are (duplicate keys,
+    aliasing and depth bounded), and errors name the line and column but never quote
+    it: the file may hold an inline `apiKey`."""
     path = Path(path)
     try:
-        document = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise StaticConfigError(f"{path}: {error}") from None
+        documents = read_documents(path)
+    except ManifestError as error:
+        raise StaticConfigError(str(error)) from None
+    if len(documents) != 1:
+        raise StaticConfigError(f"{path}: expected one YAML document, found {len(documents)}")
     try:
-        return parse(document, env)
+        return parse(documents[0], env)
     except StaticConfigError as error:
         raise StaticConfigError(f"{path}: {error}") from None
 
 
 class StaticDiscovery:
-    """Serves a static file; re-reads it when its modification time changes."""
+    """Serves a static file; re-reads it when its modification time changes.
 
-    def __init__(self, path: str | Path, poll_seconds: float = 1.0) -> None:
+    A file that breaks on reload is logged (the error names the line) and counted
+    through `on_reload_error`; the last good snapshot stays in service."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        poll_seconds: float = 1.0,
+        on_reload_error: Callable[[], None] | None = None,
+    ) -> None:
         self.path = Path(path)
         self.poll_seconds = poll_seconds
+        self.on_reload_error = on_reload_error
         self._mtime = self.path.stat().st_mtime_ns if self.path.exists() else None
         self._models = load(self.path)
 
@@ -160,9 +176,13 @@ class StaticDiscovery:
         self._mtime = mtime
         try:
             new = load(self.path)
-        except StaticConfigError:
+        except StaticConfigError as error:
+            log.error("static configuration not reloaded, keeping the last good one: %s", error)
+            if self.on_reload_error is not None:
+                self.on_reload_error()
             return False
         self._models = new
+        log.info("static configuration reloaded: %d models", len(new))
         return True
 
     async def run(self, on_change: Callable[[], None]) -> None:
@@ -170,7 +190,10 @@ class StaticDiscovery:
             await asyncio.sleep(self.poll_seconds)
             try:
                 changed = self.reload()
-            except OSError:
+            except OSError as error:
+                log.error("static configuration not readable: %s", error.strerror or error)
+                if self.on_reload_error is not None:
+                    self.on_reload_error()
                 continue
             if changed:
                 on_change()

@@ -101,3 +101,93 @@ def overloaded(model: str, retry_after: int, status: int = 429) -> GatewayError:
 
 def upstream_failed(message: str) -> GatewayError:
     return GatewayError(502, message, "server_error", "upstream_error")
+
+
+def body_timeout(seconds: float) -> GatewayError:
+    return GatewayError(
+        408,
+        f"The request body did not arrive within {seconds:g} s.",
+        "invalid_request_error",
+        "request_timeout",
+    )
+
+
+def internal(request_id: str) -> GatewayError:
+    """An unexpected failure inside the gateway: the id finds its one log record."""
+    return GatewayError(
+        500,
+        f"The gateway failed unexpectedly (request id {request_id}); it has been logged.",
+        "server_error",
+        "internal_error",
+        headers={"x-request-id": request_id},
+    )
+
+
+def fallback_refused(status: int, retry_after: int) -> GatewayError:
+    """The fallback API answered with an error or a redirect, in the gateway's own words:
+    its body and headers are never relayed (they may carry the key the gateway sent)."""
+    if status in (401, 403, 407):
+        return GatewayError(
+            502,
+            f"The fallback API rejected the gateway's credentials (HTTP {status}); "
+            "the operator must check the fallback's API key.",
+            "server_error",
+            "fallback_auth_failed",
+        )
+    if 300 <= status < 400:
+        return GatewayError(
+            502,
+            f"The fallback API answered with a redirect (HTTP {status}), "
+            "which the gateway does not follow.",
+            "server_error",
+            "fallback_redirect",
+        )
+    if status == 429:
+        return GatewayError(
+            429,
+            "The fallback API is rate-limiting the gateway (HTTP 429).",
+            "rate_limit_error",
+            "rate_limit_exceeded",
+            headers={"Retry-After": str(retry_after)},
+        )
+    if status in (400, 413, 422):
+        return GatewayError(
+            400,
+            f"The fallback API refused the request as invalid (HTTP {status}).",
+            "invalid_request_error",
+            "fallback_rejected_request",
+        )
+    return GatewayError(
+        502, f"The fallback API failed (HTTP {status}).", "server_error", "upstream_error"
+    )
+
+
+def _raw(status: str, message: str, type_: str, code: str, extra: str = "") -> bytes:
+    body = json.dumps(error_body(message, type_, code)).encode()
+    head = (
+        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n{extra}connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def server_busy() -> bytes:
+    """The raw HTTP/1.1 answer to a connection over the gateway's cap: written before any
+    request is read, so it is bytes, not a response object."""
+    return _raw(
+        "503 Service Unavailable",
+        "The gateway has too many open connections; retry shortly.",
+        "server_error",
+        "too_many_connections",
+        "retry-after: 1\r\n",
+    )
+
+
+def headers_too_large() -> bytes:
+    """The raw answer to a request whose line and headers exceed the gateway's limit."""
+    return _raw(
+        "431 Request Header Fields Too Large",
+        "The request's headers exceed the gateway's limit.",
+        "invalid_request_error",
+        "headers_too_large",
+    )

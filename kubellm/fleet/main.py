@@ -20,9 +20,10 @@ from kubellm.autoscaler.loop import Autoscaler
 from kubellm.fleet import status as fleet_status
 from kubellm.fleet.processes import Supervisor
 from kubellm.fleet.runtime import LocalBackend, LocalRuntime
-from kubellm.gateway.app import Gateway, GatewaySettings, create_app
 from kubellm.gateway.cli import tune_gc
 from kubellm.gateway.discovery.base import FixedDiscovery
+from kubellm.gateway.http import server as gateway_server
+from kubellm.gateway.http.app import Gateway, GatewaySettings, create_app
 
 STATE_FILE = "fleet.json"
 
@@ -68,8 +69,16 @@ async def serve(args: argparse.Namespace, deployments: list) -> int:
 
     discovery = FixedDiscovery()
     gateway = Gateway(discovery, GatewaySettings())
+    limits = gateway_server.ClientLimits()  # the same client bounds as `kubellm gateway`
     server = _Server(
-        uvicorn.Config(create_app(gateway), host=args.host, port=args.port, log_level="warning")
+        gateway_server.config(
+            create_app(gateway),
+            limits,
+            gateway.metrics.connections_refused.inc,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+        )
     )
     tune_gc()  # as `kubellm gateway` does: this process serves the fleet's gateway
     gateway_url = f"http://{args.host}:{args.port}"

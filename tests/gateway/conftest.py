@@ -7,8 +7,8 @@ from typing import Any
 
 import openai
 import pytest
-from kubellm.gateway.app import Gateway, GatewaySettings, create_app
 from kubellm.gateway.discovery.base import Endpoint, FallbackTarget, FixedDiscovery, ModelTarget
+from kubellm.gateway.http.app import Gateway, GatewaySettings, create_app
 
 from kubellm.api import SLO, Routing
 from tests.gateway.upstream import FakeEngine, ServerThread

@@ -149,7 +149,7 @@ def test_fallback_concurrency_cap_then_queue(engines, gateway):
 
 
 def _thresholds(**kw):
-    from kubellm.gateway.fallback import Thresholds
+    from kubellm.gateway.routing.admission import Thresholds
 
     return Thresholds(**kw)
 
@@ -166,7 +166,7 @@ def test_short_predicted_wait_queues_for_a_replica_long_one_goes_to_fallback(eng
     )
     for _ in range(10):  # ten answers finished within the window: about 1 per second
         gw.client().chat.completions.create(model="tiny", messages=CHAT)
-    assert gw.gateway.completed.rate([server.url]) >= 0.9
+    assert gw.gateway.scheduler.completions.rate([server.url]) >= 0.9
 
     engine.behaviour.tokens, engine.behaviour.token_delay = 10, 0.05  # holds its slot ~0.5 s
     pool, futures = _hold(gw, 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from kubellm.gateway.app import hash_key
+from kubellm.gateway.http.app import hash_key
 
 from tests.gateway.conftest import model
 from tests.gateway.upstream import wait_until

@@ -115,7 +115,7 @@ async def test_disconnect_watch_leaves_nothing_for_the_cyclic_collector():
     import gc
     import weakref
 
-    from kubellm.gateway.proxy import DisconnectWatch
+    from kubellm.gateway.http.relay import DisconnectWatch
 
     async def receive() -> dict:
         await asyncio.Event().wait()  # the client never leaves

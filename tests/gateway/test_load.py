@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kubellm.gateway.load import EngineStats, LoadView, parse_engine_metrics
-from kubellm.gateway.outliers import OutlierDetector
+from kubellm.gateway.routing.load import EngineStats, LoadView, parse_engine_metrics
+from kubellm.gateway.routing.outliers import OutlierDetector
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -95,16 +95,26 @@ def test_ejection_period_grows_and_expires():
 
 
 async def test_stream_timing_starts_at_the_first_generated_text():
-    from kubellm.gateway.proxy import StreamTiming, relay_stream
+    from kubellm.gateway.http.relay import relay
+    from kubellm.gateway.routing.slo import StreamTiming
 
     role = b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
     token = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
 
-    async def body():
-        for chunk in (role, token, token, b"data: [DONE]\n\n"):
-            yield chunk
+    class Body:  # the upstream answer, one HTTP chunk per read
+        def __init__(self) -> None:
+            self.chunks = [token, token, b"data: [DONE]\n\n"]
 
-    timing = StreamTiming(start=0.0)  # relay_stream takes the upstream body's chunks
-    relayed = b"".join([chunk async for chunk in relay_stream(body(), timing)])
-    assert relayed == role + token + token + b"data: [DONE]\n\n"  # unchanged
+        async def readchunk(self) -> bytes:
+            return self.chunks.pop(0) if self.chunks else b""
+
+    sent: list[bytes] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message["body"])
+
+    timing = StreamTiming(start=0.0)  # the role chunk was read first, by open_upstream
+    await relay(Body(), role, send, timing)  # type: ignore[arg-type]
+    assert b"".join(sent) == role + token + token + b"data: [DONE]\n\n"  # unchanged
+    assert sent[-1] == b""  # the end of the body
     assert timing.chunks == 2 and len(timing.gaps) == 1 and timing.error is None

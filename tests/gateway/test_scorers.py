@@ -7,7 +7,7 @@ import random
 
 import pytest
 from kubellm.gateway.discovery.base import FallbackTarget
-from kubellm.gateway.fallback import (
+from kubellm.gateway.routing.admission import (
     CompletionRate,
     Route,
     Thresholds,
@@ -15,13 +15,13 @@ from kubellm.gateway.fallback import (
     predicted_wait,
     saturated,
 )
-from kubellm.gateway.router import routing_request
-from kubellm.gateway.scorers import prefix
-from kubellm.gateway.scorers.base import Candidate, RoutingRequest
-from kubellm.gateway.scorers.bounded_load import capacity, within_bound
-from kubellm.gateway.scorers.consistent_hash import ConsistentHashScorer, rendezvous_weight
-from kubellm.gateway.scorers.picker import pick, profiles
-from kubellm.gateway.scorers.session import SessionTable
+from kubellm.gateway.routing.router import routing_request
+from kubellm.gateway.routing.scorers import prefix
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.scorers.bounded_load import capacity, within_bound
+from kubellm.gateway.routing.scorers.consistent_hash import ConsistentHashScorer, rendezvous_weight
+from kubellm.gateway.routing.scorers.picker import pick, profiles
+from kubellm.gateway.routing.scorers.session import SessionTable
 
 
 def test_chat_rendering_is_prefix_preserving_and_canonical():
@@ -274,9 +274,9 @@ def test_saturation_thresholds():
 
 
 def _router():
-    from kubellm.gateway.load import LoadView
-    from kubellm.gateway.outliers import OutlierDetector
-    from kubellm.gateway.router import Router
+    from kubellm.gateway.routing.load import LoadView
+    from kubellm.gateway.routing.outliers import OutlierDetector
+    from kubellm.gateway.routing.router import Router
 
     return Router(LoadView(), OutlierDetector(), random.Random(0))
 

@@ -7,7 +7,8 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from kubellm.gateway import proxy, upstream
+from kubellm.gateway.http import relay as proxy
+from kubellm.gateway.http import upstream
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -89,7 +90,7 @@ async def test_chunked_body_split_across_reads(serve, monkeypatch):
         await reader.read()  # until the client closes
 
     _, url = await serve(handler)
-    pool = upstream.Pool(connect_timeout=5, read_timeout=30)
+    pool = upstream.Pool(connect_timeout=5, deadlines=upstream.Deadlines(30, 30))
     original = upstream._Connection.data_received
 
     def data_received(self, data):
@@ -105,7 +106,6 @@ async def test_chunked_body_split_across_reads(serve, monkeypatch):
         while data := await response.readchunk():
             pieces.append(data)
         assert b"".join(pieces) == b"hello!world"
-        assert response.done
         response.close()
     finally:
         await pool.close()
@@ -128,7 +128,7 @@ async def test_keep_alive_reuses_a_fully_read_connection(serve):
             await writer.drain()
 
     server, url = await serve(handler)
-    pool = upstream.Pool(connect_timeout=5, read_timeout=30)
+    pool = upstream.Pool(connect_timeout=5, deadlines=upstream.Deadlines(30, 30))
     try:
         for body, headers in ((b"one", {}), (b"two", {"x-mode": "chunked"}), (b"three", {})):
             response = await pool.post(f"{url}/", body, headers)
@@ -149,13 +149,13 @@ async def test_a_partly_read_answer_closes_its_connection(serve):
         await reader.read()  # the rest never comes; ends when the client closes
 
     server, url = await serve(handler)
-    pool = upstream.Pool(connect_timeout=5, read_timeout=30)
+    pool = upstream.Pool(connect_timeout=5, deadlines=upstream.Deadlines(30, 30))
     try:
         response = await pool.post(f"{url}/", b"x", {})
         assert await response.readchunk() == b"first"
         response.close()  # the client left mid-stream
-        assert not any(pool._idle.values())  # not kept for reuse
-        await asyncio.wait_for(server.closed[0].wait(), 5)  # the server saw the connection end
+        # not kept for reuse: the server sees the connection end, the next request opens one
+        await asyncio.wait_for(server.closed[0].wait(), 5)
         second = await pool.post(f"{url}/", b"x", {})
         assert await second.readchunk() == b"first"
         second.close()
@@ -168,7 +168,7 @@ async def test_refused_connection_is_an_upstream_error():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening: refused
-        pool = upstream.Pool(connect_timeout=5, read_timeout=30)
+        pool = upstream.Pool(connect_timeout=5, deadlines=upstream.Deadlines(30, 30))
         with pytest.raises(proxy.UPSTREAM_ERRORS):
             await pool.post(f"http://127.0.0.1:{port}/", b"x", {})
         await pool.close()
@@ -182,13 +182,13 @@ async def test_silence_past_the_read_timeout_fails_the_read(serve):
         await reader.read()  # never sends the rest; ends when the client closes
 
     server, url = await serve(handler)
-    pool = upstream.Pool(connect_timeout=5, read_timeout=0.05)
+    pool = upstream.Pool(connect_timeout=5, deadlines=upstream.Deadlines(0.05, 0.05))
     try:
         response = await pool.post(f"{url}/", b"x", {})
         assert await response.readchunk() == b"half"
         with pytest.raises(upstream.ReadTimeout):
             await response.readchunk()
-        assert isinstance(upstream.ReadTimeout("x"), proxy.UPSTREAM_ERRORS)
+        assert isinstance(upstream.ReadTimeout("first byte", 1.0), proxy.UPSTREAM_ERRORS)
         response.close()
         await asyncio.wait_for(server.closed[0].wait(), 5)  # the timed-out connection was closed
     finally:
@@ -202,7 +202,7 @@ async def test_a_body_cut_short_is_an_upstream_error(serve):
         await writer.drain()
 
     _, url = await serve(handler)
-    pool = upstream.Pool(connect_timeout=5, read_timeout=30)
+    pool = upstream.Pool(connect_timeout=5, deadlines=upstream.Deadlines(30, 30))
     try:
         response = await pool.post(f"{url}/", b"x", {})
         with pytest.raises(proxy.UPSTREAM_ERRORS):
@@ -222,7 +222,7 @@ async def test_a_stale_kept_alive_connection_is_replaced(serve):
         await read_request(reader)
 
     server, url = await serve(handler)
-    pool = upstream.Pool(connect_timeout=5, read_timeout=30)
+    pool = upstream.Pool(connect_timeout=5, deadlines=upstream.Deadlines(30, 30))
     try:
         first = await pool.post(f"{url}/", b"one", {})
         assert await first.read() == b"one"
@@ -255,23 +255,37 @@ async def burst(pool: upstream.Pool, url: str, bodies: list[bytes]) -> list[byte
     return read
 
 
+class Clock:
+    """The pool's idle-expiry clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def closed_count(server: Server, expected: int) -> None:
+    """Wait (bounded) until `expected` of the server's connections have ended."""
+    async with asyncio.timeout(5):
+        while sum(e.is_set() for e in server.closed) < expected:
+            await asyncio.sleep(0.01)
+
+
 async def test_a_connection_idle_past_the_idle_timeout_is_closed_not_reused(serve):
     server, url = await serve(echo)
-    pool = upstream.Pool(connect_timeout=5, read_timeout=30, idle_timeout=4.0)
-    key = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    clock = Clock()
+    pool = upstream.Pool(5, upstream.Deadlines(30, 30), idle_timeout=4.0, clock=clock)
     try:
         # two at once: two connections, both pooled afterwards
         assert await burst(pool, url, [b"a", b"b"]) == [b"a", b"b"]
-        assert server.connections == 2 and pool.idle(key) == 2
-        for conn in pool._idle[key]:
-            conn.idle_since -= 5.0  # as if idle for 5 s, past the 4 s timeout
+        assert server.connections == 2
+        clock.now += 5.0  # idle for 5 s, past the 4 s timeout
         third = await pool.post(f"{url}/", b"c", {})
         assert await third.read() == b"c"
         third.close()
         assert server.connections == 3  # a new connection, not an expired one
-        assert pool.idle(key) == 1  # the expired ones are gone from the pool...
-        for closed in server.closed[:2]:  # ...and closed, so the engine frees them
-            await asyncio.wait_for(closed.wait(), 5)
+        await closed_count(server, 2)  # the expired ones are closed, so the engine frees them
         fourth = await pool.post(f"{url}/", b"d", {})  # within the timeout: reused
         assert await fourth.read() == b"d"
         fourth.close()
@@ -282,19 +296,19 @@ async def test_a_connection_idle_past_the_idle_timeout_is_closed_not_reused(serv
 
 async def test_returning_a_connection_drops_expired_ones_left_behind(serve):
     server, url = await serve(echo)
-    pool = upstream.Pool(connect_timeout=5, read_timeout=30, idle_timeout=4.0)
-    key = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    clock = Clock()
+    pool = upstream.Pool(5, upstream.Deadlines(30, 30), idle_timeout=4.0, clock=clock)
     try:
-        await burst(pool, url, [b"x"] * 3)
-        assert pool.idle(key) == 3
-        oldest = list(pool._idle[key])[:2]
-        for conn in oldest:
-            conn.idle_since -= 5.0
-        # the newest is reused and comes back: the two expired ones behind it are dropped
-        again = await pool.post(f"{url}/", b"y", {})
+        await burst(pool, url, [b"x"] * 3)  # three pooled at t=0
+        clock.now = 3.0
+        again = await pool.post(f"{url}/", b"y", {})  # the newest, back in the pool at t=3
         await again.read()
         again.close()
-        assert pool.idle(key) == 1 and all(conn.closed for conn in oldest)
+        clock.now = 4.5  # the two left at t=0 have expired; the one from t=3 has not
+        last = await pool.post(f"{url}/", b"z", {})
+        await last.read()
+        last.close()  # coming back, it drops the expired ones behind it
+        await closed_count(server, 2)
         assert server.connections == 3
     finally:
         await pool.close()
@@ -313,7 +327,7 @@ async def test_engines_are_told_who_asks_and_to_send_the_body_uncompressed(serve
             await writer.drain()
 
     _, url = await serve(handler)
-    pool = upstream.Pool(connect_timeout=5, read_timeout=30)
+    pool = upstream.Pool(connect_timeout=5, deadlines=upstream.Deadlines(30, 30))
     try:
         for headers in ({}, {"User-Agent": "mine", "accept-encoding": "br"}):
             response = await pool.post(f"{url}/", b"x", headers)

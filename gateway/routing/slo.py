@@ -9,6 +9,8 @@ target. Each gateway app has its own registry, so several can live in one proces
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +19,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.utils import floatToGoString
 
 from kubellm import metrics
+
+# A chunk carrying generated text (engines send an empty role chunk before the first token).
+TOKEN = re.compile(rb'"(?:content|text)":\s*"[^"]')
 
 QUEUE_WAIT = metrics.GATEWAY_QUEUE_WAIT
 PREFIX_MATCH = metrics.GATEWAY_PREFIX_MATCH
@@ -55,6 +60,8 @@ class GatewayMetrics:
     slo_target: Gauge
     slo_objective: Gauge
     fallback_tokens: Counter
+    connections_refused: Counter
+    config_reload_errors: Counter
 
     _targets: dict[tuple[str, ...], TargetMetrics] = field(
         default_factory=dict, init=False, repr=False
@@ -193,6 +200,16 @@ def create(registry: CollectorRegistry | None = None) -> GatewayMetrics:
             [*_LABELS, "kind"],
             registry=r,
         ),
+        connections_refused=Counter(
+            _name(metrics.GATEWAY_CONNECTIONS_REFUSED, "_total"),
+            "Client connections answered 503 and closed at once: the connection cap was reached.",
+            registry=r,
+        ),
+        config_reload_errors=Counter(
+            _name(metrics.GATEWAY_CONFIG_RELOAD_ERRORS, "_total"),
+            "Reloads of the static configuration file that failed (the last good one is kept).",
+            registry=r,
+        ),
     )
 
 
@@ -203,3 +220,78 @@ def met_slo(
     if ttft is None or ttft > ttft_target:
         return False
     return itl_max_mean is None or itl_max_mean <= itl_target
+
+
+@dataclass
+class StreamTiming:
+    """When a streamed answer's chunks carrying text arrived: TTFT and the gaps (ITL)."""
+
+    start: float
+    first: float | None = None
+    last: float | None = None
+    chunks: int = 0
+    gaps: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    def token(self, now: float) -> None:
+        """A chunk carrying generated text arrived at `now`."""
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            self.gaps.append(now - self.last)
+        self.last = now
+        self.chunks += 1
+
+    def chunk(self, data: bytes, now: float) -> None:
+        """A body chunk arrived at `now`: a token if it carries text."""
+        if TOKEN.search(data):
+            self.token(now)
+
+    def failed(self, error: BaseException | str) -> None:
+        """The upstream broke mid-stream."""
+        name = error if isinstance(error, str) else type(error).__name__
+        self.error = f"upstream stream failed: {name}"
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.start
+
+    @property
+    def mean_itl(self) -> float | None:
+        if self.first is None or self.last is None or self.chunks < 2:
+            return None
+        return (self.last - self.first) / (self.chunks - 1)
+
+
+class RequestRecord:
+    """One request's accounting in a deployment's series: pending while it lives, then
+    its outcome (route, status) and end-to-end time counted exactly once."""
+
+    __slots__ = ("arrived", "finished", "series")
+
+    def __init__(self, series: TargetMetrics, arrived: float) -> None:
+        self.series = series
+        self.arrived = arrived
+        self.finished = False
+        series.pending.inc()
+
+    def finish(self, route: str, code: int) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        series = self.series
+        series.pending.dec()
+        series.requests(route, code).inc()
+        series.e2e.observe(time.monotonic() - self.arrived)
+
+    def streamed(self, timing: StreamTiming, ttft_target: float, itl_target: float) -> bool:
+        """Observe a finished stream's TTFT, ITL and goodput; True if it completed."""
+        series = self.series
+        if timing.ttft is not None:
+            series.ttft.observe(timing.ttft)
+        for gap in timing.gaps:
+            series.itl.observe(gap)
+        completed = timing.error is None and timing.first is not None
+        if completed and met_slo(timing.ttft, timing.mean_itl, ttft_target, itl_target):
+            series.goodput.inc()
+        return completed

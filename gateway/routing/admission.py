@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kubellm.gateway.discovery.base import FallbackTarget
-from kubellm.gateway.scorers.base import Candidate
+from kubellm.gateway.routing.scorers.base import Candidate
 
 
 class Route(enum.Enum):

@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from kubellm.gateway.discovery.base import ModelTarget
-from kubellm.gateway.load import LoadView
-from kubellm.gateway.outliers import OutlierDetector
-from kubellm.gateway.scorers import prefix
-from kubellm.gateway.scorers.base import Candidate, RoutingRequest
-from kubellm.gateway.scorers.consistent_hash import rendezvous_weight
-from kubellm.gateway.scorers.picker import pick, profiles
-from kubellm.gateway.scorers.session import SessionTable
+from kubellm.gateway.routing.load import LoadView
+from kubellm.gateway.routing.outliers import OutlierDetector
+from kubellm.gateway.routing.scorers import prefix
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight
+from kubellm.gateway.routing.scorers.picker import pick, profiles
+from kubellm.gateway.routing.scorers.session import SessionTable
 
 
 def routing_request(model: str, body: dict[str, Any], session: str | None) -> RoutingRequest:
@@ -51,11 +51,13 @@ class Router:
         self.profiles = profiles(self.index, self.sessions)
 
     def candidates(self, target: ModelTarget) -> list[Candidate]:
-        """Endpoints that may take a new request: routable and not ejected."""
+        """Endpoints that may take a new request: routable, not ejected, and not down (the
+        latest scrape failed), unless every one that is not ejected is down: then those,
+        since an engine without working metrics may still answer."""
+        alive = [e for e in target.routable if not self.outliers.ejected(e.url)]
+        healthy = [e for e in alive if not self.load.down(e.url)]
         out = []
-        for endpoint in target.routable:
-            if self.outliers.ejected(endpoint.url):
-                continue
+        for endpoint in healthy or alive:
             stats = self.load.stats(endpoint.url)
             out.append(
                 Candidate(

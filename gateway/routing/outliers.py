@@ -3,7 +3,8 @@
 An endpoint that fails `threshold` times in a row (connection error or 5xx
 before the first byte) is ejected for `base_seconds * 2^(n-1)` where n counts
 its ejections, capped at `max_seconds`. One success resets the failure run;
-the ejection count decays only when an endpoint serves successfully.
+the ejection count decays only when an endpoint serves successfully. A fatal failure
+(connection refused, no first byte within its timeout) ejects at once.
 """
 
 from __future__ import annotations
@@ -45,11 +46,11 @@ class OutlierDetector:
             if not self.ejected(url):
                 health.ejections = max(0, health.ejections - 1)
 
-    def failure(self, url: str) -> bool:
+    def failure(self, url: str, fatal: bool = False) -> bool:
         """Record a failure; True when this one ejected the endpoint."""
         health = self._health.setdefault(url, _Health())
         health.failures += 1
-        if health.failures < self.threshold:
+        if health.failures < self.threshold and not fatal:
             return False
         health.failures = 0
         health.ejections += 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from kubellm.gateway.scorers.base import Candidate
+from kubellm.gateway.routing.scorers.base import Candidate
 
 
 def capacity(loads: Sequence[float], load_bound: float) -> float:

@@ -8,6 +8,10 @@ Two sources, combined conservatively:
   `vllm:kv_cache_usage_perc`), scraped on a short interval. They include
   traffic from other gateway replicas, but they age: stats older than
   `stale_after` seconds are treated as unknown, never trusted.
+
+An engine whose latest scrape failed (refused, timed out, a bad answer) is `down`:
+the router leaves it out while any other replica is healthy, so a replica that died
+or froze is never mistaken for an idle one once its last figures go stale.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class LoadView:
         self.in_flight: dict[str, int] = {}
         self._stats: dict[str, EngineStats] = {}
         self._own_at_scrape: dict[str, int] = {}
+        self._failing: set[str] = set()
         self._listeners: list[Callable[[], None]] = []
 
     def on_release(self, listener: Callable[[], None]) -> None:
@@ -88,9 +93,18 @@ class LoadView:
         return release
 
     def record(self, url: str, stats: EngineStats) -> None:
+        self._failing.discard(url)
         self._stats[url] = stats
         self._own_at_scrape[url] = self.in_flight.get(url, 0)
         self._notify()
+
+    def scrape_failed(self, url: str) -> None:
+        """The latest scrape of `url` failed: it is down until one succeeds."""
+        self._failing.add(url)
+
+    def down(self, url: str) -> bool:
+        """The latest scrape failed (an endpoint never scraped yet is not down)."""
+        return url in self._failing
 
     def stats(self, url: str) -> EngineStats | None:
         """The engine's stats if fresh, else None (unknown)."""
@@ -120,6 +134,7 @@ class LoadView:
         for url in [u for u in self._stats if u not in keep]:
             del self._stats[url]
             self._own_at_scrape.pop(url, None)
+        self._failing &= keep
 
 
 _SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
@@ -132,8 +147,9 @@ async def scrape_once(client: aiohttp.ClientSession, url: str, view: LoadView) -
             text = await response.text()
         view.record(url, parse_engine_metrics(text, view.clock()))
         return True
-    except (TimeoutError, aiohttp.ClientError, ValueError):
-        return False  # the stats age and go stale; the endpoint is not trusted on them
+    except (TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError):
+        view.scrape_failed(url)  # down until a scrape succeeds; its old stats go stale
+        return False
 
 
 async def scrape_loop(

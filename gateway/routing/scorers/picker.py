@@ -30,15 +30,15 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kubellm.gateway.scorers.base import Candidate, RoutingRequest, Scorer
-from kubellm.gateway.scorers.bounded_load import within_bound
-from kubellm.gateway.scorers.consistent_hash import ConsistentHashScorer
-from kubellm.gateway.scorers.in_flight import InFlightScorer
-from kubellm.gateway.scorers.kv_cache import KVCacheScorer
-from kubellm.gateway.scorers.prefix import PrefixIndex, PrefixScorer
-from kubellm.gateway.scorers.queue import QueueScorer
-from kubellm.gateway.scorers.round_robin import RoundRobinScorer
-from kubellm.gateway.scorers.session import SessionScorer, SessionTable
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest, Scorer
+from kubellm.gateway.routing.scorers.bounded_load import within_bound
+from kubellm.gateway.routing.scorers.consistent_hash import ConsistentHashScorer
+from kubellm.gateway.routing.scorers.in_flight import InFlightScorer
+from kubellm.gateway.routing.scorers.kv_cache import KVCacheScorer
+from kubellm.gateway.routing.scorers.prefix import PrefixIndex, PrefixScorer
+from kubellm.gateway.routing.scorers.queue import QueueScorer
+from kubellm.gateway.routing.scorers.round_robin import RoundRobinScorer
+from kubellm.gateway.routing.scorers.session import SessionScorer, SessionTable
 
 Filter = Callable[[Sequence[Candidate], float], list[Candidate]]
 

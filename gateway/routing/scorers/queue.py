@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kubellm.gateway.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 
 class QueueScorer:

@@ -21,7 +21,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
-from kubellm.gateway.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 CHUNK_CHARS = 256
 MAX_CHUNKS = 512

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from kubellm.gateway.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 
 def rendezvous_weight(key: int, url: str) -> int:

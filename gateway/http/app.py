@@ -1,0 +1,649 @@
+"""The HTTP front end: one OpenAI-compatible endpoint in front of a fleet.
+
+Per request: authenticate, read the body within its size and time limits, parse and
+check it (`protocol.openai`), find the model, then the routing core
+(`routing.scheduler`) decides before any byte is sent: replica, fallback, queue or
+refusal. Replica requests are forwarded best candidate first with retries until a
+replica gives its first byte (`relay.open_upstream`), then relayed (streams chunk
+by chunk) and timed for the SLO metrics. Every outcome is counted once in
+`kubellm_gateway_requests_total`; anything unexpected is a 500 in OpenAI's envelope
+with a request id, logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from kubellm.gateway.discovery.base import Discovery, FallbackTarget, ModelTarget
+from kubellm.gateway.http import relay, upstream
+from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
+from kubellm.gateway.http.upstream import Deadlines, Limits
+from kubellm.gateway.protocol import errors
+from kubellm.gateway.protocol.errors import GatewayError
+from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
+from kubellm.gateway.routing import slo
+from kubellm.gateway.routing.admission import Route, Thresholds
+from kubellm.gateway.routing.load import LoadView
+from kubellm.gateway.routing.router import routing_request
+from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings, labels
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route as HttpRoute
+from starlette.types import Message, Receive, Scope, Send
+
+__all__ = ["CHAT", "COMPLETIONS", "Gateway", "GatewaySettings", "create_app", "parse_body"]
+
+log = logging.getLogger("kubellm.gateway")
+FORWARDED = relay.FORWARDED_HEADERS
+
+
+def hash_key(key: str) -> str:
+    """How API keys are stored in configuration: sha256 hex of the key."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass
+class GatewaySettings:
+    """Knobs that are the gateway's own (per-model settings come from discovery).
+    docs/operations.md, "Timeouts and limits", says what each bounds and how to tune it."""
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    api_key_hashes: frozenset[str] = frozenset()  # sha256 hex; empty: no authentication
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    max_queue: int = 256  # waiting requests per model
+    zero_replica_wait_seconds: float = 60.0  # queue budget while a model has no replica
+    retry_after_seconds: int = 1
+    attempts: int = 3  # replicas tried before the first byte
+    scrape_interval: float = 1.0
+    stale_after: float = 5.0
+    eject_after_failures: int = 3
+    eject_base_seconds: float = 5.0
+    # Toward replicas and the fallback API; a model's spec.routing.timeouts overrides each.
+    connect_timeout: float = 2.0
+    first_byte_timeout: float | None = None  # None: 5 x the model's TTFT target, >= 10 s
+    idle_timeout: float = 60.0  # the longest silence between two chunks of a stream
+    total_timeout: float = 600.0  # the whole request (bounds non-streamed answers)
+    # What an upstream answer may be.
+    max_upstream_head_bytes: int = 64 * 1024
+    max_upstream_headers: int = 100
+    max_response_bytes: int = 32 * 1024 * 1024  # a non-streamed answer, held whole
+    # From clients (header timeout, keep-alive and the connection cap: `http.server`).
+    body_timeout: float = 30.0  # reading a request body, from its headers to its end
+
+    def scheduling(self) -> SchedulerSettings:
+        return SchedulerSettings(
+            thresholds=self.thresholds,
+            max_queue=self.max_queue,
+            zero_replica_wait_seconds=self.zero_replica_wait_seconds,
+            scrape_interval=self.scrape_interval,
+            stale_after=self.stale_after,
+            eject_after_failures=self.eject_after_failures,
+            eject_base_seconds=self.eject_base_seconds,
+        )
+
+    def limits(self) -> Limits:
+        return Limits(
+            self.max_upstream_head_bytes, self.max_upstream_headers, self.max_response_bytes
+        )
+
+    def timeouts(self, target: ModelTarget, stream: bool) -> tuple[float, Deadlines]:
+        """The connect timeout and stage deadlines for one request to `target`."""
+        t = target.routing.timeouts
+        total = t.total_seconds or self.total_timeout
+        first = (
+            t.first_byte_seconds
+            or self.first_byte_timeout
+            or max(10.0, 5 * target.slo.ttft_seconds)
+        )
+        if not stream:  # a non-streamed answer arrives whole: its first byte is its end
+            first = total
+        idle = t.idle_seconds or self.idle_timeout
+        return t.connect_seconds or self.connect_timeout, Deadlines(first, idle, total)
+
+
+class Gateway:
+    """The HTTP front end of one process, over its routing core (`scheduler`)."""
+
+    def __init__(
+        self,
+        discovery: Discovery,
+        settings: GatewaySettings | None = None,
+        client: aiohttp.ClientSession | None = None,
+        metrics: slo.GatewayMetrics | None = None,
+    ) -> None:
+        self.discovery = discovery
+        self.settings = s = settings or GatewaySettings()
+        self.scheduler = Scheduler(discovery, s.scheduling(), metrics)
+        self.metrics = self.scheduler.metrics
+        self._client = client  # https replicas', the fallback API's and scraping's client
+        self._replicas: upstream.Pool | None = None  # the plain-http replicas' client
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def load(self) -> LoadView:
+        return self.scheduler.load
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        if self._client is None:
+            s = self.settings
+            self._client = relay.new_session(s.connect_timeout, s.idle_timeout)
+        return self._client
+
+    @property
+    def replicas(self) -> upstream.Pool:
+        """The client for engine replicas (plain http): keep-alive, framed by llhttp."""
+        if self._replicas is None:
+            s = self.settings
+            self._replicas = upstream.Pool(s.connect_timeout, limits=s.limits())
+        return self._replicas
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(c) for c in self.scheduler.tasks(self.client)]
+        self.scheduler.update_ready_gauge()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+        if self._replicas is not None:
+            await self._replicas.close()
+            self._replicas = None
+
+    # ---------------------------------------------------------------- checks
+
+    def authenticate(self, authorization: str | None) -> None:
+        """Check the `Authorization` header's value (None: absent) against the key hashes."""
+        if not self.settings.api_key_hashes:
+            return
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or hash_key(key.strip()) not in self.settings.api_key_hashes:
+            raise errors.unauthorized()
+
+    async def read_body(self, receive: Receive, declared: str | None) -> bytes:
+        """The request body, refused once it exceeds the size limit (`declared`: its
+        content-length) or takes longer than `body_timeout` to arrive (408)."""
+        limit = self.settings.max_body_bytes
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise errors.too_large(limit)
+        try:
+            async with asyncio.timeout(self.settings.body_timeout):
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+                body = message.get("body", b"")
+                if not message.get("more_body", False):  # the usual case: one message
+                    if len(body) > limit:
+                        raise errors.too_large(limit)
+                    return body
+                buffer = bytearray(body)
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientDisconnect()
+                    buffer += message.get("body", b"")
+                    if len(buffer) > limit:
+                        raise errors.too_large(limit)
+                    if not message.get("more_body", False):
+                        return bytes(buffer)
+        except TimeoutError:
+            raise errors.body_timeout(self.settings.body_timeout) from None
+
+    # ---------------------------------------------------------------- handlers
+
+    async def serve(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """POST `path` (CHAT or COMPLETIONS), as a raw ASGI handler.
+
+        Served without Starlette's request and response objects: a stream in flight
+        holds few objects, and none in a reference cycle, so it costs the cyclic
+        garbage collector little (its pauses land on every stream in flight).
+        """
+        arrived = time.monotonic()
+        headers = _wanted_headers(scope["headers"])
+        call: _Call | None = None
+        try:
+            try:
+                self.authenticate(headers.get("authorization"))
+                raw = await self.read_body(receive, headers.get("content-length"))
+                body = parse_body(raw, path)
+            except GatewayError as error:
+                return await self._refused(error)(scope, receive, send)
+            except ClientDisconnect:
+                return await Response(status_code=499)(scope, receive, send)
+            model = body["model"]
+            target = self.discovery.snapshot().get(model)
+            if target is None:
+                return await self._refused(errors.model_not_found(model))(scope, receive, send)
+            call = _Call(self.metrics.target(labels(target)), arrived, path, headers, send)
+            # Until the answer is sent, a client that leaves cancels the work: the upstream
+            # request is closed (its response is closed in `finally` blocks), so an engine
+            # stops working for a client that left, queued, waiting or mid-stream.
+            try:
+                async with relay.DisconnectWatch(receive) as watch:
+                    await self._route(call, target, raw, body)
+            except BaseException:
+                call.finish("none", 499)
+                raise
+            if watch.disconnected and not call.started:
+                call.finish("none", 499)  # queued or waiting for a non-streamed answer
+                await Response(status_code=499)(scope, receive, send)
+        except Exception:
+            request_id = _request_id(headers)
+            log.exception("request %s failed with an unexpected error", request_id)
+            if call is not None:
+                call.finish("none", 500)
+            else:
+                self.metrics.requests.labels("", "", "", "none", "500").inc()
+            if call is None or not call.started:
+                with contextlib.suppress(Exception):
+                    await errors.internal(request_id).response()(scope, receive, send)
+
+    async def _route(
+        self, call: _Call, target: ModelTarget, raw: bytes, body: dict[str, Any]
+    ) -> None:
+        """Admission, then forwarding to a replica or the fallback, or a refusal."""
+        routing = routing_request(target.served_name, body, call.headers.get("x-session-id"))
+        admission = await self.scheduler.admit(target, routing)
+        target = admission.target
+        if admission.route is Route.REJECT:
+            # saturated: 429, come back soon; no replica at all: 503 until one is up
+            error = errors.overloaded(
+                target.served_name, self.settings.retry_after_seconds, admission.status
+            )
+            call.finish("none", error.status)
+            return await call.error(error)
+        stream = body.get("stream") is True
+        if admission.route is Route.FALLBACK:
+            assert target.fallback is not None
+            self.metrics.fallback.labels(*labels(target), admission.reason).inc()
+            return await self._forward_fallback(call, target, target.fallback, body, stream)
+        connect, deadlines = self.settings.timeouts(target, stream)
+        forward = Forward(
+            call.path, raw, _forward_headers(call.headers), stream, deadlines, connect,
+            self.settings.attempts,
+        )  # fmt: skip
+        order = admission.order
+        try:
+            attempt = await relay.open_upstream(
+                forward, [c.url for c in order], self.scheduler, self.replicas, self.client
+            )
+        except relay.AllUpstreamsFailed as failed:
+            error = errors.upstream_failed(
+                f"No replica of `{target.served_name}` answered ({len(failed.failures)} tried)."
+            )
+            call.finish("replica", error.status)
+            return await call.error(error)
+        self.scheduler.routed(target, routing, attempt.url, order)
+        release, url, scheduler = attempt.release, attempt.url, self.scheduler
+
+        def release_completed() -> None:
+            nonlocal release
+            if release is not None:  # once: count the answer toward the completion rate
+                scheduler.completed(url)
+                release()
+                release = None
+
+        await self._answer(call, target, attempt.response, attempt.first, attempt.body,
+                           release_completed, "replica", None)  # fmt: skip
+
+    async def _forward_fallback(
+        self,
+        call: _Call,
+        target: ModelTarget,
+        fallback: FallbackTarget,
+        body: dict[str, Any],
+        stream: bool,
+    ) -> None:
+        """Send to the external API. Its answers are relayed only when they succeed: an
+        error body may carry the key the gateway sent it, so errors are the gateway's
+        own words; redirects are not followed (the prompt goes nowhere else)."""
+        release = self.scheduler.fallback_slot(target.served_name)
+        outgoing = dict(body)
+        if fallback.model:
+            outgoing["model"] = fallback.model
+        headers = _forward_headers(call.headers)
+        if fallback.api_key:
+            headers["authorization"] = f"Bearer {fallback.api_key}"
+        headers.setdefault("content-type", "application/json")
+        url = f"{fallback.url}{call.path.removeprefix('/v1')}"
+        connect, deadlines = self.settings.timeouts(target, stream)
+        timeout = aiohttp.ClientTimeout(
+            total=deadlines.total, sock_connect=connect, sock_read=deadlines.first_byte
+        )
+        response: AiohttpResponse | None = None
+        first: bytes = b""
+        content: bytes | None = None
+        try:
+            raw = await self.client.post(
+                url, json=outgoing, headers=headers, timeout=timeout, allow_redirects=False
+            )
+            response = AiohttpResponse(raw, self.settings.max_response_bytes)
+            if response.status >= 300:
+                retry_after = self.settings.retry_after_seconds
+                failure = errors.fallback_refused(response.status, retry_after)
+                response.close()
+                release()
+                log.warning("fallback API answered HTTP %d for %s", raw.status, target.served_name)
+                call.finish("fallback", failure.status)
+                return await call.error(failure)
+            if stream:
+                first = await response.readchunk()
+            else:
+                content = await response.read()
+        except relay.UPSTREAM_ERRORS as error:
+            if response is not None:
+                response.close()
+            release()
+            failure = errors.upstream_failed(f"The fallback API failed: {type(error).__name__}.")
+            call.finish("fallback", failure.status)
+            return await call.error(failure)
+        except BaseException:
+            if response is not None:
+                response.close()
+            release()
+            raise
+        await self._answer(call, target, response, first, content, release, "fallback",
+                           target.served_name)  # fmt: skip
+
+    async def _answer(
+        self,
+        call: _Call,
+        target: ModelTarget,
+        response: AnyResponse,
+        first: bytes,
+        content: bytes | None,
+        release: Callable[[], None],
+        route: str,
+        rename: str | None,
+    ) -> None:
+        """Send an upstream's answer to the client: `content` when read whole, else the
+        stream from `first` on."""
+        series = call.series
+        status = response.status
+        if content is not None:
+            response.close()
+            release()
+            if rename and status == 200:
+                content = _rename_json(content, rename)
+            elapsed = time.monotonic() - call.arrived
+            if status == 200:
+                series.ttft.observe(elapsed)
+                if route == "fallback":
+                    for kind, count in _usage(content).items():
+                        self.metrics.fallback_tokens.labels(*series.labels, kind).inc(count)
+                s = target.slo
+                # within the TTFT target, the budget is met whatever the token count: no parse
+                if elapsed <= s.ttft_seconds or elapsed <= (
+                    s.ttft_seconds + s.itl_seconds * _completion_tokens(content)
+                ):
+                    series.goodput.inc()
+            call.finish(route, status)
+            call.started = True
+            content_type = _content_type(response.headers, "application/json")
+            await call.send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": _response_headers(route, content_type, status, len(content)),
+                }
+            )
+            await call.send({"type": "http.response.body", "body": content})
+            return
+
+        timing = slo.StreamTiming(start=call.arrived)
+        call.started = True
+        try:
+            with contextlib.suppress(OSError):  # the client's connection broke: stop
+                content_type = _content_type(response.headers, "text/event-stream")
+                await call.send(
+                    {
+                        "type": "http.response.start",
+                        "status": status,
+                        "headers": _response_headers(route, content_type, status, None),
+                    }
+                )
+                await relay.relay(response, first, call.send, timing, rename)
+        finally:  # however the stream ended (a client leaving cancels the relay)
+            response.close()
+            release()
+            s = target.slo
+            completed = call.record.streamed(timing, s.ttft_seconds, s.itl_seconds)
+            call.finish(route, status if completed or status != 200 else 502)
+
+    def _refused(self, error: GatewayError) -> Response:
+        """Count a request refused before it had a model (labels empty: no cardinality)."""
+        self.metrics.requests.labels("", "", "", "none", str(error.status)).inc()
+        return error.response()
+
+    async def list_models(self, request: Request) -> Response:
+        try:
+            self.authenticate(request.headers.get("authorization"))
+        except GatewayError as error:
+            return error.response()
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "kubellm"}
+            for name in sorted(self.discovery.snapshot())
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "models": len(self.discovery.snapshot())})
+
+    async def prometheus(self, request: Request) -> Response:
+        self.scheduler.update_ready_gauge()  # ejections expire silently; refresh on each scrape
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# -------------------------------------------------------------------- helpers
+
+
+class _Call:
+    """One completion request: what its handlers share, and its outcome counted once."""
+
+    __slots__ = ("arrived", "headers", "path", "record", "send", "series", "started")
+
+    def __init__(
+        self,
+        series: slo.TargetMetrics,
+        arrived: float,
+        path: str,
+        headers: dict[str, str],
+        send: Send,
+    ) -> None:
+        self.series = series
+        self.record = slo.RequestRecord(series, arrived)
+        self.arrived = arrived
+        self.path = path
+        self.headers = headers
+        self.send = send
+        self.started = False  # the answer's status line went out
+
+    def finish(self, route: str, code: int) -> None:
+        self.record.finish(route, code)
+
+    async def error(self, error: GatewayError) -> None:
+        self.started = True
+        await error.response()({"type": "http"}, _no_receive, self.send)
+
+
+async def _no_receive() -> Message:
+    raise RuntimeError("a response does not read the request")
+
+
+# The request headers the gateway reads (ASGI servers send names in lower case).
+_WANTED = frozenset(
+    (b"authorization", b"content-length", b"x-session-id", *(h.encode() for h in FORWARDED))
+)
+
+
+def _wanted_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The headers the gateway reads, decoded; the first value of a repeated one."""
+    out: dict[str, str] = {}
+    for name, value in raw:
+        if name in _WANTED:
+            key = name.decode()
+            if key not in out:
+                out[key] = value.decode("latin-1")
+    return out
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def _request_id(headers: dict[str, str]) -> str:
+    """The client's `x-request-id` when it is a plain token, else a new one."""
+    given = headers.get("x-request-id", "")
+    return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+
+# A media type as RFC 9110 allows it, printable ASCII only: never a CR or LF to relay.
+_MEDIA_TYPE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+/[!#$%&'*+.^_`|~0-9A-Za-z-]+[ -~]{0,200}")
+
+
+def _content_type(headers: dict[str, str], default: str) -> str:
+    """The upstream's content type if it is a well-formed one, else `default`."""
+    value = headers.get("content-type", "")
+    return value if _MEDIA_TYPE.fullmatch(value) else default
+
+
+def _response_headers(
+    route: str, content_type: str, status: int, length: int | None
+) -> list[tuple[bytes, bytes]]:
+    """What Starlette's Response (`length`: its body's) or StreamingResponse (None) sends with
+    the `x-kubellm-route` header and the upstream's content type."""
+    headers = [(b"x-kubellm-route", route.encode("latin-1"))]
+    if length is not None and not (status < 200 or status in (204, 304)):
+        headers.append((b"content-length", str(length).encode("latin-1")))
+    if content_type.startswith("text/") and "charset=" not in content_type.lower():
+        content_type += "; charset=utf-8"
+    headers.append((b"content-type", content_type.encode("latin-1")))
+    return headers
+
+
+def _forward_headers(headers: dict[str, str]) -> dict[str, str]:
+    return {k: v for k in FORWARDED if (v := headers.get(k))}
+
+
+def _rename_json(content: bytes, served_name: str) -> bytes:
+    try:
+        data = json.loads(content)
+    except (ValueError, RecursionError):
+        return content
+    if isinstance(data, dict) and "model" in data:
+        data["model"] = served_name
+        return json.dumps(data).encode()
+    return content
+
+
+def _usage(content: bytes) -> dict[str, int]:
+    """prompt and completion token counts from a non-streamed response's `usage`."""
+    try:
+        usage = json.loads(content).get("usage") or {}
+        return {
+            "prompt": int(usage.get("prompt_tokens") or 0),
+            "completion": int(usage.get("completion_tokens") or 0),
+        }
+    except (ValueError, AttributeError, TypeError, RecursionError):
+        return {}
+
+
+def _completion_tokens(content: bytes) -> int:
+    try:
+        usage = json.loads(content).get("usage") or {}
+        return int(usage.get("completion_tokens") or 0)
+    except (ValueError, AttributeError, TypeError, RecursionError):
+        return 0
+
+
+class _Completions:
+    """The ASGI endpoint of one completion route, for what reaches it through Starlette
+    (a request under a root path)."""
+
+    __slots__ = ("gateway", "path")
+
+    def __init__(self, gateway: Gateway, path: str) -> None:
+        self.gateway = gateway
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.gateway.serve(self.path, scope, receive, send)
+
+
+class GatewayApp:
+    """The gateway's ASGI app: POSTs to the completion routes go straight to their
+    handler; everything else (the other routes, 404s, 405s, lifespan) to Starlette."""
+
+    def __init__(self, gateway: Gateway, app: Starlette) -> None:
+        self.gateway = gateway
+        self.app = app
+        self.state = app.state
+        self._serve = gateway.serve
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            path = scope["path"]
+            if path in (CHAT, COMPLETIONS):
+                return await self._serve(path, scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(gateway: Gateway, metrics_route: bool = True) -> GatewayApp:
+    """The ASGI app; starting it starts discovery and scraping, stopping it stops them.
+    `metrics_route=False` leaves `/metrics` off (served on its own port instead)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return GatewayError(404, f"Unknown path {request.url.path}.", code="not_found").response()
+
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        return GatewayError(
+            405, f"Method {request.method} not allowed.", code="method_not_allowed"
+        ).response()
+
+    routes = [
+        HttpRoute(CHAT, _Completions(gateway, CHAT), methods=["POST"]),
+        HttpRoute(COMPLETIONS, _Completions(gateway, COMPLETIONS), methods=["POST"]),
+        HttpRoute("/v1/models", gateway.list_models, methods=["GET"]),
+        HttpRoute("/health", gateway.health, methods=["GET"]),
+    ]
+    if metrics_route:
+        routes.append(HttpRoute("/metrics", gateway.prometheus, methods=["GET"]))
+    app = Starlette(
+        routes=routes,
+        exception_handlers={404: not_found, 405: not_allowed},
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
+    return GatewayApp(gateway, app)
+
+
+def create_metrics_app(gateway: Gateway) -> Starlette:
+    """`/metrics` alone, for a separate port (`kubellm gateway --metrics-port`)."""
+    return Starlette(routes=[HttpRoute("/metrics", gateway.prometheus, methods=["GET"])])

@@ -1,0 +1,328 @@
+"""Forwarding to replicas and the fallback API, and relaying their answers to the client.
+
+- `open_upstream` tries the ordered replicas until one gives a usable start: a
+  connection error, a 5xx, no first byte within its timeout, or a malformed answer
+  before anything reached the client moves on to the next (bounded by `attempts`
+  and the request's total budget) and counts against the replica's health; a refused
+  connection or a frozen replica is ejected at once. A 4xx is the client's problem
+  and passes through. Nothing is sent to the client until a replica gave its first
+  body byte (streams) or its whole answer (non-streamed), so retries stay invisible.
+- `relay` sends a stream to the client as raw ASGI messages, one per upstream HTTP
+  chunk, timing TTFT and ITL; if the replica dies, stalls or breaks the framing
+  mid-stream, the client's stream ends at once with an SSE error event, never a hang
+  and never the bytes that could not be parsed.
+- `DisconnectWatch` cancels the request's work (and so closes the upstream request)
+  as soon as the client disconnects, mid-stream included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+from kubellm.gateway.http import upstream
+from kubellm.gateway.http.upstream import Deadlines, UpstreamError
+from kubellm.gateway.protocol.errors import sse_error_event
+from kubellm.gateway.routing.slo import TOKEN, StreamTiming
+from starlette.types import Receive, Send
+
+FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "openai-organization")
+
+# What an upstream failing looks like: refused or reset connections, timeouts, a body cut
+# short or malformed; from aiohttp (https replicas, the fallback API) or from `upstream`.
+UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (
+    aiohttp.ClientError,
+    UpstreamError,
+    TimeoutError,
+)
+
+
+def new_session(connect_timeout: float, read_timeout: float) -> aiohttp.ClientSession:
+    """The client for https replicas, the fallback API and scraping: keep-alive, no pool
+    cap, no redirects followed, nothing added to what the client sent.
+
+    `read_timeout` bounds each silence (between reads, mid-stream included). Created
+    inside the running event loop."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60),
+        timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout, sock_read=read_timeout
+        ),
+        skip_auto_headers=("Content-Type",),
+        max_line_size=8190,
+        max_field_size=8190,
+    )
+
+
+class AiohttpResponse:
+    """An aiohttp answer with the shape of `upstream.Response` (`readchunk`, `read`,
+    `close`), so one relay serves both clients. `read` is bounded like the pool's."""
+
+    __slots__ = ("_limit", "_response", "headers", "status")
+
+    def __init__(self, response: aiohttp.ClientResponse, limit: int) -> None:
+        self._response = response
+        self._limit = limit
+        self.status = response.status
+        self.headers = {k.lower(): v for k, v in response.headers.items()}
+
+    async def readchunk(self) -> bytes:
+        while True:
+            data, end_of_chunk = await self._response.content.readchunk()
+            if data or not end_of_chunk:
+                return data
+
+    async def read(self) -> bytes:
+        parts, size = [], 0
+        while data := await self.readchunk():
+            size += len(data)
+            if size > self._limit:
+                self.close()
+                raise UpstreamError(f"answer exceeds the limit of {self._limit} bytes")
+            parts.append(data)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        """Release a fully read answer's connection for reuse; close any other."""
+        if self._response.content.is_eof():
+            self._response.release()
+        else:
+            self._response.close()
+
+
+AnyResponse = upstream.Response | AiohttpResponse
+
+
+class Replicas(Protocol):
+    """What forwarding reports to the routing core (`routing.scheduler.Scheduler`)."""
+
+    def acquire(self, url: str) -> Callable[[], None]: ...
+
+    def failed(self, url: str, fatal: bool = False) -> None: ...
+
+    def succeeded(self, url: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One request to forward: what to send, where, and how long each stage may take."""
+
+    path: str  # appended to each replica's base URL
+    body: bytes
+    headers: dict[str, str]
+    stream: bool
+    deadlines: Deadlines
+    connect_timeout: float
+    attempts: int
+
+
+@dataclass
+class Attempt:
+    """The replica that answered: its response, what was read of it, and the release for
+    its in-flight slot. `first` is the first body piece of a stream; `body` the whole
+    answer when not streamed (None while streaming)."""
+
+    url: str
+    response: AnyResponse
+    release: Callable[[], None]
+    first: bytes = b""
+    body: bytes | None = None
+    failures: list[str] = field(default_factory=list)
+
+
+class AllUpstreamsFailed(Exception):
+    def __init__(self, failures: list[str]) -> None:
+        super().__init__("; ".join(failures) or "no upstream available")
+        self.failures = failures
+
+
+async def _post(
+    forward: Forward,
+    url: str,
+    deadlines: Deadlines,
+    pool: upstream.Pool,
+    session: aiohttp.ClientSession | None,
+) -> AnyResponse:
+    if url.startswith("http://") or session is None:
+        return await pool.post(
+            url + forward.path, forward.body, forward.headers, deadlines, forward.connect_timeout
+        )
+    timeout = aiohttp.ClientTimeout(
+        total=None if math.isinf(deadlines.total) else deadlines.total,
+        sock_connect=forward.connect_timeout,
+        sock_read=max(deadlines.first_byte, deadlines.idle),
+    )
+    response = await session.post(
+        url + forward.path,
+        data=forward.body,
+        headers=forward.headers,
+        timeout=timeout,
+        allow_redirects=False,
+    )
+    return AiohttpResponse(response, pool.limits.max_body_bytes)
+
+
+async def open_upstream(
+    forward: Forward,
+    urls: Sequence[str],
+    replicas: Replicas,
+    pool: upstream.Pool,
+    session: aiohttp.ClientSession | None = None,
+) -> Attempt:
+    """Send `forward` to `urls` (best first) until one gives a usable start; see the module."""
+    failures: list[str] = []
+    start = time.monotonic()
+    budget = forward.deadlines
+    for url in list(urls)[: max(1, forward.attempts)]:
+        left = budget.total - (time.monotonic() - start)
+        if left <= 0:
+            failures.append("the request's total timeout passed")
+            break
+        deadlines = Deadlines(min(budget.first_byte, left), budget.idle, left)
+        release = replicas.acquire(url)
+        response: AnyResponse | None = None
+        try:
+            response = await _post(forward, url, deadlines, pool, session)
+            if response.status >= 500:
+                replicas.failed(url)
+                failures.append(f"{url}: HTTP {response.status}")
+                response.close()
+                release()
+                continue
+            if forward.stream and response.status == 200:
+                attempt = Attempt(url, response, release, first=await response.readchunk())
+            else:
+                attempt = Attempt(url, response, release, body=await response.read())
+        except UPSTREAM_ERRORS as error:
+            fatal = isinstance(
+                error, upstream.ConnectFailed | upstream.ReadTimeout | aiohttp.ClientConnectorError
+            )
+            replicas.failed(url, fatal=fatal)
+            failures.append(f"{url}: {error}")
+            if response is not None:
+                response.close()
+            release()
+            continue
+        except BaseException:
+            if response is not None:
+                response.close()
+            release()
+            raise
+        replicas.succeeded(url)
+        attempt.failures = failures
+        return attempt
+    raise AllUpstreamsFailed(failures)
+
+
+MID_STREAM_ERROR = sse_error_event(
+    "The model replica failed mid-stream; the response is incomplete.",
+    "server_error",
+    "upstream_stream_error",
+)
+
+
+def rename_model_in_sse(chunk: bytes, served_name: str) -> bytes:
+    """Rewrite `"model"` in each SSE data line (fallback responses carry the API's name)."""
+    out = []
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: {"):
+            try:
+                event = json.loads(line[6:])
+                if isinstance(event, dict) and "model" in event:
+                    event["model"] = served_name
+                    line = b"data: " + json.dumps(event, separators=(",", ":")).encode()
+            except ValueError:
+                pass
+        out.append(line)
+    return b"\n".join(out)
+
+
+async def relay(
+    response: AnyResponse,
+    first: bytes,
+    send: Send,
+    timing: StreamTiming,
+    rename: str | None = None,
+) -> None:
+    """Send the upstream body to the client as ASGI body messages, one per HTTP chunk as
+    it arrives (`first`: the piece already read), then end the response. `rename`: the
+    served name to put in the events' `model` (fallback answers). The caller sends the
+    status line and closes the upstream response."""
+    read = response.readchunk
+    search = TOKEN.search
+    monotonic = time.monotonic
+    pending = b""
+    data = first
+    while data:
+        if search(data):
+            timing.token(monotonic())
+        if rename is not None:  # whole events only: an event may span chunks
+            pending += data
+            complete, sep, pending = pending.rpartition(b"\n\n")
+            data = rename_model_in_sse(complete + sep, rename) if sep else b""
+        if data:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        try:
+            data = await read()
+        except UPSTREAM_ERRORS as error:
+            timing.failed(error)
+            pending = b""  # an incomplete event is dropped, never half-sent
+            await send({"type": "http.response.body", "body": MID_STREAM_ERROR, "more_body": True})
+            break
+    if pending:
+        tail = rename_model_in_sse(pending, rename) if rename else pending
+        await send({"type": "http.response.body", "body": tail, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class DisconnectWatch:
+    """Cancel the current task when the client disconnects, in one watcher task.
+
+    Use as `async with DisconnectWatch(receive) as watch:`; when the watcher
+    cancelled the task, the CancelledError is turned into `watch.disconnected`
+    being True (and the task's cancel request withdrawn), any other cancellation
+    propagates. Cheaper than running the work in a second task and waiting on both.
+    Leaving the block drops the references between the watch and the two tasks,
+    so that nothing of a finished request waits for the cyclic garbage collector.
+    """
+
+    __slots__ = ("_receive", "_running", "_task", "_watcher", "disconnected")
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._running = True
+        self.disconnected = False
+
+    async def __aenter__(self) -> DisconnectWatch:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task: asyncio.Task[object] | None = task
+        self._watcher: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
+            self._watch()
+        )
+        return self
+
+    async def _watch(self) -> None:
+        receive = self._receive
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if self._running and self._task is not None:
+            self.disconnected = True
+            self._task.cancel()
+
+    async def __aexit__(self, kind: object, error: object, tb: object) -> bool:
+        self._running = False
+        task, watcher = self._task, self._watcher
+        self._task = self._watcher = None
+        assert task is not None and watcher is not None
+        watcher.cancel()
+        if kind is asyncio.CancelledError and self.disconnected:
+            task.uncancel()  # our own cancel, delivered: the task goes on
+            return True
+        return False

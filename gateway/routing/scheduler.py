@@ -1,0 +1,218 @@
+"""The scheduler: what one gateway process knows about its fleet, and where each request goes.
+
+Both front ends drive it the same way:
+
+1. `admit(target, routing)` waits (bounded) until the request can go somewhere and
+   returns an `Admission`: a replica route with the candidates best first, the
+   fallback API, or a refusal (429 when saturated, 503 when no replica exists);
+2. for a replica route, `acquire(url)` counts the request on the replica it is sent to
+   and returns its release; `failed(url, ...)` / `succeeded(url)` feed outlier ejection;
+   `routed(...)` records where it went for prefix affinity; `completed(url)` feeds the
+   completion rate that predicts queue waits;
+3. for the fallback route, `fallback_slot(model)` holds one of its concurrency slots.
+
+The HTTP front end (`kubellm.gateway.http`) sends the bytes itself; the endpoint picker
+(`kubellm.gateway.epp`) answers with the chosen endpoints and lets Envoy send them.
+Nothing here reads a socket except the scrape loop and discovery, started by `tasks`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from kubellm.gateway.discovery.base import Discovery, ModelTarget
+from kubellm.gateway.routing import slo
+from kubellm.gateway.routing.admission import (
+    CompletionRate,
+    Route,
+    Thresholds,
+    decide,
+    predicted_wait,
+    saturated,
+)
+from kubellm.gateway.routing.load import LoadView, scrape_loop
+from kubellm.gateway.routing.outliers import OutlierDetector
+from kubellm.gateway.routing.router import Router
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+
+
+@dataclass
+class SchedulerSettings:
+    """Admission and health knobs shared by every model of one process."""
+
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    max_queue: int = 256  # waiting requests per model
+    zero_replica_wait_seconds: float = 60.0  # queue budget while a model has no replica
+    scrape_interval: float = 1.0
+    stale_after: float = 5.0
+    eject_after_failures: int = 3
+    eject_base_seconds: float = 5.0
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Where one request goes: `target` is the model as it is now (endpoints may have
+    changed while the request waited), `order` the replica candidates best first."""
+
+    target: ModelTarget
+    route: Route
+    reason: str
+    order: list[Candidate]
+    waited: float
+
+    @property
+    def status(self) -> int:
+        """The HTTP status of a refusal: 429 while saturated, 503 with no replica at all."""
+        return 429 if self.reason == "saturated" else 503
+
+
+def labels(target: ModelTarget) -> tuple[str, str, str]:
+    """The metric labels of a model: served name, deployment, namespace."""
+    return (target.served_name, target.deployment, target.namespace)
+
+
+class Scheduler:
+    """State shared by all requests of one process: load, health, prefix index, queues."""
+
+    def __init__(
+        self,
+        discovery: Discovery,
+        settings: SchedulerSettings | None = None,
+        metrics: slo.GatewayMetrics | None = None,
+    ) -> None:
+        self.discovery = discovery
+        self.settings = s = settings or SchedulerSettings()
+        self.metrics = metrics or slo.create()
+        self.load = LoadView(stale_after=s.stale_after)
+        self.outliers = OutlierDetector(s.eject_after_failures, s.eject_base_seconds)
+        self.router = Router(self.load, self.outliers)
+        self.fallback_in_flight: dict[str, int] = {}
+        self.queued: dict[str, int] = {}
+        self.completions = CompletionRate()  # replica answers finished: predicts queue waits
+        self._changed = asyncio.Event()
+        self.load.on_release(self.wake)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def tasks(self, client: aiohttp.ClientSession) -> list[Coroutine[Any, Any, None]]:
+        """The background work: discovery, and scraping every engine with `client`."""
+        return [
+            self.discovery.run(self.topology_changed),
+            scrape_loop(client, self.engine_urls, self.load, self.settings.scrape_interval),
+        ]
+
+    def engine_urls(self) -> list[str]:
+        return [e.url for t in self.discovery.snapshot().values() for e in t.endpoints]
+
+    def wake(self) -> None:
+        """Capacity may have freed: let queued requests look again."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def topology_changed(self) -> None:
+        """Endpoints appeared, left or were ejected."""
+        self.wake()
+        self.update_ready_gauge()
+
+    def update_ready_gauge(self) -> None:
+        for target in self.discovery.snapshot().values():
+            names = labels(target)
+            ready = len(self.router.candidates(target))
+            self.metrics.ready_endpoints.labels(*names).set(ready)
+            s = target.slo
+            self.metrics.publish_slo(names, s.ttft_seconds, s.itl_seconds, s.objective)
+
+    # ---------------------------------------------------------------- admission
+
+    async def admit(self, target: ModelTarget, routing: RoutingRequest) -> Admission:
+        """Wait (bounded by the TTFT target, or the scale-from-zero wait while the model
+        has no replica) until the request can go somewhere; see `admission.decide`."""
+        model = target.served_name
+        start = time.monotonic()
+        ready_now = bool(self.router.candidates(target))
+        budget = target.slo.ttft_seconds if ready_now else self.settings.zero_replica_wait_seconds
+        deadline = start + budget
+        queued = False
+        try:
+            while True:
+                changed = self._changed
+                # re-read: endpoints may have appeared (scale from zero) or gone meanwhile
+                target = self.discovery.snapshot().get(model, target)
+                candidates = self.router.candidates(target)
+                thresholds = self.settings.thresholds
+                open_ = [c for c in candidates if not saturated(c, thresholds)]
+                now = time.monotonic()
+                waiting = self.queued.get(model, 0)
+                room = queued or waiting < self.settings.max_queue
+                position = waiting if queued else waiting + 1
+                rate = 0.0 if open_ else self.completions.rate(c.url for c in candidates)
+                decision = decide(
+                    ready=len(candidates),
+                    unsaturated=len(open_),
+                    fallback=target.fallback,
+                    fallback_in_flight=self.fallback_in_flight.get(model, 0),
+                    may_wait=room and now < deadline,
+                    wait=predicted_wait(position, rate),
+                    budget_left=deadline - now if ready_now else 0.0,
+                )
+                if decision.route is not Route.QUEUE:
+                    order = self.router.order(target, routing, open_) if open_ else []
+                    if order:  # the saturated ones last: alive, so better than no answer
+                        chosen = {c.url for c in order}
+                        order += [c for c in candidates if c.url not in chosen]
+                    waited = now - start
+                    self.metrics.target(labels(target)).queue_wait.observe(waited)
+                    return Admission(target, decision.route, decision.reason, order, waited)
+                if not queued:
+                    queued = True
+                    self.queued[model] = self.queued.get(model, 0) + 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), timeout=min(deadline - now, 0.5))
+        finally:
+            if queued:
+                self.queued[model] -= 1
+
+    # ---------------------------------------------------------------- outcomes
+
+    def acquire(self, url: str) -> Callable[[], None]:
+        """Count one request on replica `url`; the returned callback releases it (once)."""
+        return self.load.acquire(url)
+
+    def failed(self, url: str, fatal: bool = False) -> None:
+        """A replica failed before its first byte. `fatal` (refused, frozen): eject now."""
+        if self.outliers.failure(url, fatal=fatal):
+            self.topology_changed()
+
+    def succeeded(self, url: str) -> None:
+        self.outliers.success(url)
+
+    def routed(
+        self, target: ModelTarget, routing: RoutingRequest, url: str, order: list[Candidate]
+    ) -> None:
+        """The request went to `url`: remember it for prefix affinity, observe the match."""
+        ratio = self.router.routed(routing, url, [c.url for c in order])
+        self.metrics.target(labels(target)).prefix_match.observe(ratio)
+
+    def completed(self, url: str) -> None:
+        """A replica finished an answer: counts toward the rate that predicts queue waits."""
+        self.completions.record(url)
+
+    def fallback_slot(self, model: str) -> Callable[[], None]:
+        """Hold one of the model's fallback concurrency slots; the callback frees it (once)."""
+        self.fallback_in_flight[model] = self.fallback_in_flight.get(model, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.fallback_in_flight[model] -= 1
+                self.wake()
+
+        return release
