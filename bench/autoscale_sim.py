@@ -38,15 +38,32 @@ from kubellm import api
 
 # Run as a script, bench/ is on sys.path; run from the repository root, as `bench._autoscale`.
 try:
-    from _autoscale import experiment, report
+    from _autoscale import experiment, report, traces
+    from _autoscale.gateway import ApiModel
 except ImportError:  # imported as bench.autoscale_sim (tests)
-    from bench._autoscale import experiment, report
+    from bench._autoscale import experiment, report, traces
+    from bench._autoscale.gateway import ApiModel
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--traces", default=",".join(experiment.TRACES))
+    parser.add_argument("--traces", default=None, help="comma-separated built-in traces: "
+                        + ", ".join((*experiment.TRACES, *experiment.EXTRA_TRACES))
+                        + f" (default: {','.join(experiment.TRACES)}; "
+                        "none with --trace)")  # fmt: skip
+    parser.add_argument("--trace", type=Path, metavar="FILE.csv",
+                        help="a recorded trace: a timestamp column and prompt and output token "
+                        "columns (timestamp, prompt_tokens | input_tokens | ContextTokens, "
+                        "output_tokens | GeneratedTokens; any case)")  # fmt: skip
+    parser.add_argument("--rate-scale", type=float, default=1.0, metavar="X",
+                        help="with --trace: superpose X copies of it, each circularly "
+                        "shifted by a random offset (same length and burstiness, X x the "
+                        "rate)")  # fmt: skip
     parser.add_argument("--policies", default=",".join(experiment.POLICIES), help="comma-separated")
+    parser.add_argument("--fallback-shares", default="0", metavar="S,...",
+                        help="kv-queue+fallback runs again with maxFallbackShare set to "
+                        "each (the knob's effect; the spec's default always runs); '' for "
+                        "none")  # fmt: skip
     parser.add_argument("--mix", choices=sorted(experiment.CAPACITY_RPS), default="long",
                         help="request sizes: long (~2,400 prompt / ~200 output tokens, KV-bound) "
                         "or short (~800 / ~40, compute-bound)")  # fmt: skip
@@ -56,23 +73,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a spec.autoscaling field for the policies (what-if), e.g. "
                         "--set minReplicas=2 --set targetKVCacheUsage=0.4")  # fmt: skip
+    api_defaults = ApiModel()
+    parser.add_argument("--gpu-hour-price", type=float, default=experiment.GPU_HOUR_PRICE,
+                        metavar="$", help="price of one GPU-hour (replica-hours here)")  # fmt: skip
+    parser.add_argument("--api-input-price-per-million", type=float, metavar="$",
+                        default=api_defaults.input_price_per_million)  # fmt: skip
+    parser.add_argument("--api-output-price-per-million", type=float, metavar="$",
+                        default=api_defaults.output_price_per_million)  # fmt: skip
+    parser.add_argument("--api-ttft", type=float, default=api_defaults.ttft_seconds,
+                        metavar="S", help="the fallback API's time to first token")  # fmt: skip
+    parser.add_argument("--api-itl", type=float, default=api_defaults.itl_seconds,
+                        metavar="S", help="the fallback API's time between tokens")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (runs in parallel)")
     parser.add_argument("--out", type=Path, default=Path("bench/out"))
+    parser.add_argument("--json", type=Path, metavar="FILE",
+                        help="write the figures per trace and policy to FILE")  # fmt: skip
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-curve", action="store_true", help="skip the one-replica load curve")
     args = parser.parse_args(argv)
+    if args.traces is None:
+        args.traces = "" if args.trace else ",".join(experiment.TRACES)
     args.traces = [t for t in args.traces.split(",") if t]
     args.policies = [p for p in args.policies.split(",") if p]
+    known_traces = (*experiment.TRACES, *experiment.EXTRA_TRACES)
     for name in args.traces:
-        if name not in experiment.TRACES:
-            parser.error(f"--traces: unknown trace {name!r}; known: {', '.join(experiment.TRACES)}")
+        if name not in known_traces:
+            parser.error(f"--traces: unknown trace {name!r}; known: {', '.join(known_traces)}")
     known = experiment.POLICIES
     for name in args.policies:
         if name not in known:
             parser.error(f"--policies: unknown policy {name!r}; known: {', '.join(known)}")
     if args.scale <= 0:
         parser.error("--scale must be positive")
+    if args.rate_scale <= 0:
+        parser.error("--rate-scale must be positive")
+    for flag in ("gpu_hour_price", "api_input_price_per_million", "api_output_price_per_million",
+                 "api_ttft", "api_itl"):  # fmt: skip
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must not be negative")
+    try:
+        args.fallback_shares = [float(v) for v in args.fallback_shares.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"--fallback-shares: expected numbers in [0, 1], got {args.fallback_shares!r}")
+    if any(not 0 <= v <= 1 for v in args.fallback_shares):
+        parser.error("--fallback-shares: each share must be in [0, 1]")
     args.spec = spec_overrides(parser, args.set)
+    args.api = ApiModel(
+        ttft_seconds=args.api_ttft,
+        itl_seconds=args.api_itl,
+        input_price_per_million=args.api_input_price_per_million,
+        output_price_per_million=args.api_output_price_per_million,
+    )
+    if args.trace is not None:
+        try:
+            args.recorded = traces.read_csv(args.trace, args.rate_scale, args.seed)
+        except traces.TraceError as error:
+            parser.error(f"--trace: {error}")
+    else:
+        args.recorded = None
+    if not args.traces and args.trace is None:
+        parser.error("--traces: nothing to run")
     return args
 
 
@@ -96,6 +156,20 @@ def spec_overrides(parser: argparse.ArgumentParser, items: list[str]) -> tuple:
     return tuple((name, getattr(spec, name)) for name in overrides)
 
 
+# Issue #6's figures on its compressed day (24 h in 1,440 s, loads and windows in real seconds),
+# kept beside the new ones: that workload mixed time scales, and this one replaced it.
+OLD_FIGURES = (
+    "before (#6, compressed day: 24 h in 1,440 simulated s, 60 s loads and the 300 s window in "
+    "real s; --traces compressed-day): kv-queue 99.93% at 6,060 replica-s = 84% of fixed (7,200), "
+    "KPA-style 86.63% at 5,956"
+)
+
+
+def default_share(args: argparse.Namespace) -> float:
+    """maxFallbackShare as the spec gives it (the default, or a --set override)."""
+    return experiment.autoscaling(args.mix, **dict(args.spec)).max_fallback_share
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -107,27 +181,46 @@ def main(argv: list[str] | None = None) -> int:
         for share in (0.25, 0.5, 0.75, 1.0, 1.15, 1.25)
         if not args.no_curve
     ]
-    jobs = [
-        experiment.Job(
-            trace,
-            policy,
-            mix=args.mix,
-            seed=args.seed,
-            scale=args.scale,
-            kpa_target=round(calibration["concurrency"], 1),
-            load_seconds=args.load_seconds,
-            spec=args.spec,
-        )
-        for trace in args.traces
-        for policy in args.policies
-    ]
+    common = {
+        "mix": args.mix,
+        "seed": args.seed,
+        "scale": args.scale,
+        "kpa_target": round(calibration["concurrency"], 1),
+        "load_seconds": args.load_seconds,
+        "spec": args.spec,
+        "api_model": args.api,
+        "gpu_hour_price": args.gpu_hour_price,
+    }
+    sources = [(name, None) for name in args.traces]
+    if args.trace is not None:
+        sources.append((args.recorded.name, str(args.trace)))
+    jobs = []
+    for trace, path in sources:
+        for policy in args.policies:
+            shares = [None]
+            if policy == experiment.FALLBACK:
+                shares += [s for s in args.fallback_shares if s != default_share(args)]
+            for share in shares:
+                jobs.append(
+                    experiment.Job(
+                        trace,
+                        policy,
+                        fallback_share=share,
+                        trace_file=path,
+                        rate_scale=args.rate_scale,
+                        **common,
+                    )
+                )
     if args.jobs > 1:
+        # the longest runs first, so the pool's workers finish together
+        order = sorted(range(len(jobs)), key=lambda i: jobs[i].policy in ("all-api",))
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            outcomes = list(pool.map(experiment.run, jobs))
+            done = dict(zip(order, pool.map(experiment.run, [jobs[i] for i in order]), strict=True))
+        outcomes = [done[i] for i in range(len(jobs))]
     else:
         outcomes = [experiment.run(job) for job in jobs]
     summaries = [summary for summary, _ in outcomes]
-    checks = report.targets(summaries, experiment.PERIOD) if "kv-queue" in args.policies else []
+    checks = report.targets(summaries, experiment.PERIOD)
 
     cal = calibration
     print(
@@ -148,16 +241,47 @@ def main(argv: list[str] | None = None) -> int:
         print(f"one replica, KV usage / in flight / SLO met at {points}")
     if args.spec:
         print("what-if spec.autoscaling: " + ", ".join(f"{k}={v}" for k, v in args.spec))
+    api_model = args.api
+    print(
+        f"cost: ${args.gpu_hour_price:g} per GPU-hour (replica-hours, loading included) + "
+        f"fallback API tokens at ${api_model.input_price_per_million:g} / "
+        f"${api_model.output_price_per_million:g} per million in / out; the API answers in "
+        f"TTFT {api_model.ttft_seconds:g} s, ITL {api_model.itl_seconds:g} s, at most "
+        f"{api_model.max_concurrency} at once from the gateway "
+        f"(maxFallbackShare {default_share(args):g})"
+    )
+    per_replica = {s["policy"]: s["target_requests_per_replica"] for s in summaries}
+    print(
+        "targetRequestsPerReplica: "
+        + ", ".join(f"{name} {value:g}" for name, value in per_replica.items() if value)
+        + f" (kv-queue: {experiment.RATE_TARGET:g} x a replica's capacity, headroom for spikes "
+        "faster than a model load; with the fallback: "
+        f"{experiment.FALLBACK_RATE_TARGET:g} x, the fallback takes them)"
+    )
+    for trace, _ in sources:
+        run = next(s for s in summaries if s["trace"] == trace)
+        print(f"{trace}: {run['trace_description']}")
+    if args.recorded is not None and args.recorded.clipped:
+        print(f"{args.recorded.name}: {args.recorded.clipped} requests clipped to the replicas' "
+              f"limits ({traces.MAX_PROMPT_TOKENS} prompt, {traces.MAX_OUTPUT_TOKENS} output "
+              "tokens)")  # fmt: skip
     print()
     print(report.table(summaries))
     print()
     print(report.lower_bounds(summaries))
     print()
     print(report.targets_text(checks))
+    if "bursty-day" in args.traces:
+        print()
+        print(OLD_FIGURES)
 
     args.out.mkdir(parents=True, exist_ok=True)
     document = {
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("api", "recorded")
+        },
         "setup": {
             "profile": "llama-3.1-8b-h100",
             "engine_overrides": {"max_num_seqs": 128, "max_num_batched_tokens": 2048},
@@ -171,7 +295,12 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "period_s": experiment.PERIOD,
             "load_seconds": args.load_seconds,
-            "routing": "least-load (fewest waiting + running on ready replicas); no fallback",
+            "routing": "least-load (fewest waiting + running on ready replicas); "
+            "kv-queue+fallback: the gateway's admission (production decide) and the fallback",
+            "cost": {
+                "gpu_hour_price": args.gpu_hour_price,
+                "api": args.api.__dict__,
+            },
             "kpa_target_concurrency": jobs[0].kpa_target,
         },
         "runs": summaries,
@@ -182,8 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     (args.out / "summary.json").write_text(json.dumps(document, indent=1))
     paths = [args.out / "summary.json"]
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report.per_policy(summaries), indent=1))
+        paths.append(args.json)
     if not args.no_plot:
-        report.plot([r for _, r in outcomes], capacity, args.out / "autoscale.png")
+        report.plot(
+            [r for _, r in outcomes], capacity, args.out / "autoscale.png", experiment.PERIOD
+        )
         paths.append(args.out / "autoscale.png")
     print()
     print(f"wrote {', '.join(map(str, paths))} in {time.perf_counter() - started:.0f} s wall")

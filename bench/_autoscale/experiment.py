@@ -23,7 +23,8 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kubellm.autoscaler import kvqueue
@@ -34,16 +35,25 @@ from kubellm.engine import sim_profiles
 from kubellm import api
 
 from . import traces
-from .fleet import Fleet, FleetConfig, Result
+from .fleet import Fleet, FleetConfig, Result, Sample
+from .gateway import ApiModel
 
 # Requests/s one replica serves with >= 99% SLO attainment, per request mix
 # (`calibrate`; the cliff is just above: long 8.5 and short 26 req/s are overloaded).
 CAPACITY_RPS = {"long": 7.0, "short": 20.0}
 LOAD_SECONDS = 60.0
 RATE_TARGET = 0.8  # targetRequestsPerReplica as a share of CAPACITY_RPS
+# With the fallback: the full capacity. Headroom is there for spikes that arrive faster than a
+# model loads; with a fallback, the fallback takes them (and the overflow while replicas load).
+FALLBACK_RATE_TARGET = 1.0
 PERIOD = 5.0
-POLICIES = ("kv-queue", "concurrency", "fixed")  # the issue's comparison, run by default
+FALLBACK = "kv-queue+fallback"  # kv-queue, with the gateway's admission and the fallback API
+ALL_API = "all-api"  # no fleet: every request goes to the API
+# The issue's comparison, run by default.
+POLICIES = ("fixed", "concurrency", "kv-queue", FALLBACK, ALL_API)
 TRACES = ("step", "ramp", "bursty-day")
+EXTRA_TRACES = ("compressed-day",)  # issue #6's day (mixed time scales), on request only
+GPU_HOUR_PRICE = 2.50  # $ per GPU-hour: an 80 GB H100 rented on demand
 
 
 def profile() -> sim_profiles.Profile:
@@ -75,6 +85,7 @@ def config(
     initial_replicas: int = 1,
     load_seconds: float = LOAD_SECONDS,
     mix: str = "long",
+    fallback: ApiModel | None = None,
     **overrides: Any,
 ) -> FleetConfig:
     return FleetConfig(
@@ -84,6 +95,7 @@ def config(
         initial_replicas=initial_replicas,
         load_seconds=load_seconds,
         period=PERIOD,
+        fallback=fallback,
     )
 
 
@@ -95,7 +107,10 @@ def make_trace(name: str, mix: str = "long", scale: float = 1.0, seed: int = 0) 
         return traces.ramp(capacity, scale)
     if name == "bursty-day":
         return traces.bursty_day(capacity, scale, seed)
-    raise ValueError(f"--traces: unknown trace {name!r}; known: {', '.join(TRACES)}")
+    if name == "compressed-day":
+        return traces.compressed_day(capacity, scale, seed)
+    known = ", ".join((*TRACES, *EXTRA_TRACES))
+    raise ValueError(f"--traces: unknown trace {name!r}; known: {known}")
 
 
 def peak_rate(trace: traces.Trace) -> float:
@@ -161,8 +176,10 @@ def calibrate(mix: str, rate: float | None = None, seconds: float = 120.0) -> di
 
 
 def make_policy(name: str, kpa_target: float, capacity: float) -> policies.Policy | None:
-    if name == "fixed":
+    if name in ("fixed", ALL_API):
         return None
+    if name == FALLBACK:
+        return policies.get("kv-queue")
     if name == "concurrency":
         return ConcurrencyPolicy(target_concurrency=kpa_target)
     return policies.get(name)
@@ -178,36 +195,125 @@ class Job:
     kpa_target: float = 32.0
     load_seconds: float = LOAD_SECONDS
     spec: tuple[tuple[str, Any], ...] = ()  # spec.autoscaling overrides (field, value)
+    api_model: ApiModel = field(default_factory=ApiModel)
+    gpu_hour_price: float = GPU_HOUR_PRICE
+    fallback_share: float | None = None  # maxFallbackShare for this run (None: the spec's)
+    trace_file: str | None = None  # a CSV trace instead of a built-in one
+    rate_scale: float = 1.0
+
+    @property
+    def label(self) -> str:
+        """The policy's name in the table: the knob's value where it differs from the spec's."""
+        if self.policy == FALLBACK and self.fallback_share is not None:
+            return f"{FALLBACK} share={self.fallback_share:g}"
+        return self.policy
+
+
+def load_trace(job: Job) -> traces.Trace:
+    if job.trace_file:
+        return traces.read_csv(Path(job.trace_file), job.rate_scale, job.seed)
+    return make_trace(job.trace, job.mix, job.scale, job.seed)
+
+
+def fixed_size_of(trace: traces.Trace, mix: str) -> int:
+    if isinstance(trace, traces.RecordedTrace):
+        return max(1, math.ceil(trace.peak_rate / CAPACITY_RPS[mix] - 1e-9))
+    return fixed_size(trace, mix)
 
 
 def run(job: Job) -> tuple[dict[str, Any], Result]:
     """One (trace, policy) run: its summary and its full result (for the plot)."""
-    trace = make_trace(job.trace, job.mix, job.scale, job.seed)
-    initial = fixed_size(trace, job.mix) if job.policy == "fixed" else 1
-    fleet = Fleet(
-        config(initial, job.load_seconds, job.mix, **dict(job.spec)),
-        make_policy(job.policy, job.kpa_target, CAPACITY_RPS[job.mix]),
-        trace.arrivals(job.seed, traces.MIXES[job.mix]),
-        trace.duration,
-        trace=job.trace,
-        policy_name=job.policy,
-    )
+    trace = load_trace(job)
+    arrivals = trace.arrivals(job.seed, traces.MIXES[job.mix])
+    overrides = dict(job.spec)
+    if job.fallback_share is not None:
+        overrides["max_fallback_share"] = job.fallback_share
+    if job.policy == FALLBACK and "target_requests_per_replica" not in overrides:
+        overrides["target_requests_per_replica"] = round(
+            FALLBACK_RATE_TARGET * CAPACITY_RPS[job.mix], 2
+        )
+    spec = autoscaling(job.mix, **overrides)
     started = time.perf_counter()
-    result = fleet.run()
-    summary = summarise(result, autoscaling(**dict(job.spec)).scale_down_stabilization_seconds)
+    if job.policy == ALL_API:
+        result = all_api(arrivals, trace.duration, job.api_model, api.SLO(), trace.name)
+    else:
+        initial = fixed_size_of(trace, job.mix) if job.policy == "fixed" else 1
+        fleet = Fleet(
+            config(
+                initial,
+                job.load_seconds,
+                job.mix,
+                fallback=job.api_model if job.policy == FALLBACK else None,
+                **overrides,
+            ),
+            make_policy(job.policy, job.kpa_target, CAPACITY_RPS[job.mix]),
+            arrivals,
+            trace.duration,
+            trace=trace.name,
+            policy_name=job.label,
+        )
+        result = fleet.run()
+    summary = summarise(result, spec.scale_down_stabilization_seconds)
     summary["wall_s"] = round(time.perf_counter() - started, 2)
     summary["trace_description"] = trace.description
     summary["oracle_replica_seconds"] = oracle_replica_seconds(trace, job.mix)
-    spec = autoscaling(job.mix, **dict(job.spec))
     summary["target_requests_per_replica"] = spec.target_requests_per_replica
     summary["scale_down_stabilization_seconds"] = spec.scale_down_stabilization_seconds
+    summary["max_fallback_share"] = spec.max_fallback_share if job.policy == FALLBACK else None
     for key, held in (
         ("rate_rule_replica_seconds", False),
         ("rate_rule_held_replica_seconds", True),
     ):
         summary[key] = rate_rule_replica_seconds(trace, spec, held)
     summary["mix"] = job.mix
+    summary.update(costs(result, job.api_model, job.gpu_hour_price))
     return summary, result
+
+
+def all_api(
+    arrivals: Sequence[traces.Arrival], duration: float, model: ApiModel, slo: api.SLO, trace: str
+) -> Result:
+    """Every request served by the API: its modelled latency, no queue, no replica."""
+    result = Result(trace, ALL_API, duration, requests=len(arrivals))
+    meets = model.ttft_seconds <= slo.ttft_seconds and model.itl_seconds <= slo.itl_seconds
+    per_period: dict[int, int] = {}
+    for a in arrivals:
+        result.finished += 1
+        result.fallback_requests += 1
+        result.fallback_prompt_tokens += a.prompt_tokens
+        result.fallback_output_tokens += a.output_tokens
+        result.ttft.append(model.ttft_seconds)
+        result.itl.append(model.itl_seconds)
+        if meets:
+            result.met += 1
+        else:
+            result.missed.append(a.time)
+        per_period[int(a.time // PERIOD)] = per_period.get(int(a.time // PERIOD), 0) + 1
+    for k in range(1, int(duration // PERIOD) + 1):
+        count = per_period.get(k - 1, 0)
+        result.samples.append(
+            Sample(k * PERIOD, count / PERIOD, 0, 0, 0, 0, 0, 0, 0.0, None, fallback=count)
+        )
+    return result
+
+
+def costs(result: Result, model: ApiModel, gpu_hour_price: float) -> dict[str, Any]:
+    """GPU-hours at their price plus the tokens the API served at its prices."""
+    gpu = result.replica_seconds / 3600 * gpu_hour_price
+    api_cost = model.cost(result.fallback_prompt_tokens, result.fallback_output_tokens)
+    return {
+        "fallback_requests": result.fallback_requests,
+        "fallback_share": round(result.fallback_requests / result.requests, 5)
+        if result.requests
+        else None,
+        "fallback_tokens": result.fallback_prompt_tokens + result.fallback_output_tokens,
+        "fallback_prompt_tokens": result.fallback_prompt_tokens,
+        "fallback_output_tokens": result.fallback_output_tokens,
+        "rejected": result.rejected,
+        "gpu_cost": round(gpu, 4),
+        "api_cost": round(api_cost, 4),
+        "cost": round(gpu + api_cost, 4),
+    }
 
 
 def direction_changes(decisions: Sequence[tuple[float, int, int, str]]) -> list[float]:

@@ -39,18 +39,19 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kubellm.autoscaler import observe, rate
+from kubellm.autoscaler import observe, overflow, rate
 from kubellm.autoscaler import policy as p
 from kubellm.engine.sim_core import Engine, Request, StepResult
 from kubellm.engine.sim_profiles import Profile
 
 from kubellm import api, metrics
 
+from . import gateway as gw
 from .traces import Arrival
 
 EPOCH = 1_800_000_000.0  # simulated t=0 as wall-clock seconds (the status stores RFC 3339)
 STARTING, READY, DRAINING, GONE = "starting", "ready", "draining", "gone"
-_STEP_END, _READY, _TICK = 0, 1, 2  # event kinds, in tie-break order
+_STEP_END, _READY, _TICK, _FALLBACK_END, _RECHECK = 0, 1, 2, 3, 4  # event kinds, tie-break order
 
 
 @dataclass
@@ -90,6 +91,7 @@ class Sample:
     running: int
     kv_cache_usage: float  # mean over ready replicas
     ttft_p95: float | None  # of first tokens emitted in the last period
+    fallback: int = 0  # requests the gateway sent to the fallback in the last period
 
 
 @dataclass
@@ -109,6 +111,11 @@ class Result:
     queue_episodes: list[tuple[float, float | None]] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     max_replicas: int = 0
+    fallback_requests: int = 0
+    fallback_prompt_tokens: int = 0
+    fallback_output_tokens: int = 0
+    rejected: int = 0  # refused by the gateway (429/503): the SLO missed
+    replica_answers: int = 0  # requests the replicas finished
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,9 @@ class FleetConfig:
     load_seconds: float = 60.0
     period: float = 5.0
     drain_limit: float = 600.0  # simulated seconds after the trace to let requests finish
+    # The gateway's admission and fallback (None: every request goes to the least-loaded
+    # ready replica and queues there, no fallback).
+    fallback: gw.ApiModel | None = None
 
 
 def render_metrics(engine: Engine, model: str = "sim") -> str:
@@ -135,14 +145,28 @@ def render_metrics(engine: Engine, model: str = "sim") -> str:
     )
 
 
-def render_gateway_metrics(answered: int, pending: int, model: str = "sim") -> str:
-    """The gateway's request counter and pending gauge for one deployment, as it exports them."""
+def render_gateway_metrics(
+    answered: int,
+    pending: int,
+    model: str = "sim",
+    fallback: int = 0,
+    rejected: int = 0,
+    sent: int = 0,
+) -> str:
+    """The gateway's request counters and pending gauge for one deployment, as it exports
+    them: answered by replicas, by the fallback (`fallback`) and refused (`rejected`), and
+    sent to the fallback (`sent`, counted when sent)."""
     labels = f'model="{model}",deployment="sim",namespace="default"'
+    counter = metrics.GATEWAY_REQUESTS
     return (
-        f"# TYPE {metrics.GATEWAY_REQUESTS.removesuffix('_total')} counter\n"
-        f'{metrics.GATEWAY_REQUESTS}{{{labels},target="replica",code="200"}} {answered}\n'
+        f"# TYPE {counter.removesuffix('_total')} counter\n"
+        f'{counter}{{{labels},target="replica",code="200"}} {answered}\n'
+        f'{counter}{{{labels},target="fallback",code="200"}} {fallback}\n'
+        f'{counter}{{{labels},target="none",code="429"}} {rejected}\n'
         f"# TYPE {metrics.GATEWAY_PENDING} gauge\n"
         f"{metrics.GATEWAY_PENDING}{{{labels}}} {pending}\n"
+        f"# TYPE {metrics.GATEWAY_FALLBACK.removesuffix('_total')} counter\n"
+        f'{metrics.GATEWAY_FALLBACK}{{{labels},reason="saturated"}} {sent}\n'
     )
 
 
@@ -164,7 +188,14 @@ class Fleet:
         self.result = Result(trace, policy_name, duration, requests=len(arrivals))
         self.replicas: list[Replica] = []
         self.scale = config.initial_replicas  # the /scale subresource
-        self.status: dict[str, object] = {}  # status.autoscaler, as the real loop keeps it
+        # status.autoscaler, as the real loop keeps it; the loop ran before the load arrived,
+        # so the gateway's counters were sampled at t=0 (zero requests so far)
+        self.status: dict[str, object] = {
+            "requestSamples": rate.RateWindow().add(EPOCH, 0.0).to_status(),
+            overflow.STATUS_KEY: overflow.GatewayWindow()
+            .add(EPOCH, 0.0, 0.0, 0.0, config.autoscaling.scale_down_stabilization_seconds)
+            .to_status(),
+        }
         self.events: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._filler = [1] * 8192  # prompt body; token 0 is unique per request
@@ -173,6 +204,16 @@ class Fleet:
         self._samples: list[dict[str, object]] | None = None  # status.autoscaler.requestSamples
         self._queue_above = False
         self._open_episode: int | None = None
+        self._gateway_samples: list[dict[str, object]] | None = None
+        self._now = 0.0
+        # The gateway (with a fallback only): its queue of (request index, deadline), the
+        # fallback's requests in flight, and the production completion-rate window.
+        self._queued: list[tuple[int, float]] = []
+        self._fallback_in_flight = 0
+        self._recheck_at: float | None = None
+        self._completions = gw.CompletionRate(gw.COMPLETION_WINDOW, clock=lambda: self._now)
+        self._fallback_target = config.fallback.target() if config.fallback else None
+        self._window_fallback = 0
         for _ in range(config.initial_replicas):
             self._add_replica(0.0, ready=True)
 
@@ -190,16 +231,24 @@ class Fleet:
         while True:
             next_event = self.events[0][0] if self.events else math.inf
             if i < n and arrivals[i].time <= next_event:
+                self._now = arrivals[i].time
                 self._arrive(i, arrivals[i])
                 i += 1
                 continue
             if next_event > end:
                 break  # the drain limit: requests still in flight count as missed
             now, kind, _, index = heapq.heappop(self.events)
+            self._now = now
             if kind == _STEP_END:
                 self._step_end(self.replicas[index], now)
             elif kind == _READY:
                 self._ready(self.replicas[index], now)
+            elif kind == _FALLBACK_END:
+                self._fallback_in_flight -= 1
+                self._admit_queued(now)
+            elif kind == _RECHECK:
+                self._recheck_at = None
+                self._admit_queued(now)
             else:
                 self._tick(now)
                 if now + cfg.period <= res.duration:
@@ -210,18 +259,110 @@ class Fleet:
     # ------------------------------------------------------------------ requests
 
     def _arrive(self, index: int, arrival: Arrival) -> None:
+        self._window_arrivals += 1
+        if self.config.fallback is not None:
+            self._admit(index, arrival.time, None)
+            return
         ready = [r for r in self.replicas if r.state == READY]
         if not ready:  # only when scaled to zero; not modelled (min replicas >= 1 here)
             raise RuntimeError("no ready replica: scale-to-zero is not simulated")
-        replica = min(ready, key=lambda r: r.in_flight)
+        self._to_replica(index, min(ready, key=lambda r: r.in_flight), arrival.time)
+        self._check_queue(arrival.time, ready)
+
+    def _to_replica(self, index: int, replica: Replica, now: float) -> None:
+        arrival = self.arrivals[index]
         prompt = [index + 2, *self._filler[: arrival.prompt_tokens - 1]]
         replica.engine.add(
             SimRequest(f"r{index}", prompt, arrival.output_tokens, arrival=arrival.time)
         )
-        self._window_arrivals += 1
         if not replica.busy:
-            self._start_step(replica, arrival.time)
-        self._check_queue(arrival.time, ready)
+            self._start_step(replica, now)
+
+    # ------------------------------------------------------------------ the gateway
+
+    def _admit(self, index: int, now: float, deadline: float | None) -> bool:
+        """One pass of the gateway's `admit` loop for one request, with production's
+        `decide`. `deadline` is None for a new request. True when it left the queue."""
+        ready = [r for r in self.replicas if r.state == READY]
+        thresholds = gw.Thresholds()
+        candidates = [
+            gw.Candidate(
+                url=str(r.index),
+                in_flight=r.in_flight,
+                waiting=float(len(r.engine.waiting)),
+                kv_usage=r.engine.kv_cache_usage(),
+            )
+            for r in ready
+        ]
+        open_ = [c for c in candidates if not gw.saturated(c, thresholds)]
+        queued = deadline is not None
+        if deadline is None:  # its wait budget: the TTFT target (no replica: the zero wait)
+            deadline = now + (self.config.slo.ttft_seconds if ready else 60.0)
+        waiting = len(self._queued)
+        room = queued or waiting < gw.MAX_QUEUE
+        position = waiting if queued else waiting + 1
+        rate = 0.0 if open_ else self._completions.rate(c.url for c in candidates)
+        decision = gw.decide(
+            ready=len(candidates),
+            unsaturated=len(open_),
+            fallback=self._fallback_target,
+            fallback_in_flight=self._fallback_in_flight,
+            may_wait=room and now < deadline,
+            wait=gw.predicted_wait(position, rate),
+            budget_left=deadline - now if ready else 0.0,
+        )
+        route = decision.route
+        if route is gw.Route.QUEUE:
+            if not queued:
+                self._queued.append((index, deadline))
+                self._schedule_recheck(now)
+            return False
+        if route is gw.Route.REPLICA:
+            best = min(open_, key=lambda c: c.in_flight)  # least-load among the open ones
+            self._to_replica(index, self.replicas[int(best.url)], now)
+            if ready:
+                self._check_queue(now, ready)
+        elif route is gw.Route.FALLBACK:
+            self._to_fallback(index, now)
+        else:  # REJECT: 429 (saturated) or 503 (no replica): the SLO is missed
+            self.result.rejected += 1
+            self.result.missed.append(self.arrivals[index].time)
+        return True
+
+    def _admit_queued(self, now: float) -> None:
+        """Queued requests look again, oldest first (a slot freed, or time passed)."""
+        if not self._queued:
+            return
+        for entry in list(self._queued):  # its position: every request still queued
+            if self._admit(entry[0], now, entry[1]):
+                self._queued.remove(entry)
+        if self._queued:
+            self._schedule_recheck(now)
+
+    def _schedule_recheck(self, now: float) -> None:
+        if self._recheck_at is None:
+            self._recheck_at = now + gw.RECHECK_SECONDS
+            self._push(self._recheck_at, _RECHECK)
+
+    def _to_fallback(self, index: int, now: float) -> None:
+        """The external API serves it: its modelled latency, its tokens billed."""
+        api_model, res, slo = self.config.fallback, self.result, self.config.slo
+        assert api_model is not None
+        arrival = self.arrivals[index]
+        res.fallback_requests += 1
+        res.fallback_prompt_tokens += arrival.prompt_tokens
+        res.fallback_output_tokens += arrival.output_tokens
+        self._window_fallback += 1
+        self._fallback_in_flight += 1
+        self._push(now + api_model.duration(arrival.output_tokens), _FALLBACK_END)
+        ttft = now - arrival.time + api_model.ttft_seconds
+        res.finished += 1
+        res.ttft.append(ttft)
+        res.itl.append(api_model.itl_seconds)
+        if ttft <= slo.ttft_seconds and api_model.itl_seconds <= slo.itl_seconds:
+            res.met += 1
+        else:
+            res.missed.append(arrival.time)
 
     def _check_queue(self, now: float, ready: list[Replica]) -> None:
         """Track episodes of the mean queue on ready replicas above its target.
@@ -264,12 +405,17 @@ class Fleet:
             outputs = len(request.output)
             itl = (now - request.first_token_at) / (outputs - 1) if outputs > 1 else 0.0
             res.finished += 1
+            res.replica_answers += 1
             res.ttft.append(ttft)
             res.itl.append(itl)
             if ttft <= slo.ttft_seconds and itl <= slo.itl_seconds:
                 res.met += 1
             else:
                 res.missed.append(request.arrival)
+            if self.config.fallback is not None:
+                self._completions.record(str(replica.index))
+        if self._queued and result.finished:
+            self._admit_queued(now)
         if replica.engine.has_work:
             self._start_step(replica, now)
         else:
@@ -325,26 +471,44 @@ class Fleet:
         scraped = tuple(
             observe.engine_load(render_metrics(r.engine), f"replica-{r.index}") for r in ready
         )
-        # kubellm_gateway_pending_requests: admitted, not yet answered (draining replicas too)
+        # kubellm_gateway_pending_requests: admitted, not yet answered (draining replicas too,
+        # the gateway's queue and the fallback's requests in flight)
         pending = sum(r.in_flight for r in self.replicas if r.state in (READY, DRAINING))
+        pending += len(self._queued) + self._fallback_in_flight
         observation = p.Observation(
             now=EPOCH + now,
             current_replicas=self.scale,
             replicas=scraped,
             gateway_pending=float(pending),
         )
-        self._samples = None
-        if self.config.autoscaling.target_requests_per_replica is None:
-            return observation
-        text = render_gateway_metrics(self.result.finished, pending)
+        res = self.result
+        done_fallback = res.fallback_requests - self._fallback_in_flight
+        text = render_gateway_metrics(
+            res.replica_answers, pending, "sim", done_fallback, res.rejected, res.fallback_requests
+        )
+        names = ("sim", "sim", "default")
         window, counted = rate.observe(
-            self.status, EPOCH + now, observe.gateway_admitted(text, "sim", "sim", "default")
+            self.status, EPOCH + now, observe.gateway_admitted(text, *names)
         )
         self._samples = window.to_status()
+        counts = (
+            observe.gateway_admitted(text, *names),
+            observe.gateway_fallback(text, *names),
+            observe.gateway_answered(text, "sim", "replica", "sim", "default"),
+        )
+        answers, _ = overflow.observe(
+            self.status,
+            EPOCH + now,
+            counts,
+            self.config.autoscaling.scale_down_stabilization_seconds,
+        )
+        self._gateway_samples = answers.to_status()
         return dataclasses.replace(
             observation,
             request_rate=window.rate if counted else None,
             recent_request_rate=window.recent if counted else None,
+            fallback_share=answers.fallback_share if self.config.fallback else None,
+            replica_answer_rate=answers.replica_rate,
         )
 
     def _tick(self, now: float) -> None:
@@ -353,7 +517,11 @@ class Fleet:
             observation = self._observation(now)
             state = p.PolicyState.from_status(self.status)
             decision = self.policy.decide(observation, state, cfg.autoscaling)
-            self.status = {**decision.state.to_status(), "requestSamples": self._samples}
+            self.status = {
+                **decision.state.to_status(),
+                "requestSamples": self._samples,
+                overflow.STATUS_KEY: self._gateway_samples,
+            }
             if decision.replicas != self.scale:
                 res.decisions.append((now, self.scale, decision.replicas, decision.message))
                 if decision.replicas > self.scale:
@@ -395,8 +563,10 @@ class Fleet:
                 running=running,
                 kv_cache_usage=kv / by_state[READY] if by_state[READY] else 0.0,
                 ttft_p95=ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))] if ttft else None,
+                fallback=self._window_fallback,
             )
         )
+        self._window_fallback = 0
         res.max_replicas = max(res.max_replicas, by_state[READY] + by_state[STARTING])
         self._window_arrivals = 0
         self._window_ttft = []

@@ -11,10 +11,13 @@ kept to a few hundred tokens.
 
 from __future__ import annotations
 
+import csv
+import datetime as dt
 import math
 import random
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -104,11 +107,45 @@ def ramp(capacity: float, scale: float = 1.0) -> Trace:
 
 
 def bursty_day(capacity: float, scale: float = 1.0, seed: int = 0) -> Trace:
-    """A diurnal curve (night trough 0.4, afternoon peak 3 replicas' worth) plus spikes.
+    """Six hours of a working day in real time: a diurnal rise plus short spikes.
 
-    24 hours compressed into `1440 x scale` simulated seconds (one minute per
-    simulated second at scale 1). Four spikes add 1.5 replicas' worth for
-    60-120 s each, at seeded times during the day.
+    `21,600 x scale` simulated seconds, one per real second, so the model load,
+    the control period and the scale-down window keep their real length. The
+    base load rises from 0.4 replicas' worth (early morning) to a peak of 3
+    at the fourth hour and eases to 1.7 by the sixth (a cosine of an 8-hour
+    period). Ten spikes add 1.5 replicas' worth for 30-150 s each (bursts
+    shorter than a few model loads: a batch job, a retry storm, a launch),
+    at seeded times.
+    """
+    duration = 21_600.0 * scale
+    rng = random.Random(f"spikes-6h/{seed}")
+    spikes = []
+    for _ in range(10):
+        start = rng.uniform(0.05, 0.95) * duration
+        spikes.append((start, start + rng.uniform(30.0, 150.0) * scale))
+    base_low, base_high, spike = 0.4 * capacity, 3.0 * capacity, 1.5 * capacity
+    period = 8 * 3600.0 * scale
+
+    def rate(t: float) -> float:
+        value = base_low + (base_high - base_low) * 0.5 * (1 - math.cos(2 * math.pi * t / period))
+        return value + sum(spike for a, b in spikes if a <= t < b)
+
+    overlap = max(sum(1 for a, b in spikes if a <= start < b) for start, _ in spikes)
+    return Trace(
+        "bursty-day",
+        duration,
+        rate,
+        base_high + spike * overlap,
+        f"6 h in real time: base {base_low:g}..{base_high:g} req/s, {len(spikes)} spikes "
+        f"+{spike:g} req/s of 30-150 s",
+    )
+
+
+def compressed_day(capacity: float, scale: float = 1.0, seed: int = 0) -> Trace:
+    """Issue #6's day: a diurnal curve (night trough 0.4, afternoon peak 3 replicas' worth)
+    plus spikes, 24 hours compressed into `1440 x scale` simulated seconds while the model
+    load and the scale-down window stay in real seconds (mixed time scales: kept for the
+    old figures only). Four spikes add 1.5 replicas' worth for 60-120 s each.
     """
     duration = 1440.0 * scale
     rng = random.Random(f"spikes/{seed}")
@@ -125,10 +162,158 @@ def bursty_day(capacity: float, scale: float = 1.0, seed: int = 0) -> Trace:
         return value + sum(spike for a, b in spikes if a <= t < b)
 
     return Trace(
-        "bursty-day",
+        "compressed-day",
         duration,
         rate,
         base_high + spike * len(spikes),
         f"diurnal {base_low:g}..{base_high:g} req/s, spikes +{spike:g} at "
         + ", ".join(f"{a:.0f}-{b:.0f} s" for a, b in sorted(spikes)),
     )
+
+
+# --------------------------------------------------------------------------- recorded traces
+
+# Column names accepted in a trace CSV (case-insensitive), as public traces name them.
+TIME_COLUMNS = ("timestamp", "time", "arrival_time")
+PROMPT_COLUMNS = ("prompt_tokens", "input_tokens", "contexttokens", "context_tokens")
+OUTPUT_COLUMNS = ("output_tokens", "generatedtokens", "generated_tokens", "completion_tokens")
+MAX_PROMPT_TOKENS = 8000  # the simulated replicas' context (longer prompts are clipped)
+MAX_OUTPUT_TOKENS = 2048
+RATE_BIN_SECONDS = 60.0  # a recorded trace's rate curve: arrivals per minute
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read; the message names the file, line and column."""
+
+
+@dataclass(frozen=True)
+class RecordedTrace(Trace):
+    """A trace read from a CSV file: its own arrivals; the rate curve is their count per
+    minute (for the fixed fleet's size and the reference sizings)."""
+
+    recorded: tuple[Arrival, ...] = field(default=(), repr=False)
+    clipped: int = 0  # requests whose sizes were clipped to the simulated replicas' limits
+
+    def arrivals(self, seed: int, mix: Mix = MIXES["long"]) -> list[Arrival]:
+        return list(self.recorded)
+
+
+def _parse_time(text: str) -> float:
+    """Seconds: a number, or an ISO 8601 date-time (fractions past microseconds dropped)."""
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    head, dot, fraction = text.partition(".")
+    if dot:  # "2023-11-16 18:15:46.6805900": Python takes at most 6 fractional digits
+        digits = "".join(c for c in fraction if c.isdigit())
+        rest = fraction[len(digits) :]
+        text = f"{head}.{digits[:6]}{rest}"
+    stamp = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=dt.UTC)
+    return stamp.timestamp()
+
+
+def _column(header: Sequence[str], names: Sequence[str], what: str, path: Path) -> int:
+    lowered = [h.strip().lower() for h in header]
+    for name in names:
+        if name in lowered:
+            return lowered.index(name)
+    raise TraceError(
+        f"{path}: no {what} column; expected one of {', '.join(names)} (any case), "
+        f"found {', '.join(h.strip() for h in header) or 'none'}"
+    )
+
+
+def read_csv(path: Path, rate_scale: float = 1.0, seed: int = 0) -> RecordedTrace:
+    """A CSV trace: a timestamp column and prompt and output token columns.
+
+    Times are made relative to the earliest request. `rate_scale` X superposes
+    X copies of the trace, each circularly shifted by a seeded random offset,
+    so the trace keeps its length and its burstiness at X times the rate (a
+    fractional part adds one copy thinned to that share).
+    """
+    try:
+        handle = path.open(newline="", encoding="utf-8-sig")
+    except OSError as error:
+        raise TraceError(f"--trace: cannot read {path}: {error.strerror or error}") from None
+    rows: list[tuple[float, int, int]] = []
+    clipped = 0
+    with handle:
+        reader = csv.reader(handle)
+        header = next(reader, None)
+        if header is None:
+            raise TraceError(f"{path}: empty file; expected a header line")
+        columns = (
+            _column(header, TIME_COLUMNS, "timestamp", path),
+            _column(header, PROMPT_COLUMNS, "prompt-token", path),
+            _column(header, OUTPUT_COLUMNS, "output-token", path),
+        )
+        for line, row in enumerate(reader, start=2):
+            if not any(cell.strip() for cell in row):
+                continue
+            values = []
+            for index, name in zip(
+                columns, ("timestamp", "prompt tokens", "output tokens"), strict=True
+            ):
+                cell = row[index] if index < len(row) else ""
+                try:
+                    values.append(_parse_time(cell) if not values else int(float(cell)))
+                except ValueError:
+                    raise TraceError(
+                        f"{path}:{line}: {header[index].strip()} ({name}): cannot read {cell!r}"
+                    ) from None
+            when, prompt, output = values
+            if prompt < 0 or output < 0:
+                raise TraceError(f"{path}:{line}: token counts must not be negative")
+            sized = (min(max(prompt, 1), MAX_PROMPT_TOKENS), min(max(output, 1), MAX_OUTPUT_TOKENS))
+            clipped += sized != (prompt, output)
+            rows.append((when, *sized))
+    if len(rows) < 2:
+        raise TraceError(f"{path}: needs at least two requests, found {len(rows)}")
+    rows.sort()
+    start = rows[0][0]
+    base = [Arrival(t - start, p, o) for t, p, o in rows]
+    duration = max(base[-1].time, 1.0) + 1.0
+    arrivals = _superpose(base, duration, rate_scale, random.Random(f"rate-scale/{seed}"))
+    bins = [0] * math.ceil(duration / RATE_BIN_SECONDS)
+    for a in arrivals:
+        bins[min(len(bins) - 1, int(a.time // RATE_BIN_SECONDS))] += 1
+    rates = tuple(b / RATE_BIN_SECONDS for b in bins)
+
+    def rate(t: float) -> float:
+        return rates[min(len(rates) - 1, max(0, int(t // RATE_BIN_SECONDS)))]
+
+    scale = f" x{rate_scale:g}" if rate_scale != 1 else ""
+    return RecordedTrace(
+        path.stem,
+        duration,
+        rate,
+        max(rates),
+        f"{path.name}{scale}: {len(arrivals)} requests over {duration:.0f} s",
+        recorded=tuple(arrivals),
+        clipped=clipped,
+    )
+
+
+def _superpose(
+    base: Sequence[Arrival], duration: float, scale: float, rng: random.Random
+) -> list[Arrival]:
+    if scale <= 0:
+        raise TraceError("--rate-scale must be positive")
+    copies = math.floor(scale)
+    share = scale - copies
+    out: list[Arrival] = list(base) if copies >= 1 else []
+    for copy in range(1, copies + (1 if share > 1e-9 else 0)):
+        offset = rng.uniform(0.0, duration)
+        keep = share if copy == copies else 1.0
+        for a in base:
+            if keep < 1.0 and rng.random() >= keep:
+                continue
+            out.append(Arrival((a.time + offset) % duration, a.prompt_tokens, a.output_tokens))
+    if copies == 0:  # scale < 1: the trace itself, thinned
+        out = [a for a in base if rng.random() < share]
+    out.sort(key=lambda a: a.time)
+    return out

@@ -8,6 +8,7 @@ deterministic, and the summary JSON and the plot are written.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -117,12 +118,24 @@ def test_the_gateway_counters_reach_the_policy_as_a_request_rate() -> None:
     assert (before, after) == (1, 2) and message.startswith(policies.REQUEST_RATE)
 
 
-def test_without_a_rate_target_the_fleet_has_no_rate_signal() -> None:
-    rate = 1.2 * CAPACITY
-    trace = traces.Trace("flat", 30.0, lambda t: rate, rate, "")
-    config = fleet_config(target_requests_per_replica=None)
+def test_the_default_spec_does_not_flap_under_steady_load() -> None:
+    """Issue #17: a new user's spec (no targetRequestsPerReplica) under a steady load.
+
+    Before, KV usage and queue read near zero until saturation, so the fleet went up on
+    the queue, down once they read low, and up again (1 -> 4 -> 2 -> 1 -> 4). Now the
+    policy learns what a replica serves while saturated and holds the fleet there.
+    """
+    rate = 1.6 * CAPACITY
+    trace = traces.Trace("steady", 700.0, lambda t: rate, rate, "")
+    config = FleetConfig(
+        experiment.profile(), api.Autoscaling(max_replicas=8), api.SLO(), load_seconds=60.0
+    )
     result = run(trace, config, policies.get("kv-queue"))
-    assert all("req/s" not in message for *_, message in result.decisions)
+
+    assert result.decisions, "a steady 1.6 replicas' worth never scaled one replica up"
+    assert experiment.direction_changes(result.decisions) == [], result.decisions
+    assert any("target derived" in message for *_, message in result.decisions)
+    assert result.samples[-1].ready >= 2  # it serves the load
 
 
 @pytest.mark.parametrize(
@@ -199,3 +212,148 @@ def test_what_if_overrides_reach_the_spec() -> None:
     assert dict(args.spec) == {"min_replicas": 2, "target_kv_cache_usage": 0.4}
     off = autoscale_sim.parse_args(["--set", "targetRequestsPerReplica=none"])
     assert dict(off.spec) == {"target_requests_per_replica": None}
+
+
+# ---------------------------------------------------------------- the fallback and the cost
+
+
+def test_overflow_goes_to_the_fallback_through_the_production_admission() -> None:
+    from bench._autoscale import gateway
+
+    high = 2.5 * CAPACITY  # one replica, no scaling: the overflow has to go somewhere
+    trace = traces.Trace("flat", 40.0, lambda t: high, high, "")
+    config = dataclasses.replace(fleet_config(initial=1), fallback=gateway.ApiModel())
+    result = run(trace, config, None)
+
+    assert result.fallback_requests > 0 and result.replica_answers > 0
+    assert result.fallback_requests + result.replica_answers + result.rejected >= result.finished
+    assert result.fallback_prompt_tokens > result.fallback_requests  # tokens, not requests
+    assert sum(s.fallback for s in result.samples) <= result.fallback_requests
+    # the same fleet without the fallback misses the SLO for what the fallback served in time
+    alone = run(trace, fleet_config(initial=1), None)
+    assert result.met > alone.met
+
+
+def test_the_admission_is_the_gateways_own() -> None:
+    from bench._autoscale import gateway
+
+    try:
+        from kubellm.gateway.routing import admission
+    except ImportError:
+        from kubellm.gateway import fallback as admission  # type: ignore[no-redef]
+    assert gateway.decide is admission.decide and gateway.saturated is admission.saturated
+    assert gateway.CompletionRate is admission.CompletionRate
+
+
+def test_cost_is_gpu_hours_plus_the_tokens_the_api_served() -> None:
+    from bench._autoscale import gateway
+
+    model = gateway.ApiModel(input_price_per_million=1.0, output_price_per_million=4.0)
+    result = Result("t", "p", 3600.0, requests=10)
+    result.replica_seconds = 7200.0
+    result.fallback_requests, result.fallback_prompt_tokens = 10, 2_000_000
+    result.fallback_output_tokens = 500_000
+    figures = experiment.costs(result, model, gpu_hour_price=3.0)
+    assert figures["gpu_cost"] == pytest.approx(6.0)  # 2 GPU-hours at $3
+    assert figures["api_cost"] == pytest.approx(2.0 + 2.0)
+    assert figures["cost"] == pytest.approx(10.0) and figures["fallback_share"] == 1.0
+
+
+def test_all_api_meets_the_slo_only_when_the_apis_latency_does() -> None:
+    from bench._autoscale import gateway
+
+    arrivals = step_trace().arrivals(0, MIX)
+    fast = experiment.all_api(arrivals, 90.0, gateway.ApiModel(), api.SLO(), "t")
+    slow = experiment.all_api(arrivals, 90.0, gateway.ApiModel(ttft_seconds=3.0), api.SLO(), "t")
+    assert fast.met == len(arrivals) and slow.met == 0
+    assert fast.replica_seconds == 0 and fast.fallback_requests == len(arrivals)
+
+
+# ---------------------------------------------------------------- recorded traces
+
+
+def write_csv(path, header: str, rows: list[str]) -> None:
+    path.write_text(header + "\n" + "\n".join(rows) + "\n")
+
+
+def test_a_csv_trace_with_azure_style_columns_and_iso_times(tmp_path) -> None:
+    path = tmp_path / "azure.csv"
+    write_csv(
+        path,
+        "TIMESTAMP,ContextTokens,GeneratedTokens",
+        ["2023-11-16 18:15:46.6805900,374,44", "2023-11-16 18:15:50.9951690,396,109",
+         "2023-11-16 18:15:47.0,99999,0"],
+    )  # fmt: skip
+    trace = traces.read_csv(path)
+    arrivals = trace.arrivals(0)
+    assert [round(a.time, 3) for a in arrivals] == [0.0, 0.319, 4.315]
+    assert arrivals[1].prompt_tokens == traces.MAX_PROMPT_TOKENS and arrivals[1].output_tokens == 1
+    assert trace.clipped == 1 and trace.duration == pytest.approx(5.315, abs=1e-3)
+
+
+def test_rate_scale_superposes_shifted_copies(tmp_path) -> None:
+    path = tmp_path / "t.csv"
+    write_csv(path, "timestamp,input_tokens,output_tokens", [f"{t},100,10" for t in range(100)])
+    one = traces.read_csv(path)
+    three = traces.read_csv(path, rate_scale=3, seed=1)
+    half = traces.read_csv(path, rate_scale=2.5, seed=1)
+    assert len(three.arrivals(0)) == 300 and three.duration == one.duration
+    assert 225 <= len(half.arrivals(0)) <= 275
+    assert all(0 <= a.time < one.duration for a in three.arrivals(0))
+    assert three.arrivals(0) == traces.read_csv(path, rate_scale=3, seed=1).arrivals(0)
+
+
+@pytest.mark.parametrize(
+    ("header", "rows", "named"),
+    [
+        ("when,prompt_tokens,output_tokens", ["0,1,1", "1,1,1"], "timestamp"),
+        ("timestamp,prompt,output_tokens", ["0,1,1", "1,1,1"], "prompt-token"),
+        ("timestamp,prompt_tokens,output_tokens", ["0,1,1", "soon,1,1"], ":3: timestamp"),
+        ("timestamp,prompt_tokens,output_tokens", ["0,1,1", "1,many,1"], ":3: prompt_tokens"),
+        ("timestamp,prompt_tokens,output_tokens", ["0,1,1"], "at least two"),
+    ],
+)
+def test_a_bad_trace_is_refused_naming_the_column_and_line(
+    tmp_path, header: str, rows: list[str], named: str
+) -> None:
+    path = tmp_path / "bad.csv"
+    write_csv(path, header, rows)
+    with pytest.raises(traces.TraceError, match=named):
+        traces.read_csv(path)
+
+
+def test_bench_runs_a_csv_trace_and_writes_the_json(tmp_path, capsys) -> None:
+    path = tmp_path / "burst.csv"
+    rows = [f"{i / 6:.3f},2400,150" for i in range(6 * 40)]  # 6/s for 40 s
+    write_csv(path, "timestamp,prompt_tokens,output_tokens", rows)
+    code = autoscale_sim.main(
+        ["--trace", str(path), "--rate-scale", "2", "--policies", "fixed,kv-queue+fallback,all-api",
+         "--fallback-shares", "", "--jobs", "1", "--load-seconds", "20", "--no-curve",
+         "--no-plot", "--out", str(tmp_path), "--json", str(tmp_path / "figures.json"),
+         "--gpu-hour-price", "4", "--api-input-price-per-million", "1"]
+    )  # fmt: skip
+
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "burst" in printed and "cost $" in printed and "$4 per GPU-hour" in printed
+    figures = json.loads((tmp_path / "figures.json").read_text())["burst"]
+    assert set(figures) == {"fixed", "kv-queue+fallback", "all-api"}
+    for row in figures.values():
+        assert set(row) == {
+            "attainment", "goodput", "replica_seconds", "fallback_requests", "fallback_tokens",
+            "cost", "direction_changes", "max_changes_per_window",
+        }  # fmt: skip
+    api_only = figures["all-api"]
+    assert api_only["replica_seconds"] == 0 and api_only["fallback_requests"] == 480
+    assert api_only["cost"] == pytest.approx(480 * (2400 * 1.0 + 150 * 0.2) / 1e6, abs=1e-4)
+    fixed = figures["fixed"]
+    assert fixed["cost"] == pytest.approx(fixed["replica_seconds"] / 900, abs=1e-4)
+
+
+def test_a_bad_trace_flag_names_the_flag(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        autoscale_sim.parse_args(["--trace", str(tmp_path / "missing.csv")])
+    assert "--trace" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        autoscale_sim.parse_args(["--gpu-hour-price", "-1"])
+    assert "--gpu-hour-price" in capsys.readouterr().err
