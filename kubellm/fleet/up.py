@@ -148,7 +148,7 @@ def build_tiny(path: Path, log_path: Path) -> None:
         for line in child.stdout:
             log.write(line)
             log.flush()
-            if line.startswith("tiny: "):
+            if line.startswith("tiny: ") and not line.startswith("tiny: built"):
                 ticker.note(line.removeprefix("tiny: ").strip())
         if child.wait() != 0:
             ticker.finish("failed")
