@@ -303,7 +303,8 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     async def wait(self) -> None:
-        """Wait until the parser made progress, or the connection failed."""
+        """Wait until the parser made progress, or the connection failed. Callers check
+        for what they need before waiting: a failure raises only when nothing is left."""
         if self.error is not None:
             raise self.error
         if self.closed:
@@ -312,9 +313,7 @@ class _Connection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
         waiter = self._waiter = self.loop.create_future()
-        await waiter
-        if self.error is not None:
-            raise self.error
+        await waiter  # the caller looks at what arrived; an error is raised on its next wait
 
     def take(self) -> bytes:
         """The next buffered piece (b"" if none)."""
