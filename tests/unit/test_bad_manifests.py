@@ -7,6 +7,7 @@ alias bomb) are built here rather than committed.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import tracemalloc
 from pathlib import Path
@@ -181,3 +182,40 @@ def test_render_and_up_use_the_same_loader(
     assert code == 1
     assert "Traceback" not in out + err
     assert expected[0] in err
+
+
+@functools.cache
+def _generated_crd() -> dict:
+    import yaml
+
+    from kubellm import crd
+
+    return yaml.safe_load(crd.render())
+
+
+@pytest.mark.parametrize(
+    ("quantity", "valid"),
+    [
+        ("2", True), ("500m", True), ("0.5", True), ("1.5Gi", True), ("64Gi", True),
+        ("4G", True), ("1e3", True), ("+1", True), (".5", True), ("128974848", True),
+        ("two", False), ("4GB", False), ("-1", False), ("1.5 Gi", False), ("", False),
+        ("Gi", False), ("1gi", False), ("1e", False), ("0x10", False),
+    ],
+)  # fmt: skip
+def test_quantities_are_judged_alike_by_the_models_and_the_crd(quantity: str, valid: bool) -> None:
+    """The API server's grammar, in the models and as the CRD's pattern."""
+    import yaml
+
+    from tests.fixtures import crd_validation
+
+    document = yaml.safe_load(HEAD)
+    document["spec"]["resources"] = {"cpu": quantity, "memory": quantity}
+    _, errors = crd_validation.validate(_generated_crd(), document)
+    crd_ok = not errors
+    try:
+        manifests.parse(document)
+        model_ok = True
+    except manifests.ManifestError as error:
+        model_ok = False
+        assert "spec.resources.cpu" in str(error) and "spec.resources.memory" in str(error)
+    assert (crd_ok, model_ok) == (valid, valid), errors
