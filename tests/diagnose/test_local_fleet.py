@@ -1,7 +1,7 @@
 """`kubellm diagnose` with no flags: it finds the local fleet, its gateway and engines.
 
-The live tests start `kubellm up --engine sim` as a subprocess (the same fixture as
-tests/fleet/test_up.py) and run `kubellm diagnose --run-dir ...` against it.
+The live tests start `kubellm up --engine sim` as a subprocess (the `start_fleet` fixture,
+tests/fixtures/fleets.py) and run `kubellm diagnose --run-dir ...` against it.
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ from kubellm.diagnose import collect, triage
 from kubellm.diagnose.snapshot import Snapshot
 from tests.diagnose.test_triage import HEALTHY
 from tests.fixtures.engines import free_port, wait_until
-from tests.fleet.test_up import _manifest, start_fleet
-
-__all__ = ["start_fleet"]  # the fixture, used by name
+from tests.fixtures.fleets import write_manifest
 
 IDLE_GATEWAY = Snapshot(window_s=30, request_rate=0.0, engines=2, running=0, waiting=0,
                         kv_cache_usage_max=0.0)  # fmt: skip
@@ -124,8 +122,8 @@ def test_a_refused_connection_names_the_url(capsys: pytest.CaptureFixture[str]) 
 # --------------------------------------------------------------------------- live
 
 
-def _sim_manifest(tmp_path: Path) -> Path:
-    return _manifest(tmp_path / "diag.yaml", "diag", {
+def _simwrite_manifest(tmp_path: Path) -> Path:
+    return write_manifest(tmp_path / "diag.yaml", "diag", {
         "model": {"source": "file:///nonexistent/sim-only", "servedName": "diag"},
         "resources": {"gpu": {"count": 0}},
         "replicas": 1,
@@ -135,7 +133,7 @@ def _sim_manifest(tmp_path: Path) -> Path:
 def test_diagnose_finds_the_local_fleet_idle_then_loaded(
     start_fleet: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fleet = start_fleet(_sim_manifest(tmp_path))
+    fleet = start_fleet(_simwrite_manifest(tmp_path))
     wait_until(lambda: fleet.ready("diag") == 1, timeout=60, what="one ready replica")
     run_dir = str(fleet.run_dir)
 

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubellm import metrics
-from tests.fixtures.engines import free_port, wait_until
+from tests.fixtures.engines import wait_until
+from tests.fixtures.fleets import write_manifest
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_NUM_SEQS = 8
 REQUESTS = 20
 
@@ -29,68 +25,45 @@ def _engine_gauges(url: str) -> tuple[float, float]:
 
 
 def test_a_sim_fleet_runs_at_most_max_num_seqs_per_replica_and_queues_the_rest(
-    tmp_path: Path,
+    start_fleet: Any, tmp_path: Path
 ) -> None:
-    manifest = tmp_path / "seqs.yaml"
-    manifest.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "kubellm.io/v1alpha1",
-                "kind": "LLMDeployment",
-                "metadata": {"name": "seqs"},
-                "spec": {
-                    "model": {"source": "hf://org/seqs", "servedName": "seqs"},
-                    "engine": {"maxNumSeqs": MAX_NUM_SEQS, "maxModelLen": 1024},
-                    "resources": {"gpu": {"count": 0}},
-                    "replicas": 1,
-                },
-            }
-        )
-    )
-    run_dir = tmp_path / "run"
-    log = tmp_path / "fleet.log"
-    argv = [sys.executable, "-m", "kubellm.cli", "up", "--engine", "sim", "-f", str(manifest),
-            "--port", str(free_port()), "--run-dir", str(run_dir), "--status-interval", "0",
-            "--sim-time-scale", "4"]  # fmt: skip
-    with log.open("w") as out:
-        fleet = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    pool = ThreadPoolExecutor(REQUESTS)
-    try:
+    spec = {
+        "model": {"source": "hf://org/seqs", "servedName": "seqs"},
+        "engine": {"maxNumSeqs": MAX_NUM_SEQS, "maxModelLen": 1024},
+        "resources": {"gpu": {"count": 0}},
+        "replicas": 1,
+    }
+    fleet = start_fleet(write_manifest(tmp_path / "seqs.yaml", "seqs", spec),
+                        extra=("--sim-time-scale", "4"))  # fmt: skip
 
-        def replica_url() -> str | None:
-            try:
-                state = json.loads((run_dir / "fleet.json").read_text())
-            except (OSError, ValueError):
-                return None
-            ready = [r for r in state["deployments"]["seqs"]["replicas"] if r["state"] == "ready"]
-            return ready[0]["url"] if ready else None
+    def replica_url() -> str | None:
+        state = fleet.state()
+        replicas = state["deployments"]["seqs"]["replicas"] if state else []
+        ready = [r["url"] for r in replicas if r["state"] == "ready"]
+        return ready[0] if ready else None
 
-        wait_until(lambda: replica_url() is not None or fleet.poll() is not None, 60,
-                   "the simulated replica to be ready")  # fmt: skip
-        url = replica_url()
-        assert url, log.read_text()
-        # Long answers (seconds at this time scale), sent straight to the replica.
-        body = {"model": "seqs", "prompt": "hello " * 20, "max_tokens": 900}
+    wait_until(lambda: replica_url() is not None or fleet.process.poll() is not None, 60,
+               "the simulated replica to be ready")  # fmt: skip
+    url = replica_url()
+    assert url, fleet.output()
+    # Long answers (seconds at this time scale), sent straight to the replica.
+    body = {"model": "seqs", "prompt": "hello " * 20, "max_tokens": 900}
+    with ThreadPoolExecutor(REQUESTS) as pool:
         for _ in range(REQUESTS):
             pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
-        seen: list[tuple[float, float]] = []
-
-        def all_arrived() -> bool:
-            seen.append(_engine_gauges(url))
-            return sum(seen[-1]) == REQUESTS
-
-        wait_until(all_arrived, 30, f"{REQUESTS} requests at the replica")
-        for _ in range(20):  # a bounded look over the next moments: never more than 8
-            seen.append(_engine_gauges(url))
-        assert max(running for running, _ in seen) == MAX_NUM_SEQS
-        running, waiting = seen[-1]
-        assert (running, waiting) == (MAX_NUM_SEQS, REQUESTS - MAX_NUM_SEQS)
-        assert "max_num_seqs 8" in (run_dir / "logs" / "seqs-0.log").read_text()
-    finally:
-        fleet.send_signal(signal.SIGTERM)
         try:
-            fleet.wait(timeout=60)
+            seen: list[tuple[float, float]] = []
+
+            def all_arrived() -> bool:
+                seen.append(_engine_gauges(url))
+                return sum(seen[-1]) == REQUESTS
+
+            wait_until(all_arrived, 30, f"{REQUESTS} requests at the replica")
+            for _ in range(20):  # a bounded look over the next moments: never more than 8
+                seen.append(_engine_gauges(url))
+            assert max(running for running, _ in seen) == MAX_NUM_SEQS
+            assert seen[-1] == (MAX_NUM_SEQS, REQUESTS - MAX_NUM_SEQS)
+            log = fleet.run_dir / "logs" / "seqs-0.log"
+            assert f"max_num_seqs {MAX_NUM_SEQS}" in log.read_text()
         finally:
-            if fleet.poll() is None:
-                fleet.kill()
-            pool.shutdown(wait=True, cancel_futures=True)
+            fleet.stop()  # the replica goes: the requests still out end with an error

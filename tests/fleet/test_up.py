@@ -15,95 +15,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
-from tests.fixtures.engines import free_port, wait_until
+from tests.fixtures.engines import wait_until
+from tests.fixtures.fleets import write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _manifest(path: Path, name: str, spec: dict[str, Any]) -> Path:
-    document = {
-        "apiVersion": "kubellm.io/v1alpha1",
-        "kind": "LLMDeployment",
-        "metadata": {"name": name},
-        "spec": spec,
-    }
-    path.write_text(yaml.safe_dump(document))
-    return path
-
-
-class Fleet:
-    def __init__(self, process: subprocess.Popen[str], port: int, run_dir: Path, log: Path) -> None:
-        self.process = process
-        self.port = port
-        self.run_dir = run_dir
-        self.log = log
-        self.url = f"http://127.0.0.1:{port}"
-
-    def output(self) -> str:
-        return self.log.read_text() if self.log.exists() else ""
-
-    def state(self) -> dict[str, Any] | None:
-        try:
-            return json.loads((self.run_dir / "fleet.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            return None
-
-    def ready(self, name: str) -> int:
-        state = self.state()
-        if not state:
-            return 0
-        return sum(r["state"] == "ready" for r in state["deployments"][name]["replicas"])
-
-    def desired(self, name: str) -> int | None:
-        state = self.state()
-        return state["deployments"][name]["desired"] if state else None
-
-    def pids(self) -> set[int]:
-        state = self.state() or {"deployments": {}}
-        return {
-            r["pid"] for d in state["deployments"].values() for r in d["replicas"] if r.get("pid")
-        }
-
-    def stop(self) -> str:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=60)
-        return self.output()
-
-
-@pytest.fixture
-def start_fleet(tmp_path: Path) -> Iterator[Any]:
-    started: list[Fleet] = []
-
-    def start(*manifests: Path, engine: str = "sim", extra: tuple[str, ...] = ()) -> Fleet:
-        port = free_port()
-        run_dir = tmp_path / f"run-{len(started)}"
-        argv = [sys.executable, "-m", "kubellm.cli", "up", "--engine", engine, "--port",
-                str(port), "--run-dir", str(run_dir), "--status-interval", "0"]  # fmt: skip
-        for manifest in manifests:
-            argv += ["-f", str(manifest)]
-        log = tmp_path / f"fleet-{len(started)}.log"
-        with log.open("w") as out:
-            process = subprocess.Popen(
-                [*argv, *extra], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True
-            )
-        fleet = Fleet(process, port, run_dir, log)
-        started.append(fleet)
-        return fleet
-
-    yield start
-    for fleet in started:
-        if fleet.process.poll() is None:
-            fleet.process.kill()
-            fleet.process.wait(timeout=30)
 
 
 def _process_group(pgid: int) -> list[int]:
@@ -161,7 +83,7 @@ def test_bad_manifest_fails_before_anything_starts(start_fleet: Any) -> None:
 def test_sim_fleet_scales_up_under_load_and_back_after_its_window(
     start_fleet: Any, tmp_path: Path
 ) -> None:
-    manifest = _manifest(
+    manifest = write_manifest(
         tmp_path / "scaling.yaml",
         "scaling",
         {
@@ -208,7 +130,7 @@ def test_sim_fleet_scales_up_under_load_and_back_after_its_window(
 
 
 def test_a_crashing_replica_is_restarted_and_reported(start_fleet: Any, tmp_path: Path) -> None:
-    manifest = _manifest(
+    manifest = write_manifest(
         tmp_path / "crash.yaml",
         "crash",
         {"model": {"source": "file:///nonexistent/sim-only"}, "resources": {"gpu": {"count": 0}}},
@@ -229,13 +151,13 @@ def test_a_crashing_replica_is_restarted_and_reported(start_fleet: Any, tmp_path
 
 def test_watch_applies_a_manifest_edit(start_fleet: Any, tmp_path: Path) -> None:
     spec = {"model": {"source": "file:///nonexistent/sim-only"}, "resources": {"gpu": {"count": 0}}}
-    manifest = _manifest(tmp_path / "watched.yaml", "watched", spec)
+    manifest = write_manifest(tmp_path / "watched.yaml", "watched", spec)
     fleet = start_fleet(manifest, extra=("--watch",))
     wait_until(lambda: fleet.ready("watched") == 1, timeout=60, what="one ready replica")
-    _manifest(manifest, "watched", {**spec, "replicas": 2})
+    write_manifest(manifest, "watched", {**spec, "replicas": 2})
     wait_until(lambda: fleet.ready("watched") == 2, timeout=60, what="the edit applied")
     # A bad edit is refused with the CRD's message; the fleet keeps running as it was.
-    _manifest(manifest, "watched", {**spec, "replicas": -1})
+    write_manifest(manifest, "watched", {**spec, "replicas": -1})
     wait_until(lambda: "not applied" in fleet.output(), timeout=30, what="the bad edit refused")
     assert "spec.replicas" in fleet.output()
     assert fleet.ready("watched") == 2
@@ -247,7 +169,7 @@ def test_watch_applies_a_manifest_edit(start_fleet: Any, tmp_path: Path) -> None
 def test_real_vllm_replica_answers_through_the_gateway(
     start_fleet: Any, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    manifest = _manifest(
+    manifest = write_manifest(
         tmp_path / "tiny.yaml",
         "tiny",
         {
@@ -280,7 +202,7 @@ def test_real_vllm_replica_answers_through_the_gateway(
 
 
 def test_a_port_clash_names_the_port_and_suggests_another(tmp_path: Path) -> None:
-    manifest = _manifest(tmp_path / "clash.yaml", "clash", {
+    manifest = write_manifest(tmp_path / "clash.yaml", "clash", {
         "model": {"source": "file:///nonexistent/sim-only"}, "resources": {"gpu": {"count": 0}},
     })  # fmt: skip
     with socket.socket() as busy:
@@ -312,7 +234,7 @@ def test_up_help_explains_every_option_with_its_default() -> None:
 
 
 def test_the_starting_line_gives_elapsed_time_and_the_log(start_fleet: Any, tmp_path: Path) -> None:
-    manifest = _manifest(tmp_path / "slow.yaml", "slow", {
+    manifest = write_manifest(tmp_path / "slow.yaml", "slow", {
         "model": {"source": "file:///nonexistent/sim-only"}, "resources": {"gpu": {"count": 0}},
     })  # fmt: skip
     fleet = start_fleet(manifest)
