@@ -25,6 +25,10 @@ from kubellm import __version__, capacity, crd, manifests
 COMPONENT_COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("kubellm.operator.cli", "Run the operator: reconcile LLMDeployments."),
     "gateway": ("kubellm.gateway.cli", "Run the OpenAI-compatible gateway."),
+    "epp": (
+        "kubellm.gateway.epp.cli",
+        "Run the endpoint picker for Envoy-based gateways (Gateway API Inference Extension).",
+    ),
     "autoscaler": ("kubellm.autoscaler.cli", "Run the KV-cache and queue-depth autoscaler."),
     "engine": ("kubellm.engine.cli", "Run an engine: vLLM from a spec, or the simulator."),
     "up": ("kubellm.fleet.up", "Run the whole control plane locally, without Kubernetes."),

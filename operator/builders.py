@@ -53,6 +53,10 @@ class Options:
 
     owner_uid: str | None = None  # None: no owner reference (`kubellm render`)
     podmonitor: bool = False  # the Prometheus Operator's PodMonitor CRD is installed
+    # The Gateway API Inference Extension's InferencePool CRD / Gateway API's HTTPRoute CRD
+    # are installed (`kubellm render` assumes both).
+    inference_pool: bool = False
+    http_route: bool = False
 
 
 # --------------------------------------------------------------------------- names and labels
@@ -415,6 +419,76 @@ def pod_monitor(llmd: api.LLMDeployment, options: Options = Options()) -> dict[s
     }
 
 
+# --------------------------------------------------------------------------- Inference Extension
+
+INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
+HTTPROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
+MODEL_NAME_HEADER = "X-Gateway-Model-Name"  # set by the Inference Extension's body-based router
+
+
+def inference_pool(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+    """The InferencePool of the engine pods, with kubellm's EPP as its endpoint picker.
+    Its status belongs to the Gateway controllers; the operator writes only the spec."""
+    wanted = llmd.spec.routing.inference_pool
+    assert wanted is not None
+    picker = wanted.endpoint_picker
+    return {
+        "apiVersion": INFERENCE_POOL_API_VERSION,
+        "kind": "InferencePool",
+        "metadata": _metadata(llmd, engine_name(llmd), options),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(llmd)},
+            "targetPorts": [{"number": llmd.spec.engine.port}],
+            "endpointPickerRef": {
+                "group": "",
+                "kind": "Service",
+                "name": picker.name,
+                "port": {"number": picker.port},
+                "failureMode": picker.failure_mode,
+            },
+        },
+    }
+
+
+def http_route(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+    """An HTTPRoute from the spec's Gateways to the InferencePool."""
+    wanted = llmd.spec.routing.inference_pool
+    assert wanted is not None
+    parents = []
+    for ref in wanted.parent_refs:
+        parent: dict[str, Any] = {
+            "group": "gateway.networking.k8s.io", "kind": "Gateway", "name": ref.name,
+        }  # fmt: skip
+        if ref.namespace:
+            parent["namespace"] = ref.namespace
+        if ref.section_name:
+            parent["sectionName"] = ref.section_name
+        parents.append(parent)
+    match: dict[str, Any] = {"path": {"type": "PathPrefix", "value": "/"}}
+    if wanted.match_model_header:
+        match["headers"] = [{"type": "Exact", "name": MODEL_NAME_HEADER, "value": llmd.served_name}]
+    return {
+        "apiVersion": HTTPROUTE_API_VERSION,
+        "kind": "HTTPRoute",
+        "metadata": _metadata(llmd, engine_name(llmd), options),
+        "spec": {
+            "parentRefs": parents,
+            "rules": [
+                {
+                    "matches": [match],
+                    "backendRefs": [
+                        {
+                            "group": "inference.networking.k8s.io",
+                            "kind": "InferencePool",
+                            "name": engine_name(llmd),
+                        }
+                    ],
+                }
+            ],
+        },
+    }
+
+
 # --------------------------------------------------------------------------- all children
 
 
@@ -425,6 +499,8 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("v1", "Service"),
     ("policy/v1", "PodDisruptionBudget"),
     (PODMONITOR_API_VERSION, "PodMonitor"),
+    (INFERENCE_POOL_API_VERSION, "InferencePool"),
+    (HTTPROUTE_API_VERSION, "HTTPRoute"),
 )
 
 
@@ -444,4 +520,9 @@ def build(llmd: api.LLMDeployment, options: Options = Options()) -> list[dict[st
         objects.append(disruption_budget(llmd, options))
     if options.podmonitor:
         objects.append(pod_monitor(llmd, options))
+    wanted = llmd.spec.routing.inference_pool
+    if wanted is not None and options.inference_pool:
+        objects.append(inference_pool(llmd, options))
+        if wanted.parent_refs and options.http_route:
+            objects.append(http_route(llmd, options))
     return objects

@@ -25,6 +25,8 @@ PLURALS = {
     "Service": "services",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "PodMonitor": "podmonitors",
+    "InferencePool": "inferencepools",
+    "HTTPRoute": "httproutes",
     "Pod": "pods",
     "Secret": "secrets",
     api.KIND: api.PLURAL,

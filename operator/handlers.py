@@ -49,6 +49,10 @@ class Runtime:
     podmonitor: bool = False
     podmonitor_checked: float = float("-inf")
     retry_seconds: float = 5.0
+    # The Inference Extension's InferencePool and Gateway API's HTTPRoute CRDs, checked
+    # as rarely as the PodMonitor CRD.
+    gateway_crds: tuple[bool, bool] = (False, False)
+    gateway_crds_checked: float = float("-inf")
 
     async def podmonitor_installed(self) -> bool:
         if time.monotonic() - self.podmonitor_checked > PODMONITOR_CHECK_SECONDS:
@@ -56,6 +60,16 @@ class Runtime:
             self.podmonitor = await self.client.has_resource(api_version, "podmonitors")
             self.podmonitor_checked = time.monotonic()
         return self.podmonitor
+
+    async def gateway_crds_installed(self) -> tuple[bool, bool]:
+        if time.monotonic() - self.gateway_crds_checked > PODMONITOR_CHECK_SECONDS:
+            pools = await self.client.has_resource(
+                builders.INFERENCE_POOL_API_VERSION, "inferencepools"
+            )
+            routes = await self.client.has_resource(builders.HTTPROUTE_API_VERSION, "httproutes")
+            self.gateway_crds = (pools, routes)
+            self.gateway_crds_checked = time.monotonic()
+        return self.gateway_crds
 
     async def reconcile(self, namespace: str, name: str) -> Outcome | None:
         key = (namespace, name)
@@ -66,11 +80,14 @@ class Runtime:
         try:
             async with lock:
                 self.queued.discard(key)
+                pools, routes = await self.gateway_crds_installed()
                 return await reconcile(
                     self.client,
                     namespace,
                     name,
                     podmonitor=await self.podmonitor_installed(),
+                    inference_pool=pools,
+                    http_route=routes,
                     emit=_emit,
                 )
         except ApiError as error:

@@ -52,11 +52,18 @@ def _parse(body: Mapping[str, Any]) -> api.LLMDeployment:
     return manifests.parse(document, f"{api.KIND} {body['metadata'].get('name')}")
 
 
-async def _observe(client: Client, llmd: api.LLMDeployment, podmonitor: bool) -> dict[Ref, Any]:
+async def _observe(
+    client: Client, llmd: api.LLMDeployment, options: builders.Options
+) -> dict[Ref, Any]:
     observed: dict[Ref, Any] = {}
     ns = llmd.metadata.namespace
+    installed = {
+        "PodMonitor": options.podmonitor,
+        "InferencePool": options.inference_pool,
+        "HTTPRoute": options.inference_pool and options.http_route,
+    }
     for api_version, kind in builders.CHILD_KINDS:
-        if kind == "PodMonitor" and not podmonitor:
+        if not installed.get(kind, True):
             continue
         name = builders.child_name(llmd, kind)
         observed[Ref(api_version, kind, ns, name)] = await client.get(api_version, kind, ns, name)
@@ -141,6 +148,8 @@ async def reconcile(
     name: str,
     *,
     podmonitor: bool = False,
+    inference_pool: bool = False,
+    http_route: bool = False,
     emit: Emit = _no_events,
     now: Callable[[], str] = utc_now,
 ) -> Outcome | None:
@@ -163,18 +172,24 @@ async def reconcile(
     selector = old_status.get("selector") or ""
     desired_replicas = int((body.get("spec") or {}).get("replicas") or 0)
     cap = None
+    extra_conditions: list[dict[str, Any]] = []
     if llmd is not None:
         desired_replicas = llmd.spec.replicas
         selector = builders.selector_string(llmd)
         cap, cap_problems = _capacity(llmd)
         outcome.problems += cap_problems
-        options = builders.Options(owner_uid=meta.get("uid"), podmonitor=podmonitor)
+        options = builders.Options(
+            owner_uid=meta.get("uid"),
+            podmonitor=podmonitor,
+            inference_pool=inference_pool,
+            http_route=http_route,
+        )
         try:
             desired = builders.build(llmd, options)
         except builders.SpecError as error:
             outcome.problems.append(status.Problem(error.reason, str(error)))
             desired = None
-        observed = await _observe(client, llmd, podmonitor)
+        observed = await _observe(client, llmd, options)
         deployment_ref = Ref("apps/v1", "Deployment", namespace, builders.engine_name(llmd))
         deployment = observed.get(deployment_ref)
         if desired is not None:
@@ -182,6 +197,16 @@ async def reconcile(
             applied, apply_problems = await _apply(client, outcome.plan, emit, body)
             outcome.problems += apply_problems
             deployment = applied.get(deployment_ref, deployment)
+            pool_ref = Ref(builders.INFERENCE_POOL_API_VERSION, "InferencePool", namespace,
+                           builders.engine_name(llmd))  # fmt: skip
+            pool = applied.get(pool_ref, observed.get(pool_ref))
+            wanted = llmd.spec.routing.inference_pool
+            condition = status.inference_pool_condition(
+                wanted is not None, inference_pool, bool(wanted and wanted.parent_refs),
+                http_route, pool, generation,
+            )  # fmt: skip
+            if condition is not None:
+                extra_conditions.append(condition)
             outcome.problems += [
                 status.Problem("NameConflict", f"{ref} exists and is not owned by {name}")
                 for ref in outcome.plan.conflicts
@@ -199,6 +224,7 @@ async def reconcile(
         problems=outcome.problems,
         capacity=cap,
         old_status=old_status,
+        extra_conditions=extra_conditions,
         now=now(),
     )
     outcome.status_patch = status.status_patch(new_status, old_status)

@@ -1,7 +1,9 @@
 """`kubellm render -f FILE`: print the objects the operator would create, as YAML.
 
 For GitOps users and reviews: the same pure builders the operator runs, with
-no cluster. Owner references are left out (they need the live object's uid).
+no cluster. Owner references are left out (they need the live object's uid). The
+InferencePool and HTTPRoute of `spec.routing.inferencePool` are shown as the operator
+creates them where the Gateway API Inference Extension's CRDs are installed.
 """
 
 from __future__ import annotations
@@ -57,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         for path in args.filename:
             for llmd in manifests.load(path):
-                objects += builders.build(llmd, builders.Options(podmonitor=args.podmonitor))
+                options = builders.Options(
+                    podmonitor=args.podmonitor, inference_pool=True, http_route=True
+                )
+                objects += builders.build(llmd, options)
     except (manifests.ManifestError, builders.SpecError) as error:
         print(f"kubellm render: {error}", file=sys.stderr)
         return 1

@@ -210,6 +210,67 @@ def conditions(
     return out
 
 
+def inference_pool_condition(
+    wanted: bool,
+    installed: bool,
+    route_wanted: bool,
+    route_installed: bool,
+    pool: Mapping[str, Any] | None,
+    generation: int | None,
+) -> dict[str, Any] | None:
+    """The `InferencePool` condition: whether the Gateways took the pool, from the parent
+    conditions (Accepted, ResolvedRefs) their controllers write on it; None when the spec
+    asks for no pool. A missing CRD is said here, not as Degraded: the engines serve."""
+    if not wanted:
+        return None
+    if not installed:
+        return _condition(
+            "InferencePool", False, "InferenceExtensionNotInstalled",
+            "spec.routing.inferencePool is set, but the Gateway API Inference Extension's "
+            "CRDs (inferencepools.inference.networking.k8s.io/v1) are not installed: no "
+            "InferencePool was created; install them or remove the field",
+            generation,
+        )  # fmt: skip
+    if route_wanted and not route_installed:
+        return _condition(
+            "InferencePool", False, "GatewayAPINotInstalled",
+            "spec.routing.inferencePool.parentRefs is set, but Gateway API's HTTPRoute CRD "
+            "(httproutes.gateway.networking.k8s.io/v1) is not installed: no HTTPRoute was "
+            "created",
+            generation,
+        )  # fmt: skip
+    parents = ((pool or {}).get("status") or {}).get("parents") or []
+    problems: list[str] = []
+    accepted: list[str] = []
+    for parent in parents:
+        ref = parent.get("parentRef") or {}
+        who = f"{ref.get('kind', 'Gateway')} {ref.get('namespace') or ''}/{ref.get('name', '?')}"
+        for cond in parent.get("conditions") or []:
+            if cond.get("type") not in ("Accepted", "ResolvedRefs"):
+                continue
+            if cond.get("status") == "False":
+                problems.append(
+                    f"{who}: {cond['type']}=False ({cond.get('reason', '')}: "
+                    f"{cond.get('message', '')})"
+                )
+            elif cond.get("type") == "Accepted" and cond.get("status") == "True":
+                accepted.append(who)
+    if problems:
+        return _condition("InferencePool", False, "NotAccepted", "; ".join(problems), generation)
+    if accepted:
+        message = "accepted by " + ", ".join(accepted)
+        return _condition("InferencePool", True, "Accepted", message, generation)
+    cond = _condition(
+        "InferencePool", False, "WaitingForGateway",
+        "no Gateway has accepted the InferencePool yet: reference it from an HTTPRoute "
+        "(spec.routing.inferencePool.parentRefs creates one) on a Gateway whose "
+        "implementation supports the Inference Extension",
+        generation,
+    )  # fmt: skip
+    cond["status"] = "Unknown"
+    return cond
+
+
 def merge_conditions(
     new: Sequence[Mapping[str, Any]], old: Sequence[Mapping[str, Any]], now: str
 ) -> list[dict[str, Any]]:
@@ -234,8 +295,10 @@ def desired_status(
     capacity: Mapping[str, Any] | None,
     old_status: Mapping[str, Any] | None,
     now: str,
+    extra_conditions: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """Every status field the operator owns (never `autoscaler`)."""
+    """Every status field the operator owns (never `autoscaler`). `extra_conditions`
+    (e.g. `InferencePool`) follow Ready, Progressing and Degraded."""
     old_status = old_status or {}
     dstatus = (deployment or {}).get("status") or {}
     conds = conditions(
@@ -244,6 +307,7 @@ def desired_status(
         problems=problems,
         generation=generation,
     )
+    conds += [dict(c) for c in extra_conditions]
     return {
         "observedGeneration": generation,
         "replicas": int(dstatus.get("replicas") or 0),

@@ -43,6 +43,8 @@ CONTRACT: dict[str, set[Grant]] = {
         ("", "configmaps", APPLY),
         ("policy", "poddisruptionbudgets", APPLY),
         ("monitoring.coreos.com", "podmonitors", ("get", "patch", "delete")),
+        ("inference.networking.k8s.io", "inferencepools", ("get", "patch", "delete")),
+        ("gateway.networking.k8s.io", "httproutes", ("get", "patch", "delete")),
         ("", "pods", ("list",)),
         ("", "secrets", ("get",)),
         ("", "events", ("create",)),
