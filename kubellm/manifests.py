@@ -44,6 +44,13 @@ class StrictLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
 
+    def fetch_flow_collection_start(self, token_class: Any) -> None:
+        # The scanner looks ahead through open flow collections (each `[` or `{` may start
+        # a key), in time quadratic in their depth: stop it before the composer would.
+        if self.flow_level >= MAX_DEPTH:
+            raise yaml.YAMLError(f"line {self.line + 1}: nested more than {MAX_DEPTH} levels deep")
+        super().fetch_flow_collection_start(token_class)
+
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
         self._depth += 1
         try:

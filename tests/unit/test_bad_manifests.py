@@ -88,6 +88,14 @@ CASES: dict[str, tuple[bytes, list[str]]] = {
 }  # fmt: skip
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _warm() -> None:
+    """Build the models' validators and CEL programs once, so memory is the refusal's."""
+    import yaml
+
+    manifests.parse(yaml.safe_load(HEAD))
+
+
 def _validate(capsys: pytest.CaptureFixture[str], path: Path) -> tuple[int, str]:
     code = cli.main(["validate", "-f", str(path)])
     out, err = capsys.readouterr()
@@ -219,3 +227,23 @@ def test_quantities_are_judged_alike_by_the_models_and_the_crd(quantity: str, va
         model_ok = False
         assert "spec.resources.cpu" in str(error) and "spec.resources.memory" in str(error)
     assert (crd_ok, model_ok) == (valid, valid), errors
+
+
+def test_deep_flow_nesting_is_refused_before_the_scanner_reads_it_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PyYAML's scanner looks ahead through open `[`s in quadratic time: it stops at the bound."""
+    path = tmp_path / "deep.yaml"
+    path.write_text("a: " + "[" * 1_000_000 + "]" * 1_000_000 + "\n")  # 2 MB, under the limit
+    opened = 0
+    original = manifests.StrictLoader.fetch_flow_collection_start
+
+    def counting(self: manifests.StrictLoader, token_class: object) -> None:
+        nonlocal opened
+        opened += 1
+        original(self, token_class)
+
+    monkeypatch.setattr(manifests.StrictLoader, "fetch_flow_collection_start", counting)
+    with pytest.raises(manifests.ManifestError, match="nested more than 100 levels"):
+        list(manifests.load(path))
+    assert opened == manifests.MAX_DEPTH + 1
