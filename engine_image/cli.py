@@ -65,12 +65,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def sim_spec_note() -> str:
+def sim_spec_note(lead: str = "With --spec, the simulator") -> str:
     """What the simulator takes from a spec (for --help): the fields it models and ignores."""
     from kubellm.engine.sim_profiles import IGNORED_FIELDS, SPEC_FIELDS
 
     return (
-        f"With --spec, the simulator honours spec.engine {', '.join(SPEC_FIELDS)}; it ignores "
+        f"{lead} honours spec.engine {', '.join(SPEC_FIELDS)}; it ignores "
         f"{', '.join(IGNORED_FIELDS)} (the profile stands for the hardware and the model)."
     )
 

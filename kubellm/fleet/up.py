@@ -43,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine", choices=["vllm", "sim"], default="vllm",
         help="vllm: real vLLM processes (the engine-cpu extra); sim: the simulated engine. "
-        + sim_spec_note(),
+        + sim_spec_note("It"),
     )  # fmt: skip
     parser.add_argument("--port", type=int, default=8080, help="gateway port (and /metrics)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway listen address")
