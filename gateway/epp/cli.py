@@ -18,7 +18,7 @@ import sys
 def _endpoint(value: str) -> str:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected ip:port, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
     return value
 
 
@@ -40,7 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fallback-forwarder",
-        metavar="IP:PORT",
+        metavar="HOST:PORT",
         type=_endpoint,
         help="where overflow goes when admission picks the fallback API: the fallback "
         "forwarder Service (a `kubellm gateway` that holds the API key); without it, "

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 log = logging.getLogger("kubellm.epp")
 
 # The gRPC health services the protocol names, plus the reference EPP's probe name.
+FORWARDER_TTL_SECONDS = 30.0
 HEALTH_SERVICES = ("", "liveness", "readiness", m.SERVICE, "inference-extension")
 SESSION_HEADER = "x-session-id"
 ROUTE_HEADER = "x-kubellm-route"
@@ -56,7 +58,9 @@ class PickerSettings:
     max_body_bytes: int = 8 * 1024 * 1024
     destination_header: str = m.DESTINATION
     metadata_namespace: str = m.METADATA_NAMESPACE
-    fallback_forwarder: str | None = None  # ip:port of the fallback forwarder Service
+    # host:port of the fallback forwarder Service (a name is resolved to its address, since
+    # the gateway's ORIGINAL_DST cluster takes an address)
+    fallback_forwarder: str | None = None
     # Endpoints listed per answer, best first. Gateways that retry down the list (the
     # protocol allows it) can use more; Envoy's ORIGINAL_DST cluster reads one address.
     endpoints_per_answer: int = 1
@@ -76,6 +80,29 @@ class EndpointPicker:
         self.scheduler = Scheduler(discovery, self.settings.scheduler)
         self._client: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._forwarder: tuple[str, float] | None = None  # (ip:port, resolved at)
+
+    async def forwarder(self) -> str | None:
+        """The fallback forwarder as `ip:port`; a host name is resolved (every 30 s at
+        most: a Service's cluster IP rarely changes). None when unset or unresolvable."""
+        configured = self.settings.fallback_forwarder
+        if configured is None:
+            return None
+        now = time.monotonic()
+        if self._forwarder is not None and now - self._forwarder[1] < FORWARDER_TTL_SECONDS:
+            return self._forwarder[0]
+        host, _, port = configured.rpartition(":")
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host.strip("[]"), int(port), type=socket.SOCK_STREAM
+            )
+        except (OSError, ValueError) as error:
+            log.warning("fallback forwarder %s: cannot resolve: %s", configured, error)
+            return None if self._forwarder is None else self._forwarder[0]
+        ip = infos[0][4][0]
+        address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+        self._forwarder = (address, now)
+        return address
 
     @property
     def metrics(self) -> slo.GatewayMetrics:
@@ -126,7 +153,8 @@ class Exchange:
         self.headers: dict[str, str] = {}
         self.subset: list[str] | None = None
         self.body = bytearray()
-        self.routed = False
+        self.routed = False  # answered: routed, or refused
+        self.refused = False
         self.route = "none"
         self.url: str | None = None  # the replica picked first
         self.target: ModelTarget | None = None
@@ -151,7 +179,7 @@ class Exchange:
             answers: list[m.ProcessingResponse | bytes] = []
             if not self.routed:
                 answers += await self._route(bytes(self.body), "request_headers")
-                if self.routed and self.request_mode == m.FULL_DUPLEX:
+                if not self.refused and self.request_mode == m.FULL_DUPLEX:
                     answers += m.body_pieces(bytes(self.body))
             return [*answers, m.CONTINUE_REQUEST_TRAILERS]
         if kind == "response_headers":
@@ -195,7 +223,7 @@ class Exchange:
         body = bytes(self.body)
         if self.request_mode == m.FULL_DUPLEX:
             answers = await self._route(body, "request_headers")
-            if self.routed:
+            if not self.refused:
                 answers += m.body_pieces(body)
             return answers
         return await self._route(body, "request_body")
@@ -236,7 +264,7 @@ class Exchange:
     def refuse(self, error: GatewayError) -> m.ProcessingResponse:
         """An OpenAI-format error, answered by Envoy without going upstream."""
         self.status = error.status
-        self.routed = True  # nothing more to decide
+        self.routed = self.refused = True  # nothing more to decide
         if self.record is not None:
             self.record.finish(self.route, error.status)
         return m.immediate(error.status, error.body(), error.headers, details=error.code or "")
@@ -267,7 +295,7 @@ class Exchange:
         admission = await self.sched.admit(target, routing)
         self.target = target = admission.target
         if admission.route is Route.FALLBACK:
-            forwarder = self.picker.settings.fallback_forwarder
+            forwarder = await self.picker.forwarder()
             if forwarder is None:
                 return [self.refuse(errors.overloaded(model, 1, admission.status))]
             self.route = "fallback"

@@ -25,7 +25,7 @@ from tests.fixtures.engines import REPO_ROOT, free_port, wait_until
 START_TIMEOUT_S = 30.0
 
 
-def _ok(url: str) -> bool:
+def responds(url: str) -> bool:
     try:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
@@ -106,7 +106,7 @@ class Stack:
 
     def start_epp(self) -> None:
         self.epp.start()
-        wait_until(lambda: not self.epp.alive() or _ok(self.metrics_url.replace("/metrics",
+        wait_until(lambda: not self.epp.alive() or responds(self.metrics_url.replace("/metrics",
                    "/health")), START_TIMEOUT_S, "the EPP to serve")  # fmt: skip
         if not self.epp.alive():
             pytest.fail(f"kubellm epp exited:\n{self.epp.tail()}")
@@ -146,7 +146,7 @@ def envoy_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
         started.extend([epp, proxy])
         stack.start_epp()
         proxy.start()
-        wait_until(lambda: not proxy.alive() or _ok(f"http://127.0.0.1:{admin}/ready"),
+        wait_until(lambda: not proxy.alive() or responds(f"http://127.0.0.1:{admin}/ready"),
                    START_TIMEOUT_S, "Envoy to be ready")  # fmt: skip
         if not proxy.alive():
             pytest.fail(f"Envoy exited:\n{proxy.tail()}")

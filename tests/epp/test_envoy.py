@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -13,10 +14,12 @@ import grpc
 import httpx
 import openai
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fixtures.engines import wait_until
+from tests.epp.conftest import Process, responds
+from tests.fixtures.engines import free_port, wait_until
 
 BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
 SHARED = "You are a careful assistant. Answer in one line. " * 12
@@ -220,3 +223,39 @@ def test_grpc_health_services_the_protocol_names(envoy_stack, sims):
             return [a.status for a in answers]
 
     assert asyncio.run(check()) == [health_pb2.HealthCheckResponse.SERVING] * 3
+
+
+def test_overflow_goes_through_the_fallback_forwarder(envoy_stack, scripted, sim_server, tmp_path):
+    """Every replica saturated: the EPP picks the fallback forwarder (a `kubellm gateway`
+    serving the model's fallback alone, holding the API key), which calls the external API."""
+    external = sim_server(served_model_name="hosted-model")  # stands for the external API
+    fallback = {"url": f"{external}/v1", "model": "hosted-model", "apiKey": "sk-test",
+                "triggers": ["saturated", "no-ready-replicas"]}  # fmt: skip
+    forwarder_file = tmp_path / "forwarder.yaml"
+    forwarder_file.write_text(yaml.safe_dump({"models": [{"name": "tiny", "fallback": fallback}]}))
+    port = free_port()
+    forwarder = Process("forwarder", [sys.executable, "-m", "kubellm.cli", "gateway", "--static",
+                        str(forwarder_file), "--port", str(port)],
+                        tmp_path / "forwarder.log").start()  # fmt: skip
+    try:
+        wait_until(lambda: responds(f"http://127.0.0.1:{port}/health"), 30, "the forwarder")
+        stack = envoy_stack(
+            [{"name": "tiny", "endpoints": [scripted.url], "fallback": fallback,
+              "slo": {"ttftSeconds": 0.05}}],
+            epp_args=("--max-in-flight", "1", "--fallback-forwarder", f"localhost:{port}"),
+        )  # fmt: skip
+        with httpx.stream("POST", f"{stack.url}/v1/completions", json={**BODY, "stream": True},
+                          timeout=20) as held:  # fmt: skip
+            chunks = held.iter_bytes()
+            next(chunks)  # the only replica is now saturated (max in flight 1)
+            overflow = httpx.post(f"{stack.url}/v1/completions", json=BODY, timeout=20)
+            scripted.drop.set()
+        assert overflow.status_code == 200, overflow.text
+        assert overflow.json()["model"] == "tiny"  # the forwarder renames the hosted model
+        assert overflow.headers["x-kubellm-route"] == "fallback"
+        assert _successes(external) == 1
+        assert stack.metric("kubellm_gateway_fallback_requests_total", reason="saturated") == 1
+        wait_until(lambda: stack.metric("kubellm_gateway_requests_total", target="fallback",
+                   code="200") == 1, 5, "the EPP to count the fallback answer")  # fmt: skip
+    finally:
+        forwarder.stop()
