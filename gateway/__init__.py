@@ -1,15 +1,19 @@
 """kubellm.gateway: the OpenAI-compatible endpoint, prefix-aware routing and overflow fallback.
 
-Data flow of one request (`app.Gateway.completions`):
+One routing core (`routing`), two front ends over it (`http`, the standalone proxy; `epp`,
+the Inference Extension's endpoint picker for Envoy-based gateways), shared discovery and
+protocol. Data flow of one request through the HTTP front end (`http.app.Gateway.serve`):
 
-1. authenticate (optional sha256-hashed keys), read the body within the size
-   limit, check the fields routing relies on (`protocol.errors` for refusals);
-2. look the model up in the discovery snapshot (`discovery`: static file,
-   Kubernetes, or a fixed/embedded source);
-3. admission (`fallback.decide`): replica, fallback API, bounded queue, or 429/503;
-4. order the candidates (`router` + `scorers.picker`: health filters, the
-   bounded-load filter, weighted scorers per `spec.routing.policy`);
-5. forward with retries before the first byte (`proxy`), relay the answer,
-   time it, and count it (`slo_metrics`); `load` and `outliers` keep the view
-   of each engine that the next request routes on.
+1. authenticate (optional sha256-hashed keys), read the body within its size and time
+   limits, check it (`protocol.openai`; `protocol.errors` for refusals);
+2. look the model up in the discovery snapshot (`discovery`: static file, Kubernetes,
+   or a fixed/embedded source);
+3. admission (`routing.scheduler.Scheduler.admit` around `routing.admission.decide`):
+   replica, fallback API, bounded queue, or 429/503; candidates ordered by
+   `routing.router` + `routing.scorers` (health filters, the bounded-load filter, weighted
+   scorers per `spec.routing.policy`);
+4. forward with retries until a replica's first byte (`http.relay`, over the llhttp-framed
+   client `http.upstream`), relay the answer, time it and count it (`routing.slo`);
+   `routing.load` and `routing.outliers` keep the view of each engine the next request
+   routes on.
 """

@@ -183,18 +183,22 @@ class _Connection(asyncio.Protocol):
             self.headers = []
             self.interim = True
             return
-        size = sum(len(n) + len(v) + 4 for n, v in self.headers)
+        size, framed, chunked = 0, False, False
+        for name, value in self.headers:  # one pass: size, and how the body is framed
+            size += len(name) + len(value) + 4
+            lower = name.lower()
+            if lower == b"transfer-encoding":
+                framed = True
+                chunked = chunked or b"chunked" in value.lower()
+            elif lower == b"content-length":
+                framed = True
         if size > self.limits.max_head_bytes:
             raise self._set_error(UpstreamError("response headers exceed the limit"))
         self.status = status
         self.head_done = True
         self.keep_alive = self.parser.should_keep_alive()
-        names = {n.lower() for n, _ in self.headers}
-        self.chunked = any(
-            n.lower() == b"transfer-encoding" and b"chunked" in v.lower() for n, v in self.headers
-        )
-        if status not in (204, 304) and not names & {b"content-length", b"transfer-encoding"}:
-            self.until_close = True
+        self.chunked = chunked
+        self.until_close = status not in (204, 304) and not framed
 
     def on_body(self, body: bytes) -> None:
         if not self._got_body:

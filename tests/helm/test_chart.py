@@ -215,9 +215,11 @@ def test_component_commands() -> None:
     gateway = deployments["gateway"]["spec"]["template"]["spec"]["containers"][0]
     assert "--port=8000" in gateway["args"]
     assert gateway["ports"][0]["containerPort"] == 8000
+    assert "--metrics-port=9090" in gateway["args"]  # /metrics off the public listener
+    assert gateway["ports"][1] == {"name": "metrics", "containerPort": 9090, "protocol": "TCP"}
     autoscaler = deployments["autoscaler"]["spec"]["template"]["spec"]["containers"][0]
     assert (
-        f"--gateway-metrics-url=http://kubellm-gateway.{NAMESPACE}.svc:80/metrics"
+        f"--gateway-metrics-url=http://kubellm-gateway-metrics.{NAMESPACE}.svc:9090/metrics"
         in (autoscaler["args"])
     )
     assert "--metrics-port=9090" in autoscaler["args"]

@@ -75,6 +75,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/* The gateway Service's in-cluster URL. */}}
+{{- define "kubellm.gatewayMetricsUrl" -}}
+{{- printf "http://%s.%s.svc:%v/metrics" (include "kubellm.componentName" (dict "ctx" . "component" "gateway-metrics")) .Release.Namespace .Values.gateway.metricsPort }}
+{{- end }}
+
 {{- define "kubellm.gatewayUrl" -}}
 {{- printf "http://%s.%s.svc:%v" (include "kubellm.componentName" (dict "ctx" . "component" "gateway")) .Release.Namespace .Values.gateway.service.port }}
 {{- end }}
