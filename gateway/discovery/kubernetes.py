@@ -114,11 +114,15 @@ class KubernetesDiscovery:
         namespace: str | None = None,
         client: httpx.AsyncClient | None = None,
         retry_seconds: float = 2.0,
+        read_fallback_keys: bool = True,
     ) -> None:
         self.config = config
         self.namespace = namespace
         self.client = client
         self.retry_seconds = retry_seconds
+        # False: fallback targets carry no API key and no Secret is read (the endpoint
+        # picker hands overflow to a forwarder that holds the keys).
+        self.read_fallback_keys = read_fallback_keys
         self._deployments: dict[str, Mapping[str, Any]] = {}
         self._slices: dict[str, Mapping[str, Any]] = {}
         self._keys: dict[SecretKey, str] = {}
@@ -153,7 +157,8 @@ class KubernetesDiscovery:
 
     async def _rebuild(self, client: httpx.AsyncClient, on_change: Callable[[], None]) -> None:
         deployments = parse_deployments(list(self._deployments.values()))
-        await self._read_keys(client, secret_keys(deployments))
+        if self.read_fallback_keys:
+            await self._read_keys(client, secret_keys(deployments))
         self._models = build_targets(deployments, list(self._slices.values()), self._keys)
         on_change()
 

