@@ -208,6 +208,18 @@ class EngineSpec(_Model):
         default=None, description="Speculative decoding (vLLM --speculative-config)."
     )
     block_size: int | None = Field(default=None, ge=1, description="KV block size in tokens.")
+    max_loras: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="LoRA adapters one engine step can serve at once (vLLM --max-loras; "
+        "unset: 4 when spec.adapters lists any). Setting it enables LoRA even without "
+        "adapters, so adapters added later load without a restart.",
+    )
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] | None = Field(
+        default=None,
+        description="Largest adapter rank the engine accepts (vLLM --max-lora-rank, default 16).",
+    )
     port: int = Field(default=8000, ge=1, le=65535, description="Engine HTTP port.")
     extra_args: list[str] = Field(
         default_factory=list,
@@ -470,6 +482,38 @@ class Rollout(_Model):
     )
 
 
+# --------------------------------------------------------------------------- adapters
+
+# The most adapters one LLMDeployment lists: bounds the CEL rules' cost on the API server.
+MAX_ADAPTERS = 64
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$"
+
+
+class Adapter(_Model):
+    """A LoRA adapter of the base model, served under its own model name."""
+
+    rules = (
+        Rule(
+            "self.source.matches('^(hf|pvc|file|s3)://.+$')",
+            "spec.adapters[].source must start with hf://, pvc://, file:// or s3:// "
+            "followed by a location",
+            ".source",
+        ),
+    )
+
+    name: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=ADAPTER_NAME_PATTERN,
+        description="The model name clients send to use this adapter.",
+    )
+    source: str = Field(
+        max_length=2048,
+        description="Where the adapter's weights come from: hf://org/name[@revision], "
+        "pvc://claim/path or file:///path.",
+    )
+
+
 class LLMDeploymentSpec(_Model):
     rules = (
         Rule(
@@ -478,9 +522,22 @@ class LLMDeploymentSpec(_Model):
             "spec.engine.tensorParallelSize must not exceed spec.resources.gpu.count",
             ".engine.tensorParallelSize",
         ),
+        Rule(
+            "!has(self.adapters) || self.adapters.all(a, self.adapters.exists_one(b, "
+            "b.name == a.name))",
+            "spec.adapters names must be unique",
+            ".adapters",
+        ),
     )
 
     model: ModelSpec
+    adapters: list[Adapter] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        json_schema_extra={"default": []},
+        description="LoRA adapters of the model, each served under its own name; loaded on "
+        "running replicas where requests use them, without a restart.",
+    )
     engine: EngineSpec = _nested(EngineSpec, "How vLLM runs the model.")
     resources: Resources = _nested(Resources, "Resources of one replica.")
     replicas: int = Field(
@@ -585,6 +642,14 @@ class AutoscalerStatus(_Status):
     )
 
 
+class AdapterStatus(_Status):
+    """Where one adapter of spec.adapters is loaded: on `loadedReplicas` of `replicas`."""
+
+    name: str
+    loaded_replicas: int = 0
+    replicas: int = 0
+
+
 class LLMDeploymentStatus(_Status):
     conditions: list[Condition] = Field(
         default_factory=list,
@@ -596,6 +661,11 @@ class LLMDeploymentStatus(_Status):
     selector: str | None = None
     capacity: Capacity | None = None
     autoscaler: AutoscalerStatus | None = None
+    adapters: list[AdapterStatus] | None = Field(
+        default=None,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="Each adapter of spec.adapters: on how many ready replicas it is loaded.",
+    )
 
 
 class ObjectMeta(BaseModel):
@@ -606,6 +676,19 @@ class ObjectMeta(BaseModel):
     namespace: str = "default"
 
 
+# Rules on the whole object: they read metadata.name (the API server lets root-level rules
+# read metadata.name), so the CRD carries them at the root of its schema.
+ROOT_RULES = (
+    Rule(
+        "!has(self.spec.adapters) || self.spec.adapters.all(a, a.name != "
+        "(has(self.spec.model.servedName) ? self.spec.model.servedName : self.metadata.name))",
+        "spec.adapters names must differ from the served model name (spec.model.servedName, "
+        "or metadata.name when it is unset)",
+        ".spec.adapters",
+    ),
+)
+
+
 class LLMDeployment(BaseModel):
     model_config = ConfigDict(extra="forbid")
     api_version: Literal["kubellm.io/v1alpha1"] = Field(alias="apiVersion")
@@ -613,6 +696,17 @@ class LLMDeployment(BaseModel):
     metadata: ObjectMeta
     spec: LLMDeploymentSpec
     status: LLMDeploymentStatus | None = None
+
+    @model_validator(mode="after")
+    def _check_root_rules(self) -> LLMDeployment:
+        data = {
+            "metadata": {"name": self.metadata.name},
+            "spec": self.spec.model_dump(by_alias=True, exclude_none=True, mode="json"),
+        }
+        for rule in ROOT_RULES:
+            if not cel.holds(rule.expression, data):
+                raise ValueError(rule.message)
+        return self
 
     @property
     def served_name(self) -> str:

@@ -91,6 +91,7 @@ def openapi_schema() -> dict[str, Any]:
         "description": "LLMDeployment runs an open model on vLLM replicas behind the kubellm "
         "gateway.",
         "required": ["spec"],
+        "x-kubernetes-validations": [r.to_k8s() for r in api.ROOT_RULES],
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
