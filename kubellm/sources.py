@@ -42,6 +42,45 @@ class ModelSource:
         return None
 
 
+# Where the operator mounts adapter claims other than the model's (pvc://claim/path ->
+# ADAPTER_ROOT/claim/path); an adapter on the model's own claim is read under MODEL_ROOT.
+ADAPTER_ROOT = "/adapters"
+
+
+def adapter_path(
+    source: str, model_source: str, model_root: str = MODEL_ROOT, adapter_root: str = ADAPTER_ROOT
+) -> str:
+    """The path or Hugging Face id vLLM loads one adapter (`spec.adapters[].source`) from.
+
+    Raises ValueError naming spec.adapters for what the engine cannot load: s3:// (no
+    fetch step yet, as for models) and hf:// with a revision (vLLM's LoRA loader takes
+    a repository id only)."""
+    try:
+        parsed = parse_source(source)
+    except ValueError:
+        raise ValueError(
+            f"spec.adapters source {source!r} must start with hf://, pvc:// or file://"
+        ) from None
+    if parsed.scheme == "s3":
+        raise ValueError(
+            f"spec.adapters source {source!r}: s3:// sources are not supported yet; copy the "
+            "adapter to a PVC and use pvc://claim/path"
+        )
+    if parsed.scheme == "hf":
+        if parsed.revision:
+            raise ValueError(
+                f"spec.adapters source {source!r}: vLLM loads adapters by repository id only; "
+                "drop the @revision or copy that revision to a PVC"
+            )
+        return parsed.location
+    if parsed.scheme == "file":
+        return parsed.location
+    model = parse_source(model_source) if model_source.startswith("pvc://") else None
+    if model is not None and model.location == parsed.location:
+        return f"{model_root.rstrip('/')}/{parsed.path}".rstrip("/")
+    return f"{adapter_root.rstrip('/')}/{parsed.location}/{parsed.path}".rstrip("/")
+
+
 def parse_source(source: str) -> ModelSource:
     """Split a model source URI; raise ValueError naming spec.model.source when malformed."""
     scheme, sep, rest = source.partition("://")

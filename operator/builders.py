@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubellm import api, contracts, sources
-from kubellm.contracts import DEPLOYMENT_LABEL, PORT_NAME, engine_spec_json
+from kubellm.contracts import DEPLOYMENT_LABEL, PORT_NAME, engine_identity_json, engine_spec_json
 
 FIELD_MANAGER = "kubellm-operator"
 SPEC_HASH_ANNOTATION = "kubellm.io/spec-hash"
@@ -111,8 +111,9 @@ def _metadata(llmd: api.LLMDeployment, name: str, options: Options) -> dict[str,
 
 
 def spec_hash(llmd: api.LLMDeployment) -> str:
-    """Hash of the engine spec JSON; a pod-template annotation, so a change rolls out."""
-    return hashlib.sha256(engine_spec_json(llmd).encode()).hexdigest()[:16]
+    """Hash of the engine identity (the engine spec less its adapters, which load at runtime);
+    a pod-template annotation, so a change rolls out."""
+    return hashlib.sha256(engine_identity_json(llmd).encode()).hexdigest()[:16]
 
 
 def spec_configmap(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
@@ -251,6 +252,18 @@ def engine_command(llmd: api.LLMDeployment) -> list[str]:
     ]
 
 
+def kv_event_ports(llmd: api.LLMDeployment) -> list[dict[str, Any]]:
+    """With spec.routing.prefixIndex precise, the engine's KV-event publisher and its replay
+    port (the launcher's kv_events_args), named so the gateway's policy can allow them."""
+    routing = llmd.spec.routing
+    if routing.prefix_index != "precise":
+        return []
+    return [
+        {"name": "kv-events", "containerPort": routing.kv_events_port, "protocol": "TCP"},
+        {"name": "kv-replay", "containerPort": routing.kv_events_port + 1, "protocol": "TCP"},
+    ]
+
+
 def engine_deployment(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
     spec = llmd.spec
     port = spec.engine.port
@@ -260,7 +273,10 @@ def engine_deployment(llmd: api.LLMDeployment, options: Options = Options()) -> 
         "image": spec.engine.image,
         "imagePullPolicy": "IfNotPresent",
         "command": engine_command(llmd),
-        "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+        "ports": [
+            {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
+            *kv_event_ports(llmd),
+        ],
         "env": _env(llmd),
         "resources": _resources(llmd),
         "volumeMounts": [

@@ -30,7 +30,12 @@ from typing import Any
 from kubellm import api
 from kubellm.autoscaler.backend import Endpoint as ScalerEndpoint
 from kubellm.autoscaler.backend import Target
-from kubellm.contracts import FallbackTarget, engine_spec_json, fallback_target
+from kubellm.contracts import (
+    FallbackTarget,
+    engine_identity_json,
+    engine_spec_json,
+    fallback_target,
+)
 from kubellm.fleet.processes import CommandFor, Supervisor
 from kubellm.gateway.discovery.base import Endpoint as GatewayEndpoint
 from kubellm.gateway.discovery.base import ModelTarget
@@ -104,9 +109,12 @@ class LocalRuntime:
             old = current.manifest
             current.manifest = manifest
             before = len(changes)
-            if engine_spec_json(old) != engine_spec_json(manifest):
+            if engine_identity_json(old) != engine_identity_json(manifest):
                 self.supervisor.set_command(name, self._command(manifest))
                 changes.append(f"{name} engine spec changed: replacing replicas")
+            elif engine_spec_json(old) != engine_spec_json(manifest):
+                self._command(manifest)  # new replicas start with the adapters; running ones
+                changes.append(f"{name} adapters changed: loaded at runtime, no restart")
             if old.spec.replicas != manifest.spec.replicas:
                 self.supervisor.set_replicas(name, manifest.spec.replicas)
                 changes.append(f"{name} scaled to {manifest.spec.replicas}")

@@ -63,6 +63,11 @@ TABLE = [
      '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'),
     ({"speculative": {"method": "eagle", "model": "org/eagle-head"}}, "--speculative-config",
      '{"method": "eagle", "model": "org/eagle-head", "num_speculative_tokens": 3}'),
+    ({}, "--enable-lora", None),
+    ({"maxLoras": 3}, "--enable-lora", ""),
+    ({"maxLoras": 3}, "--max-loras", "3"),
+    ({"maxLoras": 2, "maxLoraRank": 64}, "--max-lora-rank", "64"),
+    ({"maxLoras": 2}, "--max-lora-rank", None),
 ]  # fmt: skip
 # Engine fields with no vLLM flag, and where their behaviour is tested instead.
 NOT_FLAGS = {
