@@ -264,6 +264,8 @@ def build_command(
     argv = [python, "-m", VLLM_MODULE, "--model", model, *model_args]
     argv += ["--served-model-name", target.served_name]
     argv += ["--host", host, "--port", str(port if port is not None else engine.port)]
+    # vLLM echoes each request's X-Request-Id: the gateway checks every answer is its own
+    argv.append("--enable-request-id-headers")
     argv += ["--dtype", engine.dtype, "--kv-cache-dtype", engine.kv_cache_dtype]
     if engine.quantization:
         argv += ["--quantization", engine.quantization]

@@ -234,7 +234,9 @@ def create_app(
 
 
 class _MarkSimulator:
-    """ASGI middleware: add `x-kubellm-engine: simulator` to every HTTP response."""
+    """ASGI middleware: add `x-kubellm-engine: simulator` to every HTTP response, and echo
+    the request's `x-request-id`, as vLLM does with `--enable-request-id-headers` (the
+    gateway checks that an answer is the one to its own request)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -244,9 +246,13 @@ class _MarkSimulator:
             await self.app(scope, receive, send)
             return
 
+        request_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+
         async def marked(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 headers = [*message.get("headers", []), tuple(h.encode() for h in ENGINE_HEADER)]
+                if request_id is not None:
+                    headers.append((b"x-request-id", request_id))
                 message = {**message, "headers": headers}
             await send(message)
 

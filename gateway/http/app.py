@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -278,8 +280,10 @@ class Gateway:
             self.metrics.fallback.labels(*labels(target), admission.reason).inc()
             return await self._forward_fallback(call, target, target.fallback, body, stream)
         connect, deadlines = self.settings.timeouts(target, stream)
+        headers = _forward_headers(call.headers)
+        headers["x-request-id"] = _attempt_id(headers.get("x-request-id"))
         forward = Forward(
-            call.path, raw, _forward_headers(call.headers), stream, deadlines, connect,
+            call.path, raw, headers, stream, deadlines, connect,
             self.settings.attempts,
         )  # fmt: skip
         order = admission.order
@@ -508,6 +512,15 @@ def _wanted_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_ID_PREFIX = os.urandom(6).hex()  # this process's; the counter makes each id unique in it
+_ID_COUNTER = itertools.count(1)
+
+
+def _attempt_id(client_id: str | None) -> str:
+    """The `x-request-id` sent to a replica: unique (engines need unique request ids, and
+    the answer must echo it), with the client's own id in front when it is a plain token."""
+    ours = f"kl-{_ID_PREFIX}-{next(_ID_COUNTER):x}"
+    return f"{client_id}.{ours}" if client_id and _REQUEST_ID.fullmatch(client_id) else ours
 
 
 def _request_id(headers: dict[str, str]) -> str:

@@ -4,6 +4,11 @@ Every byte a replica sends is framed by llhttp (through `httptools`, the parser
 uvicorn serves with), never by string handling here. A replica is a peer the
 gateway does not control, so:
 
+- **An answer must be the one to its request**: each request carries a unique
+  `x-request-id` (the caller's), which vLLM (`--enable-request-id-headers`, set by the
+  launcher) and the simulator echo; an answer echoing another id is refused. This
+  closes the race no framing check can: an unrequested answer that arrives just after
+  the next request went out on the same connection.
 - **A connection is reused only when provably clean**: its previous response was
   parsed to its end, nothing arrived after that end (not in the same read, not
   while it sat in the pool), the server did not ask to close, and it is not
@@ -109,6 +114,7 @@ class _Connection(asyncio.Protocol):
         self.until_close = False  # no length, not chunked: the body ends when the peer closes
         self.keep_alive = False  # the answer's head allows another request on this connection
         self.chunked = False  # pieces are handed out per HTTP chunk; else as they arrive
+        self.expect_id: bytes | None = None  # the x-request-id sent: an answer must echo it
         self._chunk: list[bytes] = []  # the current HTTP chunk's data, not yet handed out
         self._chunk_size = 0
         self._paused = False
@@ -194,6 +200,10 @@ class _Connection(asyncio.Protocol):
                 framed = True
         if size > self.limits.max_head_bytes:
             raise self._set_error(UpstreamError("response headers exceed the limit"))
+        if self.expect_id is not None:
+            given = next((v for n, v in self.headers if n.lower() == b"x-request-id"), None)
+            if given is not None and given != self.expect_id:  # another request's answer
+                raise self._set_error(UpstreamError("an answer to another request"))
         self.status = status
         self.head_done = True
         self.keep_alive = self.parser.should_keep_alive()
@@ -258,9 +268,11 @@ class _Connection(asyncio.Protocol):
 
     # -------------------------------------------------------------- the request
 
-    def send(self, request: bytes, deadlines: Deadlines) -> None:
-        """Write one request and start reading its answer under `deadlines`."""
+    def send(self, request: bytes, deadlines: Deadlines, expect_id: bytes | None) -> None:
+        """Write one request and start reading its answer under `deadlines`; an answer
+        that echoes an `x-request-id` other than `expect_id` is refused."""
         assert self.transport is not None and not self.active
+        self.expect_id = expect_id
         self.active, self.complete, self.head_done, self.interim = True, False, False, False
         self.head_bytes, self.status, self.until_close, self.chunked = 0, 0, False, False
         self.headers = []
@@ -513,22 +525,27 @@ class Pool:
                 lines.append(f"{name}: {value}\r\n")
         lines.append("\r\n")
         request = "".join(lines).encode("latin-1") + body
+        given_id = headers.get("x-request-id")
+        expect_id = given_id.encode("latin-1") if given_id else None
         deadlines = deadlines or self.deadlines
 
         conn = self._pooled(key)
         if conn is not None:
             try:
-                return await self._exchange(conn, request, deadlines)
+                return await self._exchange(conn, request, deadlines, expect_id)
             except UpstreamError as error:
                 # a kept-alive connection the server had just closed: once more, afresh
                 if isinstance(error, ReadTimeout) or conn.head_bytes:
                     raise
         timeout = self.connect_timeout if connect_timeout is None else connect_timeout
-        return await self._exchange(await self._connect(key, timeout), request, deadlines)
+        conn = await self._connect(key, timeout)
+        return await self._exchange(conn, request, deadlines, expect_id)
 
-    async def _exchange(self, conn: _Connection, request: bytes, deadlines: Deadlines) -> Response:
+    async def _exchange(
+        self, conn: _Connection, request: bytes, deadlines: Deadlines, expect_id: bytes | None
+    ) -> Response:
         try:
-            conn.send(request, deadlines)
+            conn.send(request, deadlines, expect_id)
             while not conn.head_done:
                 await conn.wait()
             return Response(conn, self)

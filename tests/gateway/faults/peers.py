@@ -48,6 +48,12 @@ class Request:
         return json.loads(self.body)
 
 
+def echo_id(request: Request) -> str:
+    """The `x-request-id` header line an engine that echoes ids (vLLM, the simulator) sends."""
+    given = request.headers.get("x-request-id")
+    return f"x-request-id: {given}\r\n" if given else ""
+
+
 def response(
     body: bytes, status: str = "200 OK", content_type: str = "application/json", extra: str = ""
 ) -> bytes:
@@ -57,7 +63,7 @@ def response(
     ).encode() + body
 
 
-def completion(text: str, stream: bool = False) -> bytes:
+def completion(text: str, stream: bool = False, extra: str = "") -> bytes:
     """A valid answer carrying `text`: JSON, or an SSE stream in HTTP chunks."""
     if not stream:
         body = {
@@ -65,19 +71,20 @@ def completion(text: str, stream: bool = False) -> bytes:
             "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
         }  # fmt: skip
-        return response(json.dumps(body).encode())
+        return response(json.dumps(body).encode(), extra=extra)
     events = [
         b"data: " + json.dumps({"choices": [{"index": 0, "text": text}]}).encode() + b"\n\n",
         b"data: [DONE]\n\n",
     ]
-    return chunked(events)
+    return chunked(events, extra=extra)
 
 
-def chunked(pieces: list[bytes], size_line: Callable[[bytes], bytes] | None = None) -> bytes:
+def chunked(
+    pieces: list[bytes], size_line: Callable[[bytes], bytes] | None = None, extra: str = ""
+) -> bytes:
     """An SSE answer framed in HTTP chunks; `size_line` may forge each chunk's size line."""
-    out = [
-        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-    ]
+    head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+    out = [(head + extra + "\r\n").encode()]
     for piece in pieces:
         size = size_line(piece) if size_line else b"%x" % len(piece)
         out.append(size + b"\r\n" + piece + b"\r\n")
@@ -90,8 +97,17 @@ class Close(bytes):
 
 
 @dataclass
+class Later:
+    """An answer written in two parts, `delay` seconds apart (an engine that writes late)."""
+
+    now: bytes
+    delay: float
+    later: bytes
+
+
+@dataclass
 class RawEngine:
-    respond: Callable[[Request], bytes | None]
+    respond: Callable[[Request], bytes | Later | None]
     metrics: bool = True
     requests: list[Request] = field(default_factory=list)
     connections: int = 0
@@ -134,6 +150,11 @@ class RawEngine:
                     if answer is None:
                         await reader.read()  # never answers; ends when the peer closes
                         return
+                    if isinstance(answer, Later):
+                        writer.write(answer.now)
+                        await writer.drain()
+                        await asyncio.sleep(answer.delay)  # the fault: bytes written late
+                        answer = answer.later
                     writer.write(answer)
                     if isinstance(answer, Close):
                         await writer.drain()
