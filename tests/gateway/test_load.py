@@ -118,3 +118,38 @@ async def test_stream_timing_starts_at_the_first_generated_text():
     assert b"".join(sent) == role + token + token + b"data: [DONE]\n\n"  # unchanged
     assert sent[-1] == b""  # the end of the body
     assert timing.chunks == 2 and len(timing.gaps) == 1 and timing.error is None
+
+
+def test_a_fatal_failure_ejects_at_once():
+    clock = Clock()
+    detector = OutlierDetector(threshold=3, base_seconds=5, clock=clock)
+    assert detector.failure("a", fatal=True) and detector.ejected("a")  # refused or frozen
+    clock.now += 5.5
+    assert not detector.ejected("a")
+
+
+def test_a_replica_whose_scrape_failed_is_down_until_one_succeeds():
+    clock = Clock()
+    view = LoadView(stale_after=5, clock=clock)
+    assert not view.down("a")  # never scraped yet: not down (routable at start)
+    view.scrape_failed("a")
+    assert view.down("a")
+    view.record("a", EngineStats(waiting=0, running=0, kv_usage=0.0, scraped_at=clock()))
+    assert not view.down("a")
+    view.scrape_failed("a")
+    view.forget(["b"])  # it left: nothing of it is kept
+    assert not view.down("a")
+
+
+def test_the_router_leaves_down_replicas_out_while_another_is_healthy():
+    from kubellm.gateway.discovery.base import Endpoint, ModelTarget
+    from kubellm.gateway.routing.outliers import OutlierDetector as Outliers
+    from kubellm.gateway.routing.router import Router
+
+    view = LoadView()
+    router = Router(view, Outliers())
+    target = ModelTarget("m", "m", endpoints=(Endpoint("http://a"), Endpoint("http://b")))
+    view.scrape_failed("http://a")
+    assert [c.url for c in router.candidates(target)] == ["http://b"]
+    view.scrape_failed("http://b")  # every one down: route anyway (their metrics may be broken)
+    assert {c.url for c in router.candidates(target)} == {"http://a", "http://b"}

@@ -340,3 +340,77 @@ async def test_engines_are_told_who_asks_and_to_send_the_body_uncompressed(serve
     assert b"\r\naccept-encoding: identity\r\n" in default
     assert given.count(b"user-agent:") == 1 and b"user-agent: mine\r\n" in given
     assert given.count(b"accept-encoding:") == 1 and b"accept-encoding: br\r\n" in given
+
+
+async def test_an_interim_1xx_answer_is_skipped_and_the_connection_kept(serve):
+    async def handler(reader, writer):
+        while True:
+            head, body = await read_request(reader)
+            if not head:
+                return
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    server, url = await serve(handler)
+    pool = upstream.Pool(connect_timeout=5, deadlines=upstream.Deadlines(30, 30))
+    try:
+        for body in (b"one", b"two"):
+            response = await pool.post(f"{url}/", body, {})
+            assert response.status == 200 and await response.read() == body
+            response.close()
+        assert server.connections == 1
+    finally:
+        await pool.close()
+
+
+async def test_bytes_arriving_on_a_pooled_connection_poison_it(serve):
+    go = asyncio.Event()
+
+    async def handler(reader, writer):
+        _, body = await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        await go.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nLEAKED")  # unrequested
+        await writer.drain()
+        await echo(reader, writer)
+
+    server, url = await serve(handler)
+    pool = upstream.Pool(connect_timeout=5, deadlines=upstream.Deadlines(30, 30))
+    try:
+        first = await pool.post(f"{url}/", b"one", {})
+        assert await first.read() == b"one"
+        first.close()  # clean so far: pooled
+        go.set()
+        await asyncio.wait_for(server.closed[0].wait(), 5)  # the gateway closed it
+        second = await pool.post(f"{url}/", b"two", {})
+        assert await second.read() == b"two"  # its own answer, on a new connection
+        second.close()
+        assert server.connections == 2
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\r\n" + b"x-big: " + b"v" * 200_000 + b"\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n" + b"".join(b"x-%d: v\r\n" % i for i in range(500)) + b"\r\n",
+    ],
+    ids=["one giant header", "too many headers"],
+)
+async def test_an_oversized_head_is_refused(serve, head):
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(head)
+        await writer.drain()
+        await reader.read()
+
+    _, url = await serve(handler)
+    pool = upstream.Pool(connect_timeout=5, deadlines=upstream.Deadlines(30, 30))
+    try:
+        with pytest.raises(upstream.UpstreamError, match=r"head|headers"):
+            await pool.post(f"{url}/", b"x", {})
+    finally:
+        await pool.close()
