@@ -15,6 +15,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from kubellm import contracts
 from kubellm.sources import SPEC_PATH
 
 if TYPE_CHECKING:
@@ -118,7 +119,19 @@ def sim_profile(name: str | None, spec: str | None) -> tuple[sim_profiles.Profil
         raise ValueError(str(error)) from None
     cpu = target.spec.resources.gpu.count == 0
     base = sim_profiles.get(name or sim_profiles.default_for(cpu))
-    return sim_profiles.from_spec(base, target.spec.engine, cpu=cpu), target.served_name
+    profile = sim_profiles.from_spec(base, target.spec.engine, cpu=cpu)
+    profile = profile.with_overrides(max_loras=contracts.max_loras(target.spec))
+    return profile, target.served_name
+
+
+def sim_adapters(spec: str | None) -> dict[str, str]:
+    """The spec's adapters, name -> source, registered when the simulator starts (as the
+    launcher's --lora-modules registers them with vLLM)."""
+    from kubellm.engine import launcher
+
+    if spec is None:
+        return {}
+    return {a.name: a.source for a in launcher.load_target(spec).spec.adapters}
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -135,6 +148,7 @@ def _sim(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             num_blocks=args.num_blocks,
             tokenizer=args.tokenizer,
+            adapters=sim_adapters(args.spec),
         )
     except ValueError as error:
         print(f"kubellm engine: {error}", file=sys.stderr)

@@ -25,6 +25,15 @@ What it copies from vLLM (v1 engine), because the control plane depends on it:
 - Preemption: when a running request needs a block and none is free, the most
   recently admitted running request is preempted (its blocks freed, requeued
   at the front, recomputed later).
+- LoRA (profile.max_loras > 0): the running batch holds at most `max_loras`
+  distinct adapters; a waiting request whose adapter would be one too many is
+  skipped (it keeps its place) and later ones may go first, as vLLM's v1
+  scheduler does. The adapters' GPU slots are an LRU of `max_loras`: a step
+  that runs an adapter not in a slot loads it (evicting the least recently used
+  idle one), which adds `lora_load_s` to the step (vLLM activates adapters
+  synchronously before the forward pass; its `max_cpu_loras` defaults to
+  `max_loras`, so an evicted adapter is read from disk again) and counts in
+  `lora_loads`.
 """
 
 from __future__ import annotations
@@ -148,6 +157,7 @@ class Request:
     finish_reason: str | None = None
     seed: int | None = None  # for next_token
     num_tokens: int = 0  # prompt + output, kept up to date (hot path)
+    lora: str | None = None  # the adapter it runs with, or None for the base model
 
     def __post_init__(self) -> None:
         self.num_tokens = len(self.prompt) + len(self.output)
@@ -187,6 +197,8 @@ class Engine:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.preemptions = 0
+        self.lora_slots: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.lora_loads = 0  # adapters loaded into a slot (each costs lora_load_s)
 
     # ------------------------------------------------------------------ requests
 
@@ -319,8 +331,17 @@ class Engine:
             budget -= want
             index += 1
         # 2. then waiting requests, in order, while budget, seats and blocks last.
+        skipped: list[Request] = []  # one LoRA too many for the batch: they keep their place
+        loras = {r.lora for r in self.running if r.lora is not None}
         while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:
             request = self.waiting[0]
+            if (
+                request.lora is not None
+                and request.lora not in loras
+                and len(loras) >= self.profile.max_loras
+            ):
+                skipped.append(self.waiting.popleft())
+                continue
             hit = self._lookup_prefix(request)
             want = request.num_tokens - len(hit) * self.profile.block_size
             if want > budget and not self.profile.chunked_prefill:
@@ -338,7 +359,35 @@ class Engine:
             self._cache_full_blocks(request, request.computed + want)
             scheduled.append((request, want))
             budget -= want
+            if request.lora is not None:
+                loras.add(request.lora)
+        self.waiting.extendleft(reversed(skipped))
         return self._execute(scheduled)
+
+    def _activate_loras(self, scheduled: list[tuple[Request, int]]) -> int:
+        """Put the batch's adapters in slots (LRU); returns how many had to be loaded."""
+        wanted = {request.lora for request, _ in scheduled if request.lora is not None}
+        loads = 0
+        for name in sorted(wanted):
+            if name in self.lora_slots:
+                self.lora_slots.move_to_end(name)
+                continue
+            while len(self.lora_slots) >= self.profile.max_loras:
+                idle = next((n for n in self.lora_slots if n not in wanted), None)
+                if idle is None:  # cannot happen: the batch holds at most max_loras
+                    break
+                del self.lora_slots[idle]
+            self.lora_slots[name] = None
+            loads += 1
+        self.lora_loads += loads
+        return loads
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """(running, waiting) adapter names, each once, in first-seen order (vLLM's
+        `vllm:lora_requests_info` labels, joined with commas)."""
+        running = dict.fromkeys(r.lora for r in self.running if r.lora is not None)
+        waiting = dict.fromkeys(r.lora for r in self.waiting if r.lora is not None)
+        return list(running), list(waiting)
 
     def _execute(self, scheduled: list[tuple[Request, int]]) -> StepResult:
         prefill = decode = 0
@@ -360,6 +409,8 @@ class Engine:
                 self._finish(request, "length")
                 finished.append(request)
         duration = self.profile.step_seconds(prefill, decode) if scheduled else 0.0
+        if scheduled and self.profile.max_loras:
+            duration += self._activate_loras(scheduled) * self.profile.lora_load_s
         return StepResult(duration, tokens, finished, prefill, decode)
 
     # ------------------------------------------------------------------ metrics

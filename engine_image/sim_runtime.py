@@ -121,6 +121,19 @@ class Simulator:
             buckets=ITL_BUCKETS, registry=self.registry,
         ).labels(**labels)  # fmt: skip
         self._counted = (0, 0, 0)
+        # LoRA: the registered adapters (name -> path), as vLLM's /v1/models lists them, and
+        # vLLM's info gauge: one series per (max, waiting, running) label set, set to the
+        # time it was last current; older sets stay exported with older times, as in vLLM.
+        self.adapters: dict[str, str] = {}
+        self.lora_info = (
+            Gauge(
+                metrics.LORA_REQUESTS_INFO, "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry,
+            )
+            if profile.max_loras
+            else None
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the stepping task
 
@@ -182,12 +195,18 @@ class Simulator:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, prompt_tokens: list[int], max_tokens: int, streaming: bool = True) -> _Stream:
+    def submit(
+        self,
+        prompt_tokens: list[int],
+        max_tokens: int,
+        streaming: bool = True,
+        lora: str | None = None,
+    ) -> _Stream:
         reason = self.engine.validate(len(prompt_tokens), max_tokens)
         if reason:
             raise RequestRejected(reason)
         self._ensure_started()
-        request = Request(f"sim-{next(self._ids)}", list(prompt_tokens), max_tokens)
+        request = Request(f"sim-{next(self._ids)}", list(prompt_tokens), max_tokens, lora=lora)
         stream = _Stream(request, self.clock.now(), streaming)
         self.streams[request.request_id] = stream
         self.engine.add(request)
@@ -226,4 +245,11 @@ class Simulator:
         self.c_hits.inc(now[1] - self._counted[1])
         self.c_preemptions.inc(now[2] - self._counted[2])
         self._counted = now
+        if self.lora_info is not None:
+            running, waiting = self.engine.lora_adapters()
+            self.lora_info.labels(
+                max_lora=str(self.profile.max_loras),
+                waiting_lora_adapters=",".join(waiting),
+                running_lora_adapters=",".join(running),
+            ).set(time.time())
         return generate_latest(self.registry)

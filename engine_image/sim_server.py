@@ -3,6 +3,12 @@
 Routes: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
 /health, /metrics. Errors use OpenAI's envelope, with vLLM's types.
 
+With LoRA on (the profile's max_loras > 0), requests may name a registered adapter
+as their model, /v1/models lists the adapters (parent: the base model), and vLLM's
+runtime adapter API is served: POST /v1/load_lora_adapter {lora_name, lora_path} and
+POST /v1/unload_lora_adapter {lora_name}, with vLLM's answers (200 with a text body;
+400 for a duplicate or a name that is the base model's; 404 unloading an unknown one).
+
 Every response carries `x-kubellm-engine: simulator`, /v1/models says
 `owned_by: kubellm-simulator`: nobody should mistake this for a model.
 """
@@ -71,7 +77,7 @@ async def _body(http: HTTPRequest, sim: Simulator) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != sim.served_model_name:
+    if model is not None and model != sim.served_model_name and model not in sim.adapters:
         raise APIError(404, f"The model `{model}` does not exist.", "model")
     if _field(body, "n", int, 1) != 1:
         raise APIError(400, "n: the simulator supports n=1 only", "n")
@@ -104,6 +110,7 @@ def create_app(
     block_size: int | None = None,
     num_blocks: int | None = None,
     tokenizer_dir: str | None = None,
+    adapters: dict[str, str] | None = None,
 ) -> Starlette:
     """The simulator as an ASGI app (run it with uvicorn, or in-process via httpx).
 
@@ -113,6 +120,9 @@ def create_app(
     chosen = profiles.get(profile) if isinstance(profile, str) else profile
     chosen = chosen.with_overrides(block_size=block_size, num_blocks=num_blocks)
     sim = Simulator(served_model_name, chosen, time_scale, tokenizer.load(tokenizer_dir))
+    if adapters and not chosen.max_loras:
+        raise ValueError("adapters need LoRA on: give the profile max_loras (spec.engine.maxLoras)")
+    sim.adapters.update(adapters or {})
     created = int(time.time())
 
     async def health(_: HTTPRequest) -> Response:
@@ -124,13 +134,65 @@ def create_app(
             "owned_by": OWNED_BY, "root": f"simulator:{chosen.name}", "parent": None,
             "max_model_len": chosen.max_model_len,
         }  # fmt: skip
-        return JSONResponse({"object": "list", "data": [card]})
+        loras = [
+            {"id": name, "object": "model", "created": created, "owned_by": OWNED_BY,
+             "root": path, "parent": served_model_name, "max_model_len": None}
+            for name, path in sim.adapters.items()
+        ]  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card, *loras]})
+
+    async def _adapter_body(http: HTTPRequest) -> dict[str, Any]:
+        try:
+            body = json.loads(await http.body())
+        except ValueError as error:
+            raise APIError(400, f"request body is not valid JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object")
+        return body
+
+    async def load_lora_adapter(http: HTTPRequest) -> Response:
+        try:
+            body = await _adapter_body(http)
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not name or not path or not isinstance(name, str) or not isinstance(path, str):
+                raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.")
+            if name == served_model_name:
+                raise APIError(
+                    400, f"The lora adapter '{name}' conflicts with a served base model."
+                )
+            if name in sim.adapters and not body.get("load_inplace"):
+                raise APIError(
+                    400,
+                    f"The lora adapter '{name}' has already been loaded. If you want to load "
+                    "the adapter in place, set 'load_inplace' to True.",
+                )
+        except APIError as error:
+            return error.response()
+        # vLLM reads the adapter into host memory before it answers (add_lora)
+        await sim.clock.sleep_until(sim.clock.now() + chosen.lora_load_s)
+        sim.adapters[name] = path
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", 200)
+
+    async def unload_lora_adapter(http: HTTPRequest) -> Response:
+        try:
+            body = await _adapter_body(http)
+            name = body.get("lora_name")
+            if not name or not isinstance(name, str):
+                raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.")
+            if name not in sim.adapters:
+                raise APIError(404, f"The lora adapter '{name}' cannot be found.")
+        except APIError as error:
+            return error.response()
+        del sim.adapters[name]
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", 200)
 
     async def metrics_endpoint(_: HTTPRequest) -> Response:
         return Response(sim.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     async def complete(http: HTTPRequest, chat: bool) -> Response:
         body = await _body(http, sim)
+        lora = body["model"] if body.get("model") in sim.adapters else None
+        answered_as = lora or served_model_name  # vLLM answers with the adapter's name
         if chat:
             text = _chat_prompt(body.get("messages"))
         else:
@@ -153,7 +215,7 @@ def create_app(
         options = _field(body, "stream_options", dict, None) or {}
         include_usage = bool(options.get("include_usage"))
         try:
-            request = sim.submit(prompt_ids, max_tokens, streaming=stream_mode)
+            request = sim.submit(prompt_ids, max_tokens, streaming=stream_mode, lora=lora)
         except RequestRejected as error:
             raise APIError(400, str(error), "max_tokens") from None
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{request.request.request_id}"
@@ -171,7 +233,7 @@ def create_app(
                 choice = {"index": 0, "text": piece or "", "logprobs": None,
                           "finish_reason": finish}  # fmt: skip
             return {"id": ident, "object": f"{kind}.chunk" if chat else kind,
-                    "created": int(time.time()), "model": served_model_name,
+                    "created": int(time.time()), "model": answered_as,
                     "choices": [choice]}  # fmt: skip
 
         if stream_mode:
@@ -188,7 +250,7 @@ def create_app(
                 yield _sse(chunk(None if chat else "", "length"))
                 if include_usage:
                     yield _sse({"id": ident, "object": f"{kind}.chunk" if chat else kind,
-                                "created": int(time.time()), "model": served_model_name,
+                                "created": int(time.time()), "model": answered_as,
                                 "choices": [], "usage": usage})  # fmt: skip
                 yield _sse("[DONE]")
 
@@ -200,7 +262,7 @@ def create_app(
         else:
             choice = {"index": 0, "text": text_out, "logprobs": None, "finish_reason": "length"}
         return JSONResponse({"id": ident, "object": kind, "created": int(time.time()),
-                             "model": served_model_name, "choices": [choice],
+                             "model": answered_as, "choices": [choice],
                              "usage": usage})  # fmt: skip
 
     def guarded(chat: bool):  # type: ignore[no-untyped-def]
@@ -224,6 +286,14 @@ def create_app(
             Route("/metrics", metrics_endpoint),
             Route("/v1/completions", guarded(False), methods=["POST"]),
             Route("/v1/chat/completions", guarded(True), methods=["POST"]),
+            *(
+                [
+                    Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+                    Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
+                ]
+                if chosen.max_loras
+                else []
+            ),
         ],
         lifespan=lifespan,
     )
@@ -273,6 +343,7 @@ def describe(profile: profiles.Profile) -> str:
         f"block_size {profile.block_size}, num_blocks {profile.num_blocks}, "
         f"max_num_batched_tokens {profile.max_num_batched_tokens}, "
         f"chunked_prefill {profile.chunked_prefill}, prefix_caching {profile.prefix_caching}"
+        + (f", max_loras {profile.max_loras}" if profile.max_loras else "")
     )
 
 
@@ -286,6 +357,7 @@ def serve(
     block_size: int | None = None,
     num_blocks: int | None = None,
     tokenizer: str | None = None,
+    adapters: dict[str, str] | None = None,
 ) -> int:
     """Run the simulator with uvicorn until interrupted."""
     import uvicorn
@@ -293,6 +365,7 @@ def serve(
     app = create_app(
         served_model_name, profile, time_scale,
         block_size=block_size, num_blocks=num_blocks, tokenizer_dir=tokenizer,
+        adapters=adapters,
     )  # fmt: skip
     chosen = app.state.simulator.profile
     line = banner(host, port, served_model_name, chosen.name, time_scale)

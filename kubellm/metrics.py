@@ -16,6 +16,10 @@ PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"  # tokens looked up
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"  # tokens found cached
 TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"  # histogram
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"  # histogram
+# With LoRA on: a gauge set to the time of its last update, one series per label set
+# max_lora, running_lora_adapters and waiting_lora_adapters (comma-joined names); older
+# label sets stay exported with older times, so the current one has the largest value.
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 
 ENGINE_METRICS: tuple[str, ...] = (
     NUM_REQUESTS_RUNNING,
@@ -44,6 +48,12 @@ GATEWAY_PREFIX_MATCH = "kubellm_gateway_prefix_match_ratio"  # histogram: routed
 GATEWAY_SLO_TARGET = "kubellm_gateway_slo_target_seconds"  # gauge
 GATEWAY_SLO_OBJECTIVE = "kubellm_gateway_slo_objective"  # gauge
 GATEWAY_FALLBACK_TOKENS = "kubellm_gateway_fallback_tokens_total"  # + kind=prompt|completion
+# Per LoRA adapter (+ adapter): requests by how they were placed (route=resident: a replica
+# had it; loaded: loaded for it first; fallback; refused), and loads the gateway asked for
+# (+ outcome=ok|error|timeout) with their duration.
+GATEWAY_ADAPTER_REQUESTS = "kubellm_gateway_adapter_requests_total"
+GATEWAY_ADAPTER_LOADS = "kubellm_gateway_adapter_loads_total"
+GATEWAY_ADAPTER_LOAD_SECONDS = "kubellm_gateway_adapter_load_seconds"  # histogram
 # Process-wide health of the gateway itself (no model labels).
 GATEWAY_CONNECTIONS_REFUSED = "kubellm_gateway_connections_refused_total"  # over the cap
 GATEWAY_CONFIG_RELOAD_ERRORS = "kubellm_gateway_config_reload_errors_total"  # static file
