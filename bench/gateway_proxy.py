@@ -121,6 +121,19 @@ class Server(asyncio.Protocol):
             if end < 0:
                 return
             head = self.buf[:end].lower()
+            if b"transfer-encoding: chunked" in head:  # Envoy may send bodies chunked
+                tail = self.buf.find(b"\r\n0\r\n\r\n", end)
+                if tail < 0:
+                    return
+                raw, body, k = self.buf[end + 4:tail + 2], b"", 0
+                while k < len(raw):
+                    nl = raw.find(b"\r\n", k)
+                    size = int(raw[k:nl].split(b";")[0], 16)
+                    body += raw[nl + 2:nl + 2 + size]
+                    k = nl + 2 + size + 2
+                self.buf = self.buf[tail + 7:]
+                self.handle(head, body)
+                continue
             i = head.find(b"content-length:")
             length = 0
             if i >= 0:
