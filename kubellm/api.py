@@ -411,6 +411,20 @@ class Routing(_Model):
         description="A replica may take a prefix-matched request while its load is at most "
         "loadBound x the mean load.",
     )
+    prefix_index: Literal["approximate", "precise"] = Field(
+        default="approximate",
+        description="How prefix-aware routing knows what each replica caches: approximate "
+        "(from what the gateway sent it) or precise (from the engines' own KV-cache events, "
+        "published on kvEventsPort; a replica whose events are missing or stale falls back "
+        "to approximate).",
+    )
+    kv_events_port: int = Field(
+        default=5557,
+        ge=1,
+        le=65534,
+        description="With prefixIndex precise: the engine publishes its KV-cache events "
+        "here and answers replay requests on the next port.",
+    )
     timeouts: Timeouts = _nested(Timeouts, "How long the gateway waits on a replica at each stage.")
     inference_pool: InferencePoolRouting | None = Field(
         default=None,

@@ -252,6 +252,18 @@ def engine_command(llmd: api.LLMDeployment) -> list[str]:
     ]
 
 
+def kv_event_ports(llmd: api.LLMDeployment) -> list[dict[str, Any]]:
+    """With spec.routing.prefixIndex precise, the engine's KV-event publisher and its replay
+    port (the launcher's kv_events_args), named so the gateway's policy can allow them."""
+    routing = llmd.spec.routing
+    if routing.prefix_index != "precise":
+        return []
+    return [
+        {"name": "kv-events", "containerPort": routing.kv_events_port, "protocol": "TCP"},
+        {"name": "kv-replay", "containerPort": routing.kv_events_port + 1, "protocol": "TCP"},
+    ]
+
+
 def engine_deployment(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
     spec = llmd.spec
     port = spec.engine.port
@@ -261,7 +273,10 @@ def engine_deployment(llmd: api.LLMDeployment, options: Options = Options()) -> 
         "image": spec.engine.image,
         "imagePullPolicy": "IfNotPresent",
         "command": engine_command(llmd),
-        "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+        "ports": [
+            {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
+            *kv_event_ports(llmd),
+        ],
         "env": _env(llmd),
         "resources": _resources(llmd),
         "volumeMounts": [
