@@ -34,6 +34,7 @@ from kubellm.gateway.discovery.base import Endpoint, FallbackTarget, ModelTarget
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kubellm.api import SLO, Fallback, Routing
+from kubellm.contracts import fallback_target
 from kubellm.manifests import ManifestError, explain, read_documents
 
 log = logging.getLogger("kubellm.gateway")
@@ -96,13 +97,7 @@ def _fallback(spec: StaticFallback | None, env: Mapping[str, str]) -> FallbackTa
                 f"fallback.apiKeyEnv: environment variable {spec.api_key_env} is not set"
             )
         key = env[spec.api_key_env]
-    return FallbackTarget(
-        url=spec.url.rstrip("/"),
-        model=spec.model,
-        api_key=key,
-        max_concurrency=spec.max_concurrency,
-        triggers=tuple(spec.triggers),
-    )
+    return fallback_target(spec, key)
 
 
 def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, ModelTarget]:
