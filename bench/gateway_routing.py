@@ -13,7 +13,9 @@ Contenders: the gateway's policies (`prefix-aware`, `least-load`,
 `round-robin`) and the Rust `vllm-router` from PyPI, named
 `vllm-router:POLICY` (for example `vllm-router:cache_aware`,
 `vllm-router:power_of_two`), started in the gateway's place in front of the
-same replicas (its executable is looked up next to this Python, then on PATH).
+same replicas (its executable is looked up next to this Python, then on PATH);
+and `envoy+epp:POLICY`, the Gateway API Inference Extension's path: a real Envoy asking
+`kubellm epp` (the same routing core as the gateway, with POLICY) where each request goes.
 
 Workloads: `shared` = 32 system prompts of 1-4k tokens, each request one of
 them plus a short unique question; `low` = unique prompts of 1-4k tokens.
@@ -25,6 +27,7 @@ divided by S.
     python bench/gateway_routing.py                       # full default sweep
     python bench/gateway_routing.py --rates 6 --requests 60 --workloads shared
     python bench/gateway_routing.py --policies prefix-aware,vllm-router:cache_aware
+    python bench/gateway_routing.py --policies prefix-aware,envoy+epp:prefix-aware
     (the peer comes from the bench-peers extra: pip install -e ".[bench-peers]")
 
 Several gateways: `--gateways 1,2` runs each case with one gateway and with two,
@@ -52,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +130,7 @@ class Fleet:
         self.processes: list[subprocess.Popen] = []
         self.engines: list[str] = []
         self.gateways: list[str] = []
+        self.stoppers: list[Callable[[], None]] = []
         self.tmp = tempfile.TemporaryDirectory()
 
     def _spawn(self, command: list[str]) -> subprocess.Popen:
@@ -149,6 +154,9 @@ class Fleet:
         if self.policy.startswith("vllm-router:"):
             self._start_vllm_router(self.policy.split(":", 1)[1])
             return self
+        if self.policy.startswith("envoy+epp"):  # e.g. envoy+epp:prefix-aware
+            self._start_envoy_epp(self.policy.partition(":")[2] or "prefix-aware")
+            return self
         static = Path(self.tmp.name) / "static.yaml"
         static.write_text(yaml.safe_dump({"models": [{
             "name": "m", "endpoints": self.engines, "routing": {"policy": self.policy},
@@ -165,6 +173,24 @@ class Fleet:
             self.gateways.append(f"http://127.0.0.1:{port}")
             wait_healthy(self.gateways[-1], process)
         return self
+
+    def _start_envoy_epp(self, policy: str) -> None:
+        """Envoy asking `kubellm epp` (the Inference Extension's path), one per --gateways."""
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import _envoy
+
+        a = self.args
+        slo = {"ttftSeconds": a.ttft_slo * a.time_scale, "itlSeconds": a.itl_slo * a.time_scale}
+        for index in range(a.gateways):
+            tmp = Path(self.tmp.name) / f"envoy{index}"
+            tmp.mkdir()
+            path = _envoy.start(
+                self.engines, "m", tmp, policy=policy, settings={"slo": slo},
+                epp_args=["--max-waiting", "1000000", "--max-kv-usage", "1.01",
+                          "--scrape-interval", "0.25"],
+            )  # fmt: skip
+            self.stoppers.append(path.stop)
+            self.gateways.append(path.url)
 
     def _start_vllm_router(self, policy: str) -> None:
         """The Rust vllm-router (PyPI `vllm-router`) in the gateway's place, one per --gateways."""
@@ -183,6 +209,8 @@ class Fleet:
             wait_healthy(self.gateways[-1], process)
 
     def __exit__(self, *exc: object) -> None:
+        for stop in self.stoppers:
+            stop()
         for process in self.processes:
             process.terminate()
         for process in self.processes:
