@@ -59,6 +59,7 @@ class _Replica:
     slot: int
     next_seq: int | None = None  # the sequence number expected next; None before any
     last_live: int | None = None  # the last sequence number seen on the live stream
+    block_size: int | None = None  # tokens per block, as its BlockStored events say
     entries: int = 0
     overflowed: bool = False
 
@@ -109,6 +110,10 @@ class KVIndex:
         replica = self._replicas.get(url)
         return None if replica is None else replica.next_seq
 
+    def block_size(self, url: str) -> int | None:
+        replica = self._replicas.get(url)
+        return None if replica is None else replica.block_size
+
     def overflowed(self, url: str) -> bool:
         replica = self._replicas.get(url)
         return replica is not None and replica.overflowed
@@ -152,6 +157,9 @@ class KVIndex:
         bit = 1 << replica.slot
         owners = self._owners
         if kind == "BlockStored":
+            size = event.get("block_size")
+            if isinstance(size, int) and size > 0:
+                replica.block_size = size
             for h in event.get("block_hashes") or ():
                 mask = owners.get(h)
                 if mask is None:

@@ -9,21 +9,31 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from kubellm.gateway.discovery.base import ModelTarget
+from kubellm.gateway.routing.adapters import AdapterScorer
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.outliers import OutlierDetector
+from kubellm.gateway.routing.precise import PreciseRouting
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight
-from kubellm.gateway.routing.scorers.picker import pick, profiles
+from kubellm.gateway.routing.scorers.picker import Profile, pick, profiles
+from kubellm.gateway.routing.scorers.precise import PrecisePrefixScorer
 from kubellm.gateway.routing.scorers.session import SessionTable
 
 
-def routing_request(model: str, body: dict[str, Any], session: str | None) -> RoutingRequest:
-    """The routing features of a request body: prompt chunk-hash chain, home key, session."""
+def routing_request(
+    model: str, body: dict[str, Any], session: str | None, adapter: str | None = None
+) -> RoutingRequest:
+    """The routing features of a request body: prompt chunk-hash chain, home key, session,
+    LoRA adapter. With an adapter the chain starts from its name: vLLM keys cached KV
+    blocks by adapter too, so a prefix computed under one adapter is no hit under another."""
     text = prefix.prompt_text(body)
+    if adapter is not None:
+        text = f"<|lora:{adapter}|>{text}"
     hashes = prefix.chunk_hashes(text)
     user = body.get("user")
     return RoutingRequest(
@@ -31,7 +41,15 @@ def routing_request(model: str, body: dict[str, Any], session: str | None) -> Ro
         chunk_hashes=hashes,
         affinity_key=prefix.affinity_key(text, hashes),
         session=session or (user if isinstance(user, str) and user else None),
+        body=body,
+        adapter=adapter,
     )
+
+
+# The LoRA affinity scorer's weight: above a full prefix match (4) plus the prompt's home
+# (2), so a request goes where its adapter is in a slot unless the bounded-load filter
+# says that replica is full; a free slot (0.5 x 6 = 3) still beats a cold home (2).
+ADAPTER_WEIGHT = 6.0
 
 
 class Router:
@@ -41,6 +59,7 @@ class Router:
         outliers: OutlierDetector,
         rng: random.Random | None = None,
         index_capacity: int = 65_536,
+        precise: PreciseRouting | None = None,
     ) -> None:
         self.load = load
         self.outliers = outliers
@@ -49,6 +68,8 @@ class Router:
         self.sessions = SessionTable()
         self.sharing = prefix.Sharing()
         self.profiles = profiles(self.index, self.sessions)
+        self.precise = precise
+        self.adapter_scorer: AdapterScorer | None = None  # None: adapter-blind routing
 
     def candidates(self, target: ModelTarget) -> list[Candidate]:
         """Endpoints that may take a new request: routable, not ejected, and not down (the
@@ -77,6 +98,13 @@ class Router:
         if policy == "prefix-aware" and self.unshared(request):
             policy = "least-load"
         profile = self.profiles[policy]
+        if policy == "prefix-aware" and target.routing.prefix_index == "precise" and self.precise:
+            request = replace(request, kv_hashes=self.precise.kv_hashes(target, request.body))
+            profile = precise_profile(profile, self.precise, self.index, target.served_name)
+        if request.adapter is not None and self.adapter_scorer is not None and profile.filters:
+            # LoRA affinity first (no adapter swap), then the policy's own scorers
+            scorers = [(self.adapter_scorer, ADAPTER_WEIGHT), *profile.scorers]
+            profile = Profile(filters=profile.filters, scorers=scorers)
         return pick(profile, request, candidates, target.routing.load_bound, self.rng)
 
     def unshared(self, request: RoutingRequest) -> bool:
@@ -102,6 +130,16 @@ class Router:
         if request.session:
             self.sessions.record(request.session, url)
         return ratio
+
+
+def precise_profile(
+    profile: Profile, precise: PreciseRouting, index: prefix.PrefixIndex, model: str
+) -> Profile:
+    """`profile` with its approximate prefix scorer replaced by the precise one (same
+    weight), which falls back to `index` per replica whose KV events are not fresh."""
+    scorer = PrecisePrefixScorer(precise.index, precise.fresh, index, precise.fallback(model))
+    scorers = [(scorer if isinstance(s, prefix.PrefixScorer) else s, w) for s, w in profile.scorers]
+    return Profile(filters=profile.filters, scorers=scorers)
 
 
 def home(request: RoutingRequest, urls: Sequence[str]) -> str | None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,11 @@ class RoutingRequest:
     chunk_hashes: tuple[int, ...] = ()
     affinity_key: int | None = None
     session: str | None = None
+    adapter: str | None = None  # the LoRA adapter it names, or None for the base model
+    # Precise mode (scorers/precise.py): the prompt's vLLM block hashes, filled by the
+    # router from `body` (the parsed request, kept by reference) when the model asks.
+    kv_hashes: tuple[int, ...] = ()
+    body: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 class Scorer(Protocol):

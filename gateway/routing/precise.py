@@ -1,0 +1,158 @@
+"""Precise prefix routing's state in one gateway process (spec.routing.prefixIndex precise).
+
+- `KVIndex` + `KVEventsSubscriber` (kv_index.py): which blocks each ready replica of a
+  precise model holds, from its KV events; `run` keeps the subscriptions equal to the
+  ready replicas of the models that ask for precise mode (checked every `interval`).
+- Per model, the prompt's block hashes (kv_hashes.py): the model's own tokenizer, given
+  per served name (`tokenizers`: a local directory or a Hugging Face id the gateway may
+  fetch), and the engine's block size, learnt from its events (BlockStored carries it),
+  so no second setting can disagree with the engine.
+- Metrics: `kubellm_gateway_prefix_index_fallbacks_total{model, reason}` (a candidate
+  scored by the approximate index: `stale` events, or `unhashed`: no tokenizer, block size
+  not learnt yet, or a prompt that cannot be tokenized) and
+  `kubellm_gateway_kv_index_entries` (block entries in the index).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kubellm.gateway.discovery.base import Endpoint, ModelTarget
+from kubellm.gateway.routing.kv_hashes import BlockHasher, PromptTokenizer
+from kubellm.gateway.routing.kv_index import (
+    EventAddress,
+    KVEventsSubscriber,
+    KVIndex,
+    event_address,
+)
+
+log = logging.getLogger(__name__)
+
+FALLBACKS = "kubellm_gateway_prefix_index_fallbacks_total"
+ENTRIES = "kubellm_gateway_kv_index_entries"
+
+AddressOf = Callable[[ModelTarget, Endpoint], EventAddress]
+
+
+def default_address(target: ModelTarget, endpoint: Endpoint) -> EventAddress:
+    """The engine's event sockets: its host, spec.routing.kvEventsPort and the next port."""
+    return event_address(endpoint.url, target.routing.kv_events_port)
+
+
+class PreciseRouting:
+    def __init__(
+        self,
+        tokenizers: Mapping[str, str] | None = None,
+        *,
+        index: KVIndex | None = None,
+        subscriber: KVEventsSubscriber | None = None,
+        address_of: AddressOf = default_address,
+        registry: Any = None,
+        interval: float = 1.0,
+    ) -> None:
+        self.index = index or KVIndex()
+        self.subscriber = subscriber or KVEventsSubscriber(self.index)
+        self.tokenizer_paths = dict(tokenizers or {})
+        self.address_of = address_of
+        self.interval = interval
+        self._tokenizers: dict[str, PromptTokenizer | None] = {}
+        self._hashers: dict[tuple[int, str], BlockHasher] = {}
+        self._fallbacks: Any = None
+        self._entries: Any = None
+        # The last few requests' hashes, by body identity (the body is held, so its id
+        # cannot be reused while cached): a queued request is ordered again on every wake.
+        self._cache: OrderedDict[int, tuple[Any, tuple[int, ...]]] = OrderedDict()
+        if registry is not None:
+            from prometheus_client import Counter, Gauge
+
+            self._fallbacks = Counter(
+                FALLBACKS.removesuffix("_total"),
+                "Candidates scored by the approximate prefix index in precise mode, by reason "
+                "(stale: the replica's KV events are missing or stale; unhashed: the prompt "
+                "could not be hashed as the engine hashes it).",
+                ["model", "reason"],
+                registry=registry,
+            )
+            self._entries = Gauge(
+                ENTRIES, "Block entries in the precise prefix index.", registry=registry
+            )
+
+    # ---------------------------------------------------------------- subscriptions
+    def wanted(self, targets: Mapping[str, ModelTarget]) -> dict[str, EventAddress]:
+        """The event address of every routable replica of every precise model."""
+        out = {}
+        for target in targets.values():
+            if target.routing.prefix_index != "precise":
+                continue
+            for endpoint in target.routable:
+                out[endpoint.url] = self.address_of(target, endpoint)
+        return out
+
+    async def run(self, snapshot: Callable[[], Mapping[str, ModelTarget]]) -> None:
+        """Follow the events of the replicas `snapshot` names, until cancelled."""
+        try:
+            while True:
+                self.subscriber.sync(self.wanted(snapshot()))
+                if self._entries is not None:
+                    self._entries.set(self.index.entries())
+                await asyncio.sleep(self.interval)
+        finally:
+            await self.subscriber.close()
+
+    def fresh(self, url: str) -> bool:
+        return self.subscriber.fresh(url)
+
+    def fallback(self, model: str) -> Callable[[str, str], None]:
+        def count(url: str, reason: str) -> None:
+            if self._fallbacks is not None:
+                self._fallbacks.labels(model, reason).inc()
+
+        return count
+
+    # ---------------------------------------------------------------- prompt hashes
+    def tokenizer(self, model: str) -> PromptTokenizer | None:
+        if model not in self._tokenizers:
+            path = self.tokenizer_paths.get(model)
+            try:
+                self._tokenizers[model] = PromptTokenizer(path) if path else None
+            except Exception as error:  # a bad path must not fail requests: degrade
+                log.warning("precise routing of %s: tokenizer %s: %s", model, path, error)
+                self._tokenizers[model] = None
+        return self._tokenizers[model]
+
+    def block_size(self, target: ModelTarget) -> int | None:
+        for endpoint in target.routable:
+            size = self.index.block_size(endpoint.url)
+            if size:
+                return size
+        return None
+
+    def kv_hashes(self, target: ModelTarget, body: Mapping[str, Any] | None) -> tuple[int, ...]:
+        """The prompt's block hashes as the model's engines compute them; () when unknown."""
+        if body is None:
+            return ()
+        size = self.block_size(target)
+        tokenizer = self.tokenizer(target.served_name)
+        if size is None or tokenizer is None:
+            return ()
+        cached = self._cache.get(id(body))
+        if cached is not None and cached[0] is body:
+            return cached[1]
+        try:
+            token_ids = tokenizer.token_ids(dict(body))
+        except Exception:  # a prompt the template cannot render: score approximately
+            token_ids = None
+        if not token_ids:
+            return ()
+        hasher = self._hashers.get((size, "sha256"))
+        if hasher is None:
+            hasher = self._hashers[size, "sha256"] = BlockHasher(size)
+        hashes = hasher.block_hashes(token_ids)
+        self._cache[id(body)] = (body, hashes)
+        while len(self._cache) > 32:
+            self._cache.popitem(last=False)
+        return hashes

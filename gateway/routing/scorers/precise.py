@@ -1,0 +1,47 @@
+"""Precise prefix affinity: score a replica by the prompt blocks its KV cache really holds.
+
+Score = the longest run of the prompt's vLLM block hashes (kv_hashes.BlockHasher) that
+the replica's KV events say it holds (kv_index.KVIndex.matched) / the prompt's full
+blocks, in [0, 1]. For a replica whose events are missing or stale (`fresh(url)` False:
+never synced, replay probe unanswered, index overflowed), or when the prompt could not be
+hashed (no tokenizer for the model, block size not learnt yet, a prompt the tokenizer
+cannot render), the score is the approximate one (scorers/prefix.py: the chunk chain the
+gateway sent there), and `on_fallback(url, reason)` counts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kubellm.gateway.routing.kv_index import KVIndex
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.scorers.prefix import PrefixIndex
+
+
+class PrecisePrefixScorer:
+    name = "prefix-precise"
+
+    def __init__(
+        self,
+        kv: KVIndex,
+        fresh: Callable[[str], bool],
+        approximate: PrefixIndex,
+        on_fallback: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.kv = kv
+        self.fresh = fresh
+        self.approximate = approximate
+        self.on_fallback = on_fallback
+
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
+        blocks = request.kv_hashes
+        chunks = request.chunk_hashes
+        out = []
+        for c in candidates:
+            if blocks and self.fresh(c.url):
+                out.append(self.kv.matched(c.url, blocks) / len(blocks))
+                continue
+            if self.on_fallback is not None:
+                self.on_fallback(c.url, "stale" if blocks else "unhashed")
+            out.append(self.approximate.matched(c.url, chunks) / len(chunks) if chunks else 0.0)
+        return out

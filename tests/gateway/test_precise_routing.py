@@ -1,0 +1,121 @@
+"""Precise prefix routing in the router: the replica whose KV events show the prompt's
+blocks wins in precise mode; approximate mode keeps trusting what the gateway sent; a
+replica with stale events, or a prompt that cannot be hashed, is scored approximately and
+counted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kubellm.gateway.discovery.base import Endpoint, ModelTarget
+from kubellm.gateway.routing.kv_hashes import BlockHasher, PromptTokenizer
+from kubellm.gateway.routing.kv_index import KVEventsSubscriber, KVIndex
+from kubellm.gateway.routing.load import LoadView
+from kubellm.gateway.routing.outliers import OutlierDetector
+from kubellm.gateway.routing.precise import PreciseRouting
+from kubellm.gateway.routing.router import Router, routing_request
+from prometheus_client import CollectorRegistry
+
+from kubellm.api import Routing
+
+A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+BLOCK = 32
+BODY: dict[str, Any] = {
+    "model": "tiny",
+    "messages": [
+        {"role": "system", "content": "You answer tersely. " * 40},
+        {"role": "user", "content": "What is a KV cache?"},
+    ],
+}
+
+
+class Freshness(KVEventsSubscriber):
+    """The subscriber's verdict, set by the test (its I/O is tested in test_kv_index.py)."""
+
+    stale: set[str] = set()
+
+    def fresh(self, url: str) -> bool:
+        return url not in self.stale
+
+
+def target(prefix_index: str) -> ModelTarget:
+    return ModelTarget(
+        served_name="tiny",
+        deployment="tiny",
+        endpoints=(Endpoint(A), Endpoint(B)),
+        routing=Routing(prefix_index=prefix_index),
+    )
+
+
+def setup(tiny_model_dir: Path, tokenizers: bool = True) -> tuple[Router, Freshness, Any]:
+    """A router whose approximate index says A holds BODY's prefix (the gateway sent it
+    there) while the engines' events say only B holds it (A evicted it)."""
+    index = KVIndex()
+    fresh = Freshness(index)
+    fresh.stale = set()
+    registry = CollectorRegistry()
+    precise = PreciseRouting(
+        {"tiny": str(tiny_model_dir)} if tokenizers else {},
+        index=index,
+        subscriber=fresh,
+        registry=registry,
+    )
+    router = Router(LoadView(), OutlierDetector(3, 5.0), precise=precise)
+    request = routing_request("tiny", BODY, None)
+    router.index.record(A, request.chunk_hashes)
+    router.sharing.observe("tiny", request.chunk_hashes[0])
+    token_ids = PromptTokenizer(tiny_model_dir).token_ids(BODY)
+    assert token_ids is not None
+    hashes = BlockHasher(BLOCK).block_hashes(token_ids)
+    stored = {"type": "BlockStored", "block_hashes": list(hashes), "block_size": BLOCK}
+    index.apply(B, 0, [0.0, [stored], 0])
+    index.apply(A, 0, [0.0, [{"type": "BlockStored", "block_hashes": [7], "block_size": BLOCK}]])
+    return router, fresh, registry
+
+
+def first(router: Router, prefix_index: str) -> str:
+    t = target(prefix_index)
+    request = routing_request("tiny", BODY, None)
+    return router.order(t, request, router.candidates(t))[0].url
+
+
+def fallbacks(registry: Any, reason: str) -> float:
+    value = registry.get_sample_value(
+        "kubellm_gateway_prefix_index_fallbacks_total", {"model": "tiny", "reason": reason}
+    )
+    return value or 0.0
+
+
+def test_precise_mode_follows_the_engines_events(tiny_model_dir: Path) -> None:
+    router, _, registry = setup(tiny_model_dir)
+    assert first(router, "precise") == B
+    assert first(router, "approximate") == A  # still trusts what it sent
+    assert fallbacks(registry, "stale") == 0
+
+
+def test_a_replica_with_stale_events_is_scored_approximately_and_counted(
+    tiny_model_dir: Path,
+) -> None:
+    router, fresh, registry = setup(tiny_model_dir)
+    fresh.stale = {B}  # B's events cannot be trusted: its approximate score (0) counts
+    first(router, "precise")
+    assert fallbacks(registry, "stale") == 1
+    fresh.stale = {A, B}  # nothing fresh: the approximate view (A) decides again
+    assert first(router, "precise") == A
+    assert fallbacks(registry, "stale") == 3
+
+
+def test_without_a_tokenizer_every_replica_is_scored_approximately(
+    tiny_model_dir: Path,
+) -> None:
+    router, _, registry = setup(tiny_model_dir, tokenizers=False)
+    assert first(router, "precise") == A
+    assert fallbacks(registry, "unhashed") == 2
+
+
+def test_the_block_size_comes_from_the_events(tiny_model_dir: Path) -> None:
+    router, _, _ = setup(tiny_model_dir)
+    assert router.precise is not None
+    assert router.precise.block_size(target("precise")) == BLOCK
+    assert router.precise.block_size(ModelTarget(served_name="x", deployment="x")) is None
