@@ -55,6 +55,9 @@ GATEWAY_ADAPTER_REQUESTS = "kubellm_gateway_adapter_requests_total"
 GATEWAY_ADAPTER_LOADS = "kubellm_gateway_adapter_loads_total"
 GATEWAY_ADAPTER_LOAD_SECONDS = "kubellm_gateway_adapter_load_seconds"  # histogram
 # Process-wide health of the gateway itself (no model labels).
+# One series per engine endpoint the gateway knows: state=ready|draining|ejected|down, value 1
+# (diagnose and dashboards find a gateway's engines here, without being told their ports).
+GATEWAY_ENDPOINT_INFO = "kubellm_gateway_endpoint_info"
 GATEWAY_CONNECTIONS_REFUSED = "kubellm_gateway_connections_refused_total"  # over the cap
 GATEWAY_CONFIG_RELOAD_ERRORS = "kubellm_gateway_config_reload_errors_total"  # static file
 

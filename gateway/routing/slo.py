@@ -62,6 +62,7 @@ class GatewayMetrics:
     fallback_tokens: Counter
     connections_refused: Counter
     config_reload_errors: Counter
+    endpoint_info: Gauge
 
     _targets: dict[tuple[str, ...], TargetMetrics] = field(
         default_factory=dict, init=False, repr=False
@@ -73,6 +74,12 @@ class GatewayMetrics:
         if found is None:
             found = self._targets[labels] = TargetMetrics(self, labels)
         return found
+
+    def publish_endpoints(self, rows: Sequence[tuple[tuple[str, ...], str, str]]) -> None:
+        """Replace the endpoint series with `rows` of (model labels, url, state)."""
+        self.endpoint_info.clear()
+        for names, url, state in rows:
+            self.endpoint_info.labels(*names, url, state).set(1)
 
     def publish_slo(self, labels: Sequence[str], ttft: float, itl: float, objective: float) -> None:
         """Export one deployment's SLO as series the recording rules join on `le`."""
@@ -203,6 +210,12 @@ def create(registry: CollectorRegistry | None = None) -> GatewayMetrics:
         connections_refused=Counter(
             _name(metrics.GATEWAY_CONNECTIONS_REFUSED, "_total"),
             "Client connections answered 503 and closed at once: the connection cap was reached.",
+            registry=r,
+        ),
+        endpoint_info=Gauge(
+            metrics.GATEWAY_ENDPOINT_INFO,
+            "Each engine endpoint the gateway knows, by state (ready, draining, ejected, down).",
+            [*_LABELS, "url", "state"],
             registry=r,
         ),
         config_reload_errors=Counter(

@@ -39,3 +39,26 @@ def test_slo_series_name_a_real_bucket_of_the_histograms() -> None:
         assert targets[kind].labels["le"] in bucket_les
     (objective,) = families[metrics.GATEWAY_SLO_OBJECTIVE].samples
     assert objective.value == 0.99
+
+
+def test_each_endpoint_is_exported_with_its_state():
+    from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget
+    from kubellm.gateway.routing.scheduler import Scheduler
+
+    urls = ("http://a:1", "http://b:1", "http://c:1", "http://d:1")
+    target = ModelTarget("m", "d", endpoints=(
+        Endpoint(urls[0]), Endpoint(urls[1], draining=True), Endpoint(urls[2]), Endpoint(urls[3]),
+    ))  # fmt: skip
+    scheduler = Scheduler(FixedDiscovery({"m": target}))
+    scheduler.outliers.failure(urls[2], fatal=True)
+    scheduler.load.scrape_failed(urls[3])
+    scheduler.update_ready_gauge()
+    sample = scheduler.metrics.registry.get_sample_value
+    for url, state in zip(urls, ("ready", "draining", "ejected", "down"), strict=True):
+        labels = {"model": "m", "deployment": "d", "namespace": "default", "url": url}
+        assert sample("kubellm_gateway_endpoint_info", {**labels, "state": state}) == 1
+    scheduler.discovery.update({})  # the model left: its endpoints' series go
+    scheduler.update_ready_gauge()
+    assert (
+        "kubellm_gateway_endpoint_info{" not in generate_latest(scheduler.metrics.registry).decode()
+    )
