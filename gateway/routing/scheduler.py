@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 from kubellm.gateway.discovery.base import Discovery, Endpoint, ModelTarget
-from kubellm.gateway.routing import slo
+from kubellm.gateway.routing import adapters, slo
 from kubellm.gateway.routing.admission import (
     CompletionRate,
     Route,
@@ -38,6 +38,7 @@ from kubellm.gateway.routing.admission import (
 )
 from kubellm.gateway.routing.load import LoadView, scrape_loop
 from kubellm.gateway.routing.outliers import OutlierDetector
+from kubellm.gateway.routing.precise import PreciseRouting
 from kubellm.gateway.routing.router import Router
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
@@ -53,6 +54,13 @@ class SchedulerSettings:
     stale_after: float = 5.0
     eject_after_failures: int = 3
     eject_base_seconds: float = 5.0
+    # LoRA (routing/adapters.py): prefer replicas with the adapter in a slot (False:
+    # adapter-blind, for comparison), and how many adapter loads may run at once
+    adapter_affinity: bool = True
+    max_adapter_loads: int = 2
+    # spec.routing.prefixIndex precise: each model's tokenizer (served name -> a local
+    # directory or a Hugging Face id), to hash prompts as its engines do (routing/precise.py)
+    tokenizers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,7 +99,18 @@ class Scheduler:
         self.metrics = metrics or slo.create()
         self.load = LoadView(stale_after=s.stale_after)
         self.outliers = OutlierDetector(s.eject_after_failures, s.eject_base_seconds)
-        self.router = Router(self.load, self.outliers)
+        self.precise = PreciseRouting(s.tokenizers, registry=self.metrics.registry)
+        self.router = Router(self.load, self.outliers, precise=self.precise)
+        self.adapters = adapters.AdapterView(stale_after=s.stale_after)
+        self.adapter_metrics = adapters.AdapterMetrics.create(self.metrics.registry)
+        self.adapter_loads = adapters.AdapterLoads(
+            self.adapters, self.adapter_metrics, limit=s.max_adapter_loads
+        )
+        if s.adapter_affinity:
+            self.router.adapter_scorer = adapters.AdapterScorer(self.adapters, 1)
+        self.load.scrape_hooks.append(
+            lambda url, text: self.adapters.record_info(url, adapters.parse_lora_info(text))
+        )
         self.fallback_in_flight: dict[str, int] = {}
         self.queued: dict[str, int] = {}
         self.completions = CompletionRate()  # replica answers finished: predicts queue waits
@@ -105,7 +124,24 @@ class Scheduler:
         return [
             self.discovery.run(self.topology_changed),
             scrape_loop(client, self.engine_urls, self.load, self.settings.scrape_interval),
+            adapters.scrape_loop(
+                client,
+                self.lora_replicas,
+                self.adapters,
+                self.adapter_loads,
+                self.settings.scrape_interval,
+            ),
+            self.precise.run(self.discovery.snapshot),
         ]
+
+    def lora_replicas(self) -> dict[str, tuple[str, frozenset[str]]]:
+        """Replicas of models with adapters: url -> (served name, the adapters wanted)."""
+        return {
+            e.url: (t.served_name, frozenset(a.name for a in t.adapters))
+            for t in self.discovery.snapshot().values()
+            if t.adapters
+            for e in t.endpoints
+        }
 
     def engine_urls(self) -> list[str]:
         return [e.url for t in self.discovery.snapshot().values() for e in t.endpoints]
@@ -150,12 +186,18 @@ class Scheduler:
         budget = target.slo.ttft_seconds if ready_now else self.settings.zero_replica_wait_seconds
         deadline = start + budget
         queued = False
+        loaded = False  # an adapter was loaded for this request
         try:
             while True:
                 changed = self._changed
                 # re-read: endpoints may have appeared (scale from zero) or gone meanwhile
                 target = self.discovery.snapshot().get(model, target)
                 candidates = self.router.candidates(target)
+                if routing.adapter is not None:
+                    candidates, loading = await self.adapter_holders(
+                        target, routing.adapter, candidates, deadline
+                    )
+                    loaded = loaded or loading
                 thresholds = self.settings.thresholds
                 open_ = [c for c in candidates if not saturated(c, thresholds)]
                 now = time.monotonic()
@@ -179,6 +221,8 @@ class Scheduler:
                         order += [c for c in candidates if c.url not in chosen]
                     waited = now - start
                     self.metrics.target(labels(target)).queue_wait.observe(waited)
+                    if routing.adapter is not None:
+                        self.adapter_placed(target, routing.adapter, decision.route, order, loaded)
                     return Admission(target, decision.route, decision.reason, order, waited)
                 if not queued:
                     queued = True
@@ -188,6 +232,46 @@ class Scheduler:
         finally:
             if queued:
                 self.queued[model] -= 1
+
+    async def adapter_holders(
+        self, target: ModelTarget, name: str, candidates: list[Candidate], deadline: float
+    ) -> tuple[list[Candidate], bool]:
+        """The candidates that have adapter `name` registered, and whether a load was needed.
+
+        When none has it, it is loaded on the least-loaded candidate (or the load already
+        under way is joined) and the request waits for it until `deadline`; when the
+        expected load time does not fit before the deadline and the model has a fallback,
+        it does not wait (the load goes on, for the requests after it)."""
+        holders = [c for c in candidates if self.adapters.has(c.url, name)]
+        ref = target.adapter(name)
+        if holders or not candidates or ref is None:
+            return holders, False
+        urls = {c.url for c in candidates}
+        pending = [u for u in self.adapter_loads.pending(name) if u in urls]
+        if pending:
+            task = self.adapter_loads.start(pending[0], name, ref.path, labels(target))
+        else:
+            chosen = adapters.load_target(name, candidates)
+            assert chosen is not None
+            task = self.adapter_loads.start(chosen.url, name, ref.path, labels(target))
+        left = deadline - time.monotonic()
+        if left <= 0 or (target.fallback and self.adapter_loads.expected_seconds > left):
+            return [], True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), timeout=left)
+        return [c for c in candidates if self.adapters.has(c.url, name)], True
+
+    def adapter_placed(
+        self, target: ModelTarget, name: str, route: Route, order: list[Candidate], loaded: bool
+    ) -> None:
+        """Count where a request naming an adapter went; remember the replica it goes to."""
+        if route is Route.REPLICA and order:
+            slots = self.adapters.slots(order[0].url, 1)  # vLLM reports max_lora
+            self.adapters.sent(order[0].url, name, slots)
+            kind = "loaded" if loaded else "resident"
+        else:
+            kind = "fallback" if route is Route.FALLBACK else "refused"
+        self.adapter_metrics.requests.labels(*labels(target), name, kind).inc()
 
     # ---------------------------------------------------------------- outcomes
 
