@@ -20,14 +20,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     source = parser.add_argument_group("where the metrics come from")
     source.add_argument(
-        "--url", help="the gateway's base URL (its /metrics is scraped; default: the local fleet's)"
+        "--url",
+        help="the gateway's base URL (its /metrics is scraped, and names the engines behind "
+        "it; with `kubellm gateway --metrics-port`, that port's URL; default: the local "
+        "fleet's)",
     )
     source.add_argument(
         "--engine-url",
         action="append",
         default=[],
         metavar="URL",
-        help="an engine's base URL; repeat for each replica",
+        help="an engine's base URL; repeat for each replica (default: those the gateway names)",
     )
     source.add_argument(
         "--prometheus", metavar="URL", help="a Prometheus server to query instead of scraping"
@@ -124,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
         fleet = collect.local_fleet(args.run_dir)
         if fleet is not None and fleet.gateway.rstrip("/") == args.url.rstrip("/"):
             engines, recorded = fleet.engines, fleet.specs
+        else:  # any gateway names its engines on its /metrics (kubellm_gateway_endpoint_info)
+            try:
+                engines = collect.engines_behind(args.url)
+            except collect.CollectError as error:
+                print(f"kubellm diagnose: {error}", file=sys.stderr)
+                return 1
     try:
         spec = _spec(args, recorded)
     except manifests.ManifestError as error:

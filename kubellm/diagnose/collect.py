@@ -66,6 +66,31 @@ def local_fleet(run_dir: str | Path, state_file: str = "fleet.json") -> LocalFle
     return LocalFleet(gateway=gateway, engines=engines, specs=specs)
 
 
+def gateway_engines(metrics_text: str) -> list[str]:
+    """The ready engines a gateway reports on its /metrics (`kubellm_gateway_endpoint_info`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    urls: list[str] = []
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == metrics.GATEWAY_ENDPOINT_INFO and sample.value == 1:
+                url = sample.labels.get("url")
+                if url and sample.labels.get("state") == "ready" and url not in urls:
+                    urls.append(url)
+    return urls
+
+
+def engines_behind(gateway_url: str, client: httpx.Client | None = None) -> list[str]:
+    """Ask a gateway which engines it routes to (its /metrics), so none must be named."""
+    own = client is None
+    client = client or httpx.Client(timeout=10.0)
+    try:
+        return gateway_engines(_get(client, gateway_url))
+    finally:
+        if own:
+            client.close()
+
+
 def scrape(
     gateway_url: str | None,
     engine_urls: Sequence[str],

@@ -207,3 +207,19 @@ def test_a_prometheus_error_names_the_field() -> None:
     client = httpx.Client(transport=httpx.MockTransport(handler))
     with pytest.raises(collect.CollectError, match="ttft_p50_s failed: parse error"):
         collect.from_prometheus("http://prom", 30, client=client)
+
+
+def test_a_gateway_names_its_ready_engines_on_its_metrics():
+    from kubellm.diagnose.collect import gateway_engines
+
+    text = (
+        "# TYPE kubellm_gateway_endpoint_info gauge\n"
+        'kubellm_gateway_endpoint_info{model="m",deployment="m",namespace="default",'
+        'url="http://10.0.0.1:8000",state="ready"} 1.0\n'
+        'kubellm_gateway_endpoint_info{model="m",deployment="m",namespace="default",'
+        'url="http://10.0.0.2:8000",state="down"} 1.0\n'
+        'kubellm_gateway_endpoint_info{model="n",deployment="n",namespace="default",'
+        'url="http://10.0.0.3:8000",state="ready"} 1.0\n'
+    )
+    assert gateway_engines(text) == ["http://10.0.0.1:8000", "http://10.0.0.3:8000"]
+    assert gateway_engines("") == []
