@@ -16,7 +16,15 @@ from typing import Protocol
 from kubellm.api import SLO, Routing
 from kubellm.contracts import FallbackTarget  # the core builds it from a spec: fallback_target
 
-__all__ = ["Discovery", "Endpoint", "FallbackTarget", "FixedDiscovery", "ModelTarget"]
+__all__ = [
+    "AdapterRef",
+    "Discovery",
+    "Endpoint",
+    "FallbackTarget",
+    "FixedDiscovery",
+    "ModelTarget",
+    "find_model",
+]
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,15 @@ class Endpoint:
 
 
 @dataclass(frozen=True)
+class AdapterRef:
+    """A LoRA adapter of a model (spec.adapters): its name, and the path (or Hugging Face
+    id) a replica loads it from (`kubellm.sources.adapter_path`)."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
 class ModelTarget:
     served_name: str
     deployment: str
@@ -36,11 +53,29 @@ class ModelTarget:
     routing: Routing = field(default_factory=Routing)
     fallback: FallbackTarget | None = None
     slo: SLO = field(default_factory=SLO)
+    adapters: tuple[AdapterRef, ...] = ()
+
+    def adapter(self, name: str) -> AdapterRef | None:
+        return next((a for a in self.adapters if a.name == name), None)
 
     @property
     def routable(self) -> tuple[Endpoint, ...]:
         """Endpoints that may take new requests (draining ones finish what they have)."""
         return tuple(e for e in self.endpoints if not e.draining)
+
+
+def find_model(
+    snapshot: Mapping[str, ModelTarget], name: str
+) -> tuple[ModelTarget, str | None] | None:
+    """The model a request names: a served model (adapter None), or one of a model's LoRA
+    adapters (that model, the adapter's name); None when nothing is called `name`."""
+    target = snapshot.get(name)
+    if target is not None:
+        return target, None
+    for target in snapshot.values():
+        if target.adapter(name) is not None:
+            return target, name
+    return None
 
 
 class Discovery(Protocol):

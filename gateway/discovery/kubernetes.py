@@ -22,12 +22,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
-from kubellm.gateway.discovery.base import Endpoint, ModelTarget
+from kubellm.gateway.discovery.base import AdapterRef, Endpoint, ModelTarget
 
 from kubellm import kube
-from kubellm.api import LLMDeployment
+from kubellm.api import LLMDeployment, LLMDeploymentSpec
 from kubellm.contracts import DEPLOYMENT_LABEL, fallback_target, slice_endpoints
 from kubellm.manifests import ManifestError, parse
+from kubellm.sources import adapter_path
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,21 @@ def build_targets(
             routing=d.spec.routing,
             fallback=fallback,
             slo=d.spec.slo,
+            adapters=adapter_refs(d.spec),
         )
     return targets
+
+
+def adapter_refs(spec: LLMDeploymentSpec) -> tuple[AdapterRef, ...]:
+    """spec.adapters as the paths an engine pod loads them from; an adapter the engine
+    cannot load (s3://) is left out (the launcher and the operator say why)."""
+    refs = []
+    for adapter in spec.adapters:
+        try:
+            refs.append(AdapterRef(adapter.name, adapter_path(adapter.source, spec.model.source)))
+        except ValueError:
+            continue
+    return tuple(refs)
 
 
 class KubernetesDiscovery:

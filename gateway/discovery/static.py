@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kubellm.gateway.discovery.base import Endpoint, FallbackTarget, ModelTarget
+from kubellm.gateway.discovery.base import AdapterRef, Endpoint, FallbackTarget, ModelTarget
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kubellm.api import SLO, Fallback, Routing
@@ -75,6 +75,8 @@ class StaticModel(BaseModel):
     routing: Routing = Field(default_factory=Routing)
     fallback: StaticFallback | None = None
     slo: SLO = Field(default_factory=SLO)
+    # LoRA adapters: name -> the path (or Hugging Face id) a replica loads it from
+    adapters: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("endpoints")
     @classmethod
@@ -121,6 +123,7 @@ def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, Mode
             routing=m.routing,
             fallback=_fallback(m.fallback, env),
             slo=m.slo,
+            adapters=tuple(AdapterRef(n, p) for n, p in m.adapters.items()),
         )
     return models
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from kubellm.gateway.discovery.base import Discovery, FallbackTarget, ModelTarget
-from kubellm.gateway.http import relay, upstream
+from kubellm.gateway.discovery.base import Discovery, FallbackTarget, ModelTarget, find_model
+from kubellm.gateway.http import lora, relay, upstream
 from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
 from kubellm.gateway.http.upstream import Deadlines, Limits
 from kubellm.gateway.protocol import errors
@@ -73,6 +73,8 @@ class GatewaySettings:
     stale_after: float = 5.0
     eject_after_failures: int = 3
     eject_base_seconds: float = 5.0
+    adapter_affinity: bool = True  # LoRA: prefer replicas with the adapter in a slot
+    max_adapter_loads: int = 2  # LoRA adapter loads running at once (routing/adapters.py)
     # Toward replicas and the fallback API; a model's spec.routing.timeouts overrides each.
     connect_timeout: float = 2.0
     first_byte_timeout: float | None = None  # None: 5 x the model's TTFT target, >= 10 s
@@ -94,6 +96,8 @@ class GatewaySettings:
             stale_after=self.stale_after,
             eject_after_failures=self.eject_after_failures,
             eject_base_seconds=self.eject_base_seconds,
+            adapter_affinity=self.adapter_affinity,
+            max_adapter_loads=self.max_adapter_loads,
         )
 
     def limits(self) -> Limits:
@@ -156,6 +160,9 @@ class Gateway:
         return self._replicas
 
     async def start(self) -> None:
+        client, loads = self.client, self.scheduler.adapter_loads
+        loads.loader = lambda url, name, path: lora.load_adapter(client, url, name, path)
+        loads.unloader = lambda url, name, _path: lora.unload_adapter(client, url, name)
         self._tasks = [asyncio.create_task(c) for c in self.scheduler.tasks(self.client)]
         self.scheduler.update_ready_gauge()
 
@@ -233,7 +240,8 @@ class Gateway:
             except ClientDisconnect:
                 return await Response(status_code=499)(scope, receive, send)
             model = body["model"]
-            target = self.discovery.snapshot().get(model)
+            found = find_model(self.discovery.snapshot(), model)  # a model or a LoRA adapter
+            target = found[0] if found else None
             if target is None:
                 return await self._refused(errors.model_not_found(model))(scope, receive, send)
             call = _Call(self.metrics.target(labels(target)), arrived, path, headers, send)
@@ -264,7 +272,10 @@ class Gateway:
         self, call: _Call, target: ModelTarget, raw: bytes, body: dict[str, Any]
     ) -> None:
         """Admission, then forwarding to a replica or the fallback, or a refusal."""
-        routing = routing_request(target.served_name, body, call.headers.get("x-session-id"))
+        adapter = body["model"] if body["model"] != target.served_name else None
+        routing = routing_request(
+            target.served_name, body, call.headers.get("x-session-id"), adapter
+        )
         admission = await self.scheduler.admit(target, routing)
         target = admission.target
         if admission.route is Route.REJECT:
@@ -444,10 +455,14 @@ class Gateway:
             self.authenticate(request.headers.get("authorization"))
         except GatewayError as error:
             return error.response()
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "kubellm"}
-            for name in sorted(self.discovery.snapshot())
-        ]
+        data = []
+        for name, target in sorted(self.discovery.snapshot().items()):
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "kubellm"})
+            data += [
+                {"id": a.name, "object": "model", "created": 0, "owned_by": "kubellm",
+                 "parent": name}
+                for a in target.adapters
+            ]  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:

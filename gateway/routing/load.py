@@ -66,6 +66,8 @@ class LoadView:
         self._own_at_scrape: dict[str, int] = {}
         self._failing: set[str] = set()
         self._listeners: list[Callable[[], None]] = []
+        # called with (url, metrics text) after each successful scrape (LoRA info reads it)
+        self.scrape_hooks: list[Callable[[str, str], None]] = []
 
     def on_release(self, listener: Callable[[], None]) -> None:
         """Call `listener` whenever capacity may have freed (a release, a new scrape)."""
@@ -146,6 +148,8 @@ async def scrape_once(client: aiohttp.ClientSession, url: str, view: LoadView) -
             response.raise_for_status()
             text = await response.text()
         view.record(url, parse_engine_metrics(text, view.clock()))
+        for hook in view.scrape_hooks:
+            hook(url, text)
         return True
     except (TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError):
         view.scrape_failed(url)  # down until a scrape succeeds; its old stats go stale

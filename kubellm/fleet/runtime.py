@@ -39,6 +39,7 @@ from kubellm.contracts import (
 from kubellm.fleet.processes import CommandFor, Supervisor
 from kubellm.gateway.discovery.base import Endpoint as GatewayEndpoint
 from kubellm.gateway.discovery.base import ModelTarget
+from kubellm.gateway.discovery.kubernetes import adapter_refs
 
 
 def secret_env_var(ref: api.SecretKeyRef) -> str:
@@ -160,6 +161,7 @@ class LocalRuntime:
                 routing=manifest.spec.routing,
                 fallback=_fallback(manifest.spec),
                 slo=manifest.spec.slo,
+                adapters=adapter_refs(manifest.spec),
             )
         return targets
 

@@ -1,0 +1,34 @@
+"""vLLM's runtime adapter API, as the HTTP front end calls it for the routing core.
+
+The routing core decides where an adapter is loaded (`routing.adapters`); these send
+the requests: POST `/v1/load_lora_adapter` {lora_name, lora_path} and
+`/v1/unload_lora_adapter` {lora_name} (vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING, which
+the launcher sets, or the simulator). An adapter the replica already has counts as
+loaded; one it no longer has counts as unloaded.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+
+
+class AdapterRequestFailed(RuntimeError):
+    """The replica refused a load or unload; the message is its answer."""
+
+
+async def load_adapter(client: aiohttp.ClientSession, url: str, name: str, path: str) -> None:
+    body = {"lora_name": name, "lora_path": path}
+    async with client.post(f"{url}/v1/load_lora_adapter", json=body) as response:
+        text = await response.text()
+        if response.status == 200 or (response.status == 400 and "already been loaded" in text):
+            return
+        raise AdapterRequestFailed(f"{url}: loading {name!r}: {response.status} {text[:200]}")
+
+
+async def unload_adapter(client: aiohttp.ClientSession, url: str, name: str) -> None:
+    body = {"lora_name": name}
+    async with client.post(f"{url}/v1/unload_lora_adapter", json=body) as response:
+        text = await response.text()
+        if response.status in (200, 404):  # 404: it is gone already
+            return
+        raise AdapterRequestFailed(f"{url}: unloading {name!r}: {response.status} {text[:200]}")

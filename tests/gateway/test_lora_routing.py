@@ -1,0 +1,140 @@
+"""LoRA adapters through the gateway: where requests naming an adapter go, loading an
+adapter no replica has, unloading one the spec dropped, /v1/models, per-adapter metrics.
+
+The pure parts (vLLM's lora info metric, /v1/models cards, the affinity scorer, the load
+target) are tested as functions; the rest against simulated engines (real servers on
+127.0.0.1 speaking vLLM's LoRA API) behind a real gateway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import httpx
+from kubellm.engine import sim_profiles
+from kubellm.gateway.discovery.base import AdapterRef, find_model
+from kubellm.gateway.routing import adapters
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+
+from kubellm import metrics
+from tests.fixtures.engines import wait_until
+from tests.gateway.conftest import model
+
+LORA = dataclasses.replace(
+    sim_profiles.get("tiny-cpu"), name="tiny-lora", max_loras=2, lora_load_s=0.0
+)
+
+INFO = """# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="a,b",waiting_lora_adapters="c"} 1.7e9
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.8e9
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="d",waiting_lora_adapters=""} 1.6e9
+"""
+
+
+def test_lora_info_is_read_from_the_latest_series() -> None:
+    assert adapters.parse_lora_info(INFO) == adapters.LoraInfo(2, frozenset(), frozenset())
+    busy = INFO.replace("1.8e9", "1.5e9")
+    assert adapters.parse_lora_info(busy) == adapters.LoraInfo(2, frozenset("ab"), frozenset("c"))
+    assert adapters.parse_lora_info("vllm:num_requests_running 3\n") is None
+
+
+def test_registered_adapters_are_the_cards_with_the_base_as_parent() -> None:
+    answer = {"data": [{"id": "base", "parent": None}, {"id": "a", "parent": "base"},
+                       {"id": "x", "parent": "other"}]}  # fmt: skip
+    assert adapters.registered_adapters(answer, "base") == {"a"}
+    assert adapters.registered_adapters({"oops": 1}, "base") is None
+
+
+def test_the_scorer_prefers_active_then_recent_then_a_free_slot() -> None:
+    view = adapters.AdapterView()
+    for url, running in [("active", "a"), ("recent", "b,c"), ("free", "b"), ("full", "b,c")]:
+        now = f'running_lora_adapters="{running}",waiting_lora_adapters=""}} 2e9'
+        text = INFO.replace('running_lora_adapters="",waiting_lora_adapters=""} 1.8e9', now)
+        view.record_info(url, adapters.parse_lora_info(text))
+    view.sent("recent", "a", 2)
+    candidates = [Candidate(u) for u in ("full", "free", "recent", "active")]
+    scores = adapters.AdapterScorer(view, 2).score(RoutingRequest("m", adapter="a"), candidates)
+    assert scores == [0.0, 0.5, 0.75, 1.0]
+    assert adapters.AdapterScorer(view, 2).score(RoutingRequest("m"), candidates) == [0.0] * 4
+
+
+def test_an_adapter_is_loaded_on_the_least_loaded_candidate() -> None:
+    loads = [Candidate("u1", load=3), Candidate("u2", load=1), Candidate("u3", load=2)]
+    assert adapters.load_target("a", loads).url == "u2"
+    assert adapters.load_target("a", []) is None
+    even = [Candidate(f"u{i}") for i in range(4)]
+    assert adapters.load_target("a", even) == adapters.load_target("a", list(reversed(even)))
+
+
+def test_a_request_names_a_model_or_one_of_its_adapters() -> None:
+    target = dataclasses.replace(model("base", ["http://e"]), adapters=(AdapterRef("a", "/a"),))
+    snapshot = {"base": target}
+    assert find_model(snapshot, "base") == (target, None)
+    assert find_model(snapshot, "a") == (target, "a")
+    assert find_model(snapshot, "b") is None
+
+
+def _lora_model(urls: list[str], names: dict[str, str]) -> object:
+    refs = tuple(AdapterRef(n, p) for n, p in names.items())
+    return dataclasses.replace(model("base", urls, policy="least-load"), adapters=refs)
+
+
+def _chat(url: str, name: str) -> httpx.Response:
+    body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=20)
+
+
+def _registered(url: str) -> set[str]:
+    cards = httpx.get(f"{url}/v1/models", timeout=5).json()["data"]
+    return {c["id"] for c in cards if c.get("parent")}
+
+
+def test_requests_go_to_the_replica_with_the_adapter_and_others_are_loaded(
+    sim_server, gateway
+) -> None:
+    plain = sim_server("base", LORA)
+    with_sql = sim_server("base", LORA, adapters={"sql": "/adapters/sql"})
+    names = {"sql": "/adapters/sql", "legal": "/adapters/legal"}
+    handle = gateway({"base": _lora_model([plain, with_sql], names)})
+    wait_until(lambda: handle.gateway.scheduler.adapters.has(with_sql, "sql"), 10, "a scrape")
+
+    listed = httpx.get(f"{handle.url}/v1/models", timeout=5).json()["data"]
+    assert [(m["id"], m.get("parent")) for m in listed] == [
+        ("base", None), ("sql", "base"), ("legal", "base"),
+    ]  # fmt: skip
+
+    for _ in range(4):  # only with_sql has it: every request goes there, none is loaded
+        answer = _chat(handle.url, "sql")
+        assert answer.status_code == 200 and answer.json()["model"] == "sql"
+    assert _registered(plain) == set()
+    labels = {"model": "base", "deployment": "base", "namespace": "default"}
+    requests = metrics.GATEWAY_ADAPTER_REQUESTS
+    assert handle.metric(requests, **labels, adapter="sql", route="resident") == 4
+
+    answer = _chat(handle.url, "legal")  # on no replica: loaded first, then served
+    assert answer.status_code == 200 and answer.json()["model"] == "legal"
+    assert "legal" in _registered(plain) | _registered(with_sql)
+    assert handle.metric(requests, **labels, adapter="legal", route="loaded") == 1
+    loads = metrics.GATEWAY_ADAPTER_LOADS
+    assert handle.metric(loads, **labels, adapter="legal", outcome="ok") == 1
+
+    unknown = _chat(handle.url, "nope")
+    assert unknown.status_code == 404
+
+
+def test_an_adapter_dropped_from_the_spec_is_unloaded(sim_server, gateway) -> None:
+    url = sim_server("base", LORA, adapters={"a": "/a", "b": "/b"})
+    handle = gateway({"base": _lora_model([url], {"a": "/a", "b": "/b"})})
+    wait_until(lambda: handle.gateway.scheduler.adapters.has(url, "b"), 10, "a scrape")
+    handle.update({"base": _lora_model([url], {"a": "/a"})})
+    wait_until(lambda: _registered(url) == {"a"}, 10, "b unloaded")
+    assert _chat(handle.url, "b").status_code == 404
+
+
+def test_blind_routing_sends_adapter_requests_by_load_alone(sim_server, gateway) -> None:
+    urls = [sim_server("base", LORA, adapters={"a": "/a"}) for _ in range(2)]
+    handle = gateway({"base": _lora_model(urls, {"a": "/a"})}, adapter_affinity=False)
+    assert handle.gateway.scheduler.router.adapter_scorer is None
+    wait_until(lambda: all(handle.gateway.scheduler.adapters.has(u, "a") for u in urls), 10,
+               "a scrape")  # fmt: skip
+    assert _chat(handle.url, "a").status_code == 200
