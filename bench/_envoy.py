@@ -5,6 +5,9 @@ The Gateway API Inference Extension's data path without a cluster: a real Envoy 
 bodies FULL_DUPLEX_STREAMED both ways, ORIGINAL_DST routed by the picked endpoint), and
 `kubellm epp --static` knowing the replicas. Each process can be pinned to a core, and
 `pids` lets a benchmark read the CPU of both (the EPP's time is part of the path's cost).
+`response_body_mode`: FULL_DUPLEX_STREAMED (the reference: every chunk goes through the EPP
+and back), STREAMED (the EPP sees each chunk and answers "continue") or NONE (the EPP sees
+the response headers and the end only: no TTFT/ITL at the EPP, the least CPU).
 
     from bench import _envoy
     path = _envoy.start(["http://127.0.0.1:8001", "http://127.0.0.1:8002"], "tiny",
@@ -104,6 +107,7 @@ def start(
     failure_mode_allow: bool = False,
     log_level: str = "error",
     settings: dict | None = None,
+    response_body_mode: str = "FULL_DUPLEX_STREAMED",
 ) -> EnvoyPath:
     """Envoy asking `kubellm epp` where each request for `model` goes among `replicas`
     (base URLs, `http://ip:port`). `settings`: more of the model's static entry (e.g.
@@ -124,7 +128,11 @@ def start(
     _wait(lambda: _answers(metrics_url.replace("/metrics", "/health")), epp, "kubellm epp")
     pool = [r.removeprefix("http://") for r in replicas]
     config = envoy.bootstrap(
-        f"127.0.0.1:{listen}", f"127.0.0.1:{grpc_port}", pool, failure_mode_allow
+        f"127.0.0.1:{listen}",
+        f"127.0.0.1:{grpc_port}",
+        pool,
+        failure_mode_allow,
+        response_body_mode=response_body_mode,
     )
     path = _start_envoy(config, tmp, envoy_core, log_level, listen)
     path.epp, path.metrics_url = epp, metrics_url

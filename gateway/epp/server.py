@@ -373,8 +373,13 @@ class Exchange:
         self._end(None)
 
     def close(self) -> None:
-        """The ext_proc stream closed: if the response had not ended, it broke."""
-        if not self.finished:
+        """The ext_proc stream closed: if the response had not ended, it broke; unless
+        Envoy sends no response body (mode NONE): then the close is the end."""
+        if self.finished:
+            return
+        if self.status and self.response_mode == m.NONE:
+            self.finish()
+        else:
             self._end("stream closed before the response ended")
 
     def _end(self, error: str | None) -> None:

@@ -122,6 +122,7 @@ def envoy_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
         models: list[dict[str, Any]],
         failure_mode_allow: bool = False,
         request_body_mode: str | None = None,
+        response_body_mode: str = "FULL_DUPLEX_STREAMED",
         epp_args: tuple[str, ...] = (),
     ) -> Stack:
         static = tmp_path / "models.yaml"
@@ -136,6 +137,7 @@ def envoy_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
         config = envoy.bootstrap(
             f"127.0.0.1:{listen}", f"127.0.0.1:{grpc_port}", pool, failure_mode_allow,
             admin=f"127.0.0.1:{admin}", request_body_mode=request_body_mode,
+            response_body_mode=response_body_mode,
             epp_timeout_seconds=2.0,
         )  # fmt: skip
         config_file = tmp_path / "envoy.json"

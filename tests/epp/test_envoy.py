@@ -4,6 +4,7 @@ ext_proc -> the picked replica (simulated engines), on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import sys
@@ -63,9 +64,13 @@ def test_shared_prefix_requests_stay_on_one_replica(envoy_stack, sims):
     assert stack.metric("kubellm_gateway_prefix_match_ratio_count") == 6
 
 
-def test_streaming_chat_through_envoy_observes_ttft_and_itl(envoy_stack, sims):
+@pytest.mark.parametrize("response_body_mode", ["FULL_DUPLEX_STREAMED", "STREAMED"])
+def test_streaming_chat_through_envoy_observes_ttft_and_itl(envoy_stack, sims, response_body_mode):
     # ~20 ms per token: chunks arrive apart, so the EPP sees gaps between them
-    stack = envoy_stack([{"name": "tiny", "endpoints": sims(2, time_scale=10.0)}])
+    replicas = sims(2, time_scale=10.0)
+    stack = envoy_stack(
+        [{"name": "tiny", "endpoints": replicas}], response_body_mode=response_body_mode
+    )
     stream = _client(stack.url).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "count"}], max_tokens=8, stream=True
     )
@@ -259,3 +264,22 @@ def test_overflow_goes_through_the_fallback_forwarder(envoy_stack, scripted, sim
                    code="200") == 1, 5, "the EPP to count the fallback answer")  # fmt: skip
     finally:
         forwarder.stop()
+
+
+def test_without_response_bodies_the_answer_counts_at_its_first_byte(envoy_stack, scripted):
+    """Response body mode NONE (the cheapest): Envoy closes the exchange with the EPP at
+    the response headers, so the request is released and counted there, as an answer
+    (not a broken stream); the in-flight count then covers queueing and prefill only."""
+    stack = envoy_stack([{"name": "tiny", "endpoints": [scripted.url]}], response_body_mode="NONE")
+    with httpx.stream(
+        "POST", f"{stack.url}/v1/completions", json={**BODY, "stream": True}, timeout=20
+    ) as held:
+        chunks = held.iter_bytes()
+        assert b"one" in next(chunks)
+        wait_until(lambda: stack.metric("kubellm_gateway_requests_total", target="replica",
+                   code="200") == 1, 5, "the answer counted at its headers")  # fmt: skip
+        assert stack.metric("kubellm_gateway_pending_requests") == 0
+        scripted.drop.set()
+        with contextlib.suppress(httpx.HTTPError):
+            for _ in chunks:
+                pass
