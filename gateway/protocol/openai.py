@@ -38,12 +38,13 @@ def parse_body(raw: bytes, path: str) -> dict[str, Any]:
         raise errors.bad_request("Request body is not valid UTF-8.") from None
     except ValueError as error:
         raise errors.bad_request(f"Request body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise errors.bad_request("Request body must be a JSON object.")
     # Cheap guards first: only a body with many brackets can be deep, only one with a
-    # surrogate escape can hold a lone surrogate.
+    # surrogate escape can hold a lone surrogate. (Whether json.loads itself gives up on
+    # deep nesting depends on the process's recursion limit, which libraries raise.)
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(body) > MAX_DEPTH:
         raise _too_deep()
+    if not isinstance(body, dict):
+        raise errors.bad_request("Request body must be a JSON object.")
     if _SURROGATE_ESCAPE.search(raw):
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")

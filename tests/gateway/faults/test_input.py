@@ -64,3 +64,24 @@ def test_an_unexpected_failure_is_a_500_envelope_with_a_request_id(engines, gate
     assert error["code"] == "internal_error" and "req-42" in error["message"]
     records = [r for r in caplog.records if "req-42" in r.getMessage()]
     assert len(records) == 1 and records[0].exc_info is not None
+
+
+def test_deep_nesting_is_refused_whatever_the_recursion_limit():
+    """json.loads gives up on its own only below the recursion limit, which libraries
+    (torch among them) raise: the gateway's own depth cap decides."""
+    import sys
+
+    from kubellm.gateway.protocol.errors import GatewayError
+    from kubellm.gateway.protocol.openai import CHAT, parse_body
+
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        for raw in (
+            b"[" * 1000 + b"]" * 1000,
+            b'{"model": "m", "x": ' + b"[" * 100 + b"]" * 100 + b"}",
+        ):
+            with pytest.raises(GatewayError, match="nested deeper"):
+                parse_body(raw, CHAT)
+    finally:
+        sys.setrecursionlimit(old)
