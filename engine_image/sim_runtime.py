@@ -27,6 +27,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 
 
+SIM_LORA_LOADS = "kubellm_sim_lora_loads_total"
+
+
 class RequestRejected(ValueError):
     """A request the engine can never run (too long for the context or the KV pool)."""
 
@@ -134,6 +137,15 @@ class Simulator:
             if profile.max_loras
             else None
         )  # fmt: skip
+        # The simulator's own (vLLM has no such counter): adapters loaded into a slot, for
+        # benchmarks that count swaps (bench/lora_routing.py).
+        self.c_lora_loads = (
+            Counter(SIM_LORA_LOADS.removesuffix("_total"), "Adapters loaded into a LoRA slot.",
+                    registry=self.registry)
+            if profile.max_loras
+            else None
+        )  # fmt: skip
+        self._lora_loads_counted = 0
 
     # ------------------------------------------------------------------ the stepping task
 
@@ -245,6 +257,9 @@ class Simulator:
         self.c_hits.inc(now[1] - self._counted[1])
         self.c_preemptions.inc(now[2] - self._counted[2])
         self._counted = now
+        if self.c_lora_loads is not None:
+            self.c_lora_loads.inc(self.engine.lora_loads - self._lora_loads_counted)
+            self._lora_loads_counted = self.engine.lora_loads
         if self.lora_info is not None:
             running, waiting = self.engine.lora_adapters()
             self.lora_info.labels(

@@ -110,6 +110,7 @@ class AdapterView:
         self.stale_after = stale_after
         self.clock = clock
         self._replicas: dict[str, _Replica] = {}
+        self._demand: dict[str, float] = {}  # requests per adapter, decaying (popularity)
 
     def _get(self, url: str) -> _Replica:
         replica = self._replicas.get(url)
@@ -145,6 +146,9 @@ class AdapterView:
         replica.sent.move_to_end(name)
         while len(replica.sent) > max(1, slots):
             replica.sent.popitem(last=False)
+        for other in self._demand:  # a half-life of ~140 requests
+            self._demand[other] *= DEMAND_DECAY
+        self._demand[name] = self._demand.get(name, 0.0) + 1.0
 
     def forget(self, keep: Iterable[str]) -> None:
         keep = set(keep)
@@ -172,10 +176,16 @@ class AdapterView:
             return set()
         return set(replica.info.running | replica.info.waiting)
 
-    def recent(self, url: str) -> set[str]:
-        """The last adapters this gateway sent to `url` (as many as it has slots)."""
+    def recent(self, url: str) -> list[str]:
+        """The last adapters this gateway sent to `url` (as many as it has slots), least
+        recently sent first: the engine's next victim is the first of them not active."""
         replica = self._replicas.get(url)
-        return set() if replica is None else set(replica.sent)
+        return [] if replica is None else list(replica.sent)
+
+    def demand(self, name: str) -> float:
+        """How much `name` is asked for lately, relative to the most asked-for adapter."""
+        top = max(self._demand.values(), default=0.0)
+        return self._demand.get(name, 0.0) / top if top > 0 else 0.0
 
     def slots(self, url: str, default: int) -> int:
         replica = self._replicas.get(url)
@@ -184,10 +194,16 @@ class AdapterView:
         return default
 
 
+# Popularity: each request multiplies every adapter's count by this (half-life ~140).
+DEMAND_DECAY = 0.995
+
+
 class AdapterScorer:
     """1 where the adapter is active (no swap), 0.75 where this gateway sent it last (it is
-    probably still in a slot), 0.5 where a slot is free (a swap that waits for nothing),
-    0 where every slot is busy with other adapters (the request waits for one)."""
+    probably still in a slot); elsewhere the adapter must be loaded: 0.5 where a slot is
+    free, else 0.5 x (1 - the popularity of the adapter it would evict: the least recently
+    used one with no request on it), so a rarely used adapter is swapped out before a
+    popular one; 0 where every slot is busy with other adapters (the request waits)."""
 
     name = "lora-affinity"
 
@@ -202,14 +218,19 @@ class AdapterScorer:
         out = []
         for c in candidates:
             active = self.view.active(c.url)
+            recent = self.view.recent(c.url)
+            slots = self.view.slots(c.url, self.default_slots)
             if name in active:
                 out.append(1.0)
-            elif name in self.view.recent(c.url):
+            elif name in recent:
                 out.append(0.75)
-            elif len(active) < self.view.slots(c.url, self.default_slots):
+            elif len(active) >= slots:
+                out.append(0.0)
+            elif len(set(recent) | active) < slots:
                 out.append(0.5)
             else:
-                out.append(0.0)
+                victim = next((a for a in recent if a not in active), None)
+                out.append(0.0 if victim is None else 0.5 * (1.0 - self.view.demand(victim)))
         return out
 
 
