@@ -93,10 +93,14 @@ class PreciseRouting:
         return out
 
     async def run(self, snapshot: Callable[[], Mapping[str, ModelTarget]]) -> None:
-        """Follow the events of the replicas `snapshot` names, until cancelled."""
+        """Follow the events of the replicas `snapshot` names, and load the tokenizers of
+        precise models (in a thread: loading one takes seconds), until cancelled."""
         try:
             while True:
-                self.subscriber.sync(self.wanted(snapshot()))
+                targets = snapshot()
+                if self.unprepared(targets):
+                    await asyncio.to_thread(self.prepare, targets)
+                self.subscriber.sync(self.wanted(targets))
                 if self._entries is not None:
                     self._entries.set(self.index.entries())
                 await asyncio.sleep(self.interval)
@@ -114,15 +118,24 @@ class PreciseRouting:
         return count
 
     # ---------------------------------------------------------------- prompt hashes
-    def tokenizer(self, model: str) -> PromptTokenizer | None:
-        if model not in self._tokenizers:
+    def unprepared(self, targets: Mapping[str, ModelTarget]) -> list[str]:
+        """Precise models whose tokenizer has not been loaded (or tried) yet."""
+        return [
+            t.served_name
+            for t in targets.values()
+            if t.routing.prefix_index == "precise" and t.served_name not in self._tokenizers
+        ]
+
+    def prepare(self, targets: Mapping[str, ModelTarget]) -> None:
+        """Load the tokenizer of each precise model in `targets` (blocking). A model without
+        one, or whose tokenizer fails to load, is scored approximately (`unhashed`)."""
+        for model in self.unprepared(targets):
             path = self.tokenizer_paths.get(model)
             try:
                 self._tokenizers[model] = PromptTokenizer(path) if path else None
             except Exception as error:  # a bad path must not fail requests: degrade
                 log.warning("precise routing of %s: tokenizer %s: %s", model, path, error)
                 self._tokenizers[model] = None
-        return self._tokenizers[model]
 
     def block_size(self, target: ModelTarget) -> int | None:
         for endpoint in target.routable:
@@ -136,7 +149,7 @@ class PreciseRouting:
         if body is None:
             return ()
         size = self.block_size(target)
-        tokenizer = self.tokenizer(target.served_name)
+        tokenizer = self._tokenizers.get(target.served_name)  # loaded by `prepare`
         if size is None or tokenizer is None:
             return ()
         cached = self._cache.get(id(body))

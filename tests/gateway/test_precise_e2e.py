@@ -212,6 +212,7 @@ async def test_evicting_a_prefix_moves_its_next_request_in_precise_mode_only(
         {"role": "user", "content": "Summarise the policy."}]}  # fmt: skip
     hashes = BlockHasher(BLOCK_SIZE).block_hashes(PromptTokenizer(tiny_model_dir).token_ids(body))
     full = len(hashes)
+    precise.prepare({"tiny": target("precise")})
     subscriber.sync(precise.wanted({"tiny": target("precise")}))
     try:
         await _until(lambda: subscriber.fresh(a) and subscriber.fresh(b), 30, "fresh events")

@@ -61,6 +61,7 @@ def setup(tiny_model_dir: Path, tokenizers: bool = True) -> tuple[Router, Freshn
         subscriber=fresh,
         registry=registry,
     )
+    precise.prepare({"tiny": target("precise")})
     router = Router(LoadView(), OutlierDetector(3, 5.0), precise=precise)
     request = routing_request("tiny", BODY, None)
     router.index.record(A, request.chunk_hashes)
