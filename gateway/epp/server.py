@@ -50,6 +50,7 @@ log = logging.getLogger("kubellm.epp")
 FORWARDER_TTL_SECONDS = 30.0
 HEALTH_SERVICES = ("", "liveness", "readiness", m.SERVICE, "inference-extension")
 SESSION_HEADER = "x-session-id"
+DONE = b"data: [DONE]"
 ROUTE_HEADER = "x-kubellm-route"
 
 
@@ -163,6 +164,7 @@ class Exchange:
         self.release: Callable[[], None] | None = None
         self.status = 0
         self.finished = False
+        self.done_seen = False  # the stream's `data: [DONE]` went by: the answer is whole
 
     # ------------------------------------------------------------------ messages
 
@@ -253,6 +255,8 @@ class Exchange:
         assert http is not None
         if self.timing is not None and http.body:
             self.timing.chunk(http.body, time.monotonic())
+        if DONE in http.body:
+            self.done_seen = True
         if http.end_of_stream:
             self.finish()
         if self.response_mode == m.FULL_DUPLEX:
@@ -377,8 +381,8 @@ class Exchange:
         Envoy sends no response body (mode NONE): then the close is the end."""
         if self.finished:
             return
-        if self.status and self.response_mode == m.NONE:
-            self.finish()
+        if self.status and (self.response_mode == m.NONE or self.done_seen):
+            self.finish()  # a client may hang up right after `[DONE]`, before the body's end
         else:
             self._end("stream closed before the response ended")
 

@@ -154,3 +154,18 @@ async def test_the_response_releases_and_5xx_answers_eject_the_replica():
         await exchange.handle(answer)
         assert picker.scheduler.load.in_flight.get(REPLICAS[0], 0) == 0
     assert picker.scheduler.outliers.ejected(REPLICAS[0])
+
+
+async def test_a_client_hanging_up_after_done_is_a_complete_answer():
+    picker = _picker()
+    exchange = Exchange(picker)
+    await exchange.handle(_headers(protocol_config=_config(Mode.FULL_DUPLEX_STREAMED)))
+    await exchange.handle(_body())
+    status = core.HeaderMap(headers=[core.HeaderValue(key=":status", raw_value=b"200")])
+    await exchange.handle(ext.ProcessingRequest(response_headers=ext.HttpHeaders(headers=status)))
+    last = b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n'
+    await exchange.handle(ext.ProcessingRequest(response_body=ext.HttpBody(body=last)))
+    exchange.close()  # the client left before Envoy passed on the body's end
+    labels = {"model": "tiny", "deployment": "tiny", "namespace": "default",
+              "target": "replica", "code": "200"}  # fmt: skip
+    assert picker.metrics.registry.get_sample_value("kubellm_gateway_requests_total", labels) == 1
