@@ -3,9 +3,10 @@ Inference Extension's reference configuration: an ext_proc filter calling the EP
 (headers and bodies both ways, FULL_DUPLEX_STREAMED), and an ORIGINAL_DST cluster that
 sends each request to the address in the header the EPP sets.
 
-Used by the end-to-end tests and the benchmarks, and printed by `kubellm epp
---print-envoy-config` for a gateway run without a Gateway API implementation. A pure
-function: values in, a bootstrap dict out (YAML or JSON is the caller's choice).
+Used by the end-to-end tests (tests/epp) and the benchmarks (bench/_envoy.py); also a
+starting point for a standalone Envoy in front of `kubellm epp` without a Gateway API
+implementation. A pure function: values in, a bootstrap dict out (YAML or JSON is the
+caller's choice).
 
 Two details beyond the reference:
 
