@@ -25,6 +25,7 @@ The scrape of `/v1/models` (which adapters each replica has registered) is here,
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -37,6 +38,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubellm import metrics
+
+log = logging.getLogger(__name__)
 
 # loader(url, adapter name, adapter path): raises on failure (the engine refused, timed out)
 Loader = Callable[[str, str, str], Awaitable[None]]
@@ -294,6 +297,7 @@ class AdapterLoads:
         self._limit = asyncio.Semaphore(limit)
         self._running: dict[tuple[str, str], asyncio.Task[bool]] = {}
         self.expected_seconds = 1.0  # a load's duration, a moving average of those seen
+        self._failed: dict[tuple[str, str], float] = {}  # (url, name) -> when a load failed
 
     def start(self, url: str, name: str, path: str, labels: tuple[str, ...]) -> asyncio.Task[bool]:
         """The load of `name` on `url` (started now, or the one already running)."""
@@ -304,6 +308,15 @@ class AdapterLoads:
             self._running[key] = task
             task.add_done_callback(lambda _t: self._running.pop(key, None))
         return task
+
+    def failed(self, name: str, url: str | None = None) -> bool:
+        """A load of `name` (on `url`, or anywhere) failed in the last RETRY_FAILED_LOAD_S."""
+        now = time.monotonic()
+        return any(
+            now - when < RETRY_FAILED_LOAD_S
+            for (u, n), when in self._failed.items()
+            if n == name and (url is None or u == url)
+        )
 
     def pending(self, name: str) -> list[str]:
         """Replicas where `name` is being loaded now."""
@@ -319,11 +332,14 @@ class AdapterLoads:
                 await asyncio.wait_for(self.loader(url, name, path), self.timeout)
             except TimeoutError:
                 outcome = "timeout"
-            except Exception:  # the engine refused or failed: counted, the request moves on
+            except Exception as error:  # the engine refused or failed: counted, logged
                 outcome = "error"
+                log.warning("loading adapter %r on %s failed: %s", name, url, error)
             self.metrics.loads.labels(*labels, name, outcome).inc()
             if outcome != "ok":
+                self._failed[(url, name)] = time.monotonic()
                 return False
+            self._failed.pop((url, name), None)
             took = time.monotonic() - start
             self.metrics.load_seconds.labels(*labels, name).observe(took)
             self.expected_seconds = 0.8 * self.expected_seconds + 0.2 * took
@@ -342,6 +358,8 @@ class AdapterLoads:
 
 
 _SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+# A replica that failed to load an adapter is not asked again for it for this long.
+RETRY_FAILED_LOAD_S = 30.0
 
 
 async def scrape_models(client: aiohttp.ClientSession, url: str, base: str) -> set[str] | None:

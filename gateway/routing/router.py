@@ -46,10 +46,14 @@ def routing_request(
     )
 
 
-# The LoRA affinity scorer's weight: above a full prefix match (4) plus the prompt's home
-# (2), so a request goes where its adapter is in a slot unless the bounded-load filter
-# says that replica is full; a free slot (0.5 x 6 = 3) still beats a cold home (2).
-ADAPTER_WEIGHT = 6.0
+# The LoRA affinity scorer's weight. Its tiers are 0.25 apart (active 1, recent 0.75, a
+# free slot 0.5); x 20 = 5 per tier, more than the load scorers' whole range (4 in
+# least-load, 1 in prefix-aware) and a full prefix match plus the prompt's home (4 + 2 =
+# 6 less one tier): a request goes where its adapter is in a slot unless the bounded-load
+# filter says that replica is full, as a prefix goes home (an adapter swap costs more
+# than a prefix miss: tens of ms of disk reads, and a request past the batch's max_loras
+# adapters waits for a slot).
+ADAPTER_WEIGHT = 20.0
 
 
 class Router:

@@ -198,6 +198,8 @@ class Scheduler:
                         target, routing.adapter, candidates, deadline
                     )
                     loaded = loaded or loading
+                    if loading and not candidates and self.adapter_loads.failed(routing.adapter):
+                        deadline = time.monotonic()  # the load failed: no waiting for it
                 thresholds = self.settings.thresholds
                 open_ = [c for c in candidates if not saturated(c, thresholds)]
                 now = time.monotonic()
@@ -250,9 +252,11 @@ class Scheduler:
         pending = [u for u in self.adapter_loads.pending(name) if u in urls]
         if pending:
             task = self.adapter_loads.start(pending[0], name, ref.path, labels(target))
-        else:
-            chosen = adapters.load_target(name, candidates)
-            assert chosen is not None
+        else:  # not where a load of it failed lately (retried after RETRY_FAILED_LOAD_S)
+            fresh = [c for c in candidates if not self.adapter_loads.failed(name, c.url)]
+            chosen = adapters.load_target(name, fresh)
+            if chosen is None:
+                return [], True
             task = self.adapter_loads.start(chosen.url, name, ref.path, labels(target))
         left = deadline - time.monotonic()
         if left <= 0 or (target.fallback and self.adapter_loads.expected_seconds > left):

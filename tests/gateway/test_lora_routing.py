@@ -9,6 +9,7 @@ target) are tested as functions; the rest against simulated engines (real server
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import httpx
 from kubellm.engine import sim_profiles
@@ -17,6 +18,7 @@ from kubellm.gateway.routing import adapters
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 from kubellm import metrics
+from kubellm.api import SLO
 from tests.fixtures.engines import wait_until
 from tests.gateway.conftest import model
 
@@ -138,3 +140,23 @@ def test_blind_routing_sends_adapter_requests_by_load_alone(sim_server, gateway)
     wait_until(lambda: all(handle.gateway.scheduler.adapters.has(u, "a") for u in urls), 10,
                "a scrape")  # fmt: skip
     assert _chat(handle.url, "a").status_code == 200
+
+
+def test_a_failed_load_is_not_retried_in_a_loop_and_the_request_is_refused_at_once(
+    sim_server, gateway
+) -> None:
+    url = sim_server("base", "tiny-cpu")  # LoRA off: vLLM's adapter API is absent (404)
+    slo = SLO(ttft_seconds=30)
+    target = dataclasses.replace(
+        model("base", [url], policy="least-load", slo=slo), adapters=(AdapterRef("x", "/x"),)
+    )
+    handle = gateway({"base": target})
+    started = time.monotonic()
+    answer = _chat(handle.url, "x")
+    assert answer.status_code == 503
+    assert time.monotonic() - started < 10  # not the whole 30 s TTFT budget
+    labels = {"model": "base", "deployment": "base", "namespace": "default", "adapter": "x"}
+    assert handle.metric(metrics.GATEWAY_ADAPTER_LOADS, **labels, outcome="error") == 1
+    assert _chat(handle.url, "x").status_code == 503  # within the retry pause: no new load
+    assert handle.metric(metrics.GATEWAY_ADAPTER_LOADS, **labels, outcome="error") == 1
+    assert handle.metric(metrics.GATEWAY_ADAPTER_REQUESTS, **labels, route="refused") == 2
