@@ -142,6 +142,9 @@ def create_app(
         return JSONResponse({"object": "list", "data": [card, *loras]})
 
     async def _adapter_body(http: HTTPRequest) -> dict[str, Any]:
+        media = http.headers.get("content-type", "").lower().split(";", 1)[0].strip()
+        if media != "application/json":  # as vLLM's validate_json_request
+            raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
         try:
             body = json.loads(await http.body())
         except ValueError as error:

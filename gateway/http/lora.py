@@ -9,7 +9,13 @@ loaded; one it no longer has counts as unloaded.
 
 from __future__ import annotations
 
+import json
+
 import aiohttp
+
+# vLLM refuses these requests without it (400, "Unsupported Media Type"); the gateway's
+# client adds no Content-Type of its own (relay.new_session skips it), so it is set here.
+_JSON = {"Content-Type": "application/json"}
 
 
 class AdapterRequestFailed(RuntimeError):
@@ -17,8 +23,8 @@ class AdapterRequestFailed(RuntimeError):
 
 
 async def load_adapter(client: aiohttp.ClientSession, url: str, name: str, path: str) -> None:
-    body = {"lora_name": name, "lora_path": path}
-    async with client.post(f"{url}/v1/load_lora_adapter", json=body) as response:
+    body = json.dumps({"lora_name": name, "lora_path": path})
+    async with client.post(f"{url}/v1/load_lora_adapter", data=body, headers=_JSON) as response:
         text = await response.text()
         if response.status == 200 or (response.status == 400 and "already been loaded" in text):
             return
@@ -26,8 +32,8 @@ async def load_adapter(client: aiohttp.ClientSession, url: str, name: str, path:
 
 
 async def unload_adapter(client: aiohttp.ClientSession, url: str, name: str) -> None:
-    body = {"lora_name": name}
-    async with client.post(f"{url}/v1/unload_lora_adapter", json=body) as response:
+    body = json.dumps({"lora_name": name})
+    async with client.post(f"{url}/v1/unload_lora_adapter", data=body, headers=_JSON) as response:
         text = await response.text()
         if response.status in (200, 404):  # 404: it is gone already
             return

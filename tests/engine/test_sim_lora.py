@@ -95,6 +95,8 @@ async def test_models_requests_and_the_runtime_adapter_api_answer_as_vllm() -> N
         assert missing.json()["error"]["message"] == "The model `legal` does not exist."
 
         load = {"lora_name": "legal", "lora_path": "/adapters/legal"}
+        untyped = await client.post("/v1/load_lora_adapter", content=json.dumps(load))
+        assert untyped.status_code == 400 and "Unsupported Media Type" in untyped.text
         loaded = await client.post("/v1/load_lora_adapter", json=load)
         assert loaded.status_code == 200
         assert loaded.text == "Success: LoRA adapter 'legal' added successfully."
