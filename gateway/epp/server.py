@@ -33,7 +33,7 @@ import aiohttp
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from kubellm.gateway.discovery.base import Discovery, ModelTarget
+from kubellm.gateway.discovery.base import Discovery, ModelTarget, find_model
 from kubellm.gateway.epp import messages as m
 from kubellm.gateway.protocol import errors
 from kubellm.gateway.protocol.errors import GatewayError
@@ -290,12 +290,14 @@ class Exchange:
         model = found if isinstance(found, str) and found else None
         if model is None:
             return self._route_any(phase)
-        target = self.sched.discovery.snapshot().get(model)
-        if target is None:
+        found = find_model(self.sched.discovery.snapshot(), model)  # a model or a LoRA adapter
+        if found is None:
             return [self.refuse(errors.model_not_found(model))]
+        target, adapter = found
         self.target = target
         self.record = slo.RequestRecord(self.sched.metrics.target(labels(target)), time.monotonic())
-        routing = routing_request(model, parsed, self.headers.get(SESSION_HEADER))
+        session = self.headers.get(SESSION_HEADER)
+        routing = routing_request(target.served_name, parsed, session, adapter)
         admission = await self.sched.admit(target, routing)
         self.target = target = admission.target
         if admission.route is Route.FALLBACK:
@@ -303,7 +305,7 @@ class Exchange:
             if forwarder is None:
                 return [self.refuse(errors.overloaded(model, 1, admission.status))]
             self.route = "fallback"
-            self.release = self.sched.fallback_slot(model)
+            self.release = self.sched.fallback_slot(target.served_name)
             self.sched.metrics.fallback.labels(*labels(target), admission.reason).inc()
             return [self._answer(phase, [forwarder], body, {"x-kubellm-fallback-reason":
                                                              admission.reason})]  # fmt: skip

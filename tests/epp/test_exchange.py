@@ -11,7 +11,7 @@ import envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 as mode
 import envoy_data_plane.envoy.service.ext_proc.v3 as ext
 import envoy_data_plane.google.protobuf as pb
 import pytest
-from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget
+from kubellm.gateway.discovery.base import AdapterRef, Endpoint, FixedDiscovery, ModelTarget
 from kubellm.gateway.epp import messages as m
 from kubellm.gateway.epp.server import EndpointPicker, Exchange, PickerSettings
 
@@ -169,3 +169,15 @@ async def test_a_client_hanging_up_after_done_is_a_complete_answer():
     labels = {"model": "tiny", "deployment": "tiny", "namespace": "default",
               "target": "replica", "code": "200"}  # fmt: skip
     assert picker.metrics.registry.get_sample_value("kubellm_gateway_requests_total", labels) == 1
+
+
+async def test_a_lora_adapter_name_routes_to_a_replica_that_has_it():
+    endpoints = tuple(Endpoint(u) for u in REPLICAS)
+    target = ModelTarget("tiny", "tiny", endpoints=endpoints, adapters=(AdapterRef("sql", "/a"),))
+    picker = EndpointPicker(FixedDiscovery({"tiny": target}), PickerSettings())
+    picker.scheduler.adapters.record_registered(REPLICAS[2], ["sql"])
+    exchange = Exchange(picker)
+    await exchange.handle(_headers(protocol_config=_config(Mode.FULL_DUPLEX_STREAMED)))
+    body = json.dumps({"model": "sql", "prompt": "select", "max_tokens": 2}).encode()
+    answers = await exchange.handle(_body(body))
+    assert _destination(answers[0])[0] == REPLICAS[2].removeprefix("http://")
