@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-import tracemalloc
 import random
+import tracemalloc
 
 import pytest
 from kubellm.gateway.discovery.base import FallbackTarget
