@@ -276,8 +276,9 @@ class KVEventsSubscriber:
     def sync(self, addresses: dict[str, EventAddress]) -> None:
         """Subscribe to the replicas in `addresses` (URL -> event address), drop the rest.
         Call from the event loop whenever the set of ready replicas changes."""
-        for url in list(self._tasks):
-            if url not in addresses or addresses[url] != self._addresses.get(url):
+        for url, task in list(self._tasks.items()):
+            moved = url not in addresses or addresses[url] != self._addresses.get(url)
+            if moved or task.done():  # a follower that stopped on an error starts again
                 self._stop(url)
         for url, address in addresses.items():
             if url not in self._tasks:
