@@ -219,8 +219,14 @@ class KVQueuePolicy:
             and obs.fallback_share <= spec.max_fallback_share
         )
         floors = max(floor, 1 if pending and pending > 0 else 0)
-        if absorbing and rec > max(current, floors):
-            rec, driver = max(current, floors), p.FALLBACK_ABSORBING
+        # A queue past its target is not absorbed: requests wait at the replicas, not at the
+        # fallback, and latency is at risk. The rate and KV signals wait for the share.
+        held = max(current, floors, sig.want_queue)
+        if absorbing and rec > held:
+            rec, driver = (
+                held,
+                (p.QUEUE_DEPTH if held > max(current, floors) else p.FALLBACK_ABSORBING),
+            )
         # Learning what a replica serves (the gateway readable, no rate given or learned yet):
         # the queue and KV signals add one replica a period, not a guess at the load.
         learning = sig.per_replica is None and obs.replica_answer_rate is not None

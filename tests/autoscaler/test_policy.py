@@ -405,7 +405,9 @@ def test_the_learned_rate_survives_a_restart_through_the_status() -> None:
 
 # ---------------------------------------------------------------- the fallback takes spikes
 
-FALLBACK_SPEC = {"max_replicas": 8, "max_fallback_share": 0.05}
+FALLBACK_SPEC = {"max_replicas": 8, "max_fallback_share": 0.05, "target_requests_per_replica": 5}
+# The rate asks ceil(30 / 5) = 6; the queue (2 per replica) is under its target.
+RISING = obs(2, rep(2, 120, 0.9), rep(2, 120, 0.9), rate=30)
 
 
 @pytest.mark.parametrize(
@@ -413,24 +415,35 @@ FALLBACK_SPEC = {"max_replicas": 8, "max_fallback_share": 0.05}
     [
         (0.03, 2, p.FALLBACK_ABSORBING),  # a spike the fallback absorbs: no replica added
         (0.05, 2, p.FALLBACK_ABSORBING),  # at the knob: still absorbed
-        (0.20, 5, p.QUEUE_DEPTH),  # sustained overflow: the signals speak
-        (None, 5, p.QUEUE_DEPTH),  # no fallback (or the gateway unknown): as without one
+        (0.20, 6, p.REQUEST_RATE),  # sustained overflow: the signals speak
+        (None, 6, p.REQUEST_RATE),  # no fallback (or the gateway unknown): as without one
     ],
 )
 def test_load_adds_replicas_only_once_the_fallback_share_passes_the_knob(
     share: float | None, replicas: int, reason: str
 ) -> None:
-    busy = dataclasses.replace(obs(2, rep(10, 120, 0.9), rep(10, 120, 0.9)), fallback_share=share)
-    decision = POLICY.decide(busy, p.PolicyState(), spec(**FALLBACK_SPEC))
+    rising = dataclasses.replace(RISING, fallback_share=share)
+    decision = POLICY.decide(rising, p.PolicyState(), spec(**FALLBACK_SPEC))
     assert (decision.replicas, decision.reason) == (replicas, reason), decision.message
     if share is not None:
         assert f"fallback took {share:.1%} of requests" in decision.message
 
 
+def test_a_queue_past_its_target_is_not_absorbed() -> None:
+    # requests wait at the replicas, not at the fallback: the queue's ask stands
+    queued = dataclasses.replace(
+        obs(2, rep(10, 120, 0.9), rep(10, 120, 0.9), rate=30), fallback_share=0.01
+    )
+    decision = POLICY.decide(queued, p.PolicyState(), spec(**FALLBACK_SPEC))
+    assert (decision.replicas, decision.reason) == (5, p.QUEUE_DEPTH), decision.message
+
+
 def test_a_zero_share_scales_up_on_any_overflow() -> None:
-    busy = dataclasses.replace(obs(2, rep(10, 120, 0.9), rep(10, 120, 0.9)), fallback_share=0.01)
-    decision = POLICY.decide(busy, p.PolicyState(), spec(max_replicas=8, max_fallback_share=0))
-    assert decision.replicas == 5
+    rising = dataclasses.replace(RISING, fallback_share=0.01)
+    decision = POLICY.decide(
+        rising, p.PolicyState(), spec(**{**FALLBACK_SPEC, "max_fallback_share": 0})
+    )
+    assert decision.replicas == 6
 
 
 def test_the_fallback_never_holds_the_floors_or_scale_down() -> None:
