@@ -1,0 +1,298 @@
+"""LoRA routing: what adapter affinity buys over adapter-blind routing.
+
+Four simulated replicas (kubellm.engine's simulator, profile llama-3.1-8b-h100, LoRA on
+with `maxLoras` 2: two adapter slots per replica, LRU, 50 ms to load an adapter into a
+slot, see kubellm.engine.sim_profiles) serve one base model and 12 adapters, all
+registered on every replica at start (as vLLM's --lora-modules does), behind one
+gateway. Requests name an adapter drawn from a Zipf distribution (exponent --zipf, 1.0:
+the most used adapter gets 1/H(12) = 32% of the traffic, the least used 2.7%); prompts
+are unique (no shared prefix, so prefix affinity plays no part), Poisson arrivals.
+
+Contenders: the gateway with `--adapter-routing affinity` (the default: requests go
+where their adapter is in a slot, within the bounded-load filter) and `blind` (the same
+gateway and policy, the adapter ignored). Both use the `least-load` policy.
+
+Measured: adapter loads per 1,000 requests (the simulator's kubellm_sim_lora_loads_total,
+summed over replicas; each load is 50 ms of a replica's step time and any adapter beyond
+the batch's two waits for a slot), TTFT p50/p95 and goodput (requests/s meeting both SLO
+targets) at the client, in simulated seconds (--time-scale S: the simulator runs S times
+slower than real time so a 2-core machine can drive it; figures are divided by S).
+
+    python bench/lora_routing.py                         # the default case
+    python bench/lora_routing.py --requests 600 --rate 24 --seeds 1,2,3
+
+Prints a table and writes JSON (--out, default bench/results/lora_routing.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+SIM_LORA_LOADS = "kubellm_sim_lora_loads_total"
+WORDS = ["adapter", "tenant", "lora", "slot", "rank", "weight", "prompt", "answer", "team",
+         "support", "ticket", "query", "summary", "contract", "invoice", "report"]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"{url}: process exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"{url}: not healthy after {timeout} s")
+
+
+def zipf_weights(n: int, exponent: float) -> list[float]:
+    raw = [1 / (rank**exponent) for rank in range(1, n + 1)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def workload(args: argparse.Namespace, seed: int) -> list[tuple[str, str]]:
+    """(adapter, prompt) per request: Zipf-popular adapters, unique prompts of 200-600 words."""
+    rng = random.Random(seed)
+    names = [f"team-{i:02d}" for i in range(args.adapters)]
+    weights = zipf_weights(args.adapters, args.zipf)
+    out = []
+    for i in range(args.requests):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(200, 600)))
+        out.append((rng.choices(names, weights)[0], f"request {i} {seed}: {words}"))
+    return out
+
+
+class Fleet:
+    """Simulated replicas and one gateway, in processes; stopped on exit."""
+
+    def __init__(self, args: argparse.Namespace, routing: str) -> None:
+        self.args, self.routing = args, routing
+        self.processes: list[subprocess.Popen] = []
+        self.engines: list[str] = []
+        self.gateway = ""
+        self.tmp = tempfile.TemporaryDirectory()
+
+    def _spawn(self, command: list[str]) -> subprocess.Popen:
+        log = open(Path(self.tmp.name) / f"p{len(self.processes)}.log", "w")  # noqa: SIM115
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        self.processes.append(process)
+        return process
+
+    def __enter__(self) -> Fleet:
+        a = self.args
+        adapters = {f"team-{i:02d}": f"/adapters/team-{i:02d}" for i in range(a.adapters)}
+        spec = {
+            "apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
+            "metadata": {"name": "m"},
+            "spec": {
+                "model": {"source": "hf://org/base", "servedName": "m"},
+                "adapters": [{"name": n, "source": f"file://{p}"} for n, p in adapters.items()],
+                "engine": {"maxLoras": a.max_loras},
+                "resources": {"gpu": {"count": 1}},
+            },
+        }  # fmt: skip
+        spec_file = Path(self.tmp.name) / "spec.json"
+        spec_file.write_text(json.dumps(spec))
+        for _ in range(a.replicas):
+            port = free_port()
+            process = self._spawn([
+                sys.executable, "-m", "kubellm.engine", "--backend", "sim", "--port", str(port),
+                "--spec", str(spec_file), "--profile", a.profile,
+                "--time-scale", str(a.time_scale),
+            ])  # fmt: skip
+            self.engines.append(f"http://127.0.0.1:{port}")
+            wait_healthy(self.engines[-1], process)
+        static = Path(self.tmp.name) / "static.yaml"
+        static.write_text(yaml.safe_dump({"models": [{
+            "name": "m", "endpoints": self.engines,
+            "routing": {"policy": a.policy, "loadBound": a.load_bound},
+            "slo": {"ttftSeconds": a.ttft_slo * a.time_scale,
+                    "itlSeconds": a.itl_slo * a.time_scale},
+            "adapters": {n: f"file://{p}" for n, p in adapters.items()},
+        }]}))  # fmt: skip
+        port = free_port()
+        process = self._spawn([
+            sys.executable, "-m", "kubellm.gateway.cli", "--port", str(port),
+            "--static", str(static), "--max-waiting", "1000000", "--max-kv-usage", "1.01",
+            "--scrape-interval", "0.25", "--adapter-routing", self.routing,
+        ])  # fmt: skip
+        self.gateway = f"http://127.0.0.1:{port}"
+        wait_healthy(self.gateway, process)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self.tmp.cleanup()
+
+
+def lora_loads(urls: list[str]) -> float:
+    total = 0.0
+    for url in urls:
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+            total += sum(s.value for s in family.samples if s.name == SIM_LORA_LOADS)
+    return total
+
+
+async def one_request(client: httpx.AsyncClient, url: str, adapter: str, prompt: str,
+                      max_tokens: int) -> dict[str, Any]:  # fmt: skip
+    start = time.monotonic()
+    times: list[float] = []
+    body = {"model": adapter, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "stream": True}  # fmt: skip
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return {"ok": False, "status": response.status_code}
+            async for line in response.aiter_lines():
+                if (
+                    line.startswith("data: {")
+                    and '"content": "' in line
+                    and '"content": ""' not in line
+                ):
+                    times.append(time.monotonic())
+    except httpx.HTTPError as error:
+        return {"ok": False, "status": type(error).__name__}
+    if not times:
+        return {"ok": False, "status": "empty"}
+    itl = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    return {"ok": True, "ttft": times[0] - start, "itl": itl}
+
+
+async def drive(url: str, requests: list[tuple[str, str]], args: argparse.Namespace,
+                seed: int) -> dict[str, Any]:  # fmt: skip
+    """Open-loop Poisson arrivals at --rate requests per simulated second."""
+    rng = random.Random(seed + 1)
+    wall_rate = args.rate / args.time_scale
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
+    async with httpx.AsyncClient(timeout=args.timeout * args.time_scale, limits=limits) as client:
+        tasks = []
+        start = time.monotonic()
+        for adapter, prompt in requests:
+            tasks.append(asyncio.create_task(
+                one_request(client, url, adapter, prompt, args.max_tokens)))  # fmt: skip
+            await asyncio.sleep(rng.expovariate(wall_rate))
+        results = await asyncio.gather(*tasks)
+        wall = time.monotonic() - start
+    return {"results": results, "wall": wall}
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_one(args: argparse.Namespace, routing: str, seed: int) -> dict[str, Any]:
+    requests = workload(args, seed)
+    with Fleet(args, routing) as fleet:
+        before = lora_loads(fleet.engines)
+        outcome = asyncio.run(drive(fleet.gateway, requests, args, seed))
+        loads = lora_loads(fleet.engines) - before
+    s = args.time_scale
+    ok = [r for r in outcome["results"] if r["ok"]]
+    ttfts = [r["ttft"] / s for r in ok]
+    good = sum(1 for r in ok if r["ttft"] / s <= args.ttft_slo and r["itl"] / s <= args.itl_slo)
+    return {
+        "routing": routing, "seed": seed, "requests": len(requests), "ok": len(ok),
+        "rate_per_sim_s": args.rate, "loads_per_1000": 1000 * loads / len(requests),
+        "ttft_p50": quantile(ttfts, 0.5), "ttft_p95": quantile(ttfts, 0.95),
+        "goodput_rps": good / (outcome["wall"] / s), "slo_met_share": good / len(requests),
+    }  # fmt: skip
+
+
+def fmt(value: Any, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " " + __doc__.split(
+        "\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--routing", default="affinity,blind", help="comma-separated")
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--adapters", type=int, default=12)
+    parser.add_argument("--max-loras", type=int, default=2)
+    parser.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of popularity")
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--rate", type=float, default=20.0, help="requests per simulated s")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--policy", default="least-load")
+    parser.add_argument("--load-bound", type=float, default=1.25, help="spec.routing.loadBound")
+    parser.add_argument("--profile", default="llama-3.1-8b-h100")
+    parser.add_argument("--time-scale", type=float, default=4.0)
+    parser.add_argument("--ttft-slo", type=float, default=0.5, help="simulated seconds")
+    parser.add_argument("--itl-slo", type=float, default=0.05, help="simulated seconds")
+    parser.add_argument("--timeout", type=float, default=60.0, help="per request, simulated s")
+    parser.add_argument("--seeds", default="1")
+    parser.add_argument("--out", default="bench/results/lora_routing.json")
+    args = parser.parse_args(argv)
+    # a SIGTERM unwinds like Ctrl-C, so the fleet's processes are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rows = []
+    header = (f"{'routing':9} {'seed':>4} {'ok':>9} {'loads/1k':>9} {'ttft p50':>9} "
+              f"{'ttft p95':>9} {'goodput/s':>10} {'slo met':>8}")  # fmt: skip
+    print(
+        f"{args.replicas} replicas x maxLoras {args.max_loras}, {args.adapters} adapters "
+        f"(Zipf {args.zipf:g}), {args.requests} requests at {args.rate:g}/s, policy "
+        f"{args.policy} (loadBound {args.load_bound:g}), SLO TTFT {args.ttft_slo:g} s "
+        f"ITL {args.itl_slo:g} s (simulated s)"
+    )
+    print(header)
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for routing in args.routing.split(","):
+            row = run_one(args, routing, seed)
+            rows.append(row)
+            print(f"{routing:9} {seed:>4} {row['ok']:>4}/{row['requests']:<4} "
+                  f"{fmt(row['loads_per_1000'], '.1f'):>9} {fmt(row['ttft_p50']):>9} "
+                  f"{fmt(row['ttft_p95']):>9} {fmt(row['goodput_rps'], '.2f'):>10} "
+                  f"{fmt(row['slo_met_share'], '.1%'):>8}", flush=True)  # fmt: skip
+    by = {r: [x for x in rows if x["routing"] == r] for r in args.routing.split(",")}
+    if "affinity" in by and "blind" in by:
+
+        def mean(key: str, name: str) -> float:
+            values = [x[key] for x in by[name] if x[key] is not None]
+            return sum(values) / len(values) if values else float("nan")
+
+        loads_a, loads_b = mean("loads_per_1000", "affinity"), mean("loads_per_1000", "blind")
+        print(f"loads: blind / affinity = {loads_b / loads_a if loads_a else float('inf'):.1f}x "
+              f"(target >= 5x); TTFT p95 affinity {mean('ttft_p95', 'affinity'):.3f} s vs "
+              f"blind {mean('ttft_p95', 'blind'):.3f} s")  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
