@@ -14,6 +14,8 @@
           model: gpt-4o-mini                                 # apiKeySecretRef give
           apiKeyEnv: OPENAI_API_KEY                          # an env var name, or
           # apiKey: sk-...                                   # the key inline
+        adapters:                       # LoRA adapters: name -> the path (or Hugging
+          sql: /models/adapters/sql     # Face id) a replica loads it from
 
 A model with no endpoints but a fallback is served by the fallback alone. The
 file is re-read when it changes; an endpoint removed from it drains: it gets

@@ -160,3 +160,24 @@ def test_a_failed_load_is_not_retried_in_a_loop_and_the_request_is_refused_at_on
     assert _chat(handle.url, "x").status_code == 503  # within the retry pause: no new load
     assert handle.metric(metrics.GATEWAY_ADAPTER_LOADS, **labels, outcome="error") == 1
     assert handle.metric(metrics.GATEWAY_ADAPTER_REQUESTS, **labels, route="refused") == 2
+
+
+def test_discovery_turns_spec_adapters_into_the_paths_pods_load() -> None:
+    from kubellm.gateway.discovery import static
+    from kubellm.gateway.discovery.kubernetes import adapter_refs
+
+    from kubellm.api import LLMDeploymentSpec
+
+    spec = LLMDeploymentSpec.model_validate({
+        "model": {"source": "pvc://models/llama"},
+        "adapters": [
+            {"name": "a", "source": "pvc://models/adapters/a"},
+            {"name": "b", "source": "hf://org/b-lora"},
+            {"name": "c", "source": "s3://bucket/c"},  # the engine cannot load it: left out
+        ],
+    })  # fmt: skip
+    refs = (AdapterRef("a", "/models/adapters/a"), AdapterRef("b", "org/b-lora"))
+    assert adapter_refs(spec) == refs
+    parsed = static.parse({"models": [{"name": "m", "endpoints": ["http://e:1"],
+                                       "adapters": {"sql": "/adapters/sql"}}]})  # fmt: skip
+    assert parsed["m"].adapters == (AdapterRef("sql", "/adapters/sql"),)
