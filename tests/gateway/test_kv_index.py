@@ -221,6 +221,23 @@ async def test_an_unanswered_probe_makes_the_replica_stale() -> None:
         await subscriber.close()
 
 
+def _first_replayed(replay_port: int) -> int | None:
+    """The first sequence number the replay socket still holds (None: none, or no answer)."""
+    import zmq
+
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        if not dealer.poll(1000):
+            return None
+        seq = int.from_bytes(dealer.recv_multipart()[2], "big", signed=True)
+        return None if seq == -1 else seq
+    finally:
+        dealer.close(linger=0)
+
+
 @needs_vllm
 async def test_a_gap_past_the_replay_buffer_resets_the_replica() -> None:
     pub_port, replay_port = free_port(), free_port()
@@ -231,6 +248,8 @@ async def test_a_gap_past_the_replay_buffer_resets_the_replica() -> None:
     try:
         for h in (1, 2, 3, 4):  # only 3 and 4 stay in the 2-batch replay buffer
             publisher.publish(_kv_batch(_stored(h)))
+        # The publisher's thread numbers and buffers them: wait until batch 1 has left it.
+        await _until(lambda: _first_replayed(replay_port) == 2, what="the buffer to roll")
         index.apply(A, 0, batch(stored(1)))  # as if batch 0 had been seen live
         subscriber.sync({A: address})
         await _until(lambda: subscriber.gaps["lost"] == 1, what="the lost gap")
