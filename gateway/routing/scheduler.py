@@ -193,13 +193,16 @@ class Scheduler:
                 # re-read: endpoints may have appeared (scale from zero) or gone meanwhile
                 target = self.discovery.snapshot().get(model, target)
                 candidates = self.router.candidates(target)
-                if routing.adapter is not None:
+                if routing.adapter is not None and candidates:
                     candidates, loading = await self.adapter_holders(
                         target, routing.adapter, candidates, deadline
                     )
                     loaded = loaded or loading
-                    if loading and not candidates and self.adapter_loads.failed(routing.adapter):
-                        deadline = time.monotonic()  # the load failed: no waiting for it
+                    loads = self.adapter_loads
+                    if not candidates and (
+                        loads.loader is None or (loading and loads.failed(routing.adapter))
+                    ):  # no replica has it and none will load it now (it failed, or this
+                        deadline = time.monotonic()  # front end cannot load): no waiting
                 thresholds = self.settings.thresholds
                 open_ = [c for c in candidates if not saturated(c, thresholds)]
                 now = time.monotonic()
@@ -246,7 +249,7 @@ class Scheduler:
         it does not wait (the load goes on, for the requests after it)."""
         holders = [c for c in candidates if self.adapters.has(c.url, name)]
         ref = target.adapter(name)
-        if holders or not candidates or ref is None:
+        if holders or not candidates or ref is None or self.adapter_loads.loader is None:
             return holders, False
         urls = {c.url for c in candidates}
         pending = [u for u in self.adapter_loads.pending(name) if u in urls]

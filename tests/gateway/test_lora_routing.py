@@ -181,3 +181,19 @@ def test_discovery_turns_spec_adapters_into_the_paths_pods_load() -> None:
     parsed = static.parse({"models": [{"name": "m", "endpoints": ["http://e:1"],
                                        "adapters": {"sql": "/adapters/sql"}}]})  # fmt: skip
     assert parsed["m"].adapters == (AdapterRef("sql", "/adapters/sql"),)
+
+
+def test_a_front_end_that_cannot_load_refuses_at_once(sim_server, gateway) -> None:
+    """The endpoint picker sends no request to engines: without a loader, an adapter no
+    replica has is refused (or sent to the fallback) without waiting out the TTFT budget."""
+    url = sim_server("base", LORA)
+    slo = SLO(ttft_seconds=30)
+    target = dataclasses.replace(
+        model("base", [url], policy="least-load", slo=slo), adapters=(AdapterRef("x", "/x"),)
+    )
+    handle = gateway({"base": target})
+    handle.server.call(lambda: setattr(handle.gateway.scheduler.adapter_loads, "loader", None))
+    started = time.monotonic()
+    assert _chat(handle.url, "x").status_code == 503
+    assert time.monotonic() - started < 10
+    assert _registered(url) == set()
