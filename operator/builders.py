@@ -143,6 +143,8 @@ def check(llmd: api.LLMDeployment) -> None:
             "spec.model.source: s3:// sources are not supported by the operator yet; "
             "copy the weights to a PVC and use pvc://claim/path",
         )
+    for adapter in llmd.spec.adapters:
+        check_adapter(adapter, llmd.spec.model.source)
     for arg in llmd.spec.engine.extra_args:
         flag = arg.split("=", 1)[0]
         if not arg.startswith("-"):
@@ -153,6 +155,26 @@ def check(llmd: api.LLMDeployment) -> None:
                 f"spec.engine.extraArgs: {flag} is set by the operator from the spec; "
                 "remove it from extraArgs",
             )
+
+
+def check_adapter(adapter: api.Adapter, model_source: str) -> None:
+    """An adapter the engine pod could not load: s3:// and hf://...@revision (the launcher's
+    refusals), and pvc:// on another claim than the model's: the pod mounts the model's
+    claim only, and mounting another would change the pod template (a restart per new
+    claim), so adapters on PVCs share the model's claim."""
+    try:
+        sources.adapter_path(adapter.source, model_source)
+    except ValueError as error:
+        message = str(error).replace("spec.adapters", f"spec.adapters {adapter.name}:", 1)
+        raise SpecError("UnsupportedAdapterSource", message) from None
+    parsed, model = sources.parse_source(adapter.source), sources.parse_source(model_source)
+    if parsed.scheme == "pvc" and (model.scheme != "pvc" or parsed.location != model.location):
+        raise SpecError(
+            "UnsupportedAdapterSource",
+            f"spec.adapters {adapter.name}: {adapter.source!r} is on another claim than the "
+            "model's; put adapters on the model's PVC (pvc://<model claim>/adapters/...), "
+            "or use hf:// or file://",
+        )
 
 
 # --------------------------------------------------------------------------- deployment

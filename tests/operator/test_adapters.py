@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import kmock
+import pytest
 from kubellm.operator import builders
 
 from kubellm import api, manifests
@@ -94,3 +95,34 @@ async def test_a_spec_edit_adding_an_adapter_updates_the_configmap_not_the_pods(
         assert after["spec"]["template"]["metadata"]["annotations"]["kubellm.io/spec-hash"] == (
             old_hash
         )
+
+
+@pytest.mark.parametrize(
+    ("model", "source", "words"),
+    [
+        ("pvc://models/llama", "pvc://other/a", "another claim than the model's"),
+        ("hf://org/llama", "pvc://models/a", "another claim than the model's"),
+        ("hf://org/llama", "s3://bucket/a", "s3:// sources are not supported"),
+        ("hf://org/llama", "hf://org/a@v2", "repository id only"),
+    ],
+)
+def test_adapters_a_pod_could_not_load_are_refused_naming_the_adapter(
+    model: str, source: str, words: str
+) -> None:
+    llmd = _llmd([{"name": "sql", "source": source}])
+    llmd.spec.model.source = model
+    with pytest.raises(builders.SpecError, match=words) as refused:
+        builders.build(llmd)
+    assert refused.value.reason == "UnsupportedAdapterSource"
+    assert "spec.adapters sql" in str(refused.value)
+
+
+def test_adapters_on_the_models_claim_hf_or_file_pass() -> None:
+    adapters = [
+        {"name": "a", "source": "pvc://models/adapters/a"},
+        {"name": "b", "source": "hf://org/b"},
+        {"name": "c", "source": "file:///x/c"},
+    ]
+    llmd = _llmd(adapters)
+    llmd.spec.model.source = "pvc://models/llama"
+    assert builders.build(llmd)[1]["kind"] == "Deployment"
