@@ -80,6 +80,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--max-adapter-loads", type=int, default=2, help="LoRA adapter loads running at once"
     )
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=PATH",
+        help="the tokenizer of a model routed with spec.routing.prefixIndex precise (a "
+        "directory or a Hugging Face id the gateway can read); repeat per model. Without it, "
+        "precise mode scores approximately (kubellm_gateway_prefix_index_fallbacks_total)",
+    )
     up = parser.add_argument_group(
         "toward replicas and the fallback API (a model's spec.routing.timeouts overrides each)"
     )
@@ -209,6 +218,7 @@ def settings_from(args: argparse.Namespace) -> Any:
     """The gateway's settings from its command line."""
     from kubellm.gateway.http.app import GatewaySettings
     from kubellm.gateway.routing.admission import Thresholds
+    from kubellm.gateway.routing.precise import tokenizer_pairs
 
     return GatewaySettings(
         max_body_bytes=args.max_body_bytes,
@@ -226,6 +236,7 @@ def settings_from(args: argparse.Namespace) -> Any:
         body_timeout=args.body_timeout,
         adapter_affinity=args.adapter_routing == "affinity",
         max_adapter_loads=args.max_adapter_loads,
+        tokenizers=tokenizer_pairs(args.tokenizer),
     )
 
 

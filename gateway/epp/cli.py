@@ -91,6 +91,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--scrape-interval", type=float, default=1.0)
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=PATH",
+        help="the tokenizer of a model routed with spec.routing.prefixIndex precise; "
+        "repeat per model (as `kubellm gateway --tokenizer`)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kubellm.gateway.epp.server import EndpointPicker, PickerSettings, serve
     from kubellm.gateway.routing.admission import Thresholds
+    from kubellm.gateway.routing.precise import tokenizer_pairs
     from kubellm.gateway.routing.scheduler import SchedulerSettings
 
     logging.basicConfig(level=args.log_level.upper())
@@ -136,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
                 max_queue=args.max_queue,
                 zero_replica_wait_seconds=args.zero_replica_wait,
                 scrape_interval=args.scrape_interval,
+                tokenizers=tokenizer_pairs(args.tokenizer),
             ),
         )
     except (ValueError, OSError, KeyError) as error:

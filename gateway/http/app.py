@@ -86,6 +86,8 @@ class GatewaySettings:
     max_response_bytes: int = 32 * 1024 * 1024  # a non-streamed answer, held whole
     # From clients (header timeout, keep-alive and the connection cap: `http.server`).
     body_timeout: float = 30.0  # reading a request body, from its headers to its end
+    # Precise prefix routing: each model's tokenizer (served name -> directory or HF id).
+    tokenizers: dict[str, str] = field(default_factory=dict)
 
     def scheduling(self) -> SchedulerSettings:
         return SchedulerSettings(
@@ -98,6 +100,7 @@ class GatewaySettings:
             eject_base_seconds=self.eject_base_seconds,
             adapter_affinity=self.adapter_affinity,
             max_adapter_loads=self.max_adapter_loads,
+            tokenizers=dict(self.tokenizers),
         )
 
     def limits(self) -> Limits:

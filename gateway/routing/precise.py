@@ -169,3 +169,14 @@ class PreciseRouting:
         while len(self._cache) > 32:
             self._cache.popitem(last=False)
         return hashes
+
+
+def tokenizer_pairs(values: list[str]) -> dict[str, str]:
+    """`--tokenizer MODEL=PATH` values as {served name: tokenizer directory or HF id}."""
+    pairs: dict[str, str] = {}
+    for value in values:
+        model, sep, path = value.partition("=")
+        if not sep or not model or not path:
+            raise ValueError(f"--tokenizer {value!r}: expected MODEL=PATH (a directory or HF id)")
+        pairs[model] = path
+    return pairs

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from kubellm.gateway.discovery.base import Endpoint, ModelTarget
 from kubellm.gateway.routing.kv_hashes import BlockHasher, PromptTokenizer
 from kubellm.gateway.routing.kv_index import KVEventsSubscriber, KVIndex
@@ -120,3 +121,22 @@ def test_the_block_size_comes_from_the_events(tiny_model_dir: Path) -> None:
     assert router.precise is not None
     assert router.precise.block_size(target("precise")) == BLOCK
     assert router.precise.block_size(ModelTarget(served_name="x", deployment="x")) is None
+
+
+def test_tokenizer_flags_name_a_tokenizer_per_model():
+    from kubellm.gateway.routing.precise import tokenizer_pairs
+
+    assert tokenizer_pairs(["m=/models/m", "n=org/name"]) == {"m": "/models/m", "n": "org/name"}
+    with pytest.raises(ValueError, match="MODEL=PATH"):
+        tokenizer_pairs(["no-equals"])
+
+
+def test_the_gateway_cli_hands_its_tokenizers_to_the_routing_core():
+    import argparse
+
+    from kubellm.gateway import cli
+
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    args = parser.parse_args(["--tokenizer", "tiny=/models/tiny"])
+    assert cli.settings_from(args).scheduling().tokenizers == {"tiny": "/models/tiny"}
