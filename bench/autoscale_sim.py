@@ -1,26 +1,36 @@
-"""Fleet simulation: kubellm's autoscaling policy against a KPA-style one and a fixed fleet.
+"""Fleet simulation: the cheapest fleet that meets the SLO, with the fallback taking spikes.
 
 A discrete-event simulation on a simulated clock (no HTTP, no sleeping) of
 one LLMDeployment: simulated engine replicas (`kubellm.engine.sim_core`,
 Llama 3.1 8B on an 80 GB GPU), a 60 s model load for every new replica,
 least-load routing, and the real autoscaler policies driven every 5
-simulated seconds from the replicas' /metrics, as the `kubellm autoscaler`
-loop drives them. Traces: a step, a ramp and a bursty day (diurnal curve plus
-spikes, 24 h compressed into 24 simulated minutes), seeded.
+simulated seconds from the replicas' /metrics and the gateway's counters,
+as the `kubellm autoscaler` loop drives them. Traces: a step, a ramp and a
+bursty day (six hours in real time: a diurnal rise plus short spikes), seeded;
+or a recorded trace (`--trace FILE.csv`). Every trace runs in simulated real
+time: the model load, the control period and the scale-down window keep
+their real length.
+
+Policies: a fixed fleet sized for the peak, a KPA-style concurrency target,
+`kv-queue`, `kv-queue+fallback` (kv-queue with the gateway's own admission
+sending overflow to a modelled fallback API; `--fallback-shares` runs it
+again at other values of maxFallbackShare) and all-API.
 
 Per trace and policy it reports SLO attainment (TTFT <= 2 s and mean ITL <=
-0.1 s), goodput, replica-seconds, scaling direction changes (in all, and the
-most in any scale-down window) and the time from the queue passing its target
-to the scale-up decision; per trace, the replica-seconds of replicas that
-appear instantly, sized at a replica's capacity (the oracle) and at the rate
-signal's ask without and with the scale-down window (what the sizing rule
-itself costs); then checks the targets of issue #6. Writes
-`summary.json` and `autoscale.png` to --out. Details: bench/_autoscale/.
+0.1 s; a request the fallback served counts when the API's modelled latency
+meets them), goodput, replica-seconds, the fallback's share, the cost
+(GPU-hours at --gpu-hour-price plus the tokens the API served at its prices),
+scaling direction changes (in all, and the most in any scale-down window) and
+the time from the queue passing its target to the scale-up decision; per
+trace, reference sizings; then checks the targets of issue #17. Writes
+`summary.json` and `autoscale.png` to --out (and the figures per policy to
+--json). Details: bench/_autoscale/.
 
-    python bench/autoscale_sim.py [--mix long|short] [--out bench/out]
-    # what-ifs: a spec.autoscaling override (targetRequestsPerReplica=none: no rate signal)
+    python bench/autoscale_sim.py [--mix long|short] [--out bench/out] [--json FILE]
+    python bench/autoscale_sim.py --trace day.csv --rate-scale 2 --gpu-hour-price 4
+    # what-ifs: a spec.autoscaling override (targetRequestsPerReplica=none: derived)
     python bench/autoscale_sim.py --traces bursty-day --set minReplicas=2
-    python bench/autoscale_sim.py --set targetRequestsPerReplica=none
+    python bench/autoscale_sim.py --traces compressed-day  # issue #6's day, for its figures
 """
 
 from __future__ import annotations

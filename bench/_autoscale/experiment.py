@@ -15,6 +15,12 @@ already overloaded). Traces are written in multiples of it; the fixed fleet
 is ceil(peak rate / capacity) replicas; the KPA-style policy's target
 concurrency is the in-flight requests one replica holds at that rate, so it
 is sized by the same rule of thumb as the fixed fleet.
+
+Cost: replica-seconds (starting to drained: a GPU is paid while it loads)
+at `GPU_HOUR_PRICE` per hour, plus the prompt and output tokens the fallback
+API served at its prices (`gateway.ApiModel`). kv-queue+fallback runs with
+targetRequestsPerReplica at the full capacity (`FALLBACK_RATE_TARGET`): the
+headroom kv-queue keeps for spikes is what the fallback is for.
 """
 
 from __future__ import annotations

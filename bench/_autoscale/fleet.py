@@ -12,17 +12,23 @@ Simulated clock only: nothing sleeps, nothing listens. The parts:
   stops routing to them and they leave once their in-flight requests finish.
 - routing: the gateway's least-load rule, approximated: each request goes to
   the ready replica with the fewest requests in flight (waiting + running).
-  No prefix-aware scoring (the traces share no prefixes) and no overflow to
-  an external API: every request is served by the fleet, so a late scale-up
-  shows as TTFT, not as fallback traffic.
+  No prefix-aware scoring (the traces share no prefixes). Without a fallback
+  every request is served by the fleet, so a late scale-up shows as TTFT.
+  With one (`FleetConfig.fallback`), the gateway's own admission decides
+  (`gateway.py`: production's `decide`, `saturated`, `predicted_wait`,
+  `CompletionRate`): an unsaturated replica, a short wait in the gateway's
+  queue, the fallback API (its modelled latency, at most maxConcurrency at
+  once), or a refusal (the SLO missed). Engine load is read at the instant
+  of the decision (production reads scrapes corrected by what it sent).
 - the control loop: every `period` seconds it renders each ready replica's
   /metrics in vLLM's exposition format, parses it with the autoscaler's own
   `observe.engine_load`, builds the `Observation` the real loop builds
   (current replicas = the /scale value; starting = counted but not ready),
-  renders the gateway's request counter and pending gauge and turns them
-  into the request rate with the loop's own `observe.gateway_admitted` and
-  `rate.observe` (samples kept in `status.autoscaler.requestSamples`, where
-  the spec sets targetRequestsPerReplica), round-trips the policy state
+  renders the gateway's counters and pending gauge and turns them into the
+  request rate, the fallback's share and the replicas' answer rate with the
+  loop's own `observe` parsers, `rate.observe` and `overflow.observe`
+  (samples kept in `status.autoscaler`; the loop's first sample is at t=0,
+  before the load arrives), round-trips the policy state
   through `status.autoscaler` as the real loop does, calls the real policy's
   `decide()` and applies the replica count.
 
