@@ -195,7 +195,8 @@ async def test_subscriber_follows_vllms_publisher_and_catches_up_through_replay(
         publisher.publish(_kv_batch(_stored(13)))
         subscriber.sync({A: address})
         await _until(lambda: index.matched(A, [11, 12, 13]) == 3, what="replayed batches")
-        assert subscriber.fresh(A)
+        # fresh once a probe of the replay socket has been answered (not at the same instant)
+        await _until(lambda: subscriber.fresh(A), what="the replica to be fresh")
         publisher.publish(_kv_batch(BlockRemoved(block_hashes=[12], medium="GPU")))
         await _until(lambda: index.matched(A, [11, 12]) == 1, what="the live removal")
         subscriber.sync({})  # the replica left: its entries go
