@@ -78,10 +78,7 @@ def core_names() -> set[str]:
 def registry_names() -> dict[str, set[str]]:
     out = {}
     for component, build in REGISTRIES.items():
-        try:
-            registry = build()
-        except ModuleNotFoundError:
-            continue  # the component is not written yet: the core contract stands in
+        registry = build()  # a renamed module fails here, not silently
         out[component] = {
             sample for family in registry.collect() for sample in _samples(family.name, family.type)
         }
