@@ -13,6 +13,8 @@ import gc
 import sys
 from typing import Any
 
+from kubellm.gateway.routing import flags
+
 # The cyclic GC's young-generation threshold in the gateway process (Python's default: 700).
 YOUNG_COLLECTION_EVERY = 20_000
 
@@ -35,34 +37,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="require an API key: FILE holds sha256 hex digests of accepted keys, one a line",
     )
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    parser.add_argument("--max-queue", type=int, default=256, help="waiting requests per model")
-    parser.add_argument(
-        "--zero-replica-wait",
-        type=float,
-        default=60.0,
-        help="seconds a request may wait for a model with no ready replica (scale from zero)",
-    )
-    parser.add_argument(
-        "--max-waiting",
-        type=float,
-        default=8.0,
-        help="engine queue depth at which a replica counts as saturated",
-    )
-    parser.add_argument(
-        "--max-kv-usage",
-        type=float,
-        default=0.95,
-        help="KV-cache usage at which a replica counts as saturated",
-    )
-    parser.add_argument(
-        "--max-in-flight",
-        type=int,
-        default=None,
-        help="gateway requests per replica at which it counts as saturated (default: no cap)",
-    )
-    parser.add_argument(
-        "--scrape-interval", type=float, default=1.0, help="seconds between engine scrapes"
-    )
+    flags.add_arguments(parser)  # admission, scraping, tokenizers: shared with `kubellm epp`
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -80,15 +55,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--max-adapter-loads", type=int, default=2, help="LoRA adapter loads running at once"
     )
     parser.add_argument("--log-level", default="warning")
-    parser.add_argument(
-        "--tokenizer",
-        action="append",
-        default=[],
-        metavar="MODEL=PATH",
-        help="the tokenizer of a model routed with spec.routing.prefixIndex precise (a "
-        "directory or a Hugging Face id the gateway can read); repeat per model. Without it, "
-        "precise mode scores approximately (kubellm_gateway_prefix_index_fallbacks_total)",
-    )
     up = parser.add_argument_group(
         "toward replicas and the fallback API (a model's spec.routing.timeouts overrides each)"
     )
@@ -217,16 +183,15 @@ def run(args: argparse.Namespace) -> int:
 def settings_from(args: argparse.Namespace) -> Any:
     """The gateway's settings from its command line."""
     from kubellm.gateway.http.app import GatewaySettings
-    from kubellm.gateway.routing.admission import Thresholds
-    from kubellm.gateway.routing.precise import tokenizer_pairs
 
+    scheduling = flags.settings_from(args)  # the flags shared with `kubellm epp`
     return GatewaySettings(
         max_body_bytes=args.max_body_bytes,
         api_key_hashes=_api_key_hashes(args.api_keys_file),
-        thresholds=Thresholds(args.max_waiting, args.max_kv_usage, args.max_in_flight),
-        max_queue=args.max_queue,
-        zero_replica_wait_seconds=args.zero_replica_wait,
-        scrape_interval=args.scrape_interval,
+        thresholds=scheduling.thresholds,
+        max_queue=scheduling.max_queue,
+        zero_replica_wait_seconds=scheduling.zero_replica_wait_seconds,
+        scrape_interval=scheduling.scrape_interval,
         connect_timeout=args.connect_timeout,
         first_byte_timeout=args.first_byte_timeout,
         idle_timeout=args.idle_timeout,
@@ -236,7 +201,7 @@ def settings_from(args: argparse.Namespace) -> Any:
         body_timeout=args.body_timeout,
         adapter_affinity=args.adapter_routing == "affinity",
         max_adapter_loads=args.max_adapter_loads,
-        tokenizers=tokenizer_pairs(args.tokenizer),
+        tokenizers=scheduling.tokenizers,
     )
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kubellm.gateway.routing import flags
+
 
 def _endpoint(value: str) -> str:
     host, sep, port = value.rpartition(":")
@@ -64,41 +66,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the dynamic-metadata namespace of the picked endpoints",
     )
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    parser.add_argument("--max-queue", type=int, default=256, help="waiting requests per model")
-    parser.add_argument(
-        "--zero-replica-wait",
-        type=float,
-        default=60.0,
-        help="seconds a request may wait for a model with no ready replica (scale from zero)",
-    )
-    parser.add_argument(
-        "--max-waiting",
-        type=float,
-        default=8.0,
-        help="engine queue depth at which a replica counts as saturated",
-    )
-    parser.add_argument(
-        "--max-kv-usage",
-        type=float,
-        default=0.95,
-        help="KV-cache usage at which a replica counts as saturated",
-    )
-    parser.add_argument(
-        "--max-in-flight",
-        type=int,
-        default=None,
-        help="requests per replica at which it counts as saturated (default: no cap)",
-    )
-    parser.add_argument("--scrape-interval", type=float, default=1.0)
+    flags.add_arguments(parser)  # admission, scraping, tokenizers: as `kubellm gateway`
     parser.add_argument("--log-level", default="warning")
-    parser.add_argument(
-        "--tokenizer",
-        action="append",
-        default=[],
-        metavar="MODEL=PATH",
-        help="the tokenizer of a model routed with spec.routing.prefixIndex precise; "
-        "repeat per model (as `kubellm gateway --tokenizer`)",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,9 +76,6 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from kubellm.gateway.epp.server import EndpointPicker, PickerSettings, serve
-    from kubellm.gateway.routing.admission import Thresholds
-    from kubellm.gateway.routing.precise import tokenizer_pairs
-    from kubellm.gateway.routing.scheduler import SchedulerSettings
 
     logging.basicConfig(level=args.log_level.upper())
     for flag in ("max_body_bytes", "max_queue", "endpoints_per_answer"):
@@ -140,13 +106,7 @@ def run(args: argparse.Namespace) -> int:
             metadata_namespace=args.metadata_namespace,
             fallback_forwarder=args.fallback_forwarder,
             endpoints_per_answer=args.endpoints_per_answer,
-            scheduler=SchedulerSettings(
-                thresholds=Thresholds(args.max_waiting, args.max_kv_usage, args.max_in_flight),
-                max_queue=args.max_queue,
-                zero_replica_wait_seconds=args.zero_replica_wait,
-                scrape_interval=args.scrape_interval,
-                tokenizers=tokenizer_pairs(args.tokenizer),
-            ),
+            scheduler=flags.settings_from(args),
         )
     except (ValueError, OSError, KeyError) as error:
         print(f"kubellm epp: {error}", file=sys.stderr)

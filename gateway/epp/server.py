@@ -80,7 +80,6 @@ class EndpointPicker:
         self.settings = settings or PickerSettings()
         self.scheduler = Scheduler(discovery, self.settings.scheduler)
         self._client: aiohttp.ClientSession | None = None
-        self._tasks: list[asyncio.Task[None]] = []
         self._forwarder: tuple[str, float] | None = None  # (ip:port, resolved at)
 
     async def forwarder(self) -> str | None:
@@ -112,14 +111,10 @@ class EndpointPicker:
     async def start(self) -> None:
         """Start discovery and the engine scrape loop."""
         self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
-        self._tasks = [asyncio.create_task(c) for c in self.scheduler.tasks(self._client)]
+        self.scheduler.start(self._client)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self.scheduler.stop()
         if self._client is not None:
             await self._client.close()
 

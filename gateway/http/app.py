@@ -139,7 +139,6 @@ class Gateway:
         self.metrics = self.scheduler.metrics
         self._client = client  # https replicas', the fallback API's and scraping's client
         self._replicas: upstream.Pool | None = None  # the plain-http replicas' client
-        self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def load(self) -> LoadView:
@@ -166,15 +165,10 @@ class Gateway:
         client, loads = self.client, self.scheduler.adapter_loads
         loads.loader = lambda url, name, path: lora.load_adapter(client, url, name, path)
         loads.unloader = lambda url, name, _path: lora.unload_adapter(client, url, name)
-        self._tasks = [asyncio.create_task(c) for c in self.scheduler.tasks(self.client)]
-        self.scheduler.update_ready_gauge()
+        self.scheduler.start(self.client)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self.scheduler.stop()
         if self._client is not None:
             await self._client.close()
             self._client = None

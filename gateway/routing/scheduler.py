@@ -116,8 +116,24 @@ class Scheduler:
         self.completions = CompletionRate()  # replica answers finished: predicts queue waits
         self._changed = asyncio.Event()
         self.load.on_release(self.wake)
+        self._tasks: list[asyncio.Task[None]] = []
 
     # ---------------------------------------------------------------- lifecycle
+
+    def start(self, client: aiohttp.ClientSession) -> None:
+        """Start the background work (discovery, scraping every engine with `client`, the
+        adapters' and the KV events' followers) in the running loop; `stop` ends it."""
+        self._tasks = [asyncio.create_task(c) for c in self.tasks(client)]
+        self.update_ready_gauge()
+
+    async def stop(self) -> None:
+        """End the background work started by `start` (the caller closes its client)."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     def tasks(self, client: aiohttp.ClientSession) -> list[Coroutine[Any, Any, None]]:
         """The background work: discovery, and scraping every engine with `client`."""
