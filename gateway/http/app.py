@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 from kubellm.gateway.discovery.base import Discovery, FallbackTarget, ModelTarget, find_model
-from kubellm.gateway.http import lora, relay, upstream
+from kubellm.gateway.http import relay, upstream
 from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
 from kubellm.gateway.http.upstream import Deadlines, Limits
 from kubellm.gateway.protocol import errors
@@ -162,9 +162,6 @@ class Gateway:
         return self._replicas
 
     async def start(self) -> None:
-        client, loads = self.client, self.scheduler.adapter_loads
-        loads.loader = lambda url, name, path: lora.load_adapter(client, url, name, path)
-        loads.unloader = lambda url, name, _path: lora.unload_adapter(client, url, name)
         self.scheduler.start(self.client)
 
     async def stop(self) -> None:

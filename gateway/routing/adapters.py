@@ -16,10 +16,10 @@ Two levels, as vLLM has them:
   replicas where the adapter is active, then replicas with a slot to spare, within the
   bounded-load filter like every scorer.
 
-Pure state and decisions live here; the HTTP request that loads an adapter is made by a
-front end (`Loader`, passed in), so the routing core sends no request beyond scraping.
-The scrape of `/v1/models` (which adapters each replica has registered) is here, beside
-`load.scrape_loop`.
+Pure state and decisions live here; the HTTP requests that load and unload an adapter are
+in `engine_api` (`Loader`, wired by `Scheduler.start` to its client, so both front ends
+load adapters). The scrape of `/v1/models` (which adapters each replica has registered) is
+here, beside `load.scrape_loop`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Both front ends drive it the same way:
 
 The HTTP front end (`kubellm.gateway.http`) sends the bytes itself; the endpoint picker
 (`kubellm.gateway.epp`) answers with the chosen endpoints and lets Envoy send them.
-Nothing here reads a socket except the scrape loop and discovery, started by `tasks`.
+Nothing here reads a socket except the scrape loop and discovery, started by `tasks`, and
+the adapter loads (`engine_api`, vLLM's runtime adapter API) that `start` wires up.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import aiohttp
 from kubellm.gateway.discovery.base import Discovery, Endpoint, ModelTarget
-from kubellm.gateway.routing import adapters, slo
+from kubellm.gateway.routing import adapters, engine_api, slo
 from kubellm.gateway.routing.admission import (
     CompletionRate,
     Route,
@@ -122,7 +123,13 @@ class Scheduler:
 
     def start(self, client: aiohttp.ClientSession) -> None:
         """Start the background work (discovery, scraping every engine with `client`, the
-        adapters' and the KV events' followers) in the running loop; `stop` ends it."""
+        adapters' and the KV events' followers) in the running loop; `stop` ends it.
+
+        Adapter loads and unloads go through the same `client` (vLLM's runtime adapter
+        API, `engine_api`), so both front ends load an adapter no replica has."""
+        loads = self.adapter_loads
+        loads.loader = lambda url, name, path: engine_api.load_adapter(client, url, name, path)
+        loads.unloader = lambda url, name, _path: engine_api.unload_adapter(client, url, name)
         self._tasks = [asyncio.create_task(c) for c in self.tasks(client)]
         self.update_ready_gauge()
 

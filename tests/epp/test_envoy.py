@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 import sys
@@ -17,6 +18,7 @@ import openai
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kubellm.engine import sim_profiles
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.epp.conftest import Process, responds
@@ -148,6 +150,34 @@ def test_client_cannot_pick_its_own_upstream(envoy_stack, sims):
     forged = {"x-gateway-destination-endpoint": "127.0.0.1:1"}
     response = httpx.post(f"{stack.url}/v1/completions", json=BODY, headers=forged, timeout=10)
     assert response.status_code == 200  # FailOpen's pool route, not the forged address
+
+
+def test_an_adapter_no_replica_has_is_loaded_before_the_epp_answers(envoy_stack, sim_server):
+    """The endpoint picker loads a LoRA adapter no replica has (vLLM's runtime adapter API,
+    through the routing core shared with the gateway) on one replica, then routes the
+    request there: Envoy's answer comes from that adapter, and only that replica has it."""
+    lora = dataclasses.replace(sim_profiles.get("tiny-cpu"), name="tiny-lora", max_loras=2)
+    replicas = [sim_server(served_model_name="tiny", profile=lora) for _ in range(2)]
+    stack = envoy_stack([{"name": "tiny", "endpoints": replicas,
+                          "adapters": {"sql": "/adapters/sql"}}])  # fmt: skip
+    assert [_registered(r) for r in replicas] == [set(), set()]
+    body = {"model": "sql", "prompt": "select", "max_tokens": 2}
+    response = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=20)
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == "sql"
+    assert sorted(len(_registered(r)) for r in replicas) == [0, 1]
+    assert stack.metric("kubellm_gateway_adapter_loads_total", adapter="sql", outcome="ok") == 1
+    assert (
+        stack.metric("kubellm_gateway_adapter_requests_total", adapter="sql", route="loaded") == 1
+    )
+    again = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=20)
+    assert again.status_code == 200
+    assert stack.metric("kubellm_gateway_adapter_loads_total", adapter="sql", outcome="ok") == 1
+
+
+def _registered(url: str) -> set[str]:
+    cards = httpx.get(f"{url}/v1/models", timeout=5).json()["data"]
+    return {c["id"] for c in cards if c.get("parent")}
 
 
 class ScriptedReplica:

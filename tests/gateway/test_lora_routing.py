@@ -184,8 +184,9 @@ def test_discovery_turns_spec_adapters_into_the_paths_pods_load() -> None:
 
 
 def test_a_front_end_that_cannot_load_refuses_at_once(sim_server, gateway) -> None:
-    """The endpoint picker sends no request to engines: without a loader, an adapter no
-    replica has is refused (or sent to the fallback) without waiting out the TTFT budget."""
+    """A scheduler that cannot load (no loader: not started with a client) refuses an
+    adapter no replica has (or sends it to the fallback) without waiting out the TTFT
+    budget."""
     url = sim_server("base", LORA)
     slo = SLO(ttft_seconds=30)
     target = dataclasses.replace(

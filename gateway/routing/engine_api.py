@@ -1,10 +1,13 @@
-"""vLLM's runtime adapter API, as the HTTP front end calls it for the routing core.
+"""vLLM's runtime adapter API: the only requests the routing core sends to engines besides
+its scrapes.
 
 The routing core decides where an adapter is loaded (`routing.adapters`); these send
-the requests: POST `/v1/load_lora_adapter` {lora_name, lora_path} and
-`/v1/unload_lora_adapter` {lora_name} (vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING, which
-the launcher sets, or the simulator). An adapter the replica already has counts as
-loaded; one it no longer has counts as unloaded.
+the requests, for both front ends (the scheduler wires them to its client in `start`, so
+the standalone proxy and the endpoint picker load adapters alike): POST
+`/v1/load_lora_adapter` {lora_name, lora_path} and `/v1/unload_lora_adapter` {lora_name}
+(vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING, which the launcher sets, or the simulator).
+An adapter the replica already has counts as loaded; one it no longer has counts as
+unloaded.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import aiohttp
 # vLLM refuses these requests without it (400, "Unsupported Media Type"); the gateway's
 # client adds no Content-Type of its own (relay.new_session skips it), so it is set here.
 _JSON = {"Content-Type": "application/json"}
+# The caller bounds a load (`AdapterLoads.timeout`, 60 s): reading an adapter from disk may
+# take longer than the client's default total (the endpoint picker's is 5 s, for scrapes).
+_UNBOUNDED = aiohttp.ClientTimeout(total=None, sock_connect=5)
 
 
 class AdapterRequestFailed(RuntimeError):
@@ -24,7 +30,9 @@ class AdapterRequestFailed(RuntimeError):
 
 async def load_adapter(client: aiohttp.ClientSession, url: str, name: str, path: str) -> None:
     body = json.dumps({"lora_name": name, "lora_path": path})
-    async with client.post(f"{url}/v1/load_lora_adapter", data=body, headers=_JSON) as response:
+    async with client.post(
+        f"{url}/v1/load_lora_adapter", data=body, headers=_JSON, timeout=_UNBOUNDED
+    ) as response:
         text = await response.text()
         if response.status == 200 or (response.status == 400 and "already been loaded" in text):
             return
@@ -33,7 +41,9 @@ async def load_adapter(client: aiohttp.ClientSession, url: str, name: str, path:
 
 async def unload_adapter(client: aiohttp.ClientSession, url: str, name: str) -> None:
     body = json.dumps({"lora_name": name})
-    async with client.post(f"{url}/v1/unload_lora_adapter", data=body, headers=_JSON) as response:
+    async with client.post(
+        f"{url}/v1/unload_lora_adapter", data=body, headers=_JSON, timeout=_UNBOUNDED
+    ) as response:
         text = await response.text()
         if response.status in (200, 404):  # 404: it is gone already
             return
