@@ -1,9 +1,10 @@
 """The Kubernetes `Backend`: LLMDeployments, EndpointSlices, /scale, status, Events.
 
 Plain HTTP with httpx against the API server (configuration from
-`kubellm.kube`). The autoscaler writes only three things: the /scale
-subresource, `status.autoscaler` (a merge patch of that field alone, through
-the status subresource), and Events; the operator owns the rest.
+`kubellm.kube`). The autoscaler writes only four things: the /scale
+subresource, `status.autoscaler` and `status.adapters` (merge patches of those
+fields alone, through the status subresource), and Events; the operator owns
+the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import httpx
 import pydantic
-from kubellm.autoscaler.backend import Endpoint, Target
+from kubellm.autoscaler.backend import AdapterTarget, Endpoint, Target
 
 from kubellm import api, contracts, kube
 from kubellm.contracts import DEPLOYMENT_LABEL
@@ -41,7 +42,17 @@ class KubernetesBackend:
                 out.append(target)
         return out
 
-    async def endpoints(self, target: Target) -> list[Endpoint]:
+    async def adapter_targets(self) -> list[AdapterTarget]:
+        response = await self.client.get(kube.llmd_path(self.namespace))
+        response.raise_for_status()
+        out = []
+        for item in response.json().get("items", []):
+            target = _adapter_target(item)
+            if target is not None:
+                out.append(target)
+        return out
+
+    async def endpoints(self, target: Target | AdapterTarget) -> list[Endpoint]:
         selector = f"{DEPLOYMENT_LABEL}={target.name}"
         response = await self.client.get(
             f"/apis/discovery.k8s.io/v1/namespaces/{target.namespace}/endpointslices",
@@ -68,6 +79,16 @@ class KubernetesBackend:
         response = await self.client.patch(
             kube.llmd_path(target.namespace, target.name, "status"),
             json={"status": {"autoscaler": autoscaler}},
+            headers=MERGE_PATCH,
+        )
+        response.raise_for_status()
+
+    async def write_adapters(
+        self, target: AdapterTarget, adapters: list[dict[str, Any]] | None
+    ) -> None:
+        response = await self.client.patch(
+            kube.llmd_path(target.namespace, target.name, "status"),
+            json={"status": {"adapters": adapters}},  # a merge patch replaces a list whole
             headers=MERGE_PATCH,
         )
         response.raise_for_status()
@@ -121,6 +142,26 @@ def _target(item: dict[str, Any]) -> Target | None:
         autoscaling=autoscaling,
         status=dict((item.get("status") or {}).get("autoscaler") or {}),
         has_fallback=deployment.spec.fallback is not None and bool(deployment.spec.fallback.url),
+    )
+
+
+def _adapter_target(item: dict[str, Any]) -> AdapterTarget | None:
+    """An AdapterTarget from an LLMDeployment object: None when it lists no adapters and
+    shows none in its status, or when it is invalid (logged by `targets`' reading)."""
+    try:
+        deployment = api.LLMDeployment.model_validate(item)
+    except pydantic.ValidationError:
+        return None
+    status = (item.get("status") or {}).get("adapters")
+    names = tuple(a.name for a in deployment.spec.adapters)
+    if not names and not status:
+        return None
+    return AdapterTarget(
+        namespace=deployment.metadata.namespace,
+        name=deployment.metadata.name,
+        served_name=deployment.served_name,
+        adapters=names,
+        status=status if isinstance(status, list) else None,
     )
 
 

@@ -1,14 +1,18 @@
 """The control loop: observe, decide, write; once per period, for every target.
 
 Each period (`Autoscaler.step`):
-1. list the deployments with autoscaling enabled (`Backend.targets`);
+1. list the deployments with autoscaling enabled (`Backend.targets`), and those
+   with LoRA adapters (`Backend.adapter_targets`);
 2. scrape the gateway's /metrics once, for pending requests per model;
 3. per deployment: find its engine endpoints, scrape the ready ones, build an
    `Observation`, restore the policy's state from status.autoscaler, and ask
    the policy for a `Decision`;
 4. when the decision differs from /scale: write /scale and record an Event;
 5. merge status.autoscaler (desired, reason, message, last scale time,
-   inputs, and the policy state) when it changed; export metrics.
+   inputs, and the policy state) when it changed; export metrics;
+6. per deployment with adapters: read its ready replicas' /v1/models and
+   `vllm:lora_requests_info` (the same scrape as step 3, once per period) and
+   write status.adapters when it changed (`kubellm.autoscaler.adapters`).
 
 All I/O goes through the `Backend` and one httpx client for scrapes; time
 comes from an injected clock, so tests drive periods without waiting.
@@ -25,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from kubellm.autoscaler import observe, overflow, rate
+from kubellm.autoscaler import adapters, observe, overflow, rate
 from kubellm.autoscaler import policy as p
-from kubellm.autoscaler.backend import Backend, Target
+from kubellm.autoscaler.backend import AdapterTarget, Backend, Target
 from kubellm.autoscaler.overflow import GatewayWindow
 from kubellm.autoscaler.rate import RateWindow
 from kubellm.autoscaler.telemetry import Telemetry
@@ -67,15 +71,30 @@ class Autoscaler:
         self.clock = clock
         self.telemetry = telemetry or Telemetry()
         self.period = period
+        self._scrapes: dict[str, asyncio.Future[str | None]] = {}  # this period's /metrics
+
+    def _scrape(self, url: str) -> asyncio.Future[str | None]:
+        """One engine's /metrics text, scraped once per period whoever asks."""
+        future = self._scrapes.get(url)
+        if future is None:
+            future = self._scrapes[url] = asyncio.ensure_future(observe.scrape(self.http, url))
+        return future
 
     async def step(self) -> list[Outcome]:
         """One control period over every target. A failing target does not stop the others."""
+        self._scrapes = {}
         try:
             targets = await self.backend.targets()
         except httpx.HTTPError as error:
             log.warning("cannot list deployments: %s", error)
             self.telemetry.errors.labels("list").inc()
             return []
+        try:
+            with_adapters = await self.backend.adapter_targets()
+        except httpx.HTTPError as error:
+            log.warning("cannot list deployments with adapters: %s", error)
+            self.telemetry.errors.labels("list").inc()
+            with_adapters = []
         gateway_text = None
         if self.gateway_metrics_url:
             gateway_text = await observe.scrape(self.http, self.gateway_metrics_url)
@@ -84,6 +103,15 @@ class Autoscaler:
         results = await asyncio.gather(
             *(self._one(target, gateway_text) for target in targets), return_exceptions=True
         )
+        written = await asyncio.gather(
+            *(self._adapters(target) for target in with_adapters), return_exceptions=True
+        )
+        for target, result in zip(with_adapters, written, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception):
+                    raise result
+                log.warning("status.adapters of %s not written: %r", target.key, result)
+                self.telemetry.errors.labels("adapters").inc()
         outcomes = []
         for target, result in zip(targets, results, strict=True):
             if isinstance(result, BaseException):
@@ -106,9 +134,11 @@ class Autoscaler:
 
     async def _one(self, target: Target, gateway_text: str | None) -> Outcome:
         endpoints = [e for e in await self.backend.endpoints(target) if e.ready]
-        replicas = await asyncio.gather(
-            *(observe.replica(self.http, e.name, e.metrics_url) for e in endpoints)
-        )
+        texts = await asyncio.gather(*(self._scrape(e.metrics_url) for e in endpoints))
+        replicas = [
+            observe.replica_metrics(e.name, e.metrics_url, text)
+            for e, text in zip(endpoints, texts, strict=True)
+        ]
         pending = _pending(gateway_text, target)
         now = self.clock()
         window, counted = _request_window(gateway_text, target, now)
@@ -150,6 +180,20 @@ class Autoscaler:
         stale = sum(1 for r in replicas if not r.fresh)
         self.telemetry.record(target, decision, len(replicas), stale, pending, scaled)
         return Outcome(target, decision, observation, scaled, status)
+
+    async def _adapters(self, target: AdapterTarget) -> list[dict[str, Any]] | None:
+        """Write status.adapters of one deployment when it changed; returns it."""
+        endpoints = [e for e in await self.backend.endpoints(target) if e.ready]
+        texts = await asyncio.gather(*(self._scrape(e.metrics_url) for e in endpoints))
+        answers = await asyncio.gather(*(adapters.models(self.http, e.url) for e in endpoints))
+        replicas = [
+            adapters.replica_adapters(answer, text, target.served_name)
+            for answer, text in zip(answers, texts, strict=True)
+        ]
+        status = adapters.adapter_status(target.adapters, replicas)
+        if status != target.status:
+            await self.backend.write_adapters(target, status)
+        return status
 
 
 def _pending(gateway_text: str | None, target: Target) -> float | None:

@@ -123,9 +123,9 @@ async def scrape(client: httpx.AsyncClient, url: str) -> str | None:
         return None
 
 
-async def replica(client: httpx.AsyncClient, name: str, url: str) -> ReplicaMetrics:
-    """Scrape one engine; a replica with unknown load (fresh=False) on any failure."""
-    text = await scrape(client, url)
+def replica_metrics(name: str, url: str, text: str | None) -> ReplicaMetrics:
+    """One engine's load from its scraped text (None: the scrape failed); a replica with
+    unknown load (fresh=False) when the text is missing or unusable."""
     if text is None:
         return ReplicaMetrics(name=name, fresh=False)
     try:
@@ -133,3 +133,8 @@ async def replica(client: httpx.AsyncClient, name: str, url: str) -> ReplicaMetr
     except MetricsError as error:
         log.info("metrics of %s at %s unusable: %s", name, url, error)
         return ReplicaMetrics(name=name, fresh=False)
+
+
+async def replica(client: httpx.AsyncClient, name: str, url: str) -> ReplicaMetrics:
+    """Scrape one engine; a replica with unknown load (fresh=False) on any failure."""
+    return replica_metrics(name, url, await scrape(client, url))

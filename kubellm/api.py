@@ -657,10 +657,12 @@ class AutoscalerStatus(_Status):
 
 
 class AdapterStatus(_Status):
-    """Where one adapter of spec.adapters is loaded: on `loadedReplicas` of `replicas`."""
+    """Where one adapter of spec.adapters is loaded: on `loadedReplicas` of `replicas` (the
+    ready replicas), with requests on `activeReplicas` of them. Written by the autoscaler."""
 
     name: str
     loaded_replicas: int = 0
+    active_replicas: int = 0
     replicas: int = 0
 
 
@@ -678,7 +680,8 @@ class LLMDeploymentStatus(_Status):
     adapters: list[AdapterStatus] | None = Field(
         default=None,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
-        description="Each adapter of spec.adapters: on how many ready replicas it is loaded.",
+        description="Each adapter of spec.adapters: on how many ready replicas it is loaded "
+        "(written by the autoscaler).",
     )
 
 

@@ -212,3 +212,20 @@ def fallback_target(
         max_concurrency=settings.max_concurrency,
         triggers=tuple(settings.triggers),
     )
+
+
+def registered_adapters(models: object, base: str | None = None) -> set[str] | None:
+    """The adapters a replica's `/v1/models` answer lists (cards with a parent); None when
+    the answer is not vLLM's shape."""
+    if not isinstance(models, dict) or not isinstance(models.get("data"), list):
+        return None
+    out = set()
+    for card in models["data"]:
+        if (
+            isinstance(card, dict)
+            and isinstance(card.get("id"), str)
+            and card.get("parent")
+            and (base is None or card["parent"] == base)
+        ):
+            out.add(card["id"])
+    return out

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
 
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
@@ -82,3 +85,34 @@ def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> floa
             )
         lower_bound, lower_count = bound, count
     return lower_bound
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """One replica's `vllm:lora_requests_info`: its slot count, running and waiting adapters."""
+
+    max_lora: int
+    running: frozenset[str]
+    waiting: frozenset[str]
+
+
+def parse_lora_info(text: str) -> LoraInfo | None:
+    """The current series of `vllm:lora_requests_info` (the one with the latest time: older
+    label sets stay exported), or None when the engine has LoRA off."""
+    best: tuple[float, dict[str, str]] | None = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == LORA_REQUESTS_INFO and (best is None or sample.value > best[0]):
+                best = (sample.value, sample.labels)
+    if best is None:
+        return None
+    labels = best[1]
+
+    def names(key: str) -> frozenset[str]:
+        return frozenset(n for n in labels.get(key, "").split(",") if n)
+
+    try:
+        slots = int(labels.get("max_lora", "0"))
+    except ValueError:
+        slots = 0
+    return LoraInfo(slots, names("running_lora_adapters"), names("waiting_lora_adapters"))

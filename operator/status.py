@@ -6,8 +6,8 @@ Conditions answer three questions a person asks, each with a reason they can act
 - Degraded: is something wrong that will not fix itself (no GPUs, bad image,
   crash loop, bad engine arguments, missing fallback Secret, unrealisable spec)?
 
-`status.autoscaler` belongs to the autoscaler: it is never produced here, and
-the patch the operator writes never names it.
+`status.autoscaler` and `status.adapters` belong to the autoscaler: they are never
+produced here, and the patch the operator writes never names them.
 """
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ def desired_status(
     now: str,
     extra_conditions: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """Every status field the operator owns (never `autoscaler`). `extra_conditions`
+    """Every status field the operator owns (never `autoscaler` or `adapters`). `extra_conditions`
     (e.g. `InferencePool`) follow Ready, Progressing and Degraded."""
     old_status = old_status or {}
     dstatus = (deployment or {}).get("status") or {}

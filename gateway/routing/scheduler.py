@@ -43,6 +43,8 @@ from kubellm.gateway.routing.precise import PreciseRouting
 from kubellm.gateway.routing.router import Router
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
+from kubellm.metrics import parse_lora_info
+
 
 @dataclass
 class SchedulerSettings:
@@ -110,7 +112,7 @@ class Scheduler:
         if s.adapter_affinity:
             self.router.adapter_scorer = adapters.AdapterScorer(self.adapters, 1)
         self.load.scrape_hooks.append(
-            lambda url, text: self.adapters.record_info(url, adapters.parse_lora_info(text))
+            lambda url, text: self.adapters.record_info(url, parse_lora_info(text))
         )
         self.fallback_in_flight: dict[str, int] = {}
         self.queued: dict[str, int] = {}

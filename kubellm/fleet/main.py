@@ -244,6 +244,7 @@ def _write_state(run_dir: Path, gateway_url: str, runtime: LocalRuntime) -> None
                     for r in runtime.supervisor.endpoints(name)
                 ],
                 "autoscaler": d.autoscaler_status,
+                "adapters": d.adapter_status,
             }
             for name, d in runtime.deployments.items()
         },

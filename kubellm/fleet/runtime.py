@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from kubellm import api
+from kubellm.autoscaler.backend import AdapterTarget, Target
 from kubellm.autoscaler.backend import Endpoint as ScalerEndpoint
-from kubellm.autoscaler.backend import Target
 from kubellm.contracts import (
     FallbackTarget,
     engine_identity_json,
@@ -58,6 +58,7 @@ def _fallback(spec: api.LLMDeploymentSpec) -> FallbackTarget | None:
 class LocalDeployment:
     manifest: api.LLMDeployment
     autoscaler_status: dict[str, Any] = field(default_factory=dict)
+    adapter_status: list[dict[str, Any]] | None = None  # status.adapters, by the autoscaler
     events: list[str] = field(default_factory=list)
 
     @property
@@ -194,7 +195,20 @@ class LocalBackend:
             )
         return out
 
-    async def endpoints(self, target: Target) -> list[ScalerEndpoint]:
+    async def adapter_targets(self) -> list[AdapterTarget]:
+        return [
+            AdapterTarget(
+                namespace=d.manifest.metadata.namespace,
+                name=d.name,
+                served_name=d.manifest.served_name,
+                adapters=tuple(a.name for a in d.manifest.spec.adapters),
+                status=d.adapter_status,
+            )
+            for d in self.runtime.deployments.values()
+            if d.manifest.spec.adapters or d.adapter_status
+        ]
+
+    async def endpoints(self, target: Target | AdapterTarget) -> list[ScalerEndpoint]:
         return [
             ScalerEndpoint(name=r.name, metrics_url=f"{r.url}/metrics", ready=r.state == "ready")
             for r in self.runtime.supervisor.endpoints(target.name)
@@ -211,6 +225,11 @@ class LocalBackend:
                 status.pop(key, None)
             else:
                 status[key] = value
+
+    async def write_adapters(
+        self, target: AdapterTarget, adapters: list[dict[str, Any]] | None
+    ) -> None:
+        self.runtime.deployments[target.name].adapter_status = adapters
 
     async def record_event(self, target: Target, reason: str, message: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} {target.name}: {reason}: {message}"

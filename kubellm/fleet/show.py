@@ -73,15 +73,15 @@ def run(args: argparse.Namespace) -> int:
         for deployment in state["deployments"].values():
             ready = [r for r in deployment["replicas"] if r["state"] == "ready"]
             texts = [_get(f"{r['url']}/metrics") for r in ready]
-            rows.append(
-                status.model_row(
-                    deployment["model"],
-                    gateway_text,
-                    texts,
-                    ready=len(ready),
-                    desired=deployment["desired"],
-                )
+            row = status.model_row(
+                deployment["model"],
+                gateway_text,
+                texts,
+                ready=len(ready),
+                desired=deployment["desired"],
             )
+            row.adapters = deployment.get("adapters")
+            rows.append(row)
     else:
         models = json.loads(_get(f"{gateway}/v1/models") or '{"data": []}')["data"]
         ready = _ready_from_gateway(gateway_text)
@@ -94,4 +94,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"gateway {gateway}")
         print(status.format_table(rows))
+        adapters = status.format_adapters(rows)
+        if adapters:
+            print()
+            print(adapters)
     return 0

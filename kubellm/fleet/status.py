@@ -49,6 +49,7 @@ class ModelRow:
     itl_p95: float | None = None
     requests: float = 0.0
     fallback_share: float | None = None
+    adapters: list[dict[str, int | str]] | None = None  # status.adapters (the autoscaler's)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -108,5 +109,26 @@ def format_table(rows: list[ModelRow]) -> str:
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+                     for line in lines)  # fmt: skip
+
+
+def format_adapters(rows: list[ModelRow]) -> str:
+    """The LoRA adapters of each model: loaded on N of M ready replicas, active on K."""
+    lines = [("MODEL", "ADAPTER", "LOADED", "ACTIVE")]
+    for r in rows:
+        for a in r.adapters or []:
+            replicas = a.get("replicas", 0)
+            lines.append(
+                (
+                    r.model,
+                    str(a.get("name", "")),
+                    f"{a.get('loadedReplicas', 0)}/{replicas}",
+                    f"{a.get('activeReplicas', 0)}/{replicas}",
+                )
+            )
+    if len(lines) == 1:
+        return ""
+    widths = [max(len(line[i]) for line in lines) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
                      for line in lines)  # fmt: skip

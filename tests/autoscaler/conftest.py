@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from kubellm import api, metrics
@@ -56,12 +56,14 @@ def gateway_text(pending: dict[str, float], answered: dict[str, float] | None = 
 
 
 class MetricsServer:
-    """A /metrics endpoint on 127.0.0.1 serving whatever `text` (and `status`) the test sets."""
+    """A /metrics endpoint on 127.0.0.1 serving whatever `text` (and `status`) the test sets,
+    and a /v1/models answering `models` (404 while it is None)."""
 
     def __init__(self, text: str = "") -> None:
         self.text = text
         self.status = 200
         self.scrapes = 0
+        self.models: Any = None
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -69,8 +71,15 @@ class MetricsServer:
         self.scrapes += 1
         return PlainTextResponse(self.text, status_code=self.status)
 
+    async def _models(self, _: Request) -> Response:
+        if self.models is None:
+            return PlainTextResponse("not found", status_code=404)
+        return JSONResponse(self.models)
+
     async def start(self) -> None:
-        app = Starlette(routes=[Route("/metrics", self._metrics)])
+        app = Starlette(
+            routes=[Route("/metrics", self._metrics), Route("/v1/models", self._models)]
+        )
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -245,9 +245,11 @@ def _desired(old_status, dep=None):
 
 
 def test_status_patch_is_none_when_nothing_changed_and_never_names_the_autoscaler():
+    """Nor status.adapters, which the autoscaler writes too."""
     first = _desired({})
-    assert "autoscaler" not in first
-    written = {**first, "autoscaler": {"desiredReplicas": 5}}
+    assert "autoscaler" not in first and "adapters" not in first
+    adapters = [{"name": "sql", "loadedReplicas": 1, "activeReplicas": 0, "replicas": 2}]
+    written = {**first, "autoscaler": {"desiredReplicas": 5}, "adapters": adapters}
     assert status.status_patch(_desired(written), written) is None
     patch = status.status_patch(_desired(written, deployment(ready=1)), written)
     assert set(patch) == {"readyReplicas", "conditions"}
