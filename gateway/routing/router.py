@@ -19,6 +19,7 @@ from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.precise import PreciseRouting
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.scorers.bounded_load import within_bound
 from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight
 from kubellm.gateway.routing.scorers.picker import Profile, pick, profiles
 from kubellm.gateway.routing.scorers.precise import PrecisePrefixScorer
@@ -46,13 +47,13 @@ def routing_request(
     )
 
 
-# The LoRA affinity scorer's weight. Its tiers are 0.25 apart (active 1, recent 0.75, a
-# free slot 0.5); x 20 = 5 per tier, more than the load scorers' whole range (4 in
-# least-load, 1 in prefix-aware) and a full prefix match plus the prompt's home (4 + 2 =
-# 6 less one tier): a request goes where its adapter is in a slot unless the bounded-load
-# filter says that replica is full, as a prefix goes home (an adapter swap costs more
-# than a prefix miss: tens of ms of disk reads, and a request past the batch's max_loras
-# adapters waits for a slot).
+# The LoRA affinity scorer's weight. Its tiers are 0.25 apart (resident at its planned
+# home 1, resident elsewhere 0.75, its planned home 0.5); x 20 = 5 per tier, more than
+# the load scorers' whole range (4 in least-load, 1 in prefix-aware) and a full prefix
+# match plus the prompt's home (4 + 2 = 6 less one tier): a request goes where its adapter
+# is in a slot unless the bounded-load filter says that replica is full, as a prefix goes
+# home (an adapter swap costs more than a prefix miss: tens of ms of disk reads, and a
+# request past the batch's max_loras adapters waits for a slot).
 ADAPTER_WEIGHT = 20.0
 
 
@@ -106,9 +107,14 @@ class Router:
             request = replace(request, kv_hashes=self.precise.kv_hashes(target, request.body))
             profile = precise_profile(profile, self.precise, self.index, target.served_name)
         if request.adapter is not None and self.adapter_scorer is not None and profile.filters:
-            # LoRA affinity first (no adapter swap), then the policy's own scorers
-            scorers = [(self.adapter_scorer, ADAPTER_WEIGHT), *profile.scorers]
-            profile = Profile(filters=profile.filters, scorers=scorers)
+            # LoRA affinity first (no adapter swap), then the policy's own scorers; the
+            # placement plan covers all the model's replicas, not just these candidates
+            urls = [e.url for e in target.routable]
+            scorer = self.adapter_scorer.for_replicas(urls, target.routing.load_bound)
+            scorers = [(scorer, ADAPTER_WEIGHT), *profile.scorers]
+            bound = scorer.bound_filter(request.adapter)
+            filters = [bound if f is within_bound else f for f in profile.filters]
+            profile = Profile(filters=filters, scorers=scorers)
         return pick(profile, request, candidates, target.routing.load_bound, self.rng)
 
     def unshared(self, request: RoutingRequest) -> bool:

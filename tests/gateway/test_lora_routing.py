@@ -19,6 +19,8 @@ from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 from kubellm import metrics
 from kubellm.api import SLO
+from kubellm.contracts import registered_adapters
+from kubellm.metrics import LoraInfo, parse_lora_info
 from tests.fixtures.engines import wait_until
 from tests.gateway.conftest import model
 
@@ -34,30 +36,92 @@ vllm:lora_requests_info{max_lora="2",running_lora_adapters="d",waiting_lora_adap
 
 
 def test_lora_info_is_read_from_the_latest_series() -> None:
-    assert adapters.parse_lora_info(INFO) == adapters.LoraInfo(2, frozenset(), frozenset())
+    assert parse_lora_info(INFO) == LoraInfo(2, frozenset(), frozenset())
     busy = INFO.replace("1.8e9", "1.5e9")
-    assert adapters.parse_lora_info(busy) == adapters.LoraInfo(2, frozenset("ab"), frozenset("c"))
-    assert adapters.parse_lora_info("vllm:num_requests_running 3\n") is None
+    assert parse_lora_info(busy) == LoraInfo(2, frozenset("ab"), frozenset("c"))
+    assert parse_lora_info("vllm:num_requests_running 3\n") is None
 
 
 def test_registered_adapters_are_the_cards_with_the_base_as_parent() -> None:
     answer = {"data": [{"id": "base", "parent": None}, {"id": "a", "parent": "base"},
                        {"id": "x", "parent": "other"}]}  # fmt: skip
-    assert adapters.registered_adapters(answer, "base") == {"a"}
-    assert adapters.registered_adapters({"oops": 1}, "base") is None
+    assert registered_adapters(answer, "base") == {"a"}
+    assert registered_adapters({"oops": 1}, "base") is None
 
 
-def test_the_scorer_prefers_active_then_recent_then_a_free_slot() -> None:
+def test_the_scorer_prefers_the_planned_resident_replica_then_any_resident_then_the_plan() -> None:
     view = adapters.AdapterView()
-    for url, running in [("active", "a"), ("recent", "b,c"), ("free", "b"), ("full", "b,c")]:
+    busy = {"active": "a", "recent": "b,c", "free": "b", "full": "b,c", "home": "a",
+            "home-cold": "b"}  # fmt: skip
+    for url, running in busy.items():
         now = f'running_lora_adapters="{running}",waiting_lora_adapters=""}} 2e9'
         text = INFO.replace('running_lora_adapters="",waiting_lora_adapters=""} 1.8e9', now)
-        view.record_info(url, adapters.parse_lora_info(text))
+        view.record_info(url, parse_lora_info(text))
     view.sent("recent", "a", 2)
-    candidates = [Candidate(u) for u in ("full", "free", "recent", "active")]
-    scores = adapters.AdapterScorer(view, 2).score(RoutingRequest("m", adapter="a"), candidates)
-    assert scores == [0.0, 0.5, 0.75, 1.0]
-    assert adapters.AdapterScorer(view, 2).score(RoutingRequest("m"), candidates) == [0.0] * 4
+    plan = adapters.Placement({"a": ("home", "home-cold")}, swap=())
+    candidates = [Candidate(u) for u in ("full", "free", "recent", "active", "home", "home-cold")]
+    request = RoutingRequest("m", adapter="a")
+    scorer = adapters.AdapterScorer(view, 2, plan)
+    assert scorer.score(request, candidates) == [0.0, 0.45, 0.75, 0.75, 1.0, 0.5]
+    # without a plan: resident 0.75, a free slot 0.45, every slot busy 0
+    plain = adapters.AdapterScorer(view, 2)
+    assert plain.score(request, candidates) == [0.0, 0.45, 0.75, 0.75, 0.75, 0.45]
+    assert plain.score(RoutingRequest("m"), candidates) == [0.0] * 6
+
+
+def test_the_victim_of_a_load_is_the_least_asked_for_idle_adapter() -> None:
+    view = adapters.AdapterView()
+    for _ in range(10):
+        view.sent("hot", "popular", 1)
+    view.sent("cold", "rare", 1)
+    view.sent("hot", "popular", 1)
+    scores = adapters.AdapterScorer(view, 1).score(
+        RoutingRequest("m", adapter="new"), [Candidate("hot"), Candidate("cold")]
+    )
+    assert scores[0] == 0.0 < scores[1]  # evict the one-off, never the most popular adapter
+
+
+ZIPF = [1 / rank for rank in range(1, 13)]
+
+
+def test_the_plan_splits_the_hottest_adapter_and_keeps_a_swap_slot_within_the_bound() -> None:
+    demand = {f"a{i:02d}": d for i, d in enumerate(ZIPF)}
+    urls = ["r1", "r2", "r3", "r4"]
+    plan = adapters.plan_placement(demand, urls, 2, 1.25)
+    assert len(plan.homes["a00"]) == 2  # 32% of the requests: more than one replica's share
+    assert [len(plan.homes[f"a{i:02d}"]) for i in range(1, 6)] == [1] * 5
+    assert not any(f"a{i:02d}" in plan.homes for i in range(6, 12))
+    assert len(plan.swap) == 1 and plan.home("a09") == plan.swap
+    share = dict.fromkeys(urls, 0.0)
+    for name, homes in plan.homes.items():
+        for url in homes:
+            share[url] += demand[name] / len(homes)
+    share[plan.swap[0]] += sum(ZIPF[6:])
+    assert max(share.values()) <= 1.25 * sum(ZIPF) / 4  # within the load bound
+    slots = {u: sum(u in h for h in plan.homes.values()) + (u in plan.swap) for u in urls}
+    assert slots == dict.fromkeys(urls, 2)
+    # no bound to keep: the 7 hottest each in a slot, one swap slot for the other 5
+    loose = adapters.plan_placement(demand, urls, 2, 4.0)
+    assert sorted(loose.homes) == [f"a{i:02d}" for i in range(7)] and len(loose.swap) == 1
+    # the same plan whatever the order replicas are listed in (every gateway agrees)
+    assert adapters.plan_placement(demand, list(reversed(urls)), 2, 1.25) == plan
+
+
+def test_the_plan_with_slots_to_spare_gives_the_hottest_more_replicas() -> None:
+    plan = adapters.plan_placement({"a": 3.0, "b": 1.0}, ["r1", "r2"], 2, 1.25)
+    assert plan.homes == {"a": ("r1", "r2"), "b": ("r1", "r2")} and plan.swap == ()
+    assert adapters.plan_placement({}, ["r1"], 2, 1.25) == adapters.Placement({}, ())
+    assert adapters.plan_placement({"a": 1.0}, [], 2, 1.25) == adapters.Placement({}, ())
+
+
+def test_a_replica_where_the_adapter_is_resident_is_not_held_to_the_load_bound() -> None:
+    view = adapters.AdapterView()
+    view.sent("busy-with-a", "a", 2)
+    view.sent("busy-without", "b", 2)
+    keep = adapters.AdapterScorer(view, 2).bound_filter("a")
+    candidates = [Candidate("busy-with-a", load=9), Candidate("busy-without", load=9),
+                  Candidate("idle", load=0), Candidate("idle2", load=0)]  # fmt: skip
+    assert [c.url for c in keep(candidates, 1.25)] == ["busy-with-a", "idle", "idle2"]
 
 
 def test_an_adapter_is_loaded_on_the_least_loaded_candidate() -> None:
