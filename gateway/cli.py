@@ -37,22 +37,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="require an API key: FILE holds sha256 hex digests of accepted keys, one a line",
     )
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    flags.add_arguments(parser)  # admission, scraping, tokenizers: shared with `kubellm epp`
+    flags.add_arguments(parser)  # admission, scraping, tokenizers, LoRA: shared with `kubellm epp`
     parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
         help="serve /metrics on this port only, not on --port (keep it off the public listener)",
-    )
-    parser.add_argument(
-        "--adapter-routing",
-        choices=("affinity", "blind"),
-        default="affinity",
-        help="LoRA requests: prefer replicas with the adapter in a slot (affinity), or route "
-        "them by the policy alone (blind: to measure what affinity buys)",
-    )
-    parser.add_argument(
-        "--max-adapter-loads", type=int, default=2, help="LoRA adapter loads running at once"
     )
     parser.add_argument("--log-level", default="warning")
     up = parser.add_argument_group(
@@ -199,8 +189,8 @@ def settings_from(args: argparse.Namespace) -> Any:
         max_response_bytes=args.max_response_bytes,
         max_upstream_head_bytes=args.max_upstream_head_bytes,
         body_timeout=args.body_timeout,
-        adapter_affinity=args.adapter_routing == "affinity",
-        max_adapter_loads=args.max_adapter_loads,
+        adapter_affinity=scheduling.adapter_affinity,
+        max_adapter_loads=scheduling.max_adapter_loads,
         tokenizers=scheduling.tokenizers,
     )
 

@@ -66,7 +66,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the dynamic-metadata namespace of the picked endpoints",
     )
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    flags.add_arguments(parser)  # admission, scraping, tokenizers: as `kubellm gateway`
+    flags.add_arguments(parser)  # admission, scraping, tokenizers, LoRA: as `kubellm gateway`
     parser.add_argument("--log-level", default="warning")
 
 

@@ -42,6 +42,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scrape-interval", type=float, default=1.0, help="seconds between engine scrapes"
     )
     parser.add_argument(
+        "--adapter-routing",
+        choices=("affinity", "blind"),
+        default="affinity",
+        help="LoRA requests: prefer replicas with the adapter in a slot (affinity), or route "
+        "them by the policy alone (blind: to measure what affinity buys)",
+    )
+    parser.add_argument(
+        "--max-adapter-loads",
+        type=int,
+        default=2,
+        help="LoRA adapter loads (vLLM's runtime adapter API) running at once",
+    )
+    parser.add_argument(
         "--tokenizer",
         action="append",
         default=[],
@@ -64,4 +77,6 @@ def settings_from(args: argparse.Namespace) -> SchedulerSettings:
         zero_replica_wait_seconds=args.zero_replica_wait,
         scrape_interval=args.scrape_interval,
         tokenizers=tokenizer_pairs(args.tokenizer),
+        adapter_affinity=args.adapter_routing == "affinity",
+        max_adapter_loads=args.max_adapter_loads,
     )
