@@ -119,6 +119,9 @@ async def serve(args: argparse.Namespace, deployments: list) -> int:
     async def show() -> None:
         rows = await _rows(http, gateway_url, runtime)
         print(fleet_status.format_table(rows), flush=True)
+        adapters = fleet_status.format_adapters(rows)
+        if adapters:
+            print(adapters, flush=True)
         for line in _starting(runtime, args.engine):
             print(f"kubellm up: {line}", flush=True)
 
@@ -191,15 +194,15 @@ async def _rows(
         replicas = runtime.supervisor.endpoints(name)
         ready = [r for r in replicas if r.state == "ready"]
         engine_texts = await asyncio.gather(*(text(f"{r.url}/metrics") for r in ready))
-        rows.append(
-            fleet_status.model_row(
-                deployment.manifest.served_name,
-                gateway_text,
-                list(engine_texts),
-                ready=len(ready),
-                desired=runtime.desired_replicas(name),
-            )
+        row = fleet_status.model_row(
+            deployment.manifest.served_name,
+            gateway_text,
+            list(engine_texts),
+            ready=len(ready),
+            desired=runtime.desired_replicas(name),
         )
+        row.adapters = deployment.adapter_status  # status.adapters, by the autoscaler
+        rows.append(row)
     return rows
 
 

@@ -55,6 +55,19 @@ def test_model_row_from_gateway_and_engine_metrics() -> None:
     assert "2/3" in table and "25%" in table and table.splitlines()[0].startswith("MODEL")
 
 
+def test_the_adapters_table_shows_loaded_and_active_of_ready_replicas() -> None:
+    plain = status.ModelRow("plain")
+    assert status.format_adapters([plain]) == ""  # no adapters: no table
+    lora = status.ModelRow("base", adapters=[
+        {"name": "sql", "loadedReplicas": 2, "activeReplicas": 1, "replicas": 2},
+        {"name": "legal", "loadedReplicas": 0, "activeReplicas": 0, "replicas": 2},
+    ])  # fmt: skip
+    lines = status.format_adapters([plain, lora]).splitlines()
+    assert lines[0].split() == ["MODEL", "ADAPTER", "LOADED", "ACTIVE"]
+    assert lines[1].split() == ["base", "sql", "2/2", "1/2"]
+    assert lines[2].split() == ["base", "legal", "0/2", "0/2"]
+
+
 def test_restart_backoff_doubles_and_caps() -> None:
     assert [restart_delay(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
     assert restart_delay(20) == 60.0
