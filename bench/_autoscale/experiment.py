@@ -321,24 +321,26 @@ def breakdown(
     above it ("headroom": held by the scale-down window, the rate's noise,
     or a spike's scale-up). "short" is the need not covered by ready
     replicas (the fallback or a queue took it). Per hour of the trace too.
-    The figures are sampled (state at each tick x the period), so their sum
-    differs from the exact replica-seconds by a fraction of a percent.
+    The figures are sampled (the fleet after each tick's decision, for the
+    period that follows; the first period is not sampled), so their sum
+    differs a little from the exact replica-seconds.
     """
     capacity = CAPACITY_RPS[mix]
     keys = ("loading", "draining", "needed", "headroom", "short")
     total = dict.fromkeys(keys, 0.0)
     hours: list[dict[str, float]] = []
     for s in result.samples:
-        start = s.time - period  # the sample closes the period [start, s.time)
-        if start < 0 or start >= trace.duration:
+        start = s.time  # taken after the period's decision: the fleet for [start, + period)
+        if start >= trace.duration:
             continue
-        need = max(min_replicas, 1, math.ceil(trace.rate(start + period / 2) / capacity - 1e-9))
+        span = min(period, trace.duration - start)
+        need = max(min_replicas, 1, math.ceil(trace.rate(start + span / 2) / capacity - 1e-9))
         figures = {
-            "loading": s.starting * period,
-            "draining": s.draining * period,
-            "needed": min(s.ready, need) * period,
-            "headroom": max(0, s.ready - need) * period,
-            "short": max(0, need - s.ready) * period,
+            "loading": s.starting * span,
+            "draining": s.draining * span,
+            "needed": min(s.ready, need) * span,
+            "headroom": max(0, s.ready - need) * span,
+            "short": max(0, need - s.ready) * span,
         }
         hour = int(start // 3600)
         while len(hours) <= hour:
