@@ -138,8 +138,14 @@ class KVQueuePolicy:
         return learned, since
 
     def signals(
-        self, obs: p.Observation, spec: api.Autoscaling, learned: float | None = None
+        self,
+        obs: p.Observation,
+        spec: api.Autoscaling,
+        learned: float | None = None,
+        recent: bool = True,
     ) -> Signals:
+        """What each signal asks. `recent`: the rate is the larger of the 30 s rate and the
+        last period's (False: the 30 s rate alone, where known)."""
         fresh = obs.fresh
         n = len(fresh)
         waiting = sum(r.waiting for r in fresh)
@@ -149,7 +155,10 @@ class KVQueuePolicy:
         backlog = waiting - absorbed
         want_queue = _ask(backlog, spec.target_queue_depth, n, self.tolerance) if backlog > 0 else 0
         per_replica = self.per_replica(spec, learned)
-        known = [r for r in (obs.request_rate, obs.recent_request_rate) if r is not None]
+        rates = (obs.request_rate, obs.recent_request_rate)
+        if not recent and obs.request_rate is not None:
+            rates = (obs.request_rate,)
+        known = [r for r in rates if r is not None]
         rate = max(known) if per_replica is not None and known else None
         want_rate = 0
         if rate is not None and per_replica is not None:
@@ -202,7 +211,68 @@ class KVQueuePolicy:
         if current == 0 and spec.scale_to_zero and spec.min_replicas == 0 and not pending:
             floor = 0  # at zero with no demand seen (or no gateway to see it): stay at zero
 
-        # The recommendation and what drove it.
+        # The recommendation and what drove it. With a fallback, the scale-down window
+        # remembers the recommendation at the 30 s rate: the last period's rate may add
+        # replicas at once (a step), but its noise, held for the window, would keep replicas
+        # the load does not need, and the fallback takes what a 5 s burst brings.
+        rec, driver, hold = self._recommend(sig, obs, spec, floor, unknown_load)
+        remembered = rec
+        if obs.fallback_share is not None and obs.request_rate is not None:
+            smooth = self.signals(obs, spec, learned, recent=False)
+            remembered = self._recommend(smooth, obs, spec, floor, unknown_load)[0]
+
+        # Stabilisation windows over the remembered recommendations.
+        earlier = state.recommendations or ((now, current),)
+        up = min([rec, *(r for t, r in earlier if t > now - spec.scale_up_stabilization_seconds)])
+        down = max(
+            [
+                remembered,
+                *(r for t, r in earlier if t > now - spec.scale_down_stabilization_seconds),
+            ]
+        )
+        target = up if up > current else down if down < current else current
+        # a scale-up is remembered as asked (the window holds it); otherwise the smooth ask
+        history = [*earlier, (now, rec if target > current else remembered)]
+
+        # Step bounds.
+        limited = False
+        if target > current:
+            most = current + max(
+                self.scale_up_pods, math.ceil(current * self.scale_up_percent / 100)
+            )
+            limited, target = target > most, min(target, most)
+        elif target < current:
+            fewest = current - max(
+                self.scale_down_pods, math.floor(current * self.scale_down_percent / 100)
+            )
+            limited, target = target < fewest, max(target, fewest)
+        if target > spec.max_replicas:  # maxReplicas lowered below the current count
+            target, driver = spec.max_replicas, p.MAX_REPLICAS
+
+        reason = self._reason(current, target, rec, driver, hold)
+        message = self._message(sig, spec, pending, obs, rec, target, reason, limited)
+        keep = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
+        return p.Decision(
+            replicas=target,
+            reason=reason,
+            message=message,
+            state=p.PolicyState(
+                _compact(history, now - keep), idle_since, learned, saturated_since
+            ),
+            kv_cache_usage=sig.kv_mean,
+            queue_depth=sig.queue_mean,
+        )
+
+    @staticmethod
+    def _recommend(
+        sig: Signals,
+        obs: p.Observation,
+        spec: api.Autoscaling,
+        floor: int,
+        unknown_load: bool,
+    ) -> tuple[int, str, str | None]:
+        """The recommendation for this period, what drove it, and what held it (if anything)."""
+        current, pending = obs.current_replicas, obs.gateway_pending
         candidates = [
             (sig.want_queue, p.QUEUE_DEPTH),
             (sig.want_kv, p.KV_CACHE_USAGE),
@@ -248,42 +318,7 @@ class KVQueuePolicy:
         if driver == p.FALLBACK_ABSORBING and rec == current:
             hold = p.FALLBACK_ABSORBING
 
-        # Stabilisation windows over the remembered recommendations.
-        history = [*(state.recommendations or [(now, current)]), (now, rec)]
-        up = min([rec, *(r for t, r in history if t > now - spec.scale_up_stabilization_seconds)])
-        down = max(
-            [rec, *(r for t, r in history if t > now - spec.scale_down_stabilization_seconds)]
-        )
-        target = up if up > current else down if down < current else current
-
-        # Step bounds.
-        limited = False
-        if target > current:
-            most = current + max(
-                self.scale_up_pods, math.ceil(current * self.scale_up_percent / 100)
-            )
-            limited, target = target > most, min(target, most)
-        elif target < current:
-            fewest = current - max(
-                self.scale_down_pods, math.floor(current * self.scale_down_percent / 100)
-            )
-            limited, target = target < fewest, max(target, fewest)
-        if target > spec.max_replicas:  # maxReplicas lowered below the current count
-            target, driver = spec.max_replicas, p.MAX_REPLICAS
-
-        reason = self._reason(current, target, rec, driver, hold)
-        message = self._message(sig, spec, pending, obs, rec, target, reason, limited)
-        keep = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
-        return p.Decision(
-            replicas=target,
-            reason=reason,
-            message=message,
-            state=p.PolicyState(
-                _compact(history, now - keep), idle_since, learned, saturated_since
-            ),
-            kv_cache_usage=sig.kv_mean,
-            queue_depth=sig.queue_mean,
-        )
+        return rec, driver, hold
 
     @staticmethod
     def _reason(current: int, target: int, rec: int, driver: str, hold: str | None) -> str:

@@ -175,6 +175,15 @@ OLD_FIGURES = (
 )
 
 
+# This issue's first pass on the bursty day, before the gateway's --max-waiting default went
+# from 8 to 4 and the scale-down window (with a fallback) remembered the 30 s rate's ask.
+BEFORE_FALLBACK_FIGURES = (
+    "before (gateway --max-waiting 8, the last period's rate held for the window): "
+    "kv-queue+fallback 99.51% at 65,324 replica-s, fallback 0.40%, $46.10 = 61% of fixed; "
+    "share=0 99.52% at $45.92"
+)
+
+
 def default_share(args: argparse.Namespace) -> float:
     """maxFallbackShare as the spec gives it (the default, or a --set override)."""
     return experiment.autoscaling(args.mix, **dict(args.spec)).max_fallback_share
@@ -280,10 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report.lower_bounds(summaries))
     print()
+    print(report.breakdown_text(summaries, args.gpu_hour_price))
+    print()
     print(report.targets_text(checks))
     if "bursty-day" in args.traces:
         print()
         print(OLD_FIGURES)
+        print(BEFORE_FALLBACK_FIGURES)
 
     args.out.mkdir(parents=True, exist_ok=True)
     document = {

@@ -273,6 +273,13 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
         summary[key] = rate_rule_replica_seconds(trace, spec, held)
     summary["mix"] = job.mix
     summary.update(costs(result, job.api_model, job.gpu_hour_price))
+    summary["breakdown"] = breakdown(result, trace, job.mix, spec.min_replicas)
+    # The step's reflex with a fallback: the gateway sends the overflow there, so no queue
+    # need form at the replicas; what counts is how soon after the step a replica is added.
+    if job.trace == "step" and not job.trace_file:
+        step_at = traces.STEP_AT * job.scale
+        ups = [t for t, a, b, _ in result.decisions if b > a and t >= step_at]
+        summary["step_to_scale_up_s"] = round(ups[0] - step_at, 3) if ups else None
     return summary, result
 
 
@@ -301,6 +308,47 @@ def all_api(
             Sample(k * PERIOD, count / PERIOD, 0, 0, 0, 0, 0, 0, 0.0, None, fallback=count)
         )
     return result
+
+
+def breakdown(
+    result: Result, trace: traces.Trace, mix: str, min_replicas: int, period: float = PERIOD
+) -> dict[str, Any]:
+    """Where the replica-seconds go, from the fleet sampled every control period.
+
+    Per sample, against what the load needs (`ceil(rate / capacity)` at the
+    trace's exact rate, at least minReplicas: the oracle's count): replicas
+    loading weights, draining, ready up to the need ("needed"), and ready
+    above it ("headroom": held by the scale-down window, the rate's noise,
+    or a spike's scale-up). "short" is the need not covered by ready
+    replicas (the fallback or a queue took it). Per hour of the trace too.
+    The figures are sampled (the fleet after each tick's decision, for the
+    period that follows; the first period is not sampled), so their sum
+    differs a little from the exact replica-seconds.
+    """
+    capacity = CAPACITY_RPS[mix]
+    keys = ("loading", "draining", "needed", "headroom", "short")
+    total = dict.fromkeys(keys, 0.0)
+    hours: list[dict[str, float]] = []
+    for s in result.samples:
+        start = s.time  # taken after the period's decision: the fleet for [start, + period)
+        if start >= trace.duration:
+            continue
+        span = min(period, trace.duration - start)
+        need = max(min_replicas, 1, math.ceil(trace.rate(start + span / 2) / capacity - 1e-9))
+        figures = {
+            "loading": s.starting * span,
+            "draining": s.draining * span,
+            "needed": min(s.ready, need) * span,
+            "headroom": max(0, s.ready - need) * span,
+            "short": max(0, need - s.ready) * span,
+        }
+        hour = int(start // 3600)
+        while len(hours) <= hour:
+            hours.append(dict.fromkeys(keys, 0.0))
+        for key, value in figures.items():
+            total[key] += value
+            hours[hour][key] += value
+    return {**total, "per_hour": hours}
 
 
 def costs(result: Result, model: ApiModel, gpu_hour_price: float) -> dict[str, Any]:

@@ -77,9 +77,12 @@ class Trace:
                 out.append(Arrival(t, *mix.sample(rng)))
 
 
+STEP_AT = 120.0  # the step trace's load steps up at this simulated second (x scale)
+
+
 def step(capacity: float, scale: float = 1.0) -> Trace:
     """Half a replica's load, then 3.5 replicas' worth at once: the scale-up reflex."""
-    before, duration = 120.0 * scale, 480.0 * scale
+    before, duration = STEP_AT * scale, 480.0 * scale
     low, high = 0.5 * capacity, 3.5 * capacity
     return Trace(
         "step",

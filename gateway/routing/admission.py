@@ -48,7 +48,7 @@ class Route(enum.Enum):
 
 @dataclass(frozen=True)
 class Thresholds:
-    max_waiting: float = 8.0
+    max_waiting: float = 4.0
     max_kv_usage: float = 0.95
     max_in_flight: int | None = None
 

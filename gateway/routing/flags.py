@@ -23,8 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-waiting",
         type=float,
-        default=8.0,
-        help="engine queue depth at which a replica counts as saturated",
+        default=4.0,
+        help="engine queue depth at which a replica counts as saturated (default: the "
+        "autoscaler's default targetQueueDepth, so overflow reaches the fallback before the "
+        "queue asks for a replica; docs/autoscaling.md)",
     )
     parser.add_argument(
         "--max-kv-usage",

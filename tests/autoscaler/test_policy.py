@@ -455,3 +455,43 @@ def test_the_fallback_never_holds_the_floors_or_scale_down() -> None:
     # and scale-down goes on as without a fallback
     light = dataclasses.replace(obs(4, *[IDLE] * 4), fallback_share=0.0)
     assert POLICY.decide(light, p.PolicyState(), spec(**DOWN_NOW)).replicas == 2
+
+
+def _run_every_period(
+    fallback_share: float | None, recent_at: dict[float, float], until: float, current: int
+) -> list[tuple[float, int]]:
+    """(time, replicas) every 5 s at a 30 s rate of 14 req/s (3 replicas' worth at 5/replica),
+    the last period's rate 14 except where `recent_at` says otherwise."""
+    state, seen = p.PolicyState(), []
+    for k in range(int(until // 5) + 1):
+        t = 5.0 * k
+        observed = dataclasses.replace(
+            obs(current, *[rep(0, 60, 0.5)] * current, now=NOW + t, rate=14,
+                recent=recent_at.get(t, 14)),
+            fallback_share=fallback_share,
+        )  # fmt: skip
+        decision = POLICY.decide(observed, state, spec(**FALLBACK_SPEC))
+        state, current = decision.state, decision.replicas
+        seen.append((t, current))
+    return seen
+
+
+@pytest.mark.parametrize(("fallback_share", "down_at"), [(0.0, 300.0), (None, 450.0)])
+def test_with_a_fallback_a_noisy_period_is_not_held_for_the_scale_down_window(
+    fallback_share: float | None, down_at: float
+) -> None:
+    # four replicas carrying three's worth; one period's rate reads 19 (asks 4) at t=150.
+    # With a fallback the window remembers the 30 s rate's ask: down after the 300 s window
+    # from the start. Without one the noisy period holds 4 until 300 s after it.
+    seen = _run_every_period(fallback_share, {150.0: 19}, 470.0, current=4)
+    first_down = next(t for t, replicas in seen if replicas < 4)
+    assert first_down == down_at
+    assert {r for _, r in seen} == {4, 3}
+
+
+def test_with_a_fallback_the_last_periods_rate_still_scales_up_at_once_and_is_held() -> None:
+    # a step the fallback cannot absorb (its share past the knob): 3 -> 4 in the period it
+    # shows, and the scale-up is remembered for the window, not dropped the next period
+    seen = _run_every_period(0.5, {5.0: 19}, 300.0, current=3)
+    assert seen[1] == (5.0, 4)
+    assert all(replicas == 4 for t, replicas in seen if t >= 5)

@@ -259,6 +259,23 @@ def test_cost_is_gpu_hours_plus_the_tokens_the_api_served() -> None:
     assert figures["cost"] == pytest.approx(10.0) and figures["fallback_share"] == 1.0
 
 
+def test_the_breakdown_splits_replica_seconds_by_what_the_load_needed(stepped: Result) -> None:
+    trace = step_trace()
+    parts = experiment.breakdown(stepped, trace, "long", min_replicas=1)
+    # the step asks for ceil(3 x capacity / capacity) = 3 replicas from t=30; the fleet starts
+    # at 1: it falls short while new replicas load, and those load for the 20 s given
+    assert parts["short"] > 0 and parts["loading"] > 0
+    sampled = sum(parts[k] for k in ("loading", "draining", "needed", "headroom"))
+    assert sampled == pytest.approx(stepped.replica_seconds, rel=0.1)
+    assert sum(h["needed"] for h in parts["per_hour"]) == parts["needed"]
+    # a fixed fleet of 4 on the same trace: no loading, spare replicas as headroom
+    fixed = run(trace, fleet_config(initial=4), None)
+    fixed_parts = experiment.breakdown(fixed, trace, "long", min_replicas=1)
+    assert fixed_parts["loading"] == fixed_parts["short"] == 0
+    # sampled from t=5: 5 periods needing 1 (3 spare), then 12 needing 3 (1 spare)
+    assert fixed_parts["headroom"] == pytest.approx(5.0 * (5 * 3 + 12 * 1))
+
+
 def test_all_api_meets_the_slo_only_when_the_apis_latency_does() -> None:
     from bench._autoscale import gateway
 

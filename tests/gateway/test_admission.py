@@ -191,3 +191,24 @@ def test_short_predicted_wait_queues_for_a_replica_long_one_goes_to_fallback(eng
     futures[0].result(timeout=10)
     pool.shutdown()
     assert gw.metric("kubellm_gateway_fallback_requests_total", **LABELS, reason="saturated") == 1
+
+
+def test_by_default_a_replica_is_saturated_at_the_autoscalers_queue_target():
+    """The gateway overflows where the autoscaler's queue signal would start asking for a
+    replica (docs/autoscaling.md): both front ends' flags and the library default agree."""
+    import argparse
+
+    from kubellm.gateway.routing import flags
+    from kubellm.gateway.routing.admission import Thresholds, saturated
+    from kubellm.gateway.routing.scorers.base import Candidate
+
+    from kubellm.api import Autoscaling
+
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    from_flags = flags.settings_from(parser.parse_args([])).thresholds
+    assert from_flags == Thresholds()
+    depth = Autoscaling().target_queue_depth
+    for thresholds in (from_flags, Thresholds()):
+        assert saturated(Candidate(url="a", waiting=depth, kv_usage=0.1), thresholds)
+        assert not saturated(Candidate(url="a", waiting=depth - 1, kv_usage=0.1), thresholds)
