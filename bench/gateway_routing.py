@@ -20,6 +20,24 @@ and `envoy+epp:POLICY`, the Gateway API Inference Extension's path: a real Envoy
 Workloads: `shared` = 32 system prompts of 1-4k tokens, each request one of
 them plus a short unique question; `low` = unique prompts of 1-4k tokens.
 
+Precise prefix routing (spec.routing.prefixIndex precise, issue #20): the contender
+`precise` is `prefix-aware` scored from the simulators' own KV-cache events (each replica
+publishes on its own ports, the gateway follows them with `--tokenizer m=simulator`),
+`approximate` is `prefix-aware` as before (the index of what the gateway sent). Its three
+workloads, each with its own KV pool per replica (`--num-blocks` overrides):
+- `pressure`: 64 tenants' prefixes of 1.5-2.5k tokens with Zipf(1.0) popularity, about
+  twice the fleet's KV pool (1,000 blocks of 16 tokens per replica), a short unique
+  question after each;
+- `nopressure`: 8 tenants' prefixes that fit (Zipf too);
+- `multiturn`: chat sessions of 3-6 turns, each turn carrying the whole history (the
+  engine's own answers included) over 8 shared system prompts of ~1.2k tokens (Zipf),
+  sessions starting as a Poisson process, a think time between turns; 350 blocks per
+  replica, so the sessions' histories do not all fit.
+`--workloads precise` runs the three with `--policies` defaulting to precise, approximate,
+least-load and vllm-router:cache_aware, prints the best hit rate any routing could reach
+(`ideal`: one replica with an unbounded cache, from the prompts actually sent), and the
+verdict against issue #20's targets. `--quick` halves the requests.
+
 Times are simulated seconds: with --time-scale S the simulator runs S times
 slower than real time (so a 2-core machine can drive it) and wall figures are
 divided by S.
@@ -28,6 +46,7 @@ divided by S.
     python bench/gateway_routing.py --rates 6 --requests 60 --workloads shared
     python bench/gateway_routing.py --policies prefix-aware,vllm-router:cache_aware
     python bench/gateway_routing.py --policies prefix-aware,envoy+epp:prefix-aware
+    python bench/gateway_routing.py --workloads precise --quick
     (the peer comes from the bench-peers extra: pip install -e ".[bench-peers]")
 
 Several gateways: `--gateways 1,2` runs each case with one gateway and with two,
@@ -63,7 +82,8 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubellm import metrics
+from kubellm import kv_blocks, metrics
+from kubellm.sim_text import ApproxTokens, render_chat
 
 WORDS = [
     "kube", "cluster", "replica", "prefix", "cache", "token", "decode", "prefill",
@@ -106,6 +126,77 @@ def workload(kind: str, count: int, seed: int) -> list[list[dict[str, str]]]:
     ]
 
 
+PRECISE_WORKLOADS = ("pressure", "nopressure", "multiturn")
+PRECISE_POLICIES = "precise,approximate,least-load,vllm-router:cache_aware"
+# per workload: KV blocks per replica, arrivals (or session starts) per wall second, size
+PRECISE_DEFAULTS = {
+    "pressure": {"num_blocks": 1000, "rate": 3.0, "requests": 240},
+    "nopressure": {"num_blocks": 1000, "rate": 3.0, "requests": 160},
+    "multiturn": {"num_blocks": 350, "rate": 0.8, "requests": 60},  # requests: sessions
+}
+BLOCK = 16  # the llama-3.1-8b-h100 profile's block size
+
+
+def zipf_choice(rng: random.Random, count: int, s: float = 1.0) -> int:
+    weights = [1 / (rank + 1) ** s for rank in range(count)]
+    return rng.choices(range(count), weights)[0]
+
+
+def tenant_workload(kind: str, count: int, seed: int) -> list[list[dict[str, str]]]:
+    """`pressure` (64 tenants) or `nopressure` (8): a tenant's prefix (Zipf-popular) and a
+    short unique question."""
+    rng = random.Random(seed)
+    tenants = 64 if kind == "pressure" else 8
+    prefixes = [f"tenant {t}: " + text_of_tokens(rng, rng.randint(1500, 2500))
+                for t in range(tenants)]  # fmt: skip
+    return [
+        [{"role": "system", "content": prefixes[zipf_choice(rng, tenants)]},
+         {"role": "user", "content": f"question {i}: " + text_of_tokens(rng, 40)}]
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def sessions_workload(count: int, seed: int) -> list[tuple[str, list[str]]]:
+    """`multiturn`: (system prompt, the user's turns) per session, 3-6 turns each."""
+    rng = random.Random(seed)
+    systems = [f"assistant {k}: " + text_of_tokens(rng, rng.randint(1000, 1400))
+               for k in range(8)]  # fmt: skip
+    return [
+        (systems[zipf_choice(rng, len(systems))],
+         [f"session {i} turn {t}: " + text_of_tokens(rng, rng.randint(60, 160))
+          for t in range(rng.randint(3, 6))])
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def ideal_hit_rate(prompts: list[list[dict[str, str]]], blocks: int | None = None) -> float:
+    """The prefix-cache hit rate of one replica for these prompts in this order, with an
+    unbounded cache (`blocks` None: an upper bound for any routing) or with an LRU cache of
+    `blocks` blocks (the fleet's whole pool as one LRU: what routing that never duplicated
+    a prefix and never split the pool's LRU order would reach). Blocks as the simulator
+    hashes them, the last prompt token always recomputed; answers' own blocks are not
+    reusable (the next turn re-tokenizes their text); running requests' blocks ignored."""
+    tokens, hasher = ApproxTokens(), kv_blocks.BlockHasher(BLOCK)
+    seen: dict[bytes, None] = {}
+    hits = queries = 0
+    for messages in prompts:
+        ids = tokens.encode(render_chat(messages))
+        hashes = hasher.raw(ids[:-1], max_blocks=1 << 30)
+        matched = 0
+        for h in hashes:
+            if h not in seen:
+                break
+            matched += 1
+        hits += matched * BLOCK
+        queries += len(ids)
+        for h in hashes:  # most recently used at the end
+            seen.pop(h, None)
+            seen[h] = None
+        while blocks is not None and len(seen) > blocks:
+            del seen[next(iter(seen))]
+    return hits / queries if queries else 0.0
+
+
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -142,13 +233,19 @@ class Fleet:
 
     def __enter__(self) -> Fleet:
         a = self.args
+        precise = self.policy == "precise"
+        events: list[int] = []
         for _ in range(a.replicas):
             port = free_port()
-            process = self._spawn([
+            command = [
                 sys.executable, "-m", "kubellm.engine", "--backend", "sim", "--port", str(port),
                 "--served-model-name", "m", "--profile", a.profile,
                 "--time-scale", str(a.time_scale), "--num-blocks", str(a.num_blocks),
-            ])  # fmt: skip
+            ]  # fmt: skip
+            if precise:  # its own KV-event ports, as `kubellm up` gives each local replica
+                events.append(free_port_pair())
+                command += ["--kv-events-port", str(events[-1])]
+            process = self._spawn(command)
             self.engines.append(f"http://127.0.0.1:{port}")
             wait_healthy(self.engines[-1], process)
         if self.policy.startswith("vllm-router:"):
@@ -158,8 +255,19 @@ class Fleet:
             self._start_envoy_epp(self.policy.partition(":")[2] or "prefix-aware")
             return self
         static = Path(self.tmp.name) / "static.yaml"
+        routing: dict[str, Any] = {"policy": self.policy}
+        endpoints: list[Any] = list(self.engines)
+        gateway_flags: list[str] = []
+        if self.policy == "approximate":
+            routing = {"policy": "prefix-aware", "prefixIndex": "approximate"}
+        elif precise:
+            routing = {"policy": "prefix-aware", "prefixIndex": "precise"}
+            endpoints = [
+                {"url": u, "kvEventsPort": p} for u, p in zip(self.engines, events, strict=True)
+            ]
+            gateway_flags = ["--tokenizer", "m=simulator"]
         static.write_text(yaml.safe_dump({"models": [{
-            "name": "m", "endpoints": self.engines, "routing": {"policy": self.policy},
+            "name": "m", "endpoints": endpoints, "routing": routing,
             "slo": {"ttftSeconds": a.ttft_slo * a.time_scale,
                     "itlSeconds": a.itl_slo * a.time_scale},
         }]}))  # fmt: skip
@@ -168,10 +276,13 @@ class Fleet:
             process = self._spawn([
                 sys.executable, "-m", "kubellm.gateway.cli", "--port", str(port),
                 "--static", str(static), "--max-waiting", "1000000", "--max-kv-usage", "1.01",
-                "--scrape-interval", "0.25",
+                "--scrape-interval", "0.25", *gateway_flags,
             ])  # fmt: skip
             self.gateways.append(f"http://127.0.0.1:{port}")
             wait_healthy(self.gateways[-1], process)
+        if precise:  # the gateway follows every replica's events before traffic starts
+            for url in self.gateways:
+                wait_following(url)
         return self
 
     def _start_envoy_epp(self, policy: str) -> None:
@@ -221,6 +332,45 @@ class Fleet:
         self.tmp.cleanup()
 
 
+def free_port_pair() -> int:
+    """A free port whose next port is free too (KV events: publisher, replay)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+FALLBACKS = "kubellm_gateway_prefix_index_fallbacks_total"
+
+
+def gateway_fallbacks(urls: list[str]) -> float:
+    """Candidates the gateways scored approximately in precise mode (stale or unhashed)."""
+    total = 0.0
+    for url in urls:
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+            total += sum(s.value for s in family.samples if s.name == FALLBACKS)
+    return total
+
+
+def wait_following(url: str, timeout: float = 20) -> None:
+    """Until the gateway's precise index has answered replay probes: its subscriptions run
+    from its first discovery pass; a probe answered within a second. The bench waits on
+    the gauge the subscription loop sets, then one probe interval more (2 s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics").text
+        if "kubellm_gateway_kv_index_entries" in text:
+            time.sleep(2.5)  # the first probe of every replica has been answered by now
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url}: the precise index never started")
+
+
 def engine_counters(urls: list[str]) -> tuple[float, float]:
     queries = hits = 0.0
     for url in urls:
@@ -233,9 +383,13 @@ def engine_counters(urls: list[str]) -> tuple[float, float]:
     return queries, hits
 
 
-async def one_request(client: httpx.AsyncClient, url: str, messages: list, max_tokens: int) -> dict:
+async def one_request(
+    client: httpx.AsyncClient, url: str, messages: list, max_tokens: int, text: bool = False
+) -> dict:
+    """One streamed chat request: TTFT, mean ITL, and (`text`) the answer's text."""
     start = time.monotonic()
     times: list[float] = []
+    pieces: list[str] = []
     body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "stream": True}
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
@@ -245,12 +399,15 @@ async def one_request(client: httpx.AsyncClient, url: str, messages: list, max_t
             async for line in response.aiter_lines():
                 if line.startswith("data: {") and _TOKEN.search(line):
                     times.append(time.monotonic())
+                    if text:
+                        for choice in json.loads(line[6:]).get("choices", []):
+                            pieces.append((choice.get("delta") or {}).get("content") or "")
     except httpx.HTTPError as error:
         return {"ok": False, "status": type(error).__name__}
     if not times:
         return {"ok": False, "status": "empty"}
     itl = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-    return {"ok": True, "ttft": times[0] - start, "itl": itl}
+    return {"ok": True, "ttft": times[0] - start, "itl": itl, "text": "".join(pieces)}
 
 
 async def drive(fleet: Fleet, prompts: list, rate: float, args: argparse.Namespace) -> dict:
@@ -269,6 +426,40 @@ async def drive(fleet: Fleet, prompts: list, rate: float, args: argparse.Namespa
     return {"results": results, "wall": wall}
 
 
+async def drive_sessions(
+    fleet: Fleet, sessions: list[tuple[str, list[str]]], rate: float, args: argparse.Namespace
+) -> dict:
+    """Sessions start as a Poisson process at `rate` per wall second; each sends its turns
+    one after the other, every turn carrying the whole history (the answers included),
+    with an exponential think time (mean --think-time simulated seconds) between turns."""
+    rng = random.Random(args.seed + 1)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
+    results: list[dict] = []
+    sent: list[list[dict[str, str]]] = []
+
+    async def session(index: int, system: str, turns: list[str]) -> None:
+        think = random.Random(args.seed * 1000 + index)
+        messages = [{"role": "system", "content": system}]
+        url = fleet.gateways[index % len(fleet.gateways)]
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            sent.append(list(messages))
+            result = await one_request(client, url, list(messages), args.max_tokens, text=True)
+            results.append(result)
+            messages.append({"role": "assistant", "content": result.get("text") or "ok"})
+            await asyncio.sleep(think.expovariate(1 / args.think_time) * args.time_scale)
+
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        tasks = []
+        start = time.monotonic()
+        for i, (system, turns) in enumerate(sessions):
+            tasks.append(asyncio.create_task(session(i, system, turns)))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+        wall = time.monotonic() - start
+    return {"results": results, "wall": wall, "sent": sent}
+
+
 def quantile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -278,11 +469,24 @@ def quantile(values: list[float], q: float) -> float | None:
 
 def run_one(args: argparse.Namespace, kind: str, policy: str, rate: float) -> dict[str, Any]:
     """One run: `args.seed` and `args.gateways` (one number each) say which."""
-    prompts = workload(kind, args.requests, args.seed)
+    sessions: list[tuple[str, list[str]]] = []
+    if kind == "multiturn":
+        sessions = sessions_workload(args.requests, args.seed)
+    elif kind in PRECISE_WORKLOADS:
+        prompts = tenant_workload(kind, args.requests, args.seed)
+    else:
+        prompts = workload(kind, args.requests, args.seed)
+    fallbacks = None
     with Fleet(args, policy) as fleet:
         q0, h0 = engine_counters(fleet.engines)
-        outcome = asyncio.run(drive(fleet, prompts, rate, args))
+        if sessions:
+            outcome = asyncio.run(drive_sessions(fleet, sessions, rate, args))
+            prompts = outcome["sent"]
+        else:
+            outcome = asyncio.run(drive(fleet, prompts, rate, args))
         q1, h1 = engine_counters(fleet.engines)
+        if policy == "precise":
+            fallbacks = gateway_fallbacks(fleet.gateways)
     s = args.time_scale
     ok = [r for r in outcome["results"] if r["ok"]]
     ttfts = [r["ttft"] / s for r in ok]
@@ -296,6 +500,10 @@ def run_one(args: argparse.Namespace, kind: str, policy: str, rate: float) -> di
         "ttft_p50": quantile(ttfts, 0.5), "ttft_p95": quantile(ttfts, 0.95),
         "itl_p95": quantile(itls, 0.95),
         "goodput_rps": good / sim_seconds, "slo_met_share": good / len(prompts),
+        "num_blocks": args.num_blocks, "approx_scored": fallbacks,
+        "ideal_hit_rate": ideal_hit_rate(prompts) if kind in PRECISE_WORKLOADS else None,
+        "pooled_lru_hit_rate": ideal_hit_rate(prompts, args.num_blocks * args.replicas)
+        if kind in PRECISE_WORKLOADS else None,
     }  # fmt: skip
 
 
@@ -320,16 +528,100 @@ def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def precise_verdict(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue #20's targets, checked on the precise workloads' rows (one gateway) and printed:
+    under pressure precise >= approximate + 10 points of hit rate with a lower TTFT p95;
+    multi-turn hit rate >= vllm-router cache_aware's with a TTFT p95 no worse than
+    approximate's; without pressure within 2 points of approximate."""
+    by = {(r["workload"], r["policy"]): r for r in rows if r["gateways"] == 1}
+    out: list[str] = []
+
+    def row(kind: str, policy: str) -> dict[str, Any] | None:
+        return by.get((kind, policy))
+
+    def say(line: str) -> None:
+        out.append(line)
+        print(line, flush=True)
+
+    for kind in PRECISE_WORKLOADS:
+        precise, approx = row(kind, "precise"), row(kind, "approximate")
+        if precise is None or approx is None:
+            continue
+        ideal = precise.get("ideal_hit_rate")
+        say(f"{kind}: ideal hit rate (one replica, unbounded cache) {fmt(ideal, '.1%')}, "
+            f"the fleet's pool as one LRU {fmt(precise.get('pooled_lru_hit_rate'), '.1%')}; "
+            f"precise scored {fmt(precise.get('approx_scored'), '.0f')} candidates "
+            f"approximately")  # fmt: skip
+        gap = precise["hit_rate"] - approx["hit_rate"]
+        p95 = (precise["ttft_p95"] or 0, approx["ttft_p95"] or 0)
+        if kind == "pressure":
+            met = gap >= 0.10 and p95[0] < p95[1]
+            say(
+                f"  pressure: precise {precise['hit_rate']:.1%} vs approximate "
+                f"{approx['hit_rate']:.1%} ({gap * 100:+.1f} points, target >= +10), TTFT p95 "
+                f"{p95[0]:.3f} vs {p95[1]:.3f} s (target lower): {'met' if met else 'MISSED'}"
+            )
+        elif kind == "nopressure":
+            met = abs(gap) <= 0.02
+            say(
+                f"  no pressure: precise {precise['hit_rate']:.1%} vs approximate "
+                f"{approx['hit_rate']:.1%} ({gap * 100:+.1f} points, target within 2): "
+                f"{'met' if met else 'MISSED'}"
+            )
+        else:
+            peer = row(kind, "vllm-router:cache_aware")
+            if peer is None:
+                continue
+            met = precise["hit_rate"] >= peer["hit_rate"] and p95[0] <= p95[1]
+            say(
+                f"  multi-turn: precise {precise['hit_rate']:.1%} vs vllm-router cache_aware "
+                f"{peer['hit_rate']:.1%} (target >=), TTFT p95 {p95[0]:.3f} vs approximate "
+                f"{p95[1]:.3f} s (target no worse): {'met' if met else 'MISSED'}"
+            )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workloads", default="shared,low")
-    p.add_argument("--policies", default="prefix-aware,least-load,round-robin")
-    p.add_argument("--rates", default="4,8", help="arrivals per WALL second, comma-separated")
-    p.add_argument("--requests", type=int, default=96, help="requests per run")
+    p.add_argument(
+        "--workloads",
+        default="shared,low",
+        help="shared, low, pressure, nopressure, multiturn; precise = the last three",
+    )
+    p.add_argument(
+        "--policies",
+        default=None,
+        help="default prefix-aware,least-load,round-robin; for the precise "
+        f"workloads {PRECISE_POLICIES}",
+    )
+    p.add_argument(
+        "--rates",
+        default=None,
+        help="arrivals (multiturn: session starts) per "
+        "WALL second, comma-separated (default 4,8; precise workloads: their own)",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per run (multiturn: sessions); default 96 or the workload's",
+    )
+    p.add_argument("--quick", action="store_true", help="half the requests (precise workloads)")
+    p.add_argument(
+        "--think-time",
+        type=float,
+        default=2.0,
+        help="multiturn: mean simulated seconds between a session's turns",
+    )
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--gateways", default="1", help="gateway processes, comma-separated: 1,2")
     p.add_argument("--profile", default="llama-3.1-8b-h100")
-    p.add_argument("--num-blocks", type=int, default=2000, help="KV blocks per replica")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per replica (default 2000; precise workloads: their own)",
+    )
     p.add_argument("--time-scale", type=float, default=4.0)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--ttft-slo", type=float, default=0.5, help="simulated seconds")
@@ -338,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", "--seed", default="7", help="workload seeds, comma-separated")
     p.add_argument("--out", default="bench/results/gateway_routing.json")
     args = p.parse_args(argv)
+    kinds = [k for w in args.workloads.split(",")
+             for k in (PRECISE_WORKLOADS if w == "precise" else (w,))]  # fmt: skip
     seeds = [int(s) for s in args.seeds.split(",")]
     gateway_counts = [int(g) for g in args.gateways.split(",")]
 
@@ -346,14 +640,22 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"{'workload':8} {'policy':24} {'gw':>2} {'seed':>5} {'rate/s':>7} {'ok':>4} "
               f"{'hit':>6} {'ttft50':>7} {'ttft95':>7} {'itl95':>7} {'goodput/s':>9}")  # fmt: skip
     print(header, flush=True)
-    for kind in args.workloads.split(","):
-        for rate in (float(r) for r in args.rates.split(",")):
-            for policy in args.policies.split(","):
+    for kind in kinds:
+        defaults = PRECISE_DEFAULTS.get(kind, {"num_blocks": 2000, "rate": None, "requests": 96})
+        policies = args.policies or (
+            PRECISE_POLICIES if kind in PRECISE_WORKLOADS else "prefix-aware,least-load,round-robin"
+        )
+        rates = args.rates or (str(defaults["rate"]) if defaults["rate"] else "4,8")
+        requests = args.requests or defaults["requests"] // (2 if args.quick else 1)
+        blocks = args.num_blocks or defaults["num_blocks"]
+        for rate in (float(r) for r in rates.split(",")):
+            for policy in policies.split(","):
                 case: dict[int, list[dict[str, Any]]] = {g: [] for g in gateway_counts}
                 for seed in seeds:  # one gateway count right after the other, per seed
                     for gateways in gateway_counts:
                         run = argparse.Namespace(**{**vars(args), "seed": seed,
-                                                    "gateways": gateways})  # fmt: skip
+                                                    "gateways": gateways, "requests": requests,
+                                                    "num_blocks": blocks})  # fmt: skip
                         row = run_one(run, kind, policy, rate)
                         rows.append(row)
                         case[gateways].append(row)
@@ -374,8 +676,9 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{kind:8} {policy:24} hit rate, {gateways} gateways / 1: "
                               f"{ratio:.3f} over {len(seeds)} seed(s) (target >= 0.90: "
                               f"{'met' if ratio >= 0.9 else 'MISSED'})", flush=True)  # fmt: skip
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "means": means},
-                                         indent=2))  # fmt: skip
+    verdicts = precise_verdict(means if len(seeds) > 1 else rows)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "means": means,
+                                          "verdicts": verdicts}, indent=2))  # fmt: skip
     print(f"wrote {args.out}")
     return 0
 

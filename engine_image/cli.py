@@ -41,6 +41,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--served-model-name", help="model name clients send")
     parser.add_argument(
+        "--kv-events-port", type=int, metavar="PORT",
+        help="publish KV-cache events on PORT, replay on PORT+1 (default: the spec's "
+        "routing.kvEventsPort when routing.prefixIndex is precise, else off; a local fleet "
+        "gives each replica its own)",
+    )  # fmt: skip
+    parser.add_argument(
         "--train-steps", type=int, metavar="N",
         help="tiny-model: training steps on the bundled corpus (default: a few seconds' worth; "
         "0: random weights)",
@@ -97,7 +103,9 @@ def _vllm(args: argparse.Namespace) -> int:
         if args.served_model_name:
             target = launcher.EngineTarget(target.spec, args.served_model_name)
         host = args.host or "0.0.0.0"
-        plan = launcher.build_command(target, port=args.port, host=host)
+        plan = launcher.build_command(
+            target, port=args.port, host=host, kv_events_port=args.kv_events_port
+        )
     except launcher.LaunchError as error:
         print(f"kubellm engine: {error}", file=sys.stderr)
         return 1
@@ -125,13 +133,35 @@ def sim_profile(name: str | None, spec: str | None) -> tuple[sim_profiles.Profil
 
 
 def sim_adapters(spec: str | None) -> dict[str, str]:
-    """The spec's adapters, name -> source, registered when the simulator starts (as the
-    launcher's --lora-modules registers them with vLLM)."""
+    """The spec's adapters, name -> the path a pod loads it from, registered when the
+    simulator starts (as the launcher's --lora-modules registers them with vLLM, which
+    hashes an adapter's blocks with that path: the gateway's discovery gives the same
+    one, `kubellm.sources.adapter_path`). Adapters no engine can load (s3://) are left out."""
     from kubellm.engine import launcher
+
+    from kubellm.sources import adapter_path
 
     if spec is None:
         return {}
-    return {a.name: a.source for a in launcher.load_target(spec).spec.adapters}
+    target = launcher.load_target(spec).spec
+    out = {}
+    for adapter in target.adapters:
+        try:
+            out[adapter.name] = adapter_path(adapter.source, target.model.source)
+        except ValueError:
+            continue
+    return out
+
+
+def sim_kv_events_port(spec: str | None, port: int | None) -> int | None:
+    """Where the simulator publishes KV events: --kv-events-port, else the spec's
+    routing.kvEventsPort when its prefixIndex is precise (as the launcher turns vLLM's on)."""
+    if port is not None or spec is None:
+        return port
+    from kubellm.engine import launcher
+
+    routing = launcher.load_target(spec).spec.routing
+    return routing.kv_events_port if routing.prefix_index == "precise" else None
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -139,6 +169,7 @@ def _sim(args: argparse.Namespace) -> int:
 
     try:
         profile, served = sim_profile(args.profile, args.spec)
+        events_port = sim_kv_events_port(args.spec, args.kv_events_port)
         return server.serve(
             host=args.host or "127.0.0.1",
             port=args.port or 8000,
@@ -149,6 +180,7 @@ def _sim(args: argparse.Namespace) -> int:
             num_blocks=args.num_blocks,
             tokenizer=args.tokenizer,
             adapters=sim_adapters(args.spec),
+            kv_events_port=events_port,
         )
     except ValueError as error:
         print(f"kubellm engine: {error}", file=sys.stderr)

@@ -215,18 +215,19 @@ def lora_args(
     return argv
 
 
-def kv_events_args(spec: LLMDeploymentSpec, host: str) -> list[str]:
+def kv_events_args(spec: LLMDeploymentSpec, host: str, port: int | None = None) -> list[str]:
     """vLLM's KV-cache event publisher when spec.routing.prefixIndex is precise.
 
     Events (msgpack BlockStored / BlockRemoved / AllBlocksCleared batches) go out on a ZMQ
     PUB socket at routing.kvEventsPort, replay requests are answered on the next port.
     vLLM binds its PUB socket only for an address holding '*' or '::' (it connects to any
     other), so a specific IPv4 host is written IPv4-mapped (tcp://[::ffff:H]:port), which
-    binds that address alone; the wildcard host binds every interface, as the pod needs."""
+    binds that address alone; the wildcard host binds every interface, as the pod needs.
+    `port` overrides routing.kvEventsPort (a local fleet gives each replica its own)."""
     routing = spec.routing
     if routing.prefix_index != "precise":
         return []
-    port = routing.kv_events_port
+    port = routing.kv_events_port if port is None else port
     wildcard = host in ("", "0.0.0.0", "::")
     publish = f"tcp://*:{port}" if wildcard else f"tcp://[::ffff:{host}]:{port}"
     replay = f"tcp://{'*' if wildcard else host}:{port + 1}"
@@ -248,6 +249,7 @@ def build_command(
     cwd: str | Path | None = None,
     python: str = sys.executable,
     environ: dict[str, str] | None = None,
+    kv_events_port: int | None = None,
 ) -> LaunchPlan:
     """The vLLM OpenAI server command for `target`; every engine field maps to one flag."""
     spec, engine = target.spec, target.spec.engine
@@ -287,7 +289,7 @@ def build_command(
     if speculative:
         argv += ["--speculative-config", speculative]
     argv += lora_args(target, model_root=model_root, env=env, cwd=cwd)
-    argv += kv_events_args(spec, host)
+    argv += kv_events_args(spec, host, kv_events_port)
     argv += list(engine.extra_args)
     if cpu and "VLLM_CPU_KVCACHE_SPACE" not in environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(DEFAULT_CPU_KVCACHE_GIB)

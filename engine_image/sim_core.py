@@ -18,6 +18,17 @@ What it copies from vLLM (v1 engine), because the control plane depends on it:
   block) go to the front, reused before any cached block; allocating a block
   evicts its old hash. Like vLLM, a recomputed block whose hash is already cached
   is cached too (one hash, several blocks), so the hash outlives either copy.
+- Block hashes are vLLM's own (kubellm.kv_blocks: chained SHA-256 of each block's
+  tokens, with `("lora", name, path)` on every block of an adapter request and
+  `("cache_salt", salt)` on block 0), so the KV events below name blocks as a real
+  engine's do.
+- KV events (`kv_events=True`, spec.routing.prefixIndex precise): every step's
+  BlockStored (the blocks a request caches, in chain order) and BlockRemoved (a hash
+  leaving the cache) and AllBlocksCleared (`reset_prefix_cache`) are kept for the
+  runtime to publish as one batch (`take_events`), as vLLM's scheduler does after each
+  step. One difference, on purpose: vLLM announces a BlockRemoved when any block
+  holding a hash is evicted, even while a recomputed copy still holds it; the simulator
+  announces it when the last copy goes, so a subscriber's index equals its cache.
 - Continuous batching: each step gives a token budget to running requests
   first (one token per decoding request, a chunk for a prefilling one), then
   admits waiting requests in arrival order while budget, `max_num_seqs` and
@@ -41,8 +52,12 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kubellm.engine.sim_profiles import Profile
+
+from kubellm import kv_blocks
+from kubellm.kv_blocks import BlockHasher
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -51,19 +66,23 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 class _Block:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
 
 
 class BlockPool:
-    """KV blocks, an LRU queue of free blocks, and the hash -> cached block map."""
+    """KV blocks, an LRU queue of free blocks, and the hash -> cached block map.
 
-    def __init__(self, num_blocks: int) -> None:
+    With `events` a list, each hash that leaves the cache is appended to it as a
+    BlockRemoved event (its 64-bit external form)."""
+
+    def __init__(self, num_blocks: int, events: list[dict[str, Any]] | None = None) -> None:
+        self.events = events
         self.blocks = [_Block(i) for i in range(num_blocks)]
         self.free: collections.OrderedDict[int, None] = collections.OrderedDict(
             (i, None) for i in range(num_blocks)
         )
-        self.cached: dict[int, int] = {}  # block hash -> the block a lookup finds
-        self.copies: dict[int, list[int]] = {}  # block hash -> more blocks holding it
+        self.cached: dict[bytes, int] = {}  # block hash -> the block a lookup finds
+        self.copies: dict[bytes, list[int]] = {}  # block hash -> more blocks holding it
 
     @property
     def num_free(self) -> int:
@@ -89,13 +108,15 @@ class BlockPool:
         block.ref_cnt = 1
         return block_id
 
-    def _evict(self, block_hash: int, block_id: int) -> None:
+    def _evict(self, block_hash: bytes, block_id: int) -> None:
         copies = self.copies.get(block_hash)
         if self.cached.get(block_hash) == block_id:
             if copies:  # the next copy, in caching order, answers lookups now
                 self.cached[block_hash] = copies.pop(0)
             else:
                 del self.cached[block_hash]
+                if self.events is not None:
+                    self.events.append(kv_blocks.block_removed([kv_blocks.external(block_hash)]))
         elif copies and block_id in copies:
             copies.remove(block_id)
         if copies is not None and not copies:
@@ -119,7 +140,20 @@ class BlockPool:
             self.free[block_id] = None
             self.free.move_to_end(block_id, last=False)
 
-    def cache(self, block_id: int, block_hash: int) -> None:
+    def reset(self) -> bool:
+        """Forget every cached hash (vLLM's reset_prefix_cache); False while a block is in
+        use, as vLLM refuses then."""
+        if any(block.ref_cnt for block in self.blocks):
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        self.copies.clear()
+        if self.events is not None:
+            self.events.append(kv_blocks.all_blocks_cleared())
+        return True
+
+    def cache(self, block_id: int, block_hash: bytes) -> None:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             return
@@ -131,14 +165,21 @@ class BlockPool:
 
 
 def block_hashes(
-    tokens: Sequence[int], block_size: int, start: int = 0, parent: int = 0
-) -> list[int]:
-    """Chained hashes of the full blocks of `tokens` from block index `start`."""
-    hashes = []
-    for index in range(start, len(tokens) // block_size):
-        parent = hash((parent, tuple(tokens[index * block_size : (index + 1) * block_size])))
-        hashes.append(parent)
-    return hashes
+    tokens: Sequence[int], block_size: int, start: int = 0, parent: bytes | None = None
+) -> list[bytes]:
+    """vLLM's chained hashes of the full blocks of `tokens` from block index `start` (no
+    extra keys: a base-model request without cache salt)."""
+    return _hasher(block_size).raw(tokens, start=start, parent=parent, max_blocks=1 << 30)
+
+
+_HASHERS: dict[int, BlockHasher] = {}
+
+
+def _hasher(block_size: int) -> BlockHasher:
+    hasher = _HASHERS.get(block_size)
+    if hasher is None:
+        hasher = _HASHERS[block_size] = BlockHasher(block_size)
+    return hasher
 
 
 @dataclass
@@ -150,7 +191,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose KV is in the pool
     blocks: list[int] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)  # of computed full blocks
+    hashes: list[bytes] = field(default_factory=list)  # of computed full blocks
     status: str = WAITING
     preemptions: int = 0
     cached_tokens: int = 0  # prefix-cache hit at first admission
@@ -158,9 +199,16 @@ class Request:
     seed: int | None = None  # for next_token
     num_tokens: int = 0  # prompt + output, kept up to date (hot path)
     lora: str | None = None  # the adapter it runs with, or None for the base model
+    lora_path: str = ""  # where the engine loaded the adapter from (in its block hashes)
+    cache_salt: str | None = None  # in block 0's hash, as vLLM's cache_salt
+    _lookup: tuple[int, list[bytes]] | None = None  # the prompt's hashes, by token count
 
     def __post_init__(self) -> None:
         self.num_tokens = len(self.prompt) + len(self.output)
+
+    @property
+    def extra_keys(self) -> tuple[Any, ...] | None:
+        return kv_blocks.extra_keys((self.lora, self.lora_path) if self.lora else None)
 
 
 @dataclass
@@ -188,10 +236,12 @@ def next_token(request: Request, vocab_size: int) -> int:
 class Engine:
     """One simulated replica. Add requests, call `step()` until they finish."""
 
-    def __init__(self, profile: Profile, vocab_size: int = 50_000) -> None:
+    def __init__(self, profile: Profile, vocab_size: int = 50_000, kv_events: bool = False) -> None:
         self.profile = profile
         self.vocab_size = vocab_size
-        self.pool = BlockPool(profile.num_blocks)
+        self.hasher = _hasher(profile.block_size)
+        self.kv_events: list[dict[str, Any]] | None = [] if kv_events else None
+        self.pool = BlockPool(profile.num_blocks, self.kv_events)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.prefix_queries = 0
@@ -240,7 +290,13 @@ class Engine:
         """Block ids of the longest cached prefix of the prompt (capped at length - 1)."""
         if not self.profile.prefix_caching:
             return []
-        hashes = block_hashes(request.prompt[: request.num_tokens - 1], self.profile.block_size)
+        lookup = request._lookup
+        if lookup is None or lookup[0] != request.num_tokens:  # once per request, mostly
+            tokens = request.prompt + request.output if request.output else request.prompt
+            lookup = request._lookup = (request.num_tokens, self._hashes(
+                request, tokens[: request.num_tokens - 1], 0, None
+            ))  # fmt: skip
+        hashes = lookup[1]
         hit: list[int] = []
         for block_hash in hashes:
             block_id = self.pool.cached.get(block_hash)
@@ -274,11 +330,37 @@ class Engine:
         full = min(upto, request.num_tokens) // size
         if full > len(request.hashes):  # build the token list only when a block filled up
             tokens = request.prompt + request.output
-            parent = request.hashes[-1] if request.hashes else 0
-            new = block_hashes(tokens[: full * size], size, len(request.hashes), parent)
-            for index, block_hash in enumerate(new, start=len(request.hashes)):
+            parent = request.hashes[-1] if request.hashes else None
+            start = len(request.hashes)
+            new = self._hashes(request, tokens[: full * size], start, parent)
+            for index, block_hash in enumerate(new, start=start):
                 self.pool.cache(request.blocks[index], block_hash)
             request.hashes.extend(new)
+            if self.kv_events is not None:
+                self.kv_events.append(kv_blocks.block_stored(
+                    [kv_blocks.external(h) for h in new],
+                    kv_blocks.external(parent) if parent is not None else None,
+                    tokens[start * size : full * size], size, request.lora,
+                ))  # fmt: skip
+
+    def _hashes(
+        self, request: Request, tokens: Sequence[int], start: int, parent: bytes | None
+    ) -> list[bytes]:
+        return self.hasher.raw(
+            tokens, request.extra_keys, request.cache_salt, 1 << 30, start=start, parent=parent
+        )
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """The KV events since the last call (empty when events are off)."""
+        if not self.kv_events:
+            return []
+        events = list(self.kv_events)
+        self.kv_events.clear()
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's /reset_prefix_cache: drop every cached block (refused while any is in use)."""
+        return self.pool.reset()
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

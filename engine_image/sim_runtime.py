@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from kubellm.engine import sim_profiles as profiles
 from kubellm.engine import sim_tokenizer as tokenizer
 from kubellm.engine.sim_core import Engine, Request, StepResult
+from kubellm.engine.sim_events import KVEventPublisher
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kubellm import metrics
@@ -83,12 +84,15 @@ class Simulator:
         profile: profiles.Profile,
         time_scale: float,
         tok: tokenizer.Tokenizer,
+        publisher: KVEventPublisher | None = None,
     ) -> None:
         self.served_model_name = served_model_name
         self.profile = profile
         self.tokenizer = tok
         self.clock = Clock(time_scale)
-        self.engine = Engine(profile, vocab_size=tok.vocab_size)
+        # KV events (spec.routing.prefixIndex precise): each step's batch, published
+        self.publisher = publisher
+        self.engine = Engine(profile, vocab_size=tok.vocab_size, kv_events=publisher is not None)
         self.streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
@@ -150,6 +154,8 @@ class Simulator:
     # ------------------------------------------------------------------ the stepping task
 
     def _ensure_started(self) -> None:
+        if self.publisher is not None:
+            self.publisher.start()
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -159,6 +165,15 @@ class Simulator:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self.publisher is not None:
+            await self.publisher.stop()
+
+    def publish_events(self) -> None:
+        """Send the KV events of the steps run since the last call as one batch."""
+        if self.publisher is not None:
+            events = self.engine.take_events()
+            if events:
+                self.publisher.publish(events)
 
     async def _loop(self) -> None:
         """Step while there is work. While busy, simulated time advances by exactly the
@@ -180,6 +195,7 @@ class Simulator:
                 continue
             cursor += result.duration
             await self.clock.sleep_until(cursor)
+            self.publish_events()  # as vLLM: after the step ran, before its outputs
             self._deliver(result, cursor)
 
     def _deliver(self, result: StepResult, when: float) -> None:
@@ -213,12 +229,16 @@ class Simulator:
         max_tokens: int,
         streaming: bool = True,
         lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> _Stream:
         reason = self.engine.validate(len(prompt_tokens), max_tokens)
         if reason:
             raise RequestRejected(reason)
         self._ensure_started()
-        request = Request(f"sim-{next(self._ids)}", list(prompt_tokens), max_tokens, lora=lora)
+        request = Request(
+            f"sim-{next(self._ids)}", list(prompt_tokens), max_tokens, lora=lora,
+            lora_path=self.adapters.get(lora, "") if lora else "", cache_salt=cache_salt,
+        )  # fmt: skip
         stream = _Stream(request, self.clock.now(), streaming)
         self.streams[request.request_id] = stream
         self.engine.add(request)

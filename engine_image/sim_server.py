@@ -24,12 +24,15 @@ from typing import Any
 
 from kubellm.engine import sim_profiles as profiles
 from kubellm.engine import sim_tokenizer as tokenizer
+from kubellm.engine.sim_events import KVEventPublisher
 from kubellm.engine.sim_runtime import RequestRejected, Simulator
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from kubellm.sim_text import render_chat
 
 OWNED_BY = "kubellm-simulator"
 ENGINE_HEADER = ("x-kubellm-engine", "simulator")
@@ -87,15 +90,10 @@ async def _body(http: HTTPRequest, sim: Simulator) -> dict[str, Any]:
 def _chat_prompt(messages: Any) -> str:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages: expected a non-empty list", "messages")
-    parts = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise APIError(400, f"messages[{index}]: expected {{role, content}}", "messages")
-        content = message.get("content") or ""
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        parts.append(f"<s>{message['role']}\n{content}</s>\n")
-    return "".join(parts) + "<s>assistant\n"
+    return render_chat(messages)
 
 
 def _sse(data: dict[str, Any] | str) -> str:
@@ -111,15 +109,18 @@ def create_app(
     num_blocks: int | None = None,
     tokenizer_dir: str | None = None,
     adapters: dict[str, str] | None = None,
+    kv_events: tuple[str, int] | None = None,
 ) -> Starlette:
     """The simulator as an ASGI app (run it with uvicorn, or in-process via httpx).
 
     The stepping task starts with the first request, so ASGI transports that skip
-    lifespan events work too.
+    lifespan events work too. `kv_events` = (host, port): publish KV-cache events there
+    (replay on port + 1), as vLLM's --kv-events-config does (sim_events).
     """
     chosen = profiles.get(profile) if isinstance(profile, str) else profile
     chosen = chosen.with_overrides(block_size=block_size, num_blocks=num_blocks)
-    sim = Simulator(served_model_name, chosen, time_scale, tokenizer.load(tokenizer_dir))
+    publisher = KVEventPublisher(*kv_events) if kv_events else None
+    sim = Simulator(served_model_name, chosen, time_scale, tokenizer.load(tokenizer_dir), publisher)
     if adapters and not chosen.max_loras:
         raise ValueError("adapters need LoRA on: give the profile max_loras (spec.engine.maxLoras)")
     sim.adapters.update(adapters or {})
@@ -189,6 +190,13 @@ def create_app(
         del sim.adapters[name]
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", 200)
 
+    async def reset_prefix_cache(_: HTTPRequest) -> Response:
+        # vLLM's (with VLLM_SERVER_DEV_MODE): 200, or 400 while blocks are in use
+        if sim.engine.reset_prefix_cache():
+            sim.publish_events()
+            return Response(status_code=200)
+        return APIError(400, "prefix cache in use: not reset").response()
+
     async def metrics_endpoint(_: HTTPRequest) -> Response:
         return Response(sim.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
@@ -218,7 +226,10 @@ def create_app(
         options = _field(body, "stream_options", dict, None) or {}
         include_usage = bool(options.get("include_usage"))
         try:
-            request = sim.submit(prompt_ids, max_tokens, streaming=stream_mode, lora=lora)
+            salt = _field(body, "cache_salt", str, None) or None
+            request = sim.submit(
+                prompt_ids, max_tokens, streaming=stream_mode, lora=lora, cache_salt=salt
+            )
         except RequestRejected as error:
             raise APIError(400, str(error), "max_tokens") from None
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{request.request.request_id}"
@@ -279,6 +290,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        if publisher is not None:  # replay answers from the start: subscribers probe it
+            publisher.start()
         yield
         await sim.stop()
 
@@ -287,6 +300,7 @@ def create_app(
             Route("/health", health),
             Route("/v1/models", models),
             Route("/metrics", metrics_endpoint),
+            Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
             Route("/v1/completions", guarded(False), methods=["POST"]),
             Route("/v1/chat/completions", guarded(True), methods=["POST"]),
             *(
@@ -361,6 +375,7 @@ def serve(
     num_blocks: int | None = None,
     tokenizer: str | None = None,
     adapters: dict[str, str] | None = None,
+    kv_events_port: int | None = None,
 ) -> int:
     """Run the simulator with uvicorn until interrupted."""
     import uvicorn
@@ -368,10 +383,12 @@ def serve(
     app = create_app(
         served_model_name, profile, time_scale,
         block_size=block_size, num_blocks=num_blocks, tokenizer_dir=tokenizer,
-        adapters=adapters,
+        adapters=adapters, kv_events=(host, kv_events_port) if kv_events_port else None,
     )  # fmt: skip
     chosen = app.state.simulator.profile
     line = banner(host, port, served_model_name, chosen.name, time_scale)
+    if kv_events_port:
+        line += f", KV events on {kv_events_port} (replay {kv_events_port + 1})"
     print(f"{line}; {describe(chosen)}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
     return 0

@@ -11,11 +11,12 @@ vLLM would for that checkpoint, which the fidelity check relies on.
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 from typing import Protocol
 
-CHARS_PER_TOKEN = 4
+from kubellm.sim_text import CHARS_PER_TOKEN, ApproxTokens
+
+__all__ = ["CHARS_PER_TOKEN", "ApproxTokenizer", "HFTokenizer", "Tokenizer", "load"]
 # Words the simulator "generates"; plain, so streamed output is readable.
 WORDS = ("sim", "token", "cache", "block", "batch", "step", "queue", "reply", "model", "text")
 
@@ -27,15 +28,9 @@ class Tokenizer(Protocol):
     def decode_one(self, token: int) -> str: ...
 
 
-class ApproxTokenizer:
-    """4 bytes of UTF-8 per token (the last piece zero-padded); stable ids."""
-
-    vocab_size = 50_021  # prime, so ids spread over the whole vocabulary
-
-    def encode(self, text: str) -> list[int]:
-        data = text.encode()
-        data += b"\0" * (-len(data) % CHARS_PER_TOKEN)
-        return [value % self.vocab_size for (value,) in struct.iter_unpack("<I", data)]
+class ApproxTokenizer(ApproxTokens):
+    """4 bytes of UTF-8 per token (kubellm.sim_text, shared with the gateway's precise
+    routing over simulated replicas); output tokens read as plain words."""
 
     def decode_one(self, token: int) -> str:
         return WORDS[token % len(WORDS)] + " "

@@ -122,7 +122,10 @@ def engine_spec_document(llmd: api.LLMDeployment) -> dict[str, Any]:
     Only what shapes the engine process (model, engine, resources, adapters) is kept, so
     that scaling (`spec.replicas`), routing, fallback or SLO edits do not change
     the spec hash and so never restart GPU pods. Omitted fields take their
-    defaults, so the document is itself a valid LLMDeployment.
+    defaults, so the document is itself a valid LLMDeployment. The one routing setting an
+    engine needs is kept when it is on: `prefixIndex: precise` with its `kvEventsPort`
+    (the launcher turns vLLM's KV-cache events on, which needs a restart); approximate
+    specs keep the document, and so the pods, they had.
     """
     spec = llmd.spec
     dump: dict[str, Any] = {"by_alias": True, "exclude_none": True, "mode": "json"}
@@ -136,6 +139,16 @@ def engine_spec_document(llmd: api.LLMDeployment) -> dict[str, Any]:
             "resources": spec.resources.model_dump(**dump),
             **(
                 {"adapters": [a.model_dump(**dump) for a in spec.adapters]} if spec.adapters else {}
+            ),
+            **(
+                {
+                    "routing": {
+                        "prefixIndex": "precise",
+                        "kvEventsPort": spec.routing.kv_events_port,
+                    }
+                }
+                if spec.routing.prefix_index == "precise"
+                else {}
             ),
         },
     }

@@ -29,10 +29,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One engine: its base URL (no `/v1`) and whether it is draining (no new requests)."""
+    """One engine: its base URL (no `/v1`), whether it is draining (no new requests), and,
+    where it is not the model's spec.routing.kvEventsPort (replicas of a local fleet share
+    one host), the port it publishes KV-cache events on."""
 
     url: str
     draining: bool = False
+    kv_events_port: int | None = None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@
         endpoints:
           - http://127.0.0.1:8001       # an engine's base URL
           - {url: http://127.0.0.1:8002, draining: true}
+          - {url: http://127.0.0.1:8003, kvEventsPort: 7003}   # prefixIndex precise: its
+                                        # own events port (default routing.kvEventsPort)
         routing: {policy: prefix-aware, loadBound: 1.25}   # kubellm.api.Routing
         slo: {ttftSeconds: 2, itlSeconds: 0.1}               # kubellm.api.SLO
         fallback:                                            # kubellm.api.Fallback, except
@@ -56,9 +58,10 @@ class StaticFallback(Fallback):
 
 
 class StaticEndpoint(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     url: str
     draining: bool = False
+    kv_events_port: int | None = Field(default=None, alias="kvEventsPort", ge=1, le=65534)
 
     @field_validator("url")
     @classmethod
@@ -120,7 +123,9 @@ def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, Mode
             deployment=m.deployment or m.name,
             namespace=m.namespace,
             endpoints=tuple(
-                Endpoint(e.url, e.draining) for e in m.endpoints if isinstance(e, StaticEndpoint)
+                Endpoint(e.url, e.draining, e.kv_events_port)
+                for e in m.endpoints
+                if isinstance(e, StaticEndpoint)
             ),
             routing=m.routing,
             fallback=_fallback(m.fallback, env),

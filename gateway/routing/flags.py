@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="MODEL=PATH",
         help="the tokenizer of a model routed with spec.routing.prefixIndex precise (a "
-        "directory or a Hugging Face id it can read); repeat per model. Without it, precise "
+        "directory or a Hugging Face id it can read; `simulator` for simulated engines); "
+        "repeat per model. Without it, precise "
         "mode scores approximately (kubellm_gateway_prefix_index_fallbacks_total)",
     )
 

@@ -34,10 +34,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubellm import kv_blocks
+
 log = logging.getLogger(__name__)
 
 MAX_REPLICAS = 1024
-END_SEQ = -1
+END_SEQ = kv_blocks.END_SEQ
 
 
 @dataclass
@@ -192,6 +194,14 @@ class KVIndex:
             applied.cleared = True
 
     # ------------------------------------------------------------------ lookups
+    def hashes(self, url: str) -> set[int]:
+        """Every block hash `url` holds (a full scan: for tests and diagnosis)."""
+        replica = self._replicas.get(url)
+        if replica is None:
+            return set()
+        bit = 1 << replica.slot
+        return {h for h, mask in self._owners.items() if mask & bit}
+
     def matched(self, url: str, hashes: Sequence[int]) -> int:
         """How many of the chain's first blocks `url` holds (stops at the first miss: a
         block is usable only after its whole prefix)."""
@@ -213,12 +223,7 @@ class KVIndex:
 
 def decode(payload: bytes) -> list[Any]:
     """A batch payload as plain values (msgspec's msgpack decoder, a vLLM dependency)."""
-    import msgspec
-
-    value = msgspec.msgpack.decode(payload)
-    if not isinstance(value, list):
-        raise ValueError("a KV event batch is a msgpack array")
-    return value
+    return kv_blocks.decode_batch(payload)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubellm.gateway.discovery.base import Endpoint, ModelTarget
-from kubellm.gateway.routing.kv_hashes import BlockHasher, PromptTokenizer
+from kubellm.gateway.routing.kv_hashes import (
+    BlockHasher,
+    PromptTokenizer,
+    SimPromptTokenizer,
+    load_tokenizer,
+)
 from kubellm.gateway.routing.kv_index import (
     EventAddress,
     KVEventsSubscriber,
@@ -39,8 +44,9 @@ AddressOf = Callable[[ModelTarget, Endpoint], EventAddress]
 
 
 def default_address(target: ModelTarget, endpoint: Endpoint) -> EventAddress:
-    """The engine's event sockets: its host, spec.routing.kvEventsPort and the next port."""
-    return event_address(endpoint.url, target.routing.kv_events_port)
+    """The engine's event sockets: its host, its events port (the endpoint's own, else
+    spec.routing.kvEventsPort) and the next port."""
+    return event_address(endpoint.url, endpoint.kv_events_port or target.routing.kv_events_port)
 
 
 class PreciseRouting:
@@ -59,7 +65,7 @@ class PreciseRouting:
         self.tokenizer_paths = dict(tokenizers or {})
         self.address_of = address_of
         self.interval = interval
-        self._tokenizers: dict[str, PromptTokenizer | None] = {}
+        self._tokenizers: dict[str, PromptTokenizer | SimPromptTokenizer | None] = {}
         self._hashers: dict[tuple[int, str], BlockHasher] = {}
         self._fallbacks: Any = None
         self._entries: Any = None
@@ -132,7 +138,7 @@ class PreciseRouting:
         for model in self.unprepared(targets):
             path = self.tokenizer_paths.get(model)
             try:
-                self._tokenizers[model] = PromptTokenizer(path) if path else None
+                self._tokenizers[model] = load_tokenizer(path) if path else None
             except Exception as error:  # a bad path must not fail requests: degrade
                 log.warning("precise routing of %s: tokenizer %s: %s", model, path, error)
                 self._tokenizers[model] = None
@@ -164,11 +170,30 @@ class PreciseRouting:
         hasher = self._hashers.get((size, "sha256"))
         if hasher is None:
             hasher = self._hashers[size, "sha256"] = BlockHasher(size)
-        hashes = hasher.block_hashes(token_ids)
+        salt = body.get("cache_salt")
+        hashes = hasher.block_hashes(
+            token_ids,
+            lora=adapter_key(target, body.get("model")),
+            cache_salt=salt if isinstance(salt, str) and salt else None,
+        )
         self._cache[id(body)] = (body, hashes)
         while len(self._cache) > 32:
             self._cache.popitem(last=False)
         return hashes
+
+
+def adapter_key(target: ModelTarget, model: Any) -> tuple[str, str] | None:
+    """(name, path) of the adapter a request names as its model, as the engine registered
+    it (vLLM hashes every block of an adapter request with `("lora", name, path)`); None
+    for the base model. The path is the one replicas load it from (spec.adapters through
+    `kubellm.sources.adapter_path`: the launcher's --lora-modules and the gateway's
+    runtime loads alike)."""
+    if not isinstance(model, str) or model == target.served_name:
+        return None
+    for adapter in target.adapters:
+        if adapter.name == model:
+            return adapter.name, adapter.path
+    return None
 
 
 def tokenizer_pairs(values: list[str]) -> dict[str, str]:

@@ -68,7 +68,8 @@ async def serve(args: argparse.Namespace, deployments: list) -> int:
         print(f"kubellm up: {change}", flush=True)
 
     discovery = FixedDiscovery()
-    gateway = Gateway(discovery, GatewaySettings())
+    # precise deployments: the gateway hashes prompts as their engines do (runtime.tokenizers)
+    gateway = Gateway(discovery, GatewaySettings(tokenizers=runtime.tokenizers()))
     limits = gateway_server.ClientLimits()  # the same client bounds as `kubellm gateway`
     server = _Server(
         gateway_server.config(
@@ -113,6 +114,7 @@ async def serve(args: argparse.Namespace, deployments: list) -> int:
             return
         for change in changes:
             print(f"kubellm up: {change}", flush=True)
+        gateway.scheduler.precise.tokenizer_paths.update(runtime.tokenizers())
 
     http = httpx.AsyncClient(timeout=2.0)
 
@@ -243,6 +245,7 @@ def _write_state(run_dir: Path, gateway_url: str, runtime: LocalRuntime) -> None
                         "state": r.state,
                         "restarts": r.restarts,
                         "pid": r.process.pid if r.process else None,
+                        **({"kvEventsPort": r.kv_events_port} if r.kv_events_port else {}),
                     }
                     for r in runtime.supervisor.endpoints(name)
                 ],

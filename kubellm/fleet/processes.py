@@ -42,6 +42,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_port_pair(tries: int = 50) -> int:
+    """A free port whose next port is free too (KV events: publisher and replay)."""
+    for _ in range(tries):
+        port = free_port()
+        if port >= 65535:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise OSError("no two consecutive free ports found")
+
+
 @dataclass
 class Replica:
     """One engine process of a deployment."""
@@ -54,6 +69,7 @@ class Replica:
     process: asyncio.subprocess.Process | None = None
     state: str = "starting"  # starting | ready | crashed | draining | replace | stopped
     restarts: int = 0
+    kv_events_port: int | None = None  # its own KV-event ports (port, port + 1), if any
     last_exit: int | None = None
     next_start: float = 0.0
     drain_deadline: float = 0.0
@@ -83,6 +99,7 @@ class Supervisor:
         self.drain_seconds = drain_seconds
         self.replicas: dict[str, list[Replica]] = {}
         self.commands: dict[str, CommandFor] = {}
+        self.kv_events: set[str] = set()  # deployments whose replicas publish KV events
         self.desired: dict[str, int] = {}
         self.events: list[str] = []
         self.events_total = 0
@@ -90,10 +107,16 @@ class Supervisor:
 
     # ------------------------------------------------------------------ desired state
 
-    def set_command(self, deployment: str, command: CommandFor) -> None:
-        """A new command line for a deployment (a spec edit): its replicas are replaced."""
+    def set_command(self, deployment: str, command: CommandFor, kv_events: bool = False) -> None:
+        """A new command line for a deployment (a spec edit): its replicas are replaced.
+        With `kv_events`, each replica gets its own pair of KV-event ports (they share one
+        host), passed as `--kv-events-port`."""
         changed = deployment in self.commands
         self.commands[deployment] = command
+        if kv_events:
+            self.kv_events.add(deployment)
+        else:
+            self.kv_events.discard(deployment)
         if changed:
             for replica in self.replicas.get(deployment, []):
                 replica.state = "replace"
@@ -104,6 +127,15 @@ class Supervisor:
     def forget(self, deployment: str) -> None:
         self.desired[deployment] = 0
         self.commands.pop(deployment, None)
+        self.kv_events.discard(deployment)
+
+    def _argv(self, replica: Replica) -> list[str]:
+        argv = self.commands[replica.deployment](replica.deployment, replica.port)
+        if replica.deployment not in self.kv_events:
+            replica.kv_events_port = None
+            return argv
+        replica.kv_events_port = free_port_pair()
+        return [*argv, "--kv-events-port", str(replica.kv_events_port)]
 
     def endpoints(self, deployment: str) -> list[Replica]:
         return list(self.replicas.get(deployment, []))
@@ -180,18 +212,20 @@ class Supervisor:
     def _new(self, deployment: str, index: int) -> Replica:
         port = free_port()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        return Replica(
+        replica = Replica(
             deployment=deployment,
             index=index,
             port=port,
-            argv=self.commands[deployment](deployment, port),
+            argv=[],
             log_path=self.log_dir / f"{deployment}-{index}.log",
         )
+        replica.argv = self._argv(replica)
+        return replica
 
     async def _start(self, replica: Replica) -> None:
         if replica.restarts:  # a restart gets a fresh port in case the old one lingers
             replica.port = free_port()
-            replica.argv = self.commands[replica.deployment](replica.deployment, replica.port)
+            replica.argv = self._argv(replica)
         with replica.log_path.open("ab") as log_file:
             replica.process = await asyncio.create_subprocess_exec(
                 *replica.argv,

@@ -40,6 +40,7 @@ from kubellm.fleet.processes import CommandFor, Supervisor
 from kubellm.gateway.discovery.base import Endpoint as GatewayEndpoint
 from kubellm.gateway.discovery.base import ModelTarget
 from kubellm.gateway.discovery.kubernetes import adapter_refs
+from kubellm.sources import parse_source
 
 
 def secret_env_var(ref: api.SecretKeyRef) -> str:
@@ -52,6 +53,12 @@ def _fallback(spec: api.LLMDeploymentSpec) -> FallbackTarget | None:
     """The fallback API, its key from the environment (`secret_env_var`)."""
     ref = spec.fallback.api_key_secret_ref if spec.fallback else None
     return fallback_target(spec.fallback, os.environ.get(secret_env_var(ref)) if ref else None)
+
+
+def _events(manifest: api.LLMDeployment) -> bool:
+    """Whether its engines publish KV-cache events (spec.routing.prefixIndex precise): each
+    local replica then gets its own ports, which the gateway's endpoint carries."""
+    return manifest.spec.routing.prefix_index == "precise"
 
 
 @dataclass
@@ -104,7 +111,7 @@ class LocalRuntime:
             current = self.deployments.get(name)
             if current is None:
                 self.deployments[name] = LocalDeployment(manifest)
-                self.supervisor.set_command(name, self._command(manifest))
+                self.supervisor.set_command(name, self._command(manifest), _events(manifest))
                 self.supervisor.set_replicas(name, manifest.spec.replicas)
                 changes.append(f"{name} created with {manifest.spec.replicas} replica(s)")
                 continue
@@ -112,7 +119,7 @@ class LocalRuntime:
             current.manifest = manifest
             before = len(changes)
             if engine_identity_json(old) != engine_identity_json(manifest):
-                self.supervisor.set_command(name, self._command(manifest))
+                self.supervisor.set_command(name, self._command(manifest), _events(manifest))
                 changes.append(f"{name} engine spec changed: replacing replicas")
             elif engine_spec_json(old) != engine_spec_json(manifest):
                 self._command(manifest)  # new replicas start with the adapters; running ones
@@ -150,7 +157,9 @@ class LocalRuntime:
         for deployment in self.deployments.values():
             manifest = deployment.manifest
             endpoints = tuple(
-                GatewayEndpoint(url=r.url, draining=r.state == "draining")
+                GatewayEndpoint(
+                    url=r.url, draining=r.state == "draining", kv_events_port=r.kv_events_port
+                )
                 for r in self.supervisor.endpoints(deployment.name)
                 if r.state in ("ready", "draining")
             )
@@ -165,6 +174,26 @@ class LocalRuntime:
                 adapters=adapter_refs(manifest.spec),
             )
         return targets
+
+    def tokenizers(self) -> dict[str, str]:
+        """What the gateway hashes prompts with for each precise deployment (served name ->
+        `--tokenizer` value): the simulator's own tokenization on simulated engines, the
+        model's folder (file://) or Hugging Face id (hf://) on vLLM. pvc:// models have no
+        local folder: they are scored approximately (a fallback counted by the gateway)."""
+        out = {}
+        for deployment in self.deployments.values():
+            manifest = deployment.manifest
+            if not _events(manifest):
+                continue
+            if self.engine == "sim":
+                out[manifest.served_name] = "simulator"
+                continue
+            source = parse_source(manifest.spec.model.source)
+            if source.scheme == "file":
+                out[manifest.served_name] = str(Path(source.location).resolve())
+            elif source.scheme == "hf":
+                out[manifest.served_name] = source.location
+        return out
 
     def desired_replicas(self, name: str) -> int:
         return self.supervisor.desired.get(name, 0)

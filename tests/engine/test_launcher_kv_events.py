@@ -88,3 +88,50 @@ def test_the_engine_pod_exposes_the_event_ports_only_in_precise_mode() -> None:
         ("kv-events", 7100),
         ("kv-replay", 7101),
     ]
+
+
+def _llmd(routing: dict[str, Any] | None) -> Any:
+    document: dict[str, Any] = {
+        "apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
+        "metadata": {"name": "m", "namespace": "ns"}, "spec": copy.deepcopy(SPEC),
+    }  # fmt: skip
+    if routing is not None:
+        document["spec"]["routing"] = routing
+    return manifests.parse(document)
+
+
+def test_the_mounted_engine_spec_carries_precise_mode_so_the_pod_turns_events_on() -> None:
+    """The launcher in the pod reads the ConfigMap's engine spec, not the LLMDeployment: the
+    document keeps prefixIndex precise and its port (approximate specs keep the document
+    they had, so their pods do not restart)."""
+    from kubellm import contracts
+
+    precise = _llmd({"prefixIndex": "precise", "kvEventsPort": 7100, "loadBound": 2})
+    document = contracts.engine_spec_document(precise)
+    assert document["spec"]["routing"] == {"prefixIndex": "precise", "kvEventsPort": 7100}
+    argv = launcher.build_command(launcher.parse_target(document), environ={}).argv
+    assert json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"] == "tcp://*:7100"
+    assert contracts.engine_spec_json(_llmd(None)) == contracts.engine_spec_json(
+        _llmd({"prefixIndex": "approximate", "loadBound": 2})
+    )
+
+
+def test_a_local_replica_publishes_on_the_port_it_is_given(tmp_path: Any) -> None:
+    """`kubellm engine --kv-events-port` (a local fleet's replicas share one host): vLLM's
+    flag and the simulator's port follow it; without it both use the spec's."""
+    from kubellm.engine import cli
+
+    document = copy.deepcopy(SPEC)
+    document["routing"] = {"prefixIndex": "precise"}
+    target = launcher.parse_target(document)
+    argv = launcher.build_command(target, host="127.0.0.1", environ={}, kv_events_port=7200).argv
+    config = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert (config["endpoint"], config["replay_endpoint"]) == (
+        "tcp://[::ffff:127.0.0.1]:7200", "tcp://127.0.0.1:7201",
+    )  # fmt: skip
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(document))
+    assert cli.sim_kv_events_port(str(path), None) == 5557
+    assert cli.sim_kv_events_port(str(path), 7200) == 7200
+    path.write_text(json.dumps(SPEC))
+    assert cli.sim_kv_events_port(str(path), None) is None

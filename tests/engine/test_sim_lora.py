@@ -166,7 +166,7 @@ def test_a_spec_with_adapters_runs_the_simulator_with_them(tmp_path: Path) -> No
     path.write_text(json.dumps(spec))
     profile, served = cli.sim_profile(None, str(path))
     assert (profile.max_loras, served) == (contracts.DEFAULT_MAX_LORAS, "base")
-    assert cli.sim_adapters(str(path)) == {"sql": "hf://org/sql"}
+    assert cli.sim_adapters(str(path)) == {"sql": "org/sql"}  # the id vLLM loads, as pods do
     spec["engine"] = {"maxLoras": 3}
     path.write_text(json.dumps(spec))
     assert cli.sim_profile(None, str(path))[0].max_loras == 3

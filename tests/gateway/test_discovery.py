@@ -58,6 +58,24 @@ def test_inline_fallback_key():
     assert models["a"].fallback.api_key == "k"
 
 
+def test_a_static_endpoint_may_name_its_own_kv_events_port():
+    """Replicas on one host (prefixIndex precise) publish on ports of their own: the
+    gateway follows each on its endpoint's port, else on routing.kvEventsPort."""
+    from kubellm.gateway.routing.precise import default_address
+
+    document = {"models": [{"name": "m", "routing": {"prefixIndex": "precise"}, "endpoints": [
+        "http://127.0.0.1:8001", {"url": "http://127.0.0.1:8002", "kvEventsPort": 7002},
+    ]}]}  # fmt: skip
+    target = parse(document)["m"]
+    assert [e.kv_events_port for e in target.endpoints] == [None, 7002]
+    addresses = [default_address(target, e) for e in target.endpoints]
+    assert [a.publish for a in addresses] == ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:7002"]
+    assert addresses[1].replay == "tcp://127.0.0.1:7003"
+    with pytest.raises(StaticConfigError, match="kvEventsPort"):
+        parse({"models": [{"name": "m", "endpoints": [
+            {"url": "http://127.0.0.1:8002", "kvEventsPort": 65535}]}]})  # fmt: skip
+
+
 def test_static_file_reload_drops_removed_endpoints(tmp_path):
     path = tmp_path / "static.yaml"
     path.write_text(

@@ -69,3 +69,48 @@ def test_unreproducible_algorithms_are_refused_by_name() -> None:
 
 
 # The same against a real vLLM CPU engine's BlockStored events: tests/gateway/test_precise_e2e.py
+
+
+@needs_vllm_module
+def test_an_adapter_requests_hashes_are_vllms_with_its_extra_keys(vllm_hashing: Any) -> None:
+    """The gateway's path for a request naming an adapter, with a cache salt: the prompt's
+    hashes equal vLLM's, extra keys from vLLM's own generate_block_hash_extra_keys on a
+    request with that LoRA (name, path) and salt; the base model's differ."""
+    from types import SimpleNamespace
+
+    from kubellm.gateway.discovery.base import AdapterRef, Endpoint, ModelTarget
+    from kubellm.gateway.routing.kv_hashes import SimPromptTokenizer
+    from kubellm.gateway.routing.precise import PreciseRouting
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    from kubellm.api import Routing
+
+    url = "http://10.0.0.1:8000"
+    target = ModelTarget(
+        served_name="base", deployment="base", endpoints=(Endpoint(url),),
+        routing=Routing(prefix_index="precise"),
+        adapters=(AdapterRef("sql", "/models/adapters/sql"),),
+    )  # fmt: skip
+    precise = PreciseRouting({"base": "simulator"})
+    precise.prepare({"base": target})
+    precise.index.apply(url, 0, [0.0, [{"type": "BlockStored", "block_hashes": [1],
+                                         "block_size": 16}], 0])  # fmt: skip
+    body = {"model": "sql", "prompt": "select the rows " * 20, "cache_salt": "tenant-7"}
+    got = precise.kv_hashes(target, body)
+    tokens = SimPromptTokenizer().token_ids(body) or []
+    fn = get_hash_fn_by_name("sha256")
+    vllm_hashing.init_none_hash(fn)
+    request = SimpleNamespace(
+        mm_features=[], cache_salt="tenant-7", prompt_embeds=None,
+        lora_request=SimpleNamespace(lora_name="sql", lora_path="/models/adapters/sql"),
+    )  # fmt: skip
+    expected, parent = [], None
+    for i in range(len(tokens) // 16):
+        keys, _ = vllm_hashing.generate_block_hash_extra_keys(request, i * 16, i * 16 + 16, 0)
+        parent = vllm_hashing.hash_block_tokens(fn, parent, tokens[i * 16 : i * 16 + 16], keys)
+        expected.append(vllm_hashing.maybe_convert_block_hash(parent))
+    assert list(got) == expected and len(expected) > 2
+    base = precise.kv_hashes(target, {**body, "model": "base"})
+    assert not set(base) & set(got)  # the base model's blocks are other blocks
+    unsalted = precise.kv_hashes(target, {"model": "sql", "prompt": body["prompt"]})
+    assert unsalted[0] != got[0]

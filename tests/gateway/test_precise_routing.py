@@ -51,7 +51,7 @@ def target(prefix_index: str) -> ModelTarget:
 
 def setup(tiny_model_dir: Path, tokenizers: bool = True) -> tuple[Router, Freshness, Any]:
     """A router whose approximate index says A holds BODY's prefix (the gateway sent it
-    there) while the engines' events say only B holds it (A evicted it)."""
+    there, a minute ago) while the engines' events say only B holds it (A evicted it)."""
     index = KVIndex()
     fresh = Freshness(index)
     fresh.stale = set()
@@ -65,7 +65,10 @@ def setup(tiny_model_dir: Path, tokenizers: bool = True) -> tuple[Router, Freshn
     precise.prepare({"tiny": target("precise")})
     router = Router(LoadView(), OutlierDetector(3, 5.0), precise=precise)
     request = routing_request("tiny", BODY, None)
+    now = router.index.clock()
+    router.index.clock = lambda: now - 60.0
     router.index.record(A, request.chunk_hashes)
+    router.index.clock = lambda: now
     router.sharing.observe("tiny", request.chunk_hashes[0])
     token_ids = PromptTokenizer(tiny_model_dir).token_ids(BODY)
     assert token_ids is not None
@@ -94,6 +97,32 @@ def test_precise_mode_follows_the_engines_events(tiny_model_dir: Path) -> None:
     assert first(router, "precise") == B
     assert first(router, "approximate") == A  # still trusts what it sent
     assert fallbacks(registry, "stale") == 0
+
+
+def test_a_prefix_sent_moments_ago_counts_until_its_events_can_announce_it(
+    tiny_model_dir: Path,
+) -> None:
+    """Events lag the routing decision (the engine announces blocks after admitting the
+    request and running a step): a prefix this gateway sent to A within RECENT_S seconds
+    scores as held there, so a burst of one prompt does not scatter before the first
+    one's blocks are announced; past that window the events alone decide."""
+    from dataclasses import replace
+
+    from kubellm.gateway.routing.scorers.base import Candidate
+    from kubellm.gateway.routing.scorers.precise import RECENT_S, PrecisePrefixScorer
+
+    router, fresh, _ = setup(tiny_model_dir)
+    assert router.precise is not None
+    scorer = PrecisePrefixScorer(router.precise.index, fresh.fresh, router.index)
+    request = routing_request("tiny", BODY, None)
+    request = replace(request, kv_hashes=router.precise.kv_hashes(target("precise"), BODY))
+    candidates = [Candidate(url=A, load=0.0), Candidate(url=B, load=0.0)]
+    assert scorer.score(request, candidates) == [0.0, 1.0]  # sent a minute ago: evicted
+    now = router.index.clock()
+    router.index.record(A, request.chunk_hashes)  # sent again just now
+    assert scorer.score(request, candidates) == [1.0, 1.0]
+    router.index.clock = lambda: now + RECENT_S + 0.1  # its events had time to say
+    assert scorer.score(request, candidates) == [0.0, 1.0]
 
 
 def test_a_replica_with_stale_events_is_scored_approximately_and_counted(

@@ -7,6 +7,13 @@ never synced, replay probe unanswered, index overflowed), or when the prompt cou
 hashed (no tokenizer for the model, block size not learnt yet, a prompt the tokenizer
 cannot render), the score is the approximate one (scorers/prefix.py: the chunk chain the
 gateway sent there), and `on_fallback(url, reason)` counts it.
+
+Events lag the routing decision: a request's blocks are announced only once the engine
+has admitted it and run a step. So for a replica whose events are fresh, a prefix the
+gateway sent there within the last `recent_s` seconds counts too (the approximate chain
+sent there since, as a share of the prompt), and the score is the larger of the two: a
+burst of one tenant's requests follows the first one instead of scattering before its
+blocks are announced.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from collections.abc import Callable, Sequence
 from kubellm.gateway.routing.kv_index import KVIndex
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.prefix import PrefixIndex
+
+RECENT_S = 2.0  # seconds a prefix sent to a replica counts before its events announce it
 
 
 class PrecisePrefixScorer:
@@ -27,19 +36,26 @@ class PrecisePrefixScorer:
         fresh: Callable[[str], bool],
         approximate: PrefixIndex,
         on_fallback: Callable[[str, str], None] | None = None,
+        recent_s: float = RECENT_S,
     ) -> None:
         self.kv = kv
         self.fresh = fresh
         self.approximate = approximate
         self.on_fallback = on_fallback
+        self.recent_s = recent_s
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         blocks = request.kv_hashes
         chunks = request.chunk_hashes
         out = []
+        since = self.approximate.clock() - self.recent_s
         for c in candidates:
             if blocks and self.fresh(c.url):
-                out.append(self.kv.matched(c.url, blocks) / len(blocks))
+                held = self.kv.matched(c.url, blocks) / len(blocks)
+                if chunks and self.recent_s > 0:
+                    sent = self.approximate.matched_since(c.url, chunks, since) / len(chunks)
+                    held = max(held, sent)
+                out.append(held)
                 continue
             if self.on_fallback is not None:
                 self.on_fallback(c.url, "stale" if blocks else "unhashed")

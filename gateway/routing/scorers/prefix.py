@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
@@ -97,16 +99,19 @@ def affinity_key(text: str, hashes: tuple[int, ...]) -> int:
 
 
 class PrefixIndex:
-    """Per endpoint, an LRU set of chain hashes sent there, bounded in entries."""
+    """Per endpoint, an LRU set of chain hashes sent there, bounded in entries, each with
+    the time it was last sent (`matched_since`: what was sent there lately)."""
 
-    def __init__(self, capacity: int = 65_536) -> None:
+    def __init__(self, capacity: int = 65_536, clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = capacity
-        self._by_url: dict[str, OrderedDict[int, None]] = {}
+        self.clock = clock
+        self._by_url: dict[str, OrderedDict[int, float]] = {}
 
     def record(self, url: str, hashes: Sequence[int]) -> None:
         index = self._by_url.setdefault(url, OrderedDict())
+        now = self.clock()
         for h in hashes:
-            index[h] = None
+            index[h] = now
             index.move_to_end(h)
         while len(index) > self.capacity:
             index.popitem(last=False)
@@ -119,6 +124,18 @@ class PrefixIndex:
         count = 0
         for h in hashes:
             if h not in index:
+                break
+            count += 1
+        return count
+
+    def matched_since(self, url: str, hashes: Sequence[int], since: float) -> int:
+        """Length of the longest prefix of the chain sent to `url` at or after `since`."""
+        index = self._by_url.get(url)
+        if not index:
+            return 0
+        count = 0
+        for h in hashes:
+            if index.get(h, -math.inf) < since:
                 break
             count += 1
         return count
