@@ -29,7 +29,7 @@ from kubellm.gateway.routing.kv_index import EventAddress, KVEventsSubscriber, K
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.precise import PreciseRouting
-from kubellm.gateway.routing.router import Router, routing_request
+from kubellm.gateway.routing.router import Router, home, routing_request
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubellm import metrics
@@ -217,9 +217,12 @@ async def test_evicting_a_prefix_moves_its_next_request_in_precise_mode_only(
     try:
         await _until(lambda: subscriber.fresh(a) and subscriber.fresh(b), 30, "fresh events")
         # The gateway sends the prefix to A (its approximate index records that); another
-        # gateway sent it to B as well.
-        await asyncio.to_thread(_complete, a, body)
+        # gateway sent it to B as well. A is the prompt's home (rendezvous order of the two
+        # URLs, whose ports are random): a first-seen prompt is indexed only there.
         request = routing_request("tiny", body, None)
+        if home(request, [a, b]) != a:
+            a, b = b, a
+        await asyncio.to_thread(_complete, a, body)
         router.routed(request, a, [a, b])
         await asyncio.to_thread(_complete, b, body)
         await _until(lambda: index.matched(a, hashes) == full == index.matched(b, hashes),
