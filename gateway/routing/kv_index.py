@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class _Replica:
     block_size: int | None = None  # tokens per block, as its BlockStored events say
     entries: int = 0
     overflowed: bool = False
+    removed_at: float = -math.inf  # clock time of the last removal its events announced
 
 
 @dataclass
@@ -71,6 +73,7 @@ class KVIndex:
     """Exact map from a block's 64-bit hash to the replicas (by URL) that hold it."""
 
     capacity: int = 4_000_000
+    clock: Callable[[], float] = field(default=time.monotonic)
     _owners: dict[int, int] = field(default_factory=dict)
     _replicas: dict[str, _Replica] = field(default_factory=dict)
     dropped_total: int = 0
@@ -116,6 +119,11 @@ class KVIndex:
         replica = self._replicas.get(url)
         return None if replica is None else replica.block_size
 
+    def removed_at(self, url: str) -> float:
+        """When `url`'s events last announced a removal (`clock` time; -inf if never)."""
+        replica = self._replicas.get(url)
+        return -math.inf if replica is None else replica.removed_at
+
     def overflowed(self, url: str) -> bool:
         replica = self._replicas.get(url)
         return replica is not None and replica.overflowed
@@ -152,6 +160,8 @@ class KVIndex:
         events = batch[1] if len(batch) > 1 else ()
         for event in events:
             self._event(replica, event, applied)
+        if applied.removed or applied.cleared or applied.restarted:
+            replica.removed_at = self.clock()
         return applied
 
     def _event(self, replica: _Replica, event: Any, applied: Applied) -> None:

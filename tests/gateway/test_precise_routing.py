@@ -125,6 +125,32 @@ def test_a_prefix_sent_moments_ago_counts_until_its_events_can_announce_it(
     assert scorer.score(request, candidates) == [0.0, 1.0]
 
 
+def test_a_removal_announced_after_a_send_ends_its_credit_at_once(tiny_model_dir: Path) -> None:
+    """Within RECENT_S of a send, a removal the replica announces afterwards is newer than
+    the send: the events decide again (an eviction right after a send is believed)."""
+    from dataclasses import replace
+
+    from kubellm.gateway.routing.scorers.base import Candidate
+    from kubellm.gateway.routing.scorers.precise import PrecisePrefixScorer
+
+    router, fresh, _ = setup(tiny_model_dir)
+    assert router.precise is not None
+    kv = router.precise.index
+    scorer = PrecisePrefixScorer(kv, fresh.fresh, router.index)
+    request = routing_request("tiny", BODY, None)
+    request = replace(request, kv_hashes=router.precise.kv_hashes(target("precise"), BODY))
+    candidates = [Candidate(url=A, load=0.0), Candidate(url=B, load=0.0)]
+    sent = router.index.clock()
+    router.index.record(A, request.chunk_hashes)  # sent just now
+    assert scorer.score(request, candidates) == [1.0, 1.0]
+    kv.clock = lambda: sent + 0.5  # A announces a removal half a second later
+    removed = {"type": "BlockRemoved", "block_hashes": [7]}
+    kv.apply(A, kv.next_seq(A) or 0, [0.0, [removed], 0])
+    assert kv.removed_at(A) == sent + 0.5
+    router.index.clock = lambda: sent + 1.0  # still within RECENT_S of the send
+    assert scorer.score(request, candidates) == [0.0, 1.0]
+
+
 def test_a_replica_with_stale_events_is_scored_approximately_and_counted(
     tiny_model_dir: Path,
 ) -> None:

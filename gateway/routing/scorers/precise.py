@@ -13,7 +13,9 @@ has admitted it and run a step. So for a replica whose events are fresh, a prefi
 gateway sent there within the last `recent_s` seconds counts too (the approximate chain
 sent there since, as a share of the prompt), and the score is the larger of the two: a
 burst of one tenant's requests follows the first one instead of scattering before its
-blocks are announced.
+blocks are announced. A removal announced by the replica after the send ends that credit
+(the send is older than what the events now say), so an eviction right after a send is
+believed at once.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class PrecisePrefixScorer:
             if blocks and self.fresh(c.url):
                 held = self.kv.matched(c.url, blocks) / len(blocks)
                 if chunks and self.recent_s > 0:
-                    sent = self.approximate.matched_since(c.url, chunks, since) / len(chunks)
+                    after = max(since, self.kv.removed_at(c.url))
+                    sent = self.approximate.matched_since(c.url, chunks, after) / len(chunks)
                     held = max(held, sent)
                 out.append(held)
                 continue
