@@ -107,21 +107,25 @@ class Autoscaler:
             *(self._adapters(target) for target in with_adapters), return_exceptions=True
         )
         for target, result in zip(with_adapters, written, strict=True):
-            if isinstance(result, BaseException):
-                if not isinstance(result, Exception):
-                    raise result
-                log.warning("status.adapters of %s not written: %r", target.key, result)
-                self.telemetry.errors.labels("adapters").inc()
+            self._failed(target, result, "status.adapters of %s not written: %r", "adapters")
         outcomes = []
         for target, result in zip(targets, results, strict=True):
-            if isinstance(result, BaseException):
-                if not isinstance(result, Exception):
-                    raise result
-                log.warning("autoscaling %s failed: %r", target.key, result)
-                self.telemetry.errors.labels("target").inc()
-            else:
+            if not self._failed(target, result, "autoscaling %s failed: %r", "target"):
                 outcomes.append(result)
         return outcomes
+
+    def _failed(
+        self, target: Target | AdapterTarget, result: object, message: str, label: str
+    ) -> bool:
+        """Whether one target's gathered `result` is an error; an Exception is logged with
+        `message` and counted under `label`, anything else raised (cancellation) goes up."""
+        if not isinstance(result, BaseException):
+            return False
+        if not isinstance(result, Exception):
+            raise result
+        log.warning(message, target.key, result)
+        self.telemetry.errors.labels(label).inc()
+        return True
 
     async def run(self, stop: asyncio.Event) -> None:
         """Step every period until `stop` is set."""
