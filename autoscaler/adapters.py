@@ -19,12 +19,14 @@ Pure: `replica_adapters` (a replica's answers -> what it holds) and `adapter_sta
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from kubellm.autoscaler import observe
 
 from kubellm.contracts import registered_adapters
 from kubellm.metrics import parse_lora_info
@@ -75,10 +77,11 @@ def adapter_status(
 
 async def models(client: httpx.AsyncClient, url: str) -> object:
     """A replica's `/v1/models` answer (parsed), None on any failure."""
+    body = await observe.fetch(client, f"{url}/v1/models")
+    if body is None:
+        return None
     try:
-        response = await client.get(f"{url}/v1/models")
-        response.raise_for_status()
-        return response.json()
-    except (httpx.HTTPError, ValueError) as error:
+        return json.loads(body)
+    except (ValueError, RecursionError) as error:
         log.info("adapters of %s unknown: %s", url, error)
         return None

@@ -8,6 +8,7 @@ and the policy never removes capacity on unknown load.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable
 
@@ -112,15 +113,38 @@ def _gateway_sum(
     return total
 
 
+# The most an engine's answer may hold: vLLM's /metrics is a few hundred KiB with every
+# histogram, /v1/models far less. A replica that sends more is broken (or hostile).
+MAX_ANSWER_BYTES = 16 * 1024 * 1024
+
+
+class AnswerTooLarge(Exception):
+    pass
+
+
+async def fetch(client: httpx.AsyncClient, url: str, limit: int = MAX_ANSWER_BYTES) -> bytes | None:
+    """GET `url`'s body: whole within the client's read timeout, taken as a deadline for the
+    entire answer (a replica trickling bytes is cut off), and at most `limit` bytes (read
+    in chunks, never buffered past it); None (logged) on any failure."""
+    seconds = client.timeout.read or 10.0
+    try:
+        async with asyncio.timeout(seconds), client.stream("GET", url) as response:
+            response.raise_for_status()
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > limit:
+                    raise AnswerTooLarge(f"answer larger than {limit} bytes")
+            return bytes(body)
+    except (httpx.HTTPError, TimeoutError, AnswerTooLarge) as error:
+        log.info("GET %s failed: %s", url, error or type(error).__name__)
+        return None
+
+
 async def scrape(client: httpx.AsyncClient, url: str) -> str | None:
     """GET a /metrics URL; None (logged) on any failure, so callers mark it stale."""
-    try:
-        response = await client.get(url)
-        response.raise_for_status()
-        return response.text
-    except httpx.HTTPError as error:
-        log.info("scrape of %s failed: %s", url, error)
-        return None
+    body = await fetch(client, url)
+    return None if body is None else body.decode("utf-8", "replace")
 
 
 def replica_metrics(name: str, url: str, text: str | None) -> ReplicaMetrics:

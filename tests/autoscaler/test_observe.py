@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 
+import httpx
 import pytest
-from kubellm.autoscaler import cli, observe
+from kubellm.autoscaler import adapters, cli, observe
 
 from kubellm import metrics
 from tests.autoscaler.conftest import engine_text, gateway_text
@@ -64,3 +67,58 @@ def test_cli_defaults_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--policy: unknown autoscaling policy 'nope'" in capsys.readouterr().err
     assert cli.run(_args("--period", "0")) == 2
     assert "--period must be positive" in capsys.readouterr().err
+
+
+class _BrokenReplica:
+    """A loopback engine whose answers are broken: `/flood` sends an endless body (up to
+    64 MiB, counted in `sent`), `/trickle` one byte each 50 ms (until 20 s), and
+    `/nested/v1/models` JSON nested 200,000 deep."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        path = head.split(b" ", 2)[1]
+        gone = asyncio.ensure_future(reader.read())  # done when the client hangs up
+        try:
+            if path == b"/nested/v1/models":
+                body = b"[" * 200_000
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                await writer.drain()
+                await gone
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+            chunk = b"x" * (1 << 20) if path == b"/flood" else b"#"
+            for _ in range(64 if path == b"/flood" else 400):
+                writer.write(chunk)
+                await writer.drain()
+                self.sent += len(chunk)
+                if path == b"/trickle":
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(gone), 0.05)
+                if gone.done():
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            gone.cancel()
+            writer.close()
+
+
+async def test_a_replica_that_floods_trickles_or_nests_its_answer_is_unknown() -> None:
+    """The autoscaler reads every ready replica each period: an answer past 16 MiB, one
+    still arriving after the scrape timeout, or JSON too deep to parse makes that replica
+    unknown (None) instead of exhausting memory, stalling the loop or raising."""
+    replica = _BrokenReplica()
+    server = await asyncio.start_server(replica.handle, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            assert await observe.scrape(client, f"{base}/flood") is None
+            assert replica.sent < 32 * (1 << 20)  # cut off near the limit, not read to the end
+            assert await observe.scrape(client, f"{base}/trickle") is None
+            assert await adapters.models(client, f"{base}/nested") is None
+    finally:
+        server.close()
+        await server.wait_closed()
