@@ -72,13 +72,19 @@ def _max_tokens(body: dict[str, Any], default: int | None) -> int:
     return value
 
 
-async def _body(http: HTTPRequest, sim: Simulator) -> dict[str, Any]:
+async def _json_object(http: HTTPRequest) -> dict[str, Any]:
+    """The request's body, which must be one JSON object (400 otherwise)."""
     try:
         body = json.loads(await http.body())
     except ValueError as error:
         raise APIError(400, f"request body is not valid JSON: {error}") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    return body
+
+
+async def _body(http: HTTPRequest, sim: Simulator) -> dict[str, Any]:
+    body = await _json_object(http)
     model = body.get("model")
     if model is not None and model != sim.served_model_name and model not in sim.adapters:
         raise APIError(404, f"The model `{model}` does not exist.", "model")
@@ -146,13 +152,7 @@ def create_app(
         media = http.headers.get("content-type", "").lower().split(";", 1)[0].strip()
         if media != "application/json":  # as vLLM's validate_json_request
             raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
-        try:
-            body = json.loads(await http.body())
-        except ValueError as error:
-            raise APIError(400, f"request body is not valid JSON: {error}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
-        return body
+        return await _json_object(http)
 
     async def load_lora_adapter(http: HTTPRequest) -> Response:
         try:
