@@ -408,8 +408,9 @@ class Routing(_Model):
     load_bound: float = Field(
         default=1.25,
         ge=1,
-        description="A replica may take a prefix-matched request while its load is at most "
-        "loadBound x the mean load.",
+        description="A replica may take a prefix-aware request while its load is at most "
+        "loadBound x the mean load; one that holds at least half of the request's prompt "
+        "prefix, while at most 2 x loadBound x the mean.",
     )
     prefix_index: Literal["approximate", "precise"] = Field(
         default="approximate",

@@ -195,3 +195,26 @@ def test_the_gateway_cli_hands_its_tokenizers_to_the_routing_core():
     cli.configure(parser)
     args = parser.parse_args(["--tokenizer", "tiny=/models/tiny"])
     assert cli.settings_from(args).scheduling().tokenizers == {"tiny": "/models/tiny"}
+
+
+def test_the_load_bound_widens_for_the_replica_the_events_say_holds_the_prefix(
+    tiny_model_dir: Path,
+) -> None:
+    """B holds the prefix by its events (A evicted it) and is past the plain bound: two
+    candidates, B at 3 and A idle, so cap = ceil(1.25 x 4 / 2) = 3 and B is out, but a
+    holder's cap is ceil(2.5 x 4 / 2) = 5. Precise mode keeps B (its events say it holds
+    the prefix); approximate mode believes A holds it and sends it there."""
+    from kubellm.gateway.routing.scorers.base import Candidate
+
+    router, _, _ = setup(tiny_model_dir)
+    assert router.precise is not None
+    loads = [Candidate(url=A, load=0.0), Candidate(url=B, load=3.0)]
+
+    def pick(prefix_index: str) -> str:
+        request = routing_request("tiny", BODY, None)
+        return router.order(target(prefix_index), request, loads)[0].url
+
+    assert pick("precise") == B
+    assert pick("approximate") == A
+    router.precise.index.apply(B, 1, [0.0, [{"type": "AllBlocksCleared"}], 0])
+    assert pick("precise") == A  # B no longer holds it: the plain bound again

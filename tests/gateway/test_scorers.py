@@ -19,7 +19,11 @@ from kubellm.gateway.routing.admission import (
 from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
-from kubellm.gateway.routing.scorers.bounded_load import capacity, within_bound
+from kubellm.gateway.routing.scorers.bounded_load import (
+    capacity,
+    within_bound,
+    within_bound_or_holding,
+)
 from kubellm.gateway.routing.scorers.consistent_hash import ConsistentHashScorer, rendezvous_weight
 from kubellm.gateway.routing.scorers.picker import pick, profiles
 from kubellm.gateway.routing.scorers.session import SessionTable
@@ -109,6 +113,25 @@ def test_bounded_load_filter(loads, bound, kept):
 def test_bounded_load_never_empties_the_set():
     candidates = [Candidate("a", load=3.5), Candidate("b", load=3.2)]
     assert [c.url for c in within_bound(candidates, 1.0)] == ["b"]
+
+
+def test_the_bound_widens_for_prefix_holders_only_and_only_by_the_slack():
+    """loads 5,1,1,1: total 8, so cap = ceil(1.25 * 9 / 4) = 3; with slack 2 the holders'
+    cap is ceil(2.5 * 9 / 4) = 6. The busy holder stays in; the busy non-holder does not."""
+    loads = {"a": 5, "b": 1, "c": 1, "d": 1}
+    candidates = [Candidate(u, load=v) for u, v in loads.items()]
+    keep = within_bound_or_holding({"a"}, 2.0)
+    assert [c.url for c in keep(candidates, 1.25)] == ["a", "b", "c", "d"]
+    assert [c.url for c in within_bound_or_holding({"b"}, 2.0)(candidates, 1.25)] == [
+        "b",
+        "c",
+        "d",
+    ]
+    # a at 7: total 10, widened cap ceil(2.5 * 11 / 4) = 7, and 7 + 1 > 7: out
+    heavier = [Candidate(u, load={"a": 7}.get(u, 1)) for u in loads]
+    assert [c.url for c in keep(heavier, 1.25)] == ["b", "c", "d"]
+    # slack 1 is the plain bound
+    assert within_bound_or_holding({"a"}, 1.0)(candidates, 1.25) == within_bound(candidates, 1.25)
 
 
 def _profiles():
@@ -347,3 +370,35 @@ def test_unshared_traffic_sends_cold_prompts_by_load_and_shared_traffic_home():
         router.routed(again, home, urls)
     assert not router.sharing.low("m")
     assert router.order(target, probe, loads)[0].url == home
+
+
+def test_a_request_stays_on_its_prefix_holder_past_the_bound_but_not_past_the_slack():
+    """The router widens the bound (HOLDER_SLACK) for a replica holding the prompt's prefix:
+    a spill would prefill the whole prefix elsewhere and copy it into a second cache. A
+    replica merely as busy that does not hold it is not widened, and past the wider bound
+    the request spills as before."""
+    from kubellm.gateway.routing.router import HOLDER_SLACK
+
+    router = _router()
+    urls = [f"http://e{i}" for i in range(4)]
+    target = _target(urls)
+    system = {"role": "system", "content": "tenant policy text " * 40}
+    first = routing_request("m", {"messages": [system, {"role": "user", "content": "a"}]}, None)
+    later = routing_request("m", {"messages": [system, {"role": "user", "content": "b"}]}, None)
+    home = _rendezvous_order(first, urls)[0]
+    router.routed(first, home, urls)  # the prefix is held at home
+
+    def loads(at_home: int) -> list[Candidate]:
+        return [Candidate(u, load=at_home if u == home else 1) for u in urls]
+
+    # home at 5, others 1: total 8, bound cap ceil(1.25 * 9 / 4) = 3, widened cap 6
+    assert capacity([5, 1, 1, 1], target.routing.load_bound) == 3
+    assert capacity([5, 1, 1, 1], target.routing.load_bound * HOLDER_SLACK) == 6
+    assert router.order(target, later, loads(5))[0].url == home
+    # at 7 (total 10, widened cap ceil(2.5 * 11 / 4) = 7): 7 + 1 > 7, so it spills
+    assert router.order(target, later, loads(7))[0].url != home
+    # a prompt home holds nothing of: the plain bound, home at 5 is out
+    fresh = routing_request("m", {"messages": [{"role": "system", "content": "q " * 400}]}, None)
+    fresh_home = _rendezvous_order(fresh, urls)[0]
+    busy = [Candidate(u, load=5 if u == fresh_home else 1) for u in urls]
+    assert router.order(target, fresh, busy)[0].url != fresh_home

@@ -20,6 +20,9 @@ Policies (`spec.routing.policy`):
   least-load profile instead while the model's recent traffic shares almost no
   prefixes (`prefix.Sharing`), and does not index a cold prompt where it went
   other than home, so no gateway pins a prefix to a replica only it knows of.
+  The router (gateway/routing/router.py) widens the bounded-load filter to 2 x the
+  bound for the replicas that hold at least half of the prompt's prefix
+  (`bounded_load.within_bound_or_holding`).
 - least-load: bounded-load filter, session 8, in-flight 2, queue 1, KV cache 1.
 - round-robin: each candidate in turn.
 """
