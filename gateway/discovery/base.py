@@ -57,6 +57,10 @@ class ModelTarget:
     fallback: FallbackTarget | None = None
     slo: SLO = field(default_factory=SLO)
     adapters: tuple[AdapterRef, ...] = ()
+    # spec.model.source ("" when discovery does not know it): precise routing loads an
+    # hf:// model's tokenizer from the same repository and revision when no --tokenizer
+    # names one (routing/precise.py)
+    model_source: str = ""
 
     def adapter(self, name: str) -> AdapterRef | None:
         return next((a for a in self.adapters if a.name == name), None)

@@ -103,6 +103,7 @@ def build_targets(
             fallback=fallback,
             slo=d.spec.slo,
             adapters=adapter_refs(d.spec),
+            model_source=d.spec.model.source,
         )
     return targets
 

@@ -63,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL=PATH",
         help="the tokenizer of a model routed with spec.routing.prefixIndex precise (a "
         "directory or a Hugging Face id it can read; `simulator` for simulated engines); "
-        "repeat per model. Without it, precise "
-        "mode scores approximately (kubellm_gateway_prefix_index_fallbacks_total)",
+        "repeat per model. Default: an hf:// model's own repository and revision; "
+        "without one, precise mode scores approximately "
+        "(kubellm_gateway_prefix_index_fallbacks_total)",
     )
 
 

@@ -48,11 +48,11 @@ SIMULATOR = "simulator"
 class PromptTokenizer:
     """A model's own tokenizer and chat template (transformers), as vLLM applies them."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, revision: str | None = None) -> None:
         from transformers import AutoTokenizer  # the gateway's `precise` extra
 
         self.path = str(path)
-        self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self._tokenizer = AutoTokenizer.from_pretrained(self.path, revision=revision)
 
     def token_ids(self, body: dict[str, Any]) -> list[int] | None:
         """The prompt token ids vLLM computes for an OpenAI request body; None when the
@@ -108,6 +108,9 @@ class SimPromptTokenizer:
         return None
 
 
-def load_tokenizer(path: str | Path) -> PromptTokenizer | SimPromptTokenizer:
-    """The tokenizer `--tokenizer MODEL=PATH` names: `simulator`, or a model's own."""
-    return SimPromptTokenizer() if str(path) == SIMULATOR else PromptTokenizer(path)
+def load_tokenizer(
+    path: str | Path, revision: str | None = None
+) -> PromptTokenizer | SimPromptTokenizer:
+    """The tokenizer `--tokenizer MODEL=PATH` names: `simulator`, or a model's own (a local
+    directory, or a Hugging Face id at `revision`)."""
+    return SimPromptTokenizer() if str(path) == SIMULATOR else PromptTokenizer(path, revision)

@@ -35,6 +35,8 @@ from kubellm.gateway.routing.kv_index import (
     event_address,
 )
 
+from kubellm.sources import parse_source
+
 log = logging.getLogger(__name__)
 
 FALLBACKS = "kubellm_gateway_prefix_index_fallbacks_total"
@@ -133,12 +135,15 @@ class PreciseRouting:
         ]
 
     def prepare(self, targets: Mapping[str, ModelTarget]) -> None:
-        """Load the tokenizer of each precise model in `targets` (blocking). A model without
-        one, or whose tokenizer fails to load, is scored approximately (`unhashed`)."""
+        """Load the tokenizer of each precise model in `targets` (blocking): the one
+        `tokenizers` names, else an hf:// model's own (`tokenizer_of`). A model without one,
+        or whose tokenizer fails to load, is scored approximately (`unhashed`)."""
         for model in self.unprepared(targets):
-            path = self.tokenizer_paths.get(model)
+            path, revision = self.tokenizer_paths.get(model), None
+            if not path:
+                path, revision = tokenizer_of(targets[model].model_source)
             try:
-                self._tokenizers[model] = load_tokenizer(path) if path else None
+                self._tokenizers[model] = load_tokenizer(path, revision) if path else None
             except Exception as error:  # a bad path must not fail requests: degrade
                 log.warning("precise routing of %s: tokenizer %s: %s", model, path, error)
                 self._tokenizers[model] = None
@@ -180,6 +185,21 @@ class PreciseRouting:
         while len(self._cache) > 32:
             self._cache.popitem(last=False)
         return hashes
+
+
+def tokenizer_of(model_source: str) -> tuple[str | None, str | None]:
+    """(Hugging Face id, revision) of an hf:// model source: the gateway loads the model's
+    tokenizer from the same repository and revision as the engines load the model (the
+    tokenizer files only, not the weights; HF_TOKEN and HF_ENDPOINT apply as for any
+    transformers download). (None, None) for other sources: their files are on volumes
+    the gateway does not mount, so `--tokenizer` must name them."""
+    try:
+        source = parse_source(model_source)
+    except ValueError:
+        return None, None
+    if source.scheme != "hf":
+        return None, None
+    return source.location, source.revision
 
 
 def adapter_key(target: ModelTarget, model: Any) -> tuple[str, str] | None:

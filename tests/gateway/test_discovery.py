@@ -151,6 +151,7 @@ def test_build_targets_from_deployments_slices_and_secrets():
     assert [e.url for e in llama.routable] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
     assert llama.routing.policy == "least-load" and llama.slo.ttft_seconds == 1
     assert llama.fallback.api_key == "sk-x" and llama.fallback.model == "gpt"
+    assert llama.model_source == "hf://meta/llama"  # precise routing's default tokenizer
     assert targets["tiny"].namespace == "ml" and targets["tiny"].endpoints == ()
 
 

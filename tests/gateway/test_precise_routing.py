@@ -178,6 +178,39 @@ def test_the_block_size_comes_from_the_events(tiny_model_dir: Path) -> None:
     assert router.precise.block_size(ModelTarget(served_name="x", deployment="x")) is None
 
 
+def test_an_hf_model_s_tokenizer_comes_from_its_own_repository_unless_a_flag_names_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No --tokenizer for an hf:// model: its repository and revision, as the engines load
+    it (transformers is not asked here: the loader is replaced, nothing is downloaded). A
+    flag wins; a pvc:// model without a flag has none (scored approximately)."""
+    from kubellm.gateway.routing import precise as module
+
+    loaded: list[tuple[str, str | None]] = []
+
+    def loader(path: str, revision: str | None = None) -> Any:
+        loaded.append((path, revision))
+        return object()
+
+    monkeypatch.setattr(module, "load_tokenizer", loader)
+    routing = Routing(prefix_index="precise")
+
+    def model(name: str, source: str) -> ModelTarget:
+        return ModelTarget(name, name, routing=routing, model_source=source)
+
+    targets = {
+        "a": model("a", "hf://org/a@v2"),
+        "b": model("b", "hf://org/b"),
+        "c": model("c", "pvc://models/c"),
+        "d": model("d", "hf://org/d"),
+    }
+    precise = PreciseRouting({"d": "/mnt/d-tokenizer"})
+    precise.prepare(targets)
+    assert loaded == [("org/a", "v2"), ("org/b", None), ("/mnt/d-tokenizer", None)]
+    assert precise.unprepared(targets) == []  # tried once each; c stays unhashed
+    assert precise.kv_hashes(targets["c"], BODY) == ()
+
+
 def test_tokenizer_flags_name_a_tokenizer_per_model():
     from kubellm.gateway.routing.precise import tokenizer_pairs
 
