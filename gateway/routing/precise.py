@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -68,6 +69,7 @@ class PreciseRouting:
         self.address_of = address_of
         self.interval = interval
         self._tokenizers: dict[str, PromptTokenizer | SimPromptTokenizer | None] = {}
+        self._loading: set[str] = set()  # models whose tokenizer a thread is loading
         self._hashers: dict[tuple[int, str], BlockHasher] = {}
         self._fallbacks: Any = None
         self._entries: Any = None
@@ -102,12 +104,11 @@ class PreciseRouting:
 
     async def run(self, snapshot: Callable[[], Mapping[str, ModelTarget]]) -> None:
         """Follow the events of the replicas `snapshot` names, and load the tokenizers of
-        precise models (in a thread: loading one takes seconds), until cancelled."""
+        precise models (`load_in_background`), until cancelled."""
         try:
             while True:
                 targets = snapshot()
-                if self.unprepared(targets):
-                    await asyncio.to_thread(self.prepare, targets)
+                self.load_in_background(targets)
                 self.subscriber.sync(self.wanted(targets))
                 if self._entries is not None:
                     self._entries.set(self.index.entries())
@@ -135,18 +136,39 @@ class PreciseRouting:
         ]
 
     def prepare(self, targets: Mapping[str, ModelTarget]) -> None:
-        """Load the tokenizer of each precise model in `targets` (blocking): the one
-        `tokenizers` names, else an hf:// model's own (`tokenizer_of`). A model without one,
-        or whose tokenizer fails to load, is scored approximately (`unhashed`)."""
+        """Load the tokenizer of each precise model in `targets`, blocking (tests, benches)."""
         for model in self.unprepared(targets):
-            path, revision = self.tokenizer_paths.get(model), None
-            if not path:
-                path, revision = tokenizer_of(targets[model].model_source)
-            try:
-                self._tokenizers[model] = load_tokenizer(path, revision) if path else None
-            except Exception as error:  # a bad path must not fail requests: degrade
-                log.warning("precise routing of %s: tokenizer %s: %s", model, path, error)
-                self._tokenizers[model] = None
+            self._load(targets[model])
+
+    def load_in_background(self, targets: Mapping[str, ModelTarget]) -> None:
+        """Start loading the tokenizer of each precise model not tried yet, one daemon thread
+        each: loading takes seconds, and a download from a hub that stalls must hold up
+        only that model's hashing (its prompts are scored approximately meanwhile), not
+        the event following, the other models or the process's exit."""
+        for model in self.unprepared(targets):
+            if model not in self._loading:
+                self._loading.add(model)
+                thread = threading.Thread(
+                    target=self._load, args=(targets[model],), name=f"tokenizer-{model}"
+                )
+                thread.daemon = True
+                thread.start()
+
+    def _load(self, target: ModelTarget) -> None:
+        """The model's tokenizer: the one `tokenizers` names, else an hf:// model's own
+        (`tokenizer_of`). A model without one, or whose tokenizer fails to load, is scored
+        approximately (`unhashed`)."""
+        model = target.served_name
+        path, revision = self.tokenizer_paths.get(model), None
+        if not path:
+            path, revision = tokenizer_of(target.model_source)
+        try:
+            tokenizer = load_tokenizer(path, revision) if path else None
+        except Exception as error:  # a bad path must not fail requests: degrade
+            log.warning("precise routing of %s: tokenizer %s: %s", model, path, error)
+            tokenizer = None
+        self._tokenizers[model] = tokenizer
+        self._loading.discard(model)
 
     def block_size(self, target: ModelTarget) -> int | None:
         for endpoint in target.routable:

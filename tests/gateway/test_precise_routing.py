@@ -5,6 +5,7 @@ counted."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -251,3 +252,86 @@ def test_the_load_bound_widens_for_the_replica_the_events_say_holds_the_prefix(
     assert pick("approximate") == A
     router.precise.index.apply(B, 1, [0.0, [{"type": "AllBlocksCleared"}], 0])
     assert pick("precise") == A  # B no longer holds it: the plain bound again
+
+
+HUB_STALLS = """
+import asyncio, os, sys
+from kubellm.api import Routing
+from kubellm.gateway.discovery.base import Endpoint, ModelTarget
+from kubellm.gateway.routing.kv_index import KVEventsSubscriber, KVIndex
+from kubellm.gateway.routing.precise import PreciseRouting
+
+class Recorder(KVEventsSubscriber):
+    synced = []
+    def sync(self, addresses):
+        self.synced.append(sorted(addresses))
+
+async def main():
+    index = KVIndex()
+    precise = PreciseRouting(index=index, subscriber=Recorder(index), interval=0.05)
+    target = ModelTarget("m", "m", endpoints=(Endpoint("http://127.0.0.1:9"),),
+                         routing=Routing(prefix_index="precise"), model_source="hf://org/m")
+    run = asyncio.create_task(precise.run(lambda: {"m": target}))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 90  # until the tokenizer's download reaches the hub
+    while not os.path.exists(sys.argv[1]) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    before, deadline = len(Recorder.synced), loop.time() + 20
+    while len(Recorder.synced) < before + 5 and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    synced = len(Recorder.synced) - before  # while the hub holds the download
+    still_loading = precise.unprepared({"m": target}) == ["m"]
+    run.cancel()
+    await asyncio.wait_for(asyncio.gather(run, return_exceptions=True), 5)
+    print("synced", synced, "loading", still_loading, flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_a_hub_that_never_answers_stalls_neither_the_events_nor_the_exit(tmp_path: Path) -> None:
+    """An hf:// model's tokenizer comes from the hub; a hub that accepts and never answers
+    (a loopback server here, through HF_ENDPOINT) held transformers' download for over 300 s
+    in a trial despite HF_HUB_ETAG_TIMEOUT=1. The load runs in a daemon thread: the events
+    keep being followed meanwhile (the model's prompts scored approximately), and the
+    process still stops at once. Run in a child process: HF_ENDPOINT is read at import."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    reached = tmp_path / "reached"
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(server.accept()[0])
+                reached.touch()  # the child waits for this, then counts its syncs
+
+    threading.Thread(target=accept, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    env |= {
+        "HF_ENDPOINT": f"http://127.0.0.1:{server.getsockname()[1]}",
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", HUB_STALLS, str(reached)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        server.close()
+        for connection in accepted:
+            connection.close()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loading True" in done.stdout, (done.stdout, done.stderr[-2000:])
+    synced = int(done.stdout.split()[1])
+    assert synced >= 5
+    assert accepted, "the tokenizer load never reached the (silent) hub"
