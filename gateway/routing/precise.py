@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -45,6 +47,8 @@ ENTRIES = "kubellm_gateway_kv_index_entries"
 
 AddressOf = Callable[[ModelTarget, Endpoint], EventAddress]
 
+RETRY_S = 60.0  # seconds before a tokenizer that failed to load is tried again
+
 
 def default_address(target: ModelTarget, endpoint: Endpoint) -> EventAddress:
     """The engine's event sockets: its host, its events port (the endpoint's own, else
@@ -62,6 +66,7 @@ class PreciseRouting:
         address_of: AddressOf = default_address,
         registry: Any = None,
         interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.index = index or KVIndex()
         self.subscriber = subscriber or KVEventsSubscriber(self.index)
@@ -70,6 +75,8 @@ class PreciseRouting:
         self.interval = interval
         self._tokenizers: dict[str, PromptTokenizer | SimPromptTokenizer | None] = {}
         self._loading: set[str] = set()  # models whose tokenizer a thread is loading
+        self._failed: dict[str, float] = {}  # model -> when its tokenizer last failed to load
+        self.clock = clock
         self._hashers: dict[tuple[int, str], BlockHasher] = {}
         self._fallbacks: Any = None
         self._entries: Any = None
@@ -128,11 +135,17 @@ class PreciseRouting:
 
     # ---------------------------------------------------------------- prompt hashes
     def unprepared(self, targets: Mapping[str, ModelTarget]) -> list[str]:
-        """Precise models whose tokenizer has not been loaded (or tried) yet."""
+        """Precise models whose tokenizer has not been tried yet, or failed to load at least
+        RETRY_S ago (a hub or volume that was briefly unreachable is tried again)."""
+        now = self.clock()
         return [
             t.served_name
             for t in targets.values()
-            if t.routing.prefix_index == "precise" and t.served_name not in self._tokenizers
+            if t.routing.prefix_index == "precise"
+            and (
+                t.served_name not in self._tokenizers
+                or now - self._failed.get(t.served_name, math.inf) >= RETRY_S
+            )
         ]
 
     def prepare(self, targets: Mapping[str, ModelTarget]) -> None:
@@ -164,9 +177,14 @@ class PreciseRouting:
             path, revision = tokenizer_of(target.model_source)
         try:
             tokenizer = load_tokenizer(path, revision) if path else None
+            self._failed.pop(model, None)
         except Exception as error:  # a bad path must not fail requests: degrade
-            log.warning("precise routing of %s: tokenizer %s: %s", model, path, error)
+            log.warning(
+                "precise routing of %s: tokenizer %s: %s (retried in %.0f s)",
+                model, path, error, RETRY_S,
+            )  # fmt: skip
             tokenizer = None
+            self._failed[model] = self.clock()
         self._tokenizers[model] = tokenizer
         self._loading.discard(model)
 

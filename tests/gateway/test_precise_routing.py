@@ -212,6 +212,42 @@ def test_an_hf_model_s_tokenizer_comes_from_its_own_repository_unless_a_flag_nam
     assert precise.kv_hashes(targets["c"], BODY) == ()
 
 
+def test_a_tokenizer_that_failed_to_load_is_tried_again_after_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hub or volume briefly unreachable must not leave the model approximate until the
+    gateway restarts: RETRY_S after a failure the load is tried again; a model with no
+    tokenizer to load (pvc:// without a flag) is not."""
+    from kubellm.gateway.routing import precise as module
+
+    attempts: list[str] = []
+
+    def loader(path: str, revision: str | None = None) -> Any:
+        attempts.append(path)
+        if len(attempts) == 1:
+            raise OSError("hub unreachable")
+        return object()
+
+    monkeypatch.setattr(module, "load_tokenizer", loader)
+    now = [1000.0]
+    precise = PreciseRouting(clock=lambda: now[0])
+    routing = Routing(prefix_index="precise")
+    targets = {
+        "a": ModelTarget("a", "a", routing=routing, model_source="hf://org/a"),
+        "c": ModelTarget("c", "c", routing=routing, model_source="pvc://models/c"),
+    }
+    precise.prepare(targets)
+    assert attempts == ["org/a"] and precise.unprepared(targets) == []
+    now[0] += module.RETRY_S - 1
+    assert precise.unprepared(targets) == []
+    now[0] += 1
+    assert precise.unprepared(targets) == ["a"]
+    precise.prepare(targets)
+    assert attempts == ["org/a", "org/a"] and precise.unprepared(targets) == []
+    now[0] += 10 * module.RETRY_S
+    assert precise.unprepared(targets) == []  # loaded: never again
+
+
 def test_tokenizer_flags_name_a_tokenizer_per_model():
     from kubellm.gateway.routing.precise import tokenizer_pairs
 
