@@ -33,24 +33,16 @@ class KubernetesBackend:
         self.namespace = namespace
 
     async def targets(self) -> list[Target]:
-        response = await self.client.get(kube.llmd_path(self.namespace))
-        response.raise_for_status()
-        out = []
-        for item in response.json().get("items", []):
-            target = _target(item)
-            if target is not None:
-                out.append(target)
-        return out
+        return [t for t in map(_target, await self._items()) if t is not None]
 
     async def adapter_targets(self) -> list[AdapterTarget]:
+        return [t for t in map(_adapter_target, await self._items()) if t is not None]
+
+    async def _items(self) -> list[dict[str, Any]]:
+        """The LLMDeployments of the namespace (all namespaces when None), as listed."""
         response = await self.client.get(kube.llmd_path(self.namespace))
         response.raise_for_status()
-        out = []
-        for item in response.json().get("items", []):
-            target = _adapter_target(item)
-            if target is not None:
-                out.append(target)
-        return out
+        return response.json().get("items", [])
 
     async def endpoints(self, target: Target | AdapterTarget) -> list[Endpoint]:
         selector = f"{DEPLOYMENT_LABEL}={target.name}"

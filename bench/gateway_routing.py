@@ -83,6 +83,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubellm import kv_blocks, metrics
+from kubellm.fleet.processes import free_port_pair
 from kubellm.sim_text import ApproxTokens, render_chat
 
 WORDS = [
@@ -330,19 +331,6 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 process.kill()
         self.tmp.cleanup()
-
-
-def free_port_pair() -> int:
-    """A free port whose next port is free too (KV events: publisher, replay)."""
-    for _ in range(100):
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 FALLBACKS = "kubellm_gateway_prefix_index_fallbacks_total"
