@@ -204,12 +204,14 @@ def test_an_hf_model_s_tokenizer_comes_from_its_own_repository_unless_a_flag_nam
         "b": model("b", "hf://org/b"),
         "c": model("c", "pvc://models/c"),
         "d": model("d", "hf://org/d"),
+        "e": model("e", "hf://not-an-org-slash-name"),  # malformed: nothing fetched
     }
     precise = PreciseRouting({"d": "/mnt/d-tokenizer"})
     precise.prepare(targets)
     assert loaded == [("org/a", "v2"), ("org/b", None), ("/mnt/d-tokenizer", None)]
     assert precise.unprepared(targets) == []  # tried once each; c stays unhashed
     assert precise.kv_hashes(targets["c"], BODY) == ()
+    assert precise.kv_hashes(targets["e"], BODY) == ()
 
 
 def test_a_tokenizer_that_failed_to_load_is_tried_again_after_a_while(
