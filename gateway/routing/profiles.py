@@ -95,7 +95,7 @@ class Shared:
     adapters: AdapterScorer | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Cycle:
     """One request's pass through a profile: what members found for the others."""
 
@@ -281,6 +281,14 @@ class Profiles:
                     if name not in REGISTRY:
                         raise ValueError(f"routing profile member {name!r} is not registered")
                     self.members[name] = REGISTRY[name](shared)
+        # per profile, its members in binding order (looked up once, not per request)
+        self._bound: dict[str, tuple[list[tuple[Member, float]], list[Member]]] = {
+            name: (
+                [(self.members[m], w) for m, w in spec.scorers],
+                [self.members[m] for m in (*EVERY_PROFILE, *spec.filters)],
+            )
+            for name, spec in PROFILES.items()
+        }
 
     def choose(self, target: ModelTarget, request: RoutingRequest) -> str:
         """The profile for this request: the model's policy, or its `cold` choice."""
@@ -297,16 +305,16 @@ class Profiles:
     ) -> tuple[Profile, RoutingRequest]:
         """Profile `name`'s members bound to one request (scorers first: they may tell
         the filters what they found), and the request as the members completed it."""
-        spec = PROFILES[name]
+        members, filter_members = self._bound[name]
         cycle = Cycle(target, request, candidates)
         scorers = []
-        for member, weight in spec.scorers:
-            scorer = self.members[member].bind(cycle)
+        for member, weight in members:
+            scorer = member.bind(cycle)
             if scorer is not None:
                 scorers.append((scorer, weight))
         filters = []
-        for member in (*EVERY_PROFILE, *spec.filters):
-            bound = self.members[member].bind(cycle)
+        for member in filter_members:
+            bound = member.bind(cycle)
             if bound is not None:
                 filters.append(bound)
         return Profile(filters, scorers), cycle.request  # type: ignore[arg-type]
