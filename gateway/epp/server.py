@@ -1,15 +1,20 @@
 """The endpoint picker's servers: ext_proc over gRPC (with the gRPC health services the
 protocol names) and `/metrics` over HTTP.
 
-One ext_proc stream carries one HTTP exchange. `Exchange` follows it:
+One ext_proc stream carries one HTTP exchange. `Exchange` follows it and translates its
+messages into calls on the request's ticket (`routing.lifecycle`), which holds every
+routing state and the SLO outcome (the same calls the HTTP gateway makes):
 
 - request headers, then the body (full-duplex: buffered here until the end; buffered
-  mode: one message) -> parse the OpenAI request, admit it through the routing core,
-  answer with the picked endpoints (or an OpenAI-format error as an immediate response:
-  400 bad body, 404 unknown model, 413 too large, 429 shed, 503 nothing to send it to);
-- response headers and body chunks -> outlier feedback (5xx before any byte), TTFT and
-  ITL into the gateway's metric names, and the in-flight count released at the end,
-  or when the stream closes early (client gone, replica died mid-stream).
+  mode: one message) -> parse the OpenAI request, `admit` it through the routing core,
+  `ticket.attempt` the first replica and answer with the picked endpoints (or an
+  OpenAI-format error as an immediate response: 400 bad body, 404 unknown model, 413 too
+  large, the core's 429/503 with Retry-After);
+- response headers -> `attempt.started` / `attempt.failed` (a replica's 5xx is answered
+  with the core's 502), `ticket.respond`; body chunks -> `ticket.chunk`; the response's
+  end, or the stream closing early (client gone, replica died mid-stream) -> `finish`;
+- messages out of the protocol's order close the stream with INVALID_ARGUMENT, and every
+  slot the exchange held is released.
 
 The fallback API in this mode: when admission says FALLBACK the request goes to the
 fallback forwarder (`--fallback-forwarder`, a `kubellm gateway` serving the models'
@@ -24,7 +29,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,15 +38,15 @@ import aiohttp
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from kubellm.gateway.discovery.base import Discovery, ModelTarget, find_model
+from kubellm.gateway.discovery.base import Discovery, find_model
 from kubellm.gateway.epp import messages as m
 from kubellm.gateway.protocol import errors
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.openai import PATHS, parse_body
 from kubellm.gateway.routing import slo
-from kubellm.gateway.routing.admission import Route
+from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Attempt, Ticket
 from kubellm.gateway.routing.router import routing_request
-from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings, labels
+from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger("kubellm.epp")
@@ -51,7 +56,6 @@ FORWARDER_TTL_SECONDS = 30.0
 HEALTH_SERVICES = ("", "liveness", "readiness", m.SERVICE, "inference-extension")
 SESSION_HEADER = "x-session-id"
 DONE = b"data: [DONE]"
-ROUTE_HEADER = "x-kubellm-route"
 
 
 @dataclass
@@ -121,12 +125,18 @@ class EndpointPicker:
     async def process(
         self, requests: AsyncIterator[m.ProcessingRequest], context: Any
     ) -> AsyncIterator[m.ProcessingResponse | bytes]:
-        """One ext_proc stream: one HTTP exchange."""
+        """One ext_proc stream: one HTTP exchange. Messages out of the protocol's order
+        close the stream with INVALID_ARGUMENT; whatever ends it, every slot the exchange
+        acquired is released (`Exchange.close`)."""
         exchange = Exchange(self)
+        violation: OutOfOrder | None = None
         try:
             async for request in requests:
                 try:
                     answers = await exchange.handle(request)
+                except OutOfOrder as error:
+                    violation = error
+                    break
                 except Exception:  # a bug here must not hang the client's request
                     log.exception("ext_proc message failed")
                     answers = [exchange.refuse(
@@ -136,10 +146,29 @@ class EndpointPicker:
                     yield answer
         finally:
             exchange.close()
+        if violation is not None:
+            log.warning("ext_proc stream closed: %s", violation)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(violation))
+
+
+class OutOfOrder(Exception):
+    """An ext_proc message the protocol does not allow at this point of the exchange."""
+
+
+# Which messages may come in each phase of an exchange (Envoy's order: request headers
+# once, the body and trailers, then the response's headers, body and trailers).
+_ALLOWED = {
+    "start": frozenset({"request_headers"}),
+    "body": frozenset({"request_body", "request_trailers"}),
+    "routed": frozenset({"request_body", "request_trailers", "response_headers"}),
+    "response": frozenset({"response_body", "response_trailers"}),
+    "ended": frozenset({"response_trailers"}),
+}
 
 
 class Exchange:
-    """What the picker knows about one HTTP exchange while Envoy streams it through."""
+    """One HTTP exchange while Envoy streams it through: ext_proc messages translated into
+    calls on the request's ticket (`routing.lifecycle`), which holds every routing state."""
 
     def __init__(self, picker: EndpointPicker) -> None:
         self.picker = picker
@@ -149,17 +178,18 @@ class Exchange:
         self.headers: dict[str, str] = {}
         self.subset: list[str] | None = None
         self.body = bytearray()
-        self.routed = False  # answered: routed, or refused
-        self.refused = False
-        self.route = "none"
-        self.url: str | None = None  # the replica picked first
-        self.target: ModelTarget | None = None
-        self.record: slo.RequestRecord | None = None
-        self.timing: slo.StreamTiming | None = None
-        self.release: Callable[[], None] | None = None
-        self.status = 0
-        self.finished = False
+        self.phase = "start"
+        self.arrived = time.monotonic()
+        self.ticket: Ticket | None = None
+        self.attempt: Attempt | None = None  # the replica the request was sent to
+        self.slot: Attempt | None = None  # a request naming no model: its in-flight slot
         self.done_seen = False  # the stream's `data: [DONE]` went by: the answer is whole
+
+    @property
+    def url(self) -> str | None:
+        """The replica the request went to (None: none)."""
+        held = self.attempt or self.slot
+        return None if held is None else held.url
 
     # ------------------------------------------------------------------ messages
 
@@ -168,31 +198,35 @@ class Exchange:
         if modes is not None:
             self.request_mode, self.response_mode = modes
         kind = m.kind(request)
+        if kind not in _ALLOWED[self.phase]:
+            if kind not in _KINDS:
+                return []
+            raise OutOfOrder(f"ext_proc message {kind} is out of order ({self.phase})")
         if kind == "request_headers":
             return await self._request_headers(request)
         if kind == "request_body":
             return await self._request_body(request)
         if kind == "request_trailers":
             answers: list[m.ProcessingResponse | bytes] = []
-            if not self.routed:
+            if self.phase == "body":
                 answers += await self._route(bytes(self.body), "request_headers")
-                if not self.refused and self.request_mode == m.FULL_DUPLEX:
+                if self.phase != "ended" and self.request_mode == m.FULL_DUPLEX:
                     answers += m.body_pieces(bytes(self.body))
             return [*answers, m.CONTINUE_REQUEST_TRAILERS]
         if kind == "response_headers":
             return self._response_headers(request)
         if kind == "response_body":
             return self._response_body(request)
-        if kind == "response_trailers":
-            self.finish()
-            return [m.CONTINUE_RESPONSE_TRAILERS]
-        return []
+        self.finish()  # response trailers
+        return [m.CONTINUE_RESPONSE_TRAILERS]
 
     async def _request_headers(self, request: m.ProcessingRequest) -> list[Any]:
         http = request.request_headers
         assert http is not None
+        self.arrived = time.monotonic()
         self.headers = m.headers(http)
         self.subset = m.subset(request)
+        self.phase = "body"
         if http.end_of_stream:  # no body: route now
             return await self._route(b"", "request_headers")
         if self.request_mode == m.FULL_DUPLEX:
@@ -209,7 +243,7 @@ class Exchange:
     async def _request_body(self, request: m.ProcessingRequest) -> list[Any]:
         http = request.request_body
         assert http is not None
-        if self.routed:  # a body after the answer (should not happen): pass it on
+        if self.phase == "routed":  # a body after the answer (should not happen): pass it on
             return [m.CONTINUE_REQUEST_BODY]
         self.body += http.body
         limit = self.picker.settings.max_body_bytes
@@ -220,7 +254,7 @@ class Exchange:
         body = bytes(self.body)
         if self.request_mode == m.FULL_DUPLEX:
             answers = await self._route(body, "request_headers")
-            if not self.refused:
+            if self.phase != "ended":
                 answers += m.body_pieces(body)
             return answers
         return await self._route(body, "request_body")
@@ -228,19 +262,25 @@ class Exchange:
     def _response_headers(self, request: m.ProcessingRequest) -> list[Any]:
         http = request.response_headers
         assert http is not None
+        self.phase = "response"
         values = m.headers(http)
         try:
-            self.status = int(values.get(":status", "0"))
+            status = int(values.get(":status", "0"))
         except ValueError:
-            self.status = 0
-        served = m.filter_metadata(request, self.picker.settings.metadata_namespace, m.SERVED)
-        if isinstance(served, str) and self.url and host_port(self.url) != served:
-            self._moved_to(served)
-        if self.url is not None and self.route == "replica":
-            if self.status >= 500:
-                self.sched.failed(self.url)
-            else:
-                self.sched.succeeded(self.url)
+            status = 0
+        ticket, attempt = self.ticket, self.attempt
+        if ticket is not None:
+            if attempt is not None:
+                served = m.filter_metadata(
+                    request, self.picker.settings.metadata_namespace, m.SERVED
+                )
+                if isinstance(served, str) and host_port(attempt.url) != served:
+                    attempt = self._moved_to(ticket, served) or attempt
+                if status >= 500:  # the core's 502 in place of the replica's error
+                    attempt.failed()
+                    return [self._immediate(ticket.attempts_failed(1))]
+                attempt.started()
+            ticket.respond(status)
         if http.end_of_stream:
             self.finish()
         return [m.CONTINUE_RESPONSE_HEADERS]
@@ -248,8 +288,8 @@ class Exchange:
     def _response_body(self, request: m.ProcessingRequest) -> list[Any]:
         http = request.response_body
         assert http is not None
-        if self.timing is not None and http.body:
-            self.timing.chunk(http.body, time.monotonic())
+        if self.ticket is not None and http.body:
+            self.ticket.chunk(http.body)
         if DONE in http.body:
             self.done_seen = True
         if http.end_of_stream:
@@ -261,16 +301,21 @@ class Exchange:
     # ------------------------------------------------------------------ routing
 
     def refuse(self, error: GatewayError) -> m.ProcessingResponse:
-        """An OpenAI-format error, answered by Envoy without going upstream."""
-        self.status = error.status
-        self.routed = self.refused = True  # nothing more to decide
-        if self.record is not None:
-            self.record.finish(self.route, error.status)
+        """An OpenAI-format error, answered by Envoy without going upstream: the ticket's
+        outcome when there is one, else counted as a request refused before a model."""
+        if self.ticket is not None:
+            self.ticket.fail(error)
+        else:
+            self.sched.refused(error)
+        return self._immediate(error)
+
+    def _immediate(self, error: GatewayError) -> m.ProcessingResponse:
+        self.phase = "ended"  # nothing more to decide
+        self._release()
         return m.immediate(error.status, error.body(), error.headers, details=error.code or "")
 
     async def _route(self, body: bytes, phase: str) -> list[Any]:
         path = self.headers.get(":path", "").split("?", 1)[0]
-        model: str | None = None
         parsed: dict[str, Any] = {}
         try:
             if path in PATHS:
@@ -285,41 +330,39 @@ class Exchange:
         model = found if isinstance(found, str) and found else None
         if model is None:
             return self._route_any(phase)
-        found = find_model(self.sched.discovery.snapshot(), model)  # a model or a LoRA adapter
-        if found is None:
+        match = find_model(self.sched.discovery.snapshot(), model)  # a model or a LoRA adapter
+        if match is None:
             return [self.refuse(errors.model_not_found(model))]
-        target, adapter = found
-        self.target = target
-        self.record = slo.RequestRecord(self.sched.metrics.target(labels(target)), time.monotonic())
+        target, adapter = match
         session = self.headers.get(SESSION_HEADER)
         routing = routing_request(target.served_name, parsed, session, adapter)
-        admission = await self.sched.admit(target, routing)
-        self.target = target = admission.target
-        if admission.route is Route.FALLBACK:
+        settings = self.picker.settings
+        ticket = self.ticket = await self.sched.admit(
+            target,
+            routing,
+            arrived=self.arrived,
+            stream=parsed.get("stream") is True,
+            fallback=settings.fallback_forwarder is not None,
+        )
+        if ticket.refusal is not None:
+            return [self._immediate(ticket.refusal)]
+        if ticket.route == "fallback":
             forwarder = await self.picker.forwarder()
             if forwarder is None:
-                return [self.refuse(errors.overloaded(model, 1, admission.status))]
-            self.route = "fallback"
-            self.release = self.sched.fallback_slot(target.served_name)
-            self.sched.metrics.fallback.labels(*labels(target), admission.reason).inc()
-            return [self._answer(phase, [forwarder], body, {"x-kubellm-fallback-reason":
-                                                             admission.reason})]  # fmt: skip
-        if admission.route is not Route.REPLICA:
-            return [self.refuse(errors.overloaded(model, 1, admission.status))]
+                retry = self.sched.settings.retry_after_seconds
+                return [self.refuse(errors.overloaded(model, retry, 503))]
+            extra = {"x-kubellm-fallback-reason": ticket.reason}
+            return [self._answer(phase, [forwarder], body, ticket.route, extra)]
         allowed = self.subset
-        order = [c for c in admission.order if allowed is None or host_port(c.url) in allowed]
-        if not order:
+        urls = ticket.urls(None if allowed is None else lambda url: host_port(url) in allowed)
+        if not urls:
             return [self.refuse(GatewayError(
                 503, f"No endpoint of model `{model}` is in the gateway's endpoint subset.",
                 "server_error", "service_unavailable",
             ))]  # fmt: skip
-        self.route = "replica"
-        self.url = order[0].url
-        self.release = self.sched.acquire(self.url)
-        self.sched.routed(target, routing, self.url, admission.order)
-        self.timing = slo.StreamTiming(start=self.record.arrived)
-        listed = [host_port(c.url) for c in order[: self.picker.settings.endpoints_per_answer]]
-        return [self._answer(phase, listed, body)]
+        self.attempt = ticket.attempt(urls[0])
+        listed = [host_port(u) for u in urls[: settings.endpoints_per_answer]]
+        return [self._answer(phase, listed, body, ticket.route)]
 
     def _route_any(self, phase: str) -> list[Any]:
         """A request naming no model (`GET /v1/models`, `/health`, ...): the least loaded
@@ -335,70 +378,61 @@ class Exchange:
                 503, "No model server endpoint is ready.", "server_error", "service_unavailable"
             ))]  # fmt: skip
         best = min(candidates, key=lambda c: (c.load, c.in_flight))
-        self.url = best.url
-        self.release = self.sched.acquire(best.url)
-        return [self._answer(phase, [host_port(best.url)], b"")]
+        self.slot = self.sched.slot(best.url)
+        return [self._answer(phase, [host_port(best.url)], b"", "none")]
 
     def _answer(
-        self, phase: str, endpoints: list[str], body: bytes, extra: dict[str, str] | None = None
+        self,
+        phase: str,
+        endpoints: list[str],
+        body: bytes,
+        route: str,
+        extra: dict[str, str] | None = None,
     ) -> m.ProcessingResponse:
-        self.routed = True
+        self.phase = "routed"
         settings = self.picker.settings
-        set_headers = {ROUTE_HEADER: self.route, **(extra or {})}
+        set_headers = {ROUTE_HEADER: route, **(extra or {})}
         if body:
             set_headers["content-length"] = str(len(body))
         return m.route_response(
             phase, endpoints, set_headers, settings.destination_header, settings.metadata_namespace
         )
 
-    def _moved_to(self, served: str) -> None:
-        """Envoy retried on a later endpoint of the list: count the request there."""
-        if self.target is None or self.route != "replica":
-            return
-        for endpoint in self.target.endpoints:
+    def _moved_to(self, ticket: Ticket, served: str) -> Attempt | None:
+        """Envoy retried on a later endpoint of the list: the request is counted there."""
+        for endpoint in ticket.target.endpoints:
             if host_port(endpoint.url) == served:
-                if self.release is not None:
-                    self.release()
-                self.url = endpoint.url
-                self.release = self.sched.acquire(endpoint.url)
-                return
+                self.attempt = ticket.attempt(endpoint.url)
+                return self.attempt
+        return None
 
     # ------------------------------------------------------------------ the end
 
     def finish(self) -> None:
         """The response ended normally."""
-        if self.finished:
-            return
-        if self.url is not None and self.route == "replica" and self.status < 500:
-            self.sched.completed(self.url)
-        self._end(None)
+        self.phase = "ended"
+        if self.ticket is not None:
+            self.ticket.finish()
+        self._release()
 
     def close(self) -> None:
         """The ext_proc stream closed: if the response had not ended, it broke; unless
         Envoy sends no response body (mode NONE): then the close is the end."""
-        if self.finished:
-            return
-        if self.status and (self.response_mode == m.NONE or self.done_seen):
-            self.finish()  # a client may hang up right after `[DONE]`, before the body's end
-        else:
-            self._end("stream closed before the response ended")
+        ticket = self.ticket
+        if ticket is not None and not ticket.done:
+            if ticket.status and (self.response_mode == m.NONE or self.done_seen):
+                ticket.finish()  # a client may hang up right after `[DONE]`, before the end
+            else:
+                ticket.finish("stream closed before the response ended")
+        self._release()
 
-    def _end(self, error: str | None) -> None:
-        self.finished = True
-        if self.release is not None:
-            self.release()
-            self.release = None
-        record, target = self.record, self.target
-        if record is None or target is None:
-            return
-        status = self.status or (499 if error else 200)
-        if self.timing is not None and self.route == "replica":
-            if error:
-                self.timing.failed(error)
-            record.streamed(self.timing, target.slo.ttft_seconds, target.slo.itl_seconds)
-        if error and self.status and self.status < 400:
-            status = 502  # the answer started and broke: a server-side failure
-        record.finish(self.route, status)
+    def _release(self) -> None:
+        if self.slot is not None:
+            self.slot.release()
+            self.slot = None
+
+
+_KINDS = frozenset(kind for kinds in _ALLOWED.values() for kind in kinds)
 
 
 # ---------------------------------------------------------------------------- servers

@@ -1,13 +1,15 @@
 """The HTTP front end: one OpenAI-compatible endpoint in front of a fleet.
 
 Per request: authenticate, read the body within its size and time limits, parse and
-check it (`protocol.openai`), find the model, then the routing core
-(`routing.scheduler`) decides before any byte is sent: replica, fallback, queue or
-refusal. Replica requests are forwarded best candidate first with retries until a
-replica gives its first byte (`relay.open_upstream`), then relayed (streams chunk
-by chunk) and timed for the SLO metrics. Every outcome is counted once in
-`kubellm_gateway_requests_total`; anything unexpected is a 500 in OpenAI's envelope
-with a request id, logged once.
+check it (`protocol.openai`), find the model, then the routing core decides before any
+byte is sent (`Scheduler.admit`, which returns the request's ticket,
+`routing.lifecycle`): replica, fallback, queue or the core's refusal. Replica requests
+are forwarded best candidate first with retries until a replica gives its first byte
+(`relay.open_upstream`, each try a `ticket.attempt`), then relayed (streams chunk by
+chunk, each through `ticket.chunk`); `ticket.finish` counts the outcome once, whatever
+ends the request. What this module keeps is HTTP: ASGI messages, headers, bodies, the
+envelopes the core's errors are rendered in; anything unexpected is a 500 in OpenAI's
+envelope with a request id, logged once.
 """
 
 from __future__ import annotations
@@ -22,23 +24,22 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 from kubellm.gateway.discovery.base import Discovery, FallbackTarget, ModelTarget, find_model
 from kubellm.gateway.http import relay, upstream
 from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
-from kubellm.gateway.http.upstream import Deadlines, Limits
+from kubellm.gateway.http.settings import GatewaySettings
 from kubellm.gateway.protocol import errors
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
 from kubellm.gateway.routing import slo
-from kubellm.gateway.routing.admission import Route, Thresholds
+from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Ticket
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.router import routing_request
-from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings, labels
+from kubellm.gateway.routing.scheduler import Scheduler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -57,72 +58,6 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-@dataclass
-class GatewaySettings:
-    """Knobs that are the gateway's own (per-model settings come from discovery).
-    docs/operations.md, "Timeouts and limits", says what each bounds and how to tune it."""
-
-    max_body_bytes: int = 8 * 1024 * 1024
-    api_key_hashes: frozenset[str] = frozenset()  # sha256 hex; empty: no authentication
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    max_queue: int = 256  # waiting requests per model
-    zero_replica_wait_seconds: float = 60.0  # queue budget while a model has no replica
-    retry_after_seconds: int = 1
-    attempts: int = 3  # replicas tried before the first byte
-    scrape_interval: float = 1.0
-    stale_after: float = 5.0
-    eject_after_failures: int = 3
-    eject_base_seconds: float = 5.0
-    adapter_affinity: bool = True  # LoRA: prefer replicas with the adapter in a slot
-    max_adapter_loads: int = 2  # LoRA adapter loads running at once (routing/adapters.py)
-    # Toward replicas and the fallback API; a model's spec.routing.timeouts overrides each.
-    connect_timeout: float = 2.0
-    first_byte_timeout: float | None = None  # None: 5 x the model's TTFT target, >= 10 s
-    idle_timeout: float = 60.0  # the longest silence between two chunks of a stream
-    total_timeout: float = 600.0  # the whole request (bounds non-streamed answers)
-    # What an upstream answer may be.
-    max_upstream_head_bytes: int = 64 * 1024
-    max_upstream_headers: int = 100
-    max_response_bytes: int = 32 * 1024 * 1024  # a non-streamed answer, held whole
-    # From clients (header timeout, keep-alive and the connection cap: `http.server`).
-    body_timeout: float = 30.0  # reading a request body, from its headers to its end
-    # Precise prefix routing: each model's tokenizer (served name -> directory or HF id).
-    tokenizers: dict[str, str] = field(default_factory=dict)
-
-    def scheduling(self) -> SchedulerSettings:
-        return SchedulerSettings(
-            thresholds=self.thresholds,
-            max_queue=self.max_queue,
-            zero_replica_wait_seconds=self.zero_replica_wait_seconds,
-            scrape_interval=self.scrape_interval,
-            stale_after=self.stale_after,
-            eject_after_failures=self.eject_after_failures,
-            eject_base_seconds=self.eject_base_seconds,
-            adapter_affinity=self.adapter_affinity,
-            max_adapter_loads=self.max_adapter_loads,
-            tokenizers=dict(self.tokenizers),
-        )
-
-    def limits(self) -> Limits:
-        return Limits(
-            self.max_upstream_head_bytes, self.max_upstream_headers, self.max_response_bytes
-        )
-
-    def timeouts(self, target: ModelTarget, stream: bool) -> tuple[float, Deadlines]:
-        """The connect timeout and stage deadlines for one request to `target`."""
-        t = target.routing.timeouts
-        total = t.total_seconds or self.total_timeout
-        first = (
-            t.first_byte_seconds
-            or self.first_byte_timeout
-            or max(10.0, 5 * target.slo.ttft_seconds)
-        )
-        if not stream:  # a non-streamed answer arrives whole: its first byte is its end
-            first = total
-        idle = t.idle_seconds or self.idle_timeout
-        return t.connect_seconds or self.connect_timeout, Deadlines(first, idle, total)
-
-
 class Gateway:
     """The HTTP front end of one process, over its routing core (`scheduler`)."""
 
@@ -135,7 +70,7 @@ class Gateway:
     ) -> None:
         self.discovery = discovery
         self.settings = s = settings or GatewaySettings()
-        self.scheduler = Scheduler(discovery, s.scheduling(), metrics)
+        self.scheduler = Scheduler(discovery, s.scheduler, metrics)
         self.metrics = self.scheduler.metrics
         self._client = client  # https replicas', the fallback API's and scraping's client
         self._replicas: upstream.Pool | None = None  # the plain-http replicas' client
@@ -220,10 +155,12 @@ class Gateway:
         Served without Starlette's request and response objects: a stream in flight
         holds few objects, and none in a reference cycle, so it costs the cyclic
         garbage collector little (its pauses land on every stream in flight).
+        The request's routing state is its ticket's (`routing.lifecycle`); this
+        translates HTTP into the ticket's calls and renders what the core decides.
         """
         arrived = time.monotonic()
         headers = _wanted_headers(scope["headers"])
-        call: _Call | None = None
+        call = _Call(path, headers, send)
         try:
             try:
                 self.authenticate(headers.get("authorization"))
@@ -235,55 +172,53 @@ class Gateway:
                 return await Response(status_code=499)(scope, receive, send)
             model = body["model"]
             found = find_model(self.discovery.snapshot(), model)  # a model or a LoRA adapter
-            target = found[0] if found else None
-            if target is None:
+            if found is None:
                 return await self._refused(errors.model_not_found(model))(scope, receive, send)
-            call = _Call(self.metrics.target(labels(target)), arrived, path, headers, send)
             # Until the answer is sent, a client that leaves cancels the work: the upstream
             # request is closed (its response is closed in `finally` blocks), so an engine
             # stops working for a client that left, queued, waiting or mid-stream.
             try:
                 async with relay.DisconnectWatch(receive) as watch:
-                    await self._route(call, target, raw, body)
-            except BaseException:
-                call.finish("none", 499)
-                raise
+                    await self._route(call, found[0], found[1], raw, body, arrived)
+            finally:
+                if call.ticket is not None:
+                    call.ticket.finish()  # once: a no-op after a normal end; else 499
             if watch.disconnected and not call.started:
-                call.finish("none", 499)  # queued or waiting for a non-streamed answer
                 await Response(status_code=499)(scope, receive, send)
         except Exception:
             request_id = _request_id(headers)
             log.exception("request %s failed with an unexpected error", request_id)
-            if call is not None:
-                call.finish("none", 500)
-            else:
-                self.metrics.requests.labels("", "", "", "none", "500").inc()
-            if call is None or not call.started:
+            error = errors.internal(request_id)
+            if call.ticket is not None and not call.ticket.done:
+                call.ticket.fail(error)
+            elif call.ticket is None:
+                self.scheduler.refused(error)
+            if not call.started:
                 with contextlib.suppress(Exception):
-                    await errors.internal(request_id).response()(scope, receive, send)
+                    await error.response()(scope, receive, send)
 
     async def _route(
-        self, call: _Call, target: ModelTarget, raw: bytes, body: dict[str, Any]
+        self,
+        call: _Call,
+        target: ModelTarget,
+        adapter: str | None,
+        raw: bytes,
+        body: dict[str, Any],
+        arrived: float,
     ) -> None:
-        """Admission, then forwarding to a replica or the fallback, or a refusal."""
-        adapter = body["model"] if body["model"] != target.served_name else None
+        """Admission, then forwarding to a replica or the fallback, or the core's refusal."""
         routing = routing_request(
             target.served_name, body, call.headers.get("x-session-id"), adapter
         )
-        admission = await self.scheduler.admit(target, routing)
-        target = admission.target
-        if admission.route is Route.REJECT:
-            # saturated: 429, come back soon; no replica at all: 503 until one is up
-            error = errors.overloaded(
-                target.served_name, self.settings.retry_after_seconds, admission.status
-            )
-            call.finish("none", error.status)
-            return await call.error(error)
         stream = body.get("stream") is True
-        if admission.route is Route.FALLBACK:
+        ticket = await self.scheduler.admit(target, routing, arrived=arrived, stream=stream)
+        call.ticket = ticket
+        if ticket.refusal is not None:
+            return await call.error(ticket.refusal)
+        target = ticket.target
+        if ticket.route == "fallback":
             assert target.fallback is not None
-            self.metrics.fallback.labels(*labels(target), admission.reason).inc()
-            return await self._forward_fallback(call, target, target.fallback, body, stream)
+            return await self._forward_fallback(call, ticket, target.fallback, body, stream)
         connect, deadlines = self.settings.timeouts(target, stream)
         headers = _forward_headers(call.headers)
         headers["x-request-id"] = _attempt_id(headers.get("x-request-id"))
@@ -291,42 +226,25 @@ class Gateway:
             call.path, raw, headers, stream, deadlines, connect,
             self.settings.attempts,
         )  # fmt: skip
-        order = admission.order
         try:
-            attempt = await relay.open_upstream(
-                forward, [c.url for c in order], self.scheduler, self.replicas, self.client
-            )
+            opened = await relay.open_upstream(forward, ticket, self.replicas, self.client)
         except relay.AllUpstreamsFailed as failed:
-            error = errors.upstream_failed(
-                f"No replica of `{target.served_name}` answered ({len(failed.failures)} tried)."
-            )
-            call.finish("replica", error.status)
-            return await call.error(error)
-        self.scheduler.routed(target, routing, attempt.url, order)
-        release, url, scheduler = attempt.release, attempt.url, self.scheduler
-
-        def release_completed() -> None:
-            nonlocal release
-            if release is not None:  # once: count the answer toward the completion rate
-                scheduler.completed(url)
-                release()
-                release = None
-
-        await self._answer(call, target, attempt.response, attempt.first, attempt.body,
-                           release_completed, "replica", None)  # fmt: skip
+            return await call.error(ticket.attempts_failed(len(failed.failures)))
+        await self._answer(call, ticket, opened.response, opened.first, opened.body, None)
 
     async def _forward_fallback(
         self,
         call: _Call,
-        target: ModelTarget,
+        ticket: Ticket,
         fallback: FallbackTarget,
         body: dict[str, Any],
         stream: bool,
     ) -> None:
-        """Send to the external API. Its answers are relayed only when they succeed: an
-        error body may carry the key the gateway sent it, so errors are the gateway's
-        own words; redirects are not followed (the prompt goes nowhere else)."""
-        release = self.scheduler.fallback_slot(target.served_name)
+        """Send to the external API (the ticket holds its concurrency slot). Its answers
+        are relayed only when they succeed: an error body may carry the key the gateway
+        sent it, so errors are the gateway's own words; redirects are not followed (the
+        prompt goes nowhere else)."""
+        target = ticket.target
         outgoing = dict(body)
         if fallback.model:
             outgoing["model"] = fallback.model
@@ -348,13 +266,12 @@ class Gateway:
             )
             response = AiohttpResponse(raw, self.settings.max_response_bytes)
             if response.status >= 300:
-                retry_after = self.settings.retry_after_seconds
-                failure = errors.fallback_refused(response.status, retry_after)
+                retry_after = self.scheduler.settings.retry_after_seconds
                 response.close()
-                release()
                 log.warning("fallback API answered HTTP %d for %s", raw.status, target.served_name)
-                call.finish("fallback", failure.status)
-                return await call.error(failure)
+                return await call.error(
+                    ticket.fail(errors.fallback_refused(response.status, retry_after))
+                )
             if stream:
                 first = await response.readchunk()
             else:
@@ -362,51 +279,34 @@ class Gateway:
         except relay.UPSTREAM_ERRORS as error:
             if response is not None:
                 response.close()
-            release()
             failure = errors.upstream_failed(f"The fallback API failed: {type(error).__name__}.")
-            call.finish("fallback", failure.status)
-            return await call.error(failure)
+            return await call.error(ticket.fail(failure))
         except BaseException:
             if response is not None:
                 response.close()
-            release()
             raise
-        await self._answer(call, target, response, first, content, release, "fallback",
-                           target.served_name)  # fmt: skip
+        await self._answer(call, ticket, response, first, content, target.served_name)
 
     async def _answer(
         self,
         call: _Call,
-        target: ModelTarget,
+        ticket: Ticket,
         response: AnyResponse,
         first: bytes,
         content: bytes | None,
-        release: Callable[[], None],
-        route: str,
         rename: str | None,
     ) -> None:
         """Send an upstream's answer to the client: `content` when read whole, else the
-        stream from `first` on."""
-        series = call.series
+        stream from `first` on; each piece goes through the ticket, which ends with it."""
         status = response.status
+        route = ticket.route
+        ticket.respond(status)
         if content is not None:
             response.close()
-            release()
+            ticket.chunk(content)
+            ticket.finish()
             if rename and status == 200:
                 content = _rename_json(content, rename)
-            elapsed = time.monotonic() - call.arrived
-            if status == 200:
-                series.ttft.observe(elapsed)
-                if route == "fallback":
-                    for kind, count in _usage(content).items():
-                        self.metrics.fallback_tokens.labels(*series.labels, kind).inc(count)
-                s = target.slo
-                # within the TTFT target, the budget is met whatever the token count: no parse
-                if elapsed <= s.ttft_seconds or elapsed <= (
-                    s.ttft_seconds + s.itl_seconds * _completion_tokens(content)
-                ):
-                    series.goodput.inc()
-            call.finish(route, status)
             call.started = True
             content_type = _content_type(response.headers, "application/json")
             await call.send(
@@ -419,10 +319,11 @@ class Gateway:
             await call.send({"type": "http.response.body", "body": content})
             return
 
-        timing = slo.StreamTiming(start=call.arrived)
         call.started = True
+        broken: str | None = None
+        gone = False
         try:
-            with contextlib.suppress(OSError):  # the client's connection broke: stop
+            try:
                 content_type = _content_type(response.headers, "text/event-stream")
                 await call.send(
                     {
@@ -431,17 +332,19 @@ class Gateway:
                         "headers": _response_headers(route, content_type, status, None),
                     }
                 )
-                await relay.relay(response, first, call.send, timing, rename)
-        finally:  # however the stream ended (a client leaving cancels the relay)
+                broken = await relay.relay(response, first, call.send, ticket, rename)
+            except OSError:  # the client's connection broke: stop
+                gone = True
+            except asyncio.CancelledError:  # the client left (DisconnectWatch)
+                gone = True
+                raise
+        finally:  # however the stream ended
             response.close()
-            release()
-            s = target.slo
-            completed = call.record.streamed(timing, s.ttft_seconds, s.itl_seconds)
-            call.finish(route, status if completed or status != 200 else 502)
+            ticket.finish(broken, client_gone=gone)
 
     def _refused(self, error: GatewayError) -> Response:
         """Count a request refused before it had a model (labels empty: no cardinality)."""
-        self.metrics.requests.labels("", "", "", "none", str(error.status)).inc()
+        self.scheduler.refused(error)
         return error.response()
 
     async def list_models(self, request: Request) -> Response:
@@ -471,28 +374,16 @@ class Gateway:
 
 
 class _Call:
-    """One completion request: what its handlers share, and its outcome counted once."""
+    """One completion request: what its handlers share (its routing state is the ticket's)."""
 
-    __slots__ = ("arrived", "headers", "path", "record", "send", "series", "started")
+    __slots__ = ("headers", "path", "send", "started", "ticket")
 
-    def __init__(
-        self,
-        series: slo.TargetMetrics,
-        arrived: float,
-        path: str,
-        headers: dict[str, str],
-        send: Send,
-    ) -> None:
-        self.series = series
-        self.record = slo.RequestRecord(series, arrived)
-        self.arrived = arrived
+    def __init__(self, path: str, headers: dict[str, str], send: Send) -> None:
         self.path = path
         self.headers = headers
         self.send = send
         self.started = False  # the answer's status line went out
-
-    def finish(self, route: str, code: int) -> None:
-        self.record.finish(route, code)
+        self.ticket: Ticket | None = None
 
     async def error(self, error: GatewayError) -> None:
         self.started = True
@@ -538,6 +429,8 @@ def _request_id(headers: dict[str, str]) -> str:
     return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
 
+_ROUTE_HEADER = ROUTE_HEADER.encode()
+
 # A media type as RFC 9110 allows it, printable ASCII only: never a CR or LF to relay.
 _MEDIA_TYPE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+/[!#$%&'*+.^_`|~0-9A-Za-z-]+[ -~]{0,200}")
 
@@ -553,7 +446,7 @@ def _response_headers(
 ) -> list[tuple[bytes, bytes]]:
     """What Starlette's Response (`length`: its body's) or StreamingResponse (None) sends with
     the `x-kubellm-route` header and the upstream's content type."""
-    headers = [(b"x-kubellm-route", route.encode("latin-1"))]
+    headers = [(_ROUTE_HEADER, route.encode("latin-1"))]
     if length is not None and not (status < 200 or status in (204, 304)):
         headers.append((b"content-length", str(length).encode("latin-1")))
     if content_type.startswith("text/") and "charset=" not in content_type.lower():
@@ -575,26 +468,6 @@ def _rename_json(content: bytes, served_name: str) -> bytes:
         data["model"] = served_name
         return json.dumps(data).encode()
     return content
-
-
-def _usage(content: bytes) -> dict[str, int]:
-    """prompt and completion token counts from a non-streamed response's `usage`."""
-    try:
-        usage = json.loads(content).get("usage") or {}
-        return {
-            "prompt": int(usage.get("prompt_tokens") or 0),
-            "completion": int(usage.get("completion_tokens") or 0),
-        }
-    except (ValueError, AttributeError, TypeError, RecursionError):
-        return {}
-
-
-def _completion_tokens(content: bytes) -> int:
-    try:
-        usage = json.loads(content).get("usage") or {}
-        return int(usage.get("completion_tokens") or 0)
-    except (ValueError, AttributeError, TypeError, RecursionError):
-        return 0
 
 
 class _Completions:

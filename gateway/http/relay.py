@@ -21,15 +21,13 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import aiohttp
 from kubellm.gateway.http import upstream
 from kubellm.gateway.http.upstream import Deadlines, UpstreamError
 from kubellm.gateway.protocol.errors import sse_error_event
-from kubellm.gateway.routing.slo import TOKEN, StreamTiming
+from kubellm.gateway.routing.lifecycle import Ticket
 from starlette.types import Receive, Send
 
 FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "openai-organization")
@@ -99,16 +97,6 @@ class AiohttpResponse:
 AnyResponse = upstream.Response | AiohttpResponse
 
 
-class Replicas(Protocol):
-    """What forwarding reports to the routing core (`routing.scheduler.Scheduler`)."""
-
-    def acquire(self, url: str) -> Callable[[], None]: ...
-
-    def failed(self, url: str, fatal: bool = False) -> None: ...
-
-    def succeeded(self, url: str) -> None: ...
-
-
 @dataclass(frozen=True)
 class Forward:
     """One request to forward: what to send, where, and how long each stage may take."""
@@ -123,14 +111,13 @@ class Forward:
 
 
 @dataclass
-class Attempt:
-    """The replica that answered: its response, what was read of it, and the release for
-    its in-flight slot. `first` is the first body piece of a stream; `body` the whole
+class Opened:
+    """The replica that answered: its response and what was read of it (its in-flight
+    slot is the ticket's). `first` is the first body piece of a stream; `body` the whole
     answer when not streamed (None while streaming)."""
 
     url: str
     response: AnyResponse
-    release: Callable[[], None]
     first: bytes = b""
     body: bytes | None = None
     failures: list[str] = field(default_factory=list)
@@ -170,53 +157,51 @@ async def _post(
 
 async def open_upstream(
     forward: Forward,
-    urls: Sequence[str],
-    replicas: Replicas,
+    ticket: Ticket,
     pool: upstream.Pool,
     session: aiohttp.ClientSession | None = None,
-) -> Attempt:
-    """Send `forward` to `urls` (best first) until one gives a usable start; see the module."""
+) -> Opened:
+    """Send `forward` to the ticket's replicas (best first) until one gives a usable
+    start; see the module. Each try is a `ticket.attempt`, failed or started."""
     failures: list[str] = []
     start = time.monotonic()
     budget = forward.deadlines
-    for url in list(urls)[: max(1, forward.attempts)]:
+    for url in ticket.urls()[: max(1, forward.attempts)]:
         left = budget.total - (time.monotonic() - start)
         if left <= 0:
             failures.append("the request's total timeout passed")
             break
         deadlines = Deadlines(min(budget.first_byte, left), budget.idle, left)
-        release = replicas.acquire(url)
+        attempt = ticket.attempt(url)
         response: AnyResponse | None = None
         try:
             response = await _post(forward, url, deadlines, pool, session)
             if response.status >= 500:
-                replicas.failed(url)
+                attempt.failed()
                 failures.append(f"{url}: HTTP {response.status}")
                 response.close()
-                release()
                 continue
             if forward.stream and response.status == 200:
-                attempt = Attempt(url, response, release, first=await response.readchunk())
+                opened = Opened(url, response, first=await response.readchunk())
             else:
-                attempt = Attempt(url, response, release, body=await response.read())
+                opened = Opened(url, response, body=await response.read())
         except UPSTREAM_ERRORS as error:
             fatal = isinstance(
                 error, upstream.ConnectFailed | upstream.ReadTimeout | aiohttp.ClientConnectorError
             )
-            replicas.failed(url, fatal=fatal)
+            attempt.failed(fatal=fatal)
             failures.append(f"{url}: {error}")
             if response is not None:
                 response.close()
-            release()
             continue
         except BaseException:
             if response is not None:
                 response.close()
-            release()
+            attempt.abandon()
             raise
-        replicas.succeeded(url)
-        attempt.failures = failures
-        return attempt
+        attempt.started()
+        opened.failures = failures
+        return opened
     raise AllUpstreamsFailed(failures)
 
 
@@ -247,21 +232,22 @@ async def relay(
     response: AnyResponse,
     first: bytes,
     send: Send,
-    timing: StreamTiming,
+    ticket: Ticket,
     rename: str | None = None,
-) -> None:
+) -> str | None:
     """Send the upstream body to the client as ASGI body messages, one per HTTP chunk as
-    it arrives (`first`: the piece already read), then end the response. `rename`: the
-    served name to put in the events' `model` (fallback answers). The caller sends the
+    it arrives (`first`: the piece already read), each passed to `ticket.chunk`, then end
+    the response. `rename`: the served name to put in the events' `model` (fallback
+    answers). Returns why the upstream broke mid-stream, or None. The caller sends the
     status line and closes the upstream response."""
     read = response.readchunk
-    search = TOKEN.search
+    chunk = ticket.chunk
     monotonic = time.monotonic
     pending = b""
     data = first
+    broken: str | None = None
     while data:
-        if search(data):
-            timing.token(monotonic())
+        chunk(data, monotonic())
         if rename is not None:  # whole events only: an event may span chunks
             pending += data
             complete, sep, pending = pending.rpartition(b"\n\n")
@@ -271,7 +257,7 @@ async def relay(
         try:
             data = await read()
         except UPSTREAM_ERRORS as error:
-            timing.failed(error)
+            broken = f"upstream stream failed: {type(error).__name__}"
             pending = b""  # an incomplete event is dropped, never half-sent
             await send({"type": "http.response.body", "body": MID_STREAM_ERROR, "more_body": True})
             break
@@ -279,6 +265,7 @@ async def relay(
         tail = rename_model_in_sse(pending, rename) if rename else pending
         await send({"type": "http.response.body", "body": tail, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return broken
 
 
 class DisconnectWatch:

@@ -1,15 +1,11 @@
 """The scheduler: what one gateway process knows about its fleet, and where each request goes.
 
-Both front ends drive it the same way:
-
-1. `admit(target, routing)` waits (bounded) until the request can go somewhere and
-   returns an `Admission`: a replica route with the candidates best first, the
-   fallback API, or a refusal (429 when saturated, 503 when no replica exists);
-2. for a replica route, `acquire(url)` counts the request on the replica it is sent to
-   and returns its release; `failed(url, ...)` / `succeeded(url)` feed outlier ejection;
-   `routed(...)` records where it went for prefix affinity; `completed(url)` feeds the
-   completion rate that predicts queue waits;
-3. for the fallback route, `fallback_slot(model)` holds one of its concurrency slots.
+Both front ends drive it the same way: `admit(target, routing, ...)` waits (bounded)
+until the request can go somewhere and returns a `lifecycle.Ticket` that owns the rest of
+the request's life (a replica route with the candidates best first, the fallback API with
+its concurrency slot held, or a refusal: 429 when saturated, 503 when no replica exists).
+The ticket calls back into the scheduler (`acquire`, `failed`, `succeeded`, `routed`,
+`completed`, `fallback_slot`); front ends do not.
 
 The HTTP front end (`kubellm.gateway.http`) sends the bytes itself; the endpoint picker
 (`kubellm.gateway.epp`) answers with the chosen endpoints and lets Envoy send them.
@@ -23,7 +19,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -32,60 +27,21 @@ from kubellm.gateway.routing import adapters, engine_api, slo
 from kubellm.gateway.routing.admission import (
     CompletionRate,
     Route,
-    Thresholds,
     decide,
     predicted_wait,
     saturated,
 )
+from kubellm.gateway.routing.lifecycle import Attempt, Ticket, labels
 from kubellm.gateway.routing.load import LoadView, scrape_loop
 from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.precise import PreciseRouting
 from kubellm.gateway.routing.router import Router
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.settings import SchedulerSettings
+
+__all__ = ["Scheduler", "SchedulerSettings", "labels"]
 
 from kubellm.metrics import parse_lora_info
-
-
-@dataclass
-class SchedulerSettings:
-    """Admission and health knobs shared by every model of one process."""
-
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    max_queue: int = 256  # waiting requests per model
-    zero_replica_wait_seconds: float = 60.0  # queue budget while a model has no replica
-    scrape_interval: float = 1.0
-    stale_after: float = 5.0
-    eject_after_failures: int = 3
-    eject_base_seconds: float = 5.0
-    # LoRA (routing/adapters.py): prefer replicas with the adapter in a slot (False:
-    # adapter-blind, for comparison), and how many adapter loads may run at once
-    adapter_affinity: bool = True
-    max_adapter_loads: int = 2
-    # spec.routing.prefixIndex precise: each model's tokenizer (served name -> a local
-    # directory or a Hugging Face id), to hash prompts as its engines do (routing/precise.py)
-    tokenizers: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Admission:
-    """Where one request goes: `target` is the model as it is now (endpoints may have
-    changed while the request waited), `order` the replica candidates best first."""
-
-    target: ModelTarget
-    route: Route
-    reason: str
-    order: list[Candidate]
-    waited: float
-
-    @property
-    def status(self) -> int:
-        """The HTTP status of a refusal: 429 while saturated, 503 with no replica at all."""
-        return 429 if self.reason == "saturated" else 503
-
-
-def labels(target: ModelTarget) -> tuple[str, str, str]:
-    """The metric labels of a model: served name, deployment, namespace."""
-    return (target.served_name, target.deployment, target.namespace)
 
 
 class Scheduler:
@@ -202,9 +158,35 @@ class Scheduler:
 
     # ---------------------------------------------------------------- admission
 
-    async def admit(self, target: ModelTarget, routing: RoutingRequest) -> Admission:
+    async def admit(
+        self,
+        target: ModelTarget,
+        routing: RoutingRequest,
+        *,
+        arrived: float | None = None,
+        stream: bool = False,
+        fallback: bool = True,
+    ) -> Ticket:
         """Wait (bounded by the TTFT target, or the scale-from-zero wait while the model
-        has no replica) until the request can go somewhere; see `admission.decide`."""
+        has no replica) until the request can go somewhere (see `admission.decide`), and
+        return its ticket. `arrived`: when the request arrived (its TTFT starts there);
+        `stream`: it asked for a stream; `fallback` False: this front end cannot reach
+        the fallback API (the model is admitted as if it had none). A refused ticket is
+        finished already and carries the error in `refusal`; a caller cancelled while
+        waiting (its client left) gets its ticket finished as 499."""
+        start = time.monotonic()
+        ticket = Ticket(self, target, routing, start if arrived is None else arrived, stream)
+        try:
+            route, reason, order, target = await self._decide(target, routing, fallback)
+        except BaseException:
+            ticket.finish()
+            raise
+        ticket._admitted(route, reason, order, target)
+        return ticket
+
+    async def _decide(
+        self, target: ModelTarget, routing: RoutingRequest, fallback_allowed: bool
+    ) -> tuple[Route, str, list[Candidate], ModelTarget]:
         model = target.served_name
         start = time.monotonic()
         ready_now = bool(self.router.candidates(target))
@@ -238,7 +220,7 @@ class Scheduler:
                 decision = decide(
                     ready=len(candidates),
                     unsaturated=len(open_),
-                    fallback=target.fallback,
+                    fallback=target.fallback if fallback_allowed else None,
                     fallback_in_flight=self.fallback_in_flight.get(model, 0),
                     may_wait=room and now < deadline,
                     wait=predicted_wait(position, rate),
@@ -253,7 +235,7 @@ class Scheduler:
                     self.metrics.target(labels(target)).queue_wait.observe(waited)
                     if routing.adapter is not None:
                         self.adapter_placed(target, routing.adapter, decision.route, order, loaded)
-                    return Admission(target, decision.route, decision.reason, order, waited)
+                    return decision.route, decision.reason, order, target
                 if not queued:
                     queued = True
                     self.queued[model] = self.queued.get(model, 0) + 1
@@ -310,6 +292,15 @@ class Scheduler:
     def acquire(self, url: str) -> Callable[[], None]:
         """Count one request on replica `url`; the returned callback releases it (once)."""
         return self.load.acquire(url)
+
+    def slot(self, url: str) -> Attempt:
+        """An in-flight slot on `url` for a request outside any model (no ticket: no SLO
+        outcome, no health verdict); `release()` frees it."""
+        return Attempt(None, url, self.load.acquire(url))
+
+    def refused(self, error: Any) -> None:
+        """Count a request refused before it named a model (labels empty: no cardinality)."""
+        self.metrics.requests.labels("", "", "", "none", str(error.status)).inc()
 
     def failed(self, url: str, fatal: bool = False) -> None:
         """A replica failed before its first byte. `fatal` (refused, frozen): eject now."""

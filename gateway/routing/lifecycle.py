@@ -1,0 +1,350 @@
+"""The life of one request in the routing core: admission returns a `Ticket`, and the
+front ends translate their protocol into a handful of calls on it.
+
+    ticket = await scheduler.admit(target, routing, arrived=t0, stream=s)
+    ticket.refusal                    # the core's error answer (429/503 + Retry-After), or None
+    ticket.route                      # "replica", "fallback" or "none"
+    for url in ticket.urls():         # replica route: best first
+        attempt = ticket.attempt(url) # holds an in-flight slot on the replica
+        attempt.failed(fatal=...)     # no usable start: outlier feedback, slot freed
+        attempt.started()             # it answers: outlier success, prefix/session recorded
+    ticket.respond(status)            # the answer's status line
+    ticket.chunk(data)                # each body piece, as it passes to the client
+    ticket.fail(error)                # the answer is an error the core chose (caller renders)
+    ticket.finish(broken=...)         # the end: exactly once, whatever happened
+
+Everything about the request lives here, once for both front ends: the request record
+(pending gauge, requests by route and status, end-to-end time), the in-flight slots (one
+replica attempt at a time) and the fallback concurrency slot, outlier feedback, prefix and
+adapter recording, the completion rate that predicts queue waits, and the SLO outcome:
+
+- TTFT: arrival to the first event carrying generated text (streams), or to the whole
+  answer (non-streamed: its first byte is its end), on every route;
+- ITL: the gaps between events carrying text, per event, not per network chunk (events
+  that arrive in one chunk are 0 s apart), so the count does not depend on how a proxy
+  cuts the bytes; a non-streamed answer has none;
+- goodput: a 200 answer that ended whole, its TTFT within the target, and its mean ITL
+  within the target; for a non-streamed answer of n completion tokens the gateway sees
+  only the end, so it counts when it arrived within TTFT target + ITL target x (n - 1):
+  the end of a stream that met both targets;
+- fallback tokens: the `usage` of a fallback answer (the JSON body, or a stream's usage
+  event), by kind.
+
+`finish` releases every slot and counts the outcome once; later calls do nothing, so a
+front end calls it from every exit (a client gone, an exception, a stream closed early).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kubellm.gateway.discovery.base import ModelTarget
+from kubellm.gateway.protocol import errors
+from kubellm.gateway.protocol.errors import GatewayError
+from kubellm.gateway.routing.admission import Route
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.slo import TOKEN, RequestRecord, StreamTiming
+
+if TYPE_CHECKING:
+    from kubellm.gateway.routing.scheduler import Scheduler
+
+# The response header both front ends set: which route answered (replica, fallback).
+ROUTE_HEADER = "x-kubellm-route"
+
+# A non-streamed answer is kept for its `usage` up to this size (a larger one counts no
+# tokens); an SSE event split across chunks is kept up to EVENT_CARRY_BYTES.
+USAGE_BYTES = 4 * 1024 * 1024
+EVENT_CARRY_BYTES = 64 * 1024
+
+
+def labels(target: ModelTarget) -> tuple[str, str, str]:
+    """The metric labels of a model: served name, deployment, namespace."""
+    return (target.served_name, target.deployment, target.namespace)
+
+
+class Attempt:
+    """One try of a request on one replica: holds its in-flight slot until it fails, is
+    replaced, or the ticket finishes."""
+
+    __slots__ = ("_release", "ticket", "url")
+
+    def __init__(self, ticket: Ticket | None, url: str, release: Callable[[], None]) -> None:
+        self.ticket = ticket
+        self.url = url
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        """Free the in-flight slot (once)."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def failed(self, fatal: bool = False) -> None:
+        """No usable start (error, 5xx, timeout before the first byte): counts toward the
+        replica's ejection (`fatal`, refused or frozen: at once) and frees the slot."""
+        if self.ticket is not None:
+            self.ticket._core.failed(self.url, fatal=fatal)
+            if self.ticket._attempt is self:
+                self.ticket._attempt = None
+        self.release()
+
+    def abandon(self) -> None:
+        """The request ended while this attempt was under way (the client left): no health
+        verdict on the replica, the slot freed."""
+        if self.ticket is not None and self.ticket._attempt is self:
+            self.ticket._attempt = None
+        self.release()
+
+    def started(self) -> None:
+        """The replica answers (a first byte, or a status under 500): outlier success, and
+        the request is recorded there (prefix index, session, prefix match)."""
+        ticket = self.ticket
+        if ticket is None:
+            return
+        ticket._core.succeeded(self.url)
+        ticket.served = self.url
+        if not ticket._recorded:
+            ticket._recorded = True
+            ticket._core.routed(ticket.target, ticket.routing, self.url, ticket.order)
+
+
+class Ticket:
+    """One request, from admission to its end; see the module."""
+
+    __slots__ = (
+        "_attempt",
+        "_body",
+        "_carry",
+        "_core",
+        "_fallback",
+        "_recorded",
+        "_size",
+        "_usage",
+        "arrived",
+        "done",
+        "order",
+        "reason",
+        "record",
+        "refusal",
+        "route",
+        "routing",
+        "served",
+        "status",
+        "stream",
+        "target",
+        "timing",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        core: Scheduler,
+        target: ModelTarget,
+        routing: RoutingRequest,
+        arrived: float,
+        stream: bool,
+    ) -> None:
+        self._core = core
+        self.target = target
+        self.routing = routing
+        self.arrived = arrived
+        self.stream = stream
+        self.record = RequestRecord(core.metrics.target(labels(target)), arrived)
+        self.route = "none"
+        self.reason = ""
+        self.order: list[Candidate] = []
+        self.refusal: GatewayError | None = None
+        self.status = 0  # the answer's status line, once known
+        self.served: str | None = None  # the replica that answers
+        self.done = False
+        self.timing = StreamTiming(start=arrived)
+        self._attempt: Attempt | None = None
+        self._fallback: Callable[[], None] | None = None
+        self._recorded = False
+        self._body: list[bytes] | None = None if stream else []  # kept, not copied
+        self._size = 0
+        self._carry = b""
+        self._usage: dict[str, int] | None = None
+
+    # ------------------------------------------------------------ admission (the core's)
+
+    def _admitted(
+        self, route: Route, reason: str, order: list[Candidate], target: ModelTarget
+    ) -> None:
+        core = self._core
+        self.target = target
+        self.reason = reason
+        if route is Route.REPLICA:
+            self.route = "replica"
+            self.order = order
+        elif route is Route.FALLBACK:
+            self.route = "fallback"
+            self._fallback = core.fallback_slot(target.served_name)
+            core.metrics.fallback.labels(*self.record.series.labels, reason).inc()
+        else:  # saturated: 429, come back soon; no replica at all: 503 until one is up
+            status = 429 if reason == "saturated" else 503
+            retry = core.settings.retry_after_seconds
+            self.fail(errors.overloaded(target.served_name, retry, status))
+
+    # ------------------------------------------------------------ the front end's calls
+
+    def urls(self, allowed: Callable[[str], bool] | None = None) -> list[str]:
+        """The replicas to try, best first (`allowed`: a front end's own restriction)."""
+        return [c.url for c in self.order if allowed is None or allowed(c.url)]
+
+    def attempt(self, url: str) -> Attempt:
+        """Send the request to replica `url`: counts it there (the previous attempt's slot,
+        if still held, is freed: one attempt holds a slot at a time)."""
+        if self._attempt is not None:
+            self._attempt.abandon()
+        attempt = self._attempt = Attempt(self, url, self._core.acquire(url))
+        if self.done:  # finished meanwhile: nothing may stay held
+            attempt.release()
+        return attempt
+
+    def respond(self, status: int) -> None:
+        """The answer's status line is known (it is being sent to the client)."""
+        self.status = status
+
+    def chunk(self, data: bytes, now: float | None = None) -> None:
+        """A piece of the answer's body passed to the client at `now`."""
+        if not data:
+            return
+        now = time.monotonic() if now is None else now
+        body = self._body
+        if body is not None:  # non-streamed: the whole answer is its first token
+            self.timing.last = now
+            self._size += len(data)
+            if self._size <= USAGE_BYTES:
+                body.append(data)
+            else:
+                body.clear()  # too large to read its usage: counts no tokens
+            return
+        carry = self._carry
+        if not carry and data.endswith(b"\n\n"):
+            events = data  # the usual case: whole events
+        else:
+            carry += data
+            events, sep, carry = carry.rpartition(b"\n\n")
+            self._carry = carry if len(carry) <= EVENT_CARRY_BYTES else b""
+            if not sep:
+                return
+        tokens = len(TOKEN.findall(events))
+        if tokens:
+            timing = self.timing
+            timing.token(now)
+            for _ in range(tokens - 1):
+                timing.token(now)
+        if b'"usage"' in events:
+            self._stream_usage(events)
+
+    def fail(self, error: GatewayError) -> GatewayError:
+        """The answer is `error` (the core's words, rendered by the front end): counted
+        with the route the request took, and finished. Returns `error`."""
+        if self.refusal is None:
+            self.refusal = error
+        self.status = error.status
+        self.finish()
+        return error
+
+    def attempts_failed(self, tried: int) -> GatewayError:
+        """Every replica tried gave no usable answer: a 502 in the core's words."""
+        return self.fail(
+            errors.upstream_failed(
+                f"No replica of `{self.target.served_name}` answered ({tried} tried)."
+            )
+        )
+
+    def finish(self, broken: str | None = None, client_gone: bool = False) -> None:
+        """The exchange ended: whole, or not (`broken`: why the upstream's answer broke
+        off, counted 502 when it had started well; `client_gone`: the client left
+        mid-answer, its status kept, no goodput). Nothing reached the client yet: 499.
+        Frees every slot and counts the outcome once; later calls do nothing."""
+        if self.done:
+            return
+        self.done = True
+        if self._attempt is not None:
+            self._attempt.release()
+            self._attempt = None
+        if self._fallback is not None:
+            self._fallback()
+            self._fallback = None
+        status = self.status
+        if not status:  # nothing reached the client: it left
+            self.record.finish("none", 499)
+            return
+        if broken is not None:
+            self.timing.failed(broken)
+        core = self._core
+        if self.served is not None and status < 500:
+            core.completed(self.served)
+        if self.refusal is None:
+            self._observe(status, broken is None and not client_gone)
+        if broken is not None and status < 400:
+            status = 502  # the answer started and broke: a server-side failure
+        self.record.finish(self.route, status)
+
+    # ------------------------------------------------------------ the SLO outcome
+
+    def _observe(self, status: int, whole: bool) -> None:
+        series = self.record.series
+        slo = self.target.slo
+        timing = self.timing
+        usage = self._usage or {}
+        if self._body is not None:  # non-streamed
+            if status != 200 or timing.last is None:
+                return
+            ttft = timing.last - self.arrived
+            series.ttft.observe(ttft)
+            # within the TTFT target the answer met its SLO whatever its token count: the
+            # body is parsed only past it, or for a fallback answer's tokens
+            if self.route == "fallback" or ttft > slo.ttft_seconds:
+                usage = _usage(b"".join(self._body))
+            budget = slo.ttft_seconds + slo.itl_seconds * max(usage.get("completion", 0) - 1, 0)
+            if whole and ttft <= max(slo.ttft_seconds, budget):
+                series.goodput.inc()
+        else:
+            if timing.ttft is not None:
+                series.ttft.observe(timing.ttft)
+            for gap in timing.gaps:
+                series.itl.observe(gap)
+            completed = whole and status == 200 and timing.first is not None
+            if completed and met_slo(timing.ttft, timing.mean_itl, slo.ttft_seconds,
+                                     slo.itl_seconds):  # fmt: skip
+                series.goodput.inc()
+        if self.route == "fallback" and status == 200 and usage:
+            metric = self._core.metrics.fallback_tokens
+            for kind, count in usage.items():
+                if count:
+                    metric.labels(*series.labels, kind).inc(count)
+
+    def _stream_usage(self, events: bytes) -> None:
+        for line in events.split(b"\n"):
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                found = _usage(line[6:])
+                if found:
+                    self._usage = found
+
+
+def met_slo(
+    ttft: float | None, mean_itl: float | None, ttft_target: float, itl_target: float
+) -> bool:
+    """Goodput test for one whole answer: TTFT and mean ITL within their targets."""
+    if ttft is None or ttft > ttft_target:
+        return False
+    return mean_itl is None or mean_itl <= itl_target
+
+
+def _usage(content: bytes) -> dict[str, int]:
+    """prompt and completion token counts from an answer's (or an event's) `usage`."""
+    try:
+        data: Any = json.loads(content)
+        usage = data.get("usage") or {}
+        return {
+            "prompt": int(usage.get("prompt_tokens") or 0),
+            "completion": int(usage.get("completion_tokens") or 0),
+        }
+    except (ValueError, AttributeError, TypeError, RecursionError):
+        return {}
