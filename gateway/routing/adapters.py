@@ -25,6 +25,7 @@ here, beside `load.scrape_loop`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -32,6 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+from kubellm.gateway.routing.load import read_answer
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.bounded_load import within_bound
 from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight
@@ -467,7 +469,6 @@ class AdapterLoads:
         self.view.unloaded(url, name)
 
 
-_SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 # A replica that failed to load an adapter is not asked again for it for this long.
 RETRY_FAILED_LOAD_S = 30.0
 
@@ -475,10 +476,9 @@ RETRY_FAILED_LOAD_S = 30.0
 async def scrape_models(client: aiohttp.ClientSession, url: str, base: str) -> set[str] | None:
     """The adapters `url` has registered for `base` (its /v1/models), None when unknown."""
     try:
-        async with client.get(f"{url}/v1/models", timeout=_SCRAPE_TIMEOUT) as response:
-            response.raise_for_status()
-            return registered_adapters(await response.json(content_type=None), base)
-    except (TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError):
+        body = await read_answer(client, f"{url}/v1/models")  # bounded in bytes and time
+        return registered_adapters(json.loads(body), base)
+    except (TimeoutError, aiohttp.ClientError, ValueError, RecursionError):
         return None
 
 
