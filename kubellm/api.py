@@ -119,6 +119,11 @@ class ModelArchitecture(_Model):
     params_billions: float = Field(gt=0, description="Parameter count, in billions.")
 
 
+# A served model name: printable ASCII, no space at either end (an HTTP header value cannot
+# hold a line break or a control character, and the HTTPRoute matches it in a header).
+SERVED_NAME_PATTERN = r"^[!-~]([ -~]*[!-~])?$"
+
+
 class ModelSpec(_Model):
     rules = (
         Rule(
@@ -137,7 +142,11 @@ class ModelSpec(_Model):
         default=None,
         min_length=1,
         max_length=253,
-        description="The model name clients send. Defaults to the LLMDeployment's name.",
+        # It reaches HTTP headers (the HTTPRoute's model-name match, x-gateway-model-name):
+        # printable ASCII only, no line break or control character, no edge space.
+        pattern=SERVED_NAME_PATTERN,
+        description="The model name clients send. Defaults to the LLMDeployment's name. "
+        "Printable ASCII (it is matched in an HTTP header): no spaces at either end.",
     )
     architecture: ModelArchitecture | None = Field(
         default=None, description="Optional model shape used to report capacity in status."
