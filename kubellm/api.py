@@ -461,6 +461,12 @@ class Fallback(_Model):
             "spec.fallback.url must be an http:// or https:// URL",
             ".url",
         ),
+        Rule(
+            "!has(self.url) || !self.url.matches('^[a-zA-Z]+://[^/?#]*@')",
+            "spec.fallback.url must not carry credentials (user:password@): the API key "
+            "goes in spec.fallback.apiKeySecretRef",
+            ".url",
+        ),
     )
 
     url: str | None = Field(default=None, description="Base URL of an OpenAI-compatible API.")

@@ -68,6 +68,8 @@ class StaticEndpoint(BaseModel):
     def _http(cls, url: str) -> str:
         if not url.startswith(("http://", "https://")):
             raise ValueError("must be an http:// or https:// URL")
+        if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError("must not carry credentials (user:password@): engines take none")
         return url.rstrip("/")
 
 
