@@ -305,7 +305,7 @@ class Exchange:
             return [self._answer(phase, [forwarder], body, {"x-kubellm-fallback-reason":
                                                              admission.reason})]  # fmt: skip
         if admission.route is not Route.REPLICA:
-            return [self.refuse(errors.overloaded(model, 1, admission.status))]
+            return [self.refuse(errors.overloaded(model, 1, admission.status, admission.loading))]
         allowed = self.subset
         order = [c for c in admission.order if allowed is None or host_port(c.url) in allowed]
         if not order:

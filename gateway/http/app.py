@@ -275,7 +275,10 @@ class Gateway:
         if admission.route is Route.REJECT:
             # saturated: 429, come back soon; no replica at all: 503 until one is up
             error = errors.overloaded(
-                target.served_name, self.settings.retry_after_seconds, admission.status
+                target.served_name,
+                self.settings.retry_after_seconds,
+                admission.status,
+                admission.loading,
             )
             call.finish("none", error.status)
             return await call.error(error)

@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-adapter-loads",
         type=int,
         default=2,
-        help="LoRA adapter loads (vLLM's runtime adapter API) running at once",
+        help="LoRA adapter loads (vLLM's runtime adapter API) running at once per replica",
     )
     parser.add_argument(
         "--tokenizer",

@@ -76,6 +76,7 @@ class Admission:
     reason: str
     order: list[Candidate]
     waited: float
+    loading: str | None = None  # a refusal while this adapter's load is still under way
 
     @property
     def status(self) -> int:
@@ -251,9 +252,16 @@ class Scheduler:
                         order += [c for c in candidates if c.url not in chosen]
                     waited = now - start
                     self.metrics.target(labels(target)).queue_wait.observe(waited)
+                    pending = None
                     if routing.adapter is not None:
                         self.adapter_placed(target, routing.adapter, decision.route, order, loaded)
-                    return Admission(target, decision.route, decision.reason, order, waited)
+                        if decision.route is Route.REJECT and self.adapter_loads.pending(
+                            routing.adapter
+                        ):
+                            pending = routing.adapter
+                    return Admission(
+                        target, decision.route, decision.reason, order, waited, pending
+                    )
                 if not queued:
                     queued = True
                     self.queued[model] = self.queued.get(model, 0) + 1
