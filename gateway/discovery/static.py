@@ -78,6 +78,9 @@ class StaticModel(BaseModel):
     name: str = Field(min_length=1)
     deployment: str | None = None
     namespace: str = "default"
+    # The InferencePool of its engines, for `kubellm epp --pool-name` (default: the
+    # operator's name, "<deployment>-engine")
+    pool: str | None = Field(default=None, min_length=1)
     endpoints: list[StaticEndpoint | str] = Field(default_factory=list)
     routing: Routing = Field(default_factory=Routing)
     fallback: StaticFallback | None = None
@@ -133,6 +136,7 @@ def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, Mode
             fallback=_fallback(m.fallback, env),
             slo=m.slo,
             adapters=tuple(AdapterRef(n, p) for n, p in m.adapters.items()),
+            pool=m.pool,
         )
     return models
 

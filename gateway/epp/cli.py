@@ -41,6 +41,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="watch only this namespace (cluster mode; default: all namespaces)",
     )
     parser.add_argument(
+        "--pool-name",
+        metavar="NAME",
+        help="serve this one InferencePool, as the Inference Extension's picker does: only "
+        "its model's endpoints are picked, a request naming another pool's model is 404 "
+        "(the operator names a pool <LLMDeployment>-engine; a static file's model takes "
+        "`pool`). Without it the picker serves every model it watches: one pool only then",
+    )
+    parser.add_argument(
+        "--pool-namespace",
+        metavar="NAMESPACE",
+        help="the pool's namespace (default: --namespace, else any)",
+    )
+    parser.add_argument(
         "--fallback-forwarder",
         metavar="HOST:PORT",
         type=_endpoint,
@@ -99,6 +112,12 @@ def run(args: argparse.Namespace) -> int:
             # No Secret is read: overflow goes to the fallback forwarder, which holds the keys.
             discovery = KubernetesDiscovery(
                 kube.load(), namespace=args.namespace, read_fallback_keys=False
+            )
+        if args.pool_name:
+            from kubellm.gateway.discovery.base import PoolDiscovery
+
+            discovery = PoolDiscovery(
+                discovery, args.pool_name, args.pool_namespace or args.namespace
             )
         settings = PickerSettings(
             max_body_bytes=args.max_body_bytes,
