@@ -200,7 +200,9 @@ class StaticDiscovery:
         while True:
             await asyncio.sleep(self.poll_seconds)
             try:
-                changed = self.reload()
+                # in a worker thread: a file near the 3 MiB bound takes seconds to parse,
+                # and the event loop serves every tenant meanwhile
+                changed = await asyncio.to_thread(self.reload)
             except OSError as error:
                 log.error("static configuration not readable: %s", error.strerror or error)
                 if self.on_reload_error is not None:
