@@ -184,6 +184,41 @@ class SpeculativeDecoding(_Model):
     prompt_lookup_max: int | None = Field(default=None, ge=1, description="ngram only.")
 
 
+# The vLLM arguments the launcher derives from the spec: extraArgs may not set them again.
+OWNED_ENGINE_ARGS = ("--model", "--port", "--host", "--served-model-name", "--tensor-parallel-size")
+OWNED_SHORT_ARGS = {"-tp": "--tensor-parallel-size"}
+
+
+def owned_engine_arg(arg: str) -> str | None:
+    """The owned argument `arg` sets as vLLM reads it, or None. vLLM's parser turns `_` into
+    `-` in a long option's name and accepts any unambiguous prefix (`--hos` is `--host`),
+    so every spelling that can reach an owned option is refused (tests/unit check it with
+    vLLM's own parser)."""
+    if not arg.startswith("-"):
+        return None
+    flag = arg.split("=", 1)[0]
+    if not flag.startswith("--"):
+        return OWNED_SHORT_ARGS.get(flag)
+    flag = flag.replace("_", "-")
+    if len(flag) <= 2:
+        return None
+    return next((o for o in OWNED_ENGINE_ARGS if o.startswith(flag)), None)
+
+
+def extra_args_problem(args: list[str]) -> str | None:
+    """Why `spec.engine.extraArgs` cannot be realised (an owned argument), or None: the
+    operator refuses such a spec (InvalidEngineArguments) and `kubellm validate` too. Not a
+    CRD rule: a spec the API server took stays readable, and its status says why."""
+    for arg in args:
+        owned = owned_engine_arg(arg)
+        if owned is not None:
+            return (
+                f"spec.engine.extraArgs: {arg.split('=', 1)[0]} is vLLM's {owned}, which is set "
+                "by the operator from the spec; remove it from extraArgs"
+            )
+    return None
+
+
 class EngineSpec(_Model):
     rules = (
         Rule(
@@ -233,7 +268,9 @@ class EngineSpec(_Model):
     extra_args: list[str] = Field(
         default_factory=list,
         json_schema_extra={"default": []},
-        description="Extra vLLM arguments, passed last, unchanged.",
+        description="Extra vLLM arguments, passed last, unchanged. The arguments the "
+        "launcher derives from the spec (--model, --port, --host, --served-model-name, "
+        "--tensor-parallel-size, -tp) are refused in any spelling vLLM accepts.",
     )
 
 
