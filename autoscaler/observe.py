@@ -16,7 +16,7 @@ import httpx
 from kubellm.autoscaler.policy import ReplicaMetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubellm import metrics
+from kubellm import bounded, metrics
 
 log = logging.getLogger(__name__)
 
@@ -113,29 +113,21 @@ def _gateway_sum(
     return total
 
 
-# The most an engine's answer may hold: vLLM's /metrics is a few hundred KiB with every
-# histogram, /v1/models far less. A replica that sends more is broken (or hostile).
-MAX_ANSWER_BYTES = 16 * 1024 * 1024
-
-
-class AnswerTooLarge(Exception):
-    pass
+MAX_ANSWER_BYTES = bounded.MAX_ANSWER_BYTES
+AnswerTooLarge = bounded.AnswerTooLarge
 
 
 async def fetch(client: httpx.AsyncClient, url: str, limit: int = MAX_ANSWER_BYTES) -> bytes | None:
     """GET `url`'s body: whole within the client's read timeout, taken as a deadline for the
-    entire answer (a replica trickling bytes is cut off), and at most `limit` bytes (read
-    in chunks, never buffered past it); None (logged) on any failure."""
+    entire answer (a replica trickling bytes is cut off), and at most `limit` bytes (the
+    core's bounded reader: chunks, never buffered past it); None (logged) on any failure."""
     seconds = client.timeout.read or 10.0
     try:
         async with asyncio.timeout(seconds), client.stream("GET", url) as response:
             response.raise_for_status()
-            body = bytearray()
-            async for chunk in response.aiter_bytes():
-                body += chunk
-                if len(body) > limit:
-                    raise AnswerTooLarge(f"answer larger than {limit} bytes")
-            return bytes(body)
+            length = response.headers.get("content-length", "")
+            declared = int(length) if length.isdigit() else None
+            return await bounded.read_capped(response.aiter_bytes(), limit, declared)
     except (httpx.HTTPError, TimeoutError, AnswerTooLarge) as error:
         log.info("GET %s failed: %s", url, error or type(error).__name__)
         return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import signal
 import subprocess
@@ -46,6 +47,46 @@ TORCHCODEC_SHIM = 'raise ImportError("torchcodec cannot load here; kubellm disab
 DEFAULT_CPU_KVCACHE_GIB = 1
 # vLLM's CPU attention kernels take KV blocks of a multiple of this many tokens.
 CPU_BLOCK_MULTIPLE = 32
+# On its CPU backend vLLM reads --gpu-memory-utilization as the share of the NUMA node's
+# memory to reserve, and refuses to start when that much is not free: 0.9 (the spec's
+# default) fails on any machine where other processes hold memory. A CPU engine reserves
+# what its spec asks for instead: resources.memory, or the KV space plus this much for
+# weights and activations; at most gpuMemoryUtilization of the node.
+CPU_HEADROOM_GIB = 4
+_QUANTITY_UNITS = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "m": 1e-3,
+}  # fmt: skip
+
+
+def quantity_bytes(quantity: str) -> float:
+    """A Kubernetes quantity (`16Gi`, `500M`, `1e9`) as a number; ValueError if it is not."""
+    for unit in sorted(_QUANTITY_UNITS, key=len, reverse=True):
+        if quantity.endswith(unit) and not quantity.endswith("e" + unit):
+            return float(quantity[: -len(unit)]) * _QUANTITY_UNITS[unit]
+    return float(quantity)
+
+
+def node_memory_bytes() -> int:
+    """Total memory of NUMA node 0 (what vLLM's CPU backend takes its share of), else of the
+    machine."""
+    try:
+        for line in Path("/sys/devices/system/node/node0/meminfo").read_text().splitlines():
+            if "MemTotal:" in line:
+                return int(line.split()[-2]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_memory_share(spec: LLMDeploymentSpec, kv_gib: float, node_bytes: int) -> float:
+    """The --gpu-memory-utilization of a CPU engine: the memory its spec asks for
+    (resources.memory, else the KV space plus CPU_HEADROOM_GIB) over the node's, at most
+    spec.engine.gpuMemoryUtilization and at least 0.01. Pure."""
+    wanted = spec.resources.memory
+    need = quantity_bytes(wanted) if wanted else (kv_gib + CPU_HEADROOM_GIB) * 2**30
+    share = min(spec.engine.gpu_memory_utilization, need / max(1, node_bytes))
+    return max(0.01, math.ceil(share * 1000) / 1000)
 
 
 class LaunchError(RuntimeError):
@@ -250,8 +291,10 @@ def build_command(
     python: str = sys.executable,
     environ: dict[str, str] | None = None,
     kv_events_port: int | None = None,
+    node_bytes: int | None = None,
 ) -> LaunchPlan:
-    """The vLLM OpenAI server command for `target`; every engine field maps to one flag."""
+    """The vLLM OpenAI server command for `target`; every engine field maps to one flag.
+    `node_bytes`: the NUMA node's memory, for a CPU engine's reservation (default: read)."""
     spec, engine = target.spec, target.spec.engine
     environ = os.environ if environ is None else environ
     model, model_args, env = resolve_model(
@@ -277,7 +320,16 @@ def build_command(
         argv += ["--max-num-seqs", str(engine.max_num_seqs)]
     if engine.block_size is not None:
         argv += ["--block-size", str(engine.block_size)]
-    argv += ["--gpu-memory-utilization", f"{engine.gpu_memory_utilization:g}"]
+    if cpu:
+        try:
+            kv_gib = float(environ.get("VLLM_CPU_KVCACHE_SPACE") or DEFAULT_CPU_KVCACHE_GIB)
+        except ValueError:  # vLLM refuses it itself, naming the variable
+            kv_gib = DEFAULT_CPU_KVCACHE_GIB
+        node = node_memory_bytes() if node_bytes is None else node_bytes
+        share = cpu_memory_share(spec, kv_gib, node)
+        argv += ["--gpu-memory-utilization", f"{share:g}"]
+    else:
+        argv += ["--gpu-memory-utilization", f"{engine.gpu_memory_utilization:g}"]
     argv += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
     argv.append(
         "--enable-prefix-caching" if engine.prefix_caching else "--no-enable-prefix-caching"
@@ -291,7 +343,7 @@ def build_command(
     argv += lora_args(target, model_root=model_root, env=env, cwd=cwd)
     argv += kv_events_args(spec, host, kv_events_port)
     argv += list(engine.extra_args)
-    if cpu and "VLLM_CPU_KVCACHE_SPACE" not in environ:
+    if cpu and not environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM reads "" as unset too
         env["VLLM_CPU_KVCACHE_SPACE"] = str(DEFAULT_CPU_KVCACHE_GIB)
     return LaunchPlan(argv=argv, env=env, model=model)
 

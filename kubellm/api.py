@@ -119,6 +119,11 @@ class ModelArchitecture(_Model):
     params_billions: float = Field(gt=0, description="Parameter count, in billions.")
 
 
+# A served model name: printable ASCII, no space at either end (an HTTP header value cannot
+# hold a line break or a control character, and the HTTPRoute matches it in a header).
+SERVED_NAME_PATTERN = r"^[!-~]([ -~]*[!-~])?$"
+
+
 class ModelSpec(_Model):
     rules = (
         Rule(
@@ -137,7 +142,11 @@ class ModelSpec(_Model):
         default=None,
         min_length=1,
         max_length=253,
-        description="The model name clients send. Defaults to the LLMDeployment's name.",
+        # It reaches HTTP headers (the HTTPRoute's model-name match, x-gateway-model-name):
+        # printable ASCII only, no line break or control character, no edge space.
+        pattern=SERVED_NAME_PATTERN,
+        description="The model name clients send. Defaults to the LLMDeployment's name. "
+        "Printable ASCII (it is matched in an HTTP header): no spaces at either end.",
     )
     architecture: ModelArchitecture | None = Field(
         default=None, description="Optional model shape used to report capacity in status."
@@ -173,6 +182,41 @@ class SpeculativeDecoding(_Model):
     )
     num_speculative_tokens: int = Field(default=3, ge=1, le=16)
     prompt_lookup_max: int | None = Field(default=None, ge=1, description="ngram only.")
+
+
+# The vLLM arguments the launcher derives from the spec: extraArgs may not set them again.
+OWNED_ENGINE_ARGS = ("--model", "--port", "--host", "--served-model-name", "--tensor-parallel-size")
+OWNED_SHORT_ARGS = {"-tp": "--tensor-parallel-size"}
+
+
+def owned_engine_arg(arg: str) -> str | None:
+    """The owned argument `arg` sets as vLLM reads it, or None. vLLM's parser turns `_` into
+    `-` in a long option's name and accepts any unambiguous prefix (`--hos` is `--host`),
+    so every spelling that can reach an owned option is refused (tests/unit check it with
+    vLLM's own parser)."""
+    if not arg.startswith("-"):
+        return None
+    flag = arg.split("=", 1)[0]
+    if not flag.startswith("--"):
+        return OWNED_SHORT_ARGS.get(flag)
+    flag = flag.replace("_", "-")
+    if len(flag) <= 2:
+        return None
+    return next((o for o in OWNED_ENGINE_ARGS if o.startswith(flag)), None)
+
+
+def extra_args_problem(args: list[str]) -> str | None:
+    """Why `spec.engine.extraArgs` cannot be realised (an owned argument), or None: the
+    operator refuses such a spec (InvalidEngineArguments) and `kubellm validate` too. Not a
+    CRD rule: a spec the API server took stays readable, and its status says why."""
+    for arg in args:
+        owned = owned_engine_arg(arg)
+        if owned is not None:
+            return (
+                f"spec.engine.extraArgs: {arg.split('=', 1)[0]} is vLLM's {owned}, which is set "
+                "by the operator from the spec; remove it from extraArgs"
+            )
+    return None
 
 
 class EngineSpec(_Model):
@@ -224,7 +268,9 @@ class EngineSpec(_Model):
     extra_args: list[str] = Field(
         default_factory=list,
         json_schema_extra={"default": []},
-        description="Extra vLLM arguments, passed last, unchanged.",
+        description="Extra vLLM arguments, passed last, unchanged. The arguments the "
+        "launcher derives from the spec (--model, --port, --host, --served-model-name, "
+        "--tensor-parallel-size, -tp) are refused in any spelling vLLM accepts.",
     )
 
 
@@ -450,6 +496,12 @@ class Fallback(_Model):
         Rule(
             "!has(self.url) || self.url.startsWith('http://') || self.url.startsWith('https://')",
             "spec.fallback.url must be an http:// or https:// URL",
+            ".url",
+        ),
+        Rule(
+            "!has(self.url) || !self.url.matches('^[a-zA-Z]+://[^/?#]*@')",
+            "spec.fallback.url must not carry credentials (user:password@): the API key "
+            "goes in spec.fallback.apiKeySecretRef",
             ".url",
         ),
     )

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kubellm import __version__, capacity, crd, manifests
+from kubellm import __version__, api, capacity, crd, manifests
 
 # name -> (module providing configure/run, one-line help)
 COMPONENT_COMMANDS: dict[str, tuple[str, str]] = {
@@ -65,6 +65,11 @@ def _validate(args: argparse.Namespace) -> int:
     for path in args.filename:
         try:
             for deployment in manifests.load(path):
+                problem = api.extra_args_problem(deployment.spec.engine.extra_args)
+                if problem is not None:  # refused by `render` and the operator too
+                    print(f"{path}: {deployment.metadata.name}: {problem}", file=sys.stderr)
+                    status = 1
+                    continue
                 print(f"{path}: {deployment.metadata.name} is a valid LLMDeployment")
         except manifests.ManifestError as error:
             print(error, file=sys.stderr)

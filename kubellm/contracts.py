@@ -48,6 +48,13 @@ def selector_labels(name: str) -> dict[str, str]:
     }
 
 
+def inference_pool_name(deployment: str) -> str:
+    """The InferencePool the operator creates for LLMDeployment `deployment` (its engine
+    name, in the same namespace): the pool an endpoint picker started with `--pool-name`
+    serves, as the Inference Extension's picker serves one pool."""
+    return f"{deployment}-engine"
+
+
 def engine_labels(name: str) -> dict[str, str]:
     """Labels on every child of deployment `name`; the Service's reach its EndpointSlices."""
     return {

@@ -129,9 +129,7 @@ def spec_configmap(llmd: api.LLMDeployment, options: Options = Options()) -> dic
 
 
 # Arguments the launcher derives from the spec; repeating them in extraArgs is a conflict.
-OWNED_ENGINE_ARGS = frozenset(
-    {"--model", "--port", "--host", "--served-model-name", "--tensor-parallel-size"}
-)
+OWNED_ENGINE_ARGS = frozenset(api.OWNED_ENGINE_ARGS)
 
 
 def check(llmd: api.LLMDeployment) -> None:
@@ -145,16 +143,9 @@ def check(llmd: api.LLMDeployment) -> None:
         )
     for adapter in llmd.spec.adapters:
         check_adapter(adapter, llmd.spec.model.source)
-    for arg in llmd.spec.engine.extra_args:
-        flag = arg.split("=", 1)[0]
-        if not arg.startswith("-"):
-            continue
-        if flag in OWNED_ENGINE_ARGS:
-            raise SpecError(
-                "InvalidEngineArguments",
-                f"spec.engine.extraArgs: {flag} is set by the operator from the spec; "
-                "remove it from extraArgs",
-            )
+    problem = api.extra_args_problem(llmd.spec.engine.extra_args)  # vLLM's spellings too
+    if problem is not None:
+        raise SpecError("InvalidEngineArguments", problem)
 
 
 def check_adapter(adapter: api.Adapter, model_source: str) -> None:

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kubellm.api import SLO, Routing
-from kubellm.contracts import FallbackTarget  # the core builds it from a spec: fallback_target
+from kubellm.contracts import (
+    FallbackTarget,  # the core builds it from a spec: fallback_target
+    inference_pool_name,
+)
 
 __all__ = [
     "AdapterRef",
@@ -23,6 +26,7 @@ __all__ = [
     "FallbackTarget",
     "FixedDiscovery",
     "ModelTarget",
+    "PoolDiscovery",
     "find_model",
 ]
 
@@ -61,6 +65,13 @@ class ModelTarget:
     # hf:// model's tokenizer from the same repository and revision when no --tokenizer
     # names one (routing/precise.py)
     model_source: str = ""
+    # The InferencePool of the model's engines (None: the operator's name for it,
+    # `<deployment>-engine`); an endpoint picker with --pool-name serves one pool only.
+    pool: str | None = None
+
+    @property
+    def pool_name(self) -> str:
+        return self.pool or inference_pool_name(self.deployment)
 
     def adapter(self, name: str) -> AdapterRef | None:
         return next((a for a in self.adapters if a.name == name), None)
@@ -111,3 +122,32 @@ class FixedDiscovery:
     async def run(self, on_change: Callable[[], None]) -> None:
         self._on_change = on_change
         await asyncio.Event().wait()
+
+
+class PoolDiscovery:
+    """Another source's models, cut to one InferencePool (`name`, in `namespace` when
+    given): what an endpoint picker that serves one pool sees, as the Inference Extension's
+    picker does. A request naming another pool's model is unknown here (404), and one that
+    names no model goes to this pool's endpoints only: a pool is never crossed."""
+
+    def __init__(self, inner: Discovery, name: str, namespace: str | None = None) -> None:
+        self.inner = inner
+        self.name = name
+        self.namespace = namespace
+        self._seen: Mapping[str, ModelTarget] | None = None
+        self._cut: Mapping[str, ModelTarget] = {}
+
+    def snapshot(self) -> Mapping[str, ModelTarget]:
+        whole = self.inner.snapshot()
+        if whole is not self._seen:  # snapshots are immutable: cut each one once
+            self._cut = {
+                served: target
+                for served, target in whole.items()
+                if target.pool_name == self.name
+                and (self.namespace is None or target.namespace == self.namespace)
+            }
+            self._seen = whole
+        return self._cut
+
+    async def run(self, on_change: Callable[[], None]) -> None:
+        await self.inner.run(on_change)

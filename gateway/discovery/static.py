@@ -68,6 +68,8 @@ class StaticEndpoint(BaseModel):
     def _http(cls, url: str) -> str:
         if not url.startswith(("http://", "https://")):
             raise ValueError("must be an http:// or https:// URL")
+        if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError("must not carry credentials (user:password@): engines take none")
         return url.rstrip("/")
 
 
@@ -76,6 +78,9 @@ class StaticModel(BaseModel):
     name: str = Field(min_length=1)
     deployment: str | None = None
     namespace: str = "default"
+    # The InferencePool of its engines, for `kubellm epp --pool-name` (default: the
+    # operator's name, "<deployment>-engine")
+    pool: str | None = Field(default=None, min_length=1)
     endpoints: list[StaticEndpoint | str] = Field(default_factory=list)
     routing: Routing = Field(default_factory=Routing)
     fallback: StaticFallback | None = None
@@ -131,6 +136,7 @@ def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, Mode
             fallback=_fallback(m.fallback, env),
             slo=m.slo,
             adapters=tuple(AdapterRef(n, p) for n, p in m.adapters.items()),
+            pool=m.pool,
         )
     return models
 
@@ -194,7 +200,9 @@ class StaticDiscovery:
         while True:
             await asyncio.sleep(self.poll_seconds)
             try:
-                changed = self.reload()
+                # in a worker thread: a file near the 3 MiB bound takes seconds to parse,
+                # and the event loop serves every tenant meanwhile
+                changed = await asyncio.to_thread(self.reload)
             except OSError as error:
                 log.error("static configuration not readable: %s", error.strerror or error)
                 if self.on_reload_error is not None:

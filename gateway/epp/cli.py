@@ -32,6 +32,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--metrics-port", type=int, default=9090, help="HTTP /metrics port")
     parser.add_argument(
+        "--pool-name",
+        metavar="NAME",
+        help="serve this one InferencePool, as the Inference Extension's picker does: only "
+        "its model's endpoints are picked, a request naming another pool's model is 404 "
+        "(the operator names a pool <LLMDeployment>-engine; a static file's model takes "
+        "`pool`). Without it the picker serves every model it watches: one pool only then",
+    )
+    parser.add_argument(
+        "--pool-namespace",
+        metavar="NAMESPACE",
+        help="the pool's namespace (default: --namespace, else any)",
+    )
+    parser.add_argument(
         "--fallback-forwarder",
         metavar="HOST:PORT",
         type=_endpoint,
@@ -81,6 +94,12 @@ def run(args: argparse.Namespace) -> int:
         except (StaticConfigError, OSError) as error:
             print(f"kubellm epp: {error}", file=sys.stderr)
             return 1
+        if args.pool_name:
+            from kubellm.gateway.discovery.base import PoolDiscovery
+
+            discovery = PoolDiscovery(
+                discovery, args.pool_name, args.pool_namespace or args.namespace
+            )
         settings = PickerSettings(
             max_body_bytes=args.max_body_bytes,
             destination_header=args.destination_header,

@@ -14,22 +14,78 @@ Two details beyond the reference:
   the client sent, so a request cannot pick its own upstream (for example while the
   EPP is down);
 - under FailOpen (`failure_mode_allow`), a request the EPP did not answer has no
-  destination header and takes a second route to the `pool` cluster (the model
+  destination header and takes a second route to the `pool` cluster (that pool's model
   servers, round robin), as Gateway API implementations fall back to the pool's
-  endpoints; under FailClose it is refused by Envoy. FailOpen buffers request bodies
-  (BUFFERED): in FULL_DUPLEX_STREAMED mode Envoy 1.40 hands body chunks to the
-  processor without keeping them, so a request whose body went to an EPP that is down
+  endpoints; under FailClose it is refused by Envoy. One bootstrap serves one pool per
+  listener (`bootstrap_pools`: each listener its own picker and its own fallback
+  servers), so neither the picker nor the fallback ever crosses pools. FailOpen
+  buffers request bodies (BUFFERED): in FULL_DUPLEX_STREAMED mode Envoy 1.40 hands body
+  chunks to the processor without keeping them, so a request whose body went to an EPP that is down
   (or died) ends in a 500 even with `failure_mode_allow`; a buffered body is kept and
   the request goes on. Requests already routed and streaming are not affected either way.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 DESTINATION = "x-gateway-destination-endpoint"
 _T = "type.googleapis.com/envoy."
+# How long a request may wait for the picker's answer under FailClose before Envoy refuses
+# it (504): above the picker's own longest wait (a model's TTFT budget, 2 s by default, or
+# the scale-from-zero wait, --zero-replica-wait, 60 s) so only a frozen picker hits it.
+PICKER_TIMEOUT_SECONDS = 75.0
+MAX_BODY_BYTES = 8 * 1024 * 1024  # the picker's --max-body-bytes
+
+
+def _envelope(message: str, kind: str, code: str) -> str:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return json.dumps(body)
+
+
+def local_replies(max_body_bytes: int, picker_timeout_seconds: float) -> dict[str, Any]:
+    """Envoy's own answers (a body over the bound, a picker that did not answer, no endpoint
+    picked) in OpenAI's error envelope, as the picker's and the gateway's are."""
+
+    def mapper(match: dict[str, Any], new_status: int, body: str) -> dict[str, Any]:
+        return {
+            "filter": match,
+            "status_code": new_status,
+            "body": {"inline_string": body},
+            "body_format_override": {
+                "text_format_source": {"inline_string": "%LOCAL_REPLY_BODY%"},
+                "content_type": "application/json",
+            },
+        }
+
+    def status(code: int) -> dict[str, Any]:
+        value = {"default_value": code, "runtime_key": f"kubellm.local_reply_{code}"}
+        return {"status_code_filter": {"comparison": {"op": "EQ", "value": value}}}
+
+    def flag(name: str) -> dict[str, Any]:  # Envoy's own reason, not a picker's answer
+        return {"response_flag_filter": {"flags": [name]}}
+
+    too_large = _envelope(
+        f"The request body is larger than {max_body_bytes} bytes.",
+        "invalid_request_error", "request_too_large",
+    )  # fmt: skip
+    stalled = _envelope(
+        f"The endpoint picker did not answer within {picker_timeout_seconds:g} s.",
+        "server_error", "upstream_timeout",
+    )  # fmt: skip
+    unpicked = _envelope(
+        "No endpoint was picked for the request.", "server_error", "service_unavailable"
+    )
+    return {
+        "mappers": [
+            mapper(status(413), 413, too_large),  # the buffer filter's bound
+            mapper(flag("SI"), 504, stalled),  # the idle timeout while the picker is silent
+            mapper(flag("UH"), 503, unpicked),  # no endpoint picked (FailClose)
+        ]
+    }
 
 
 def _address(host_port: str) -> dict[str, Any]:
@@ -60,6 +116,19 @@ def _cluster(name: str, endpoints: Sequence[str], http2: bool = False) -> dict[s
     return cluster
 
 
+@dataclass(frozen=True)
+class Pool:
+    """One InferencePool in a standalone Envoy: the listener its clients use (`listen`,
+    `ip:port`: the standalone analogue of its HTTPRoute), its own endpoint picker (`epp`,
+    a `kubellm epp --pool-name` serving this pool only) and its model servers (`endpoints`,
+    `ip:port`: where FailOpen sends the requests its picker did not answer)."""
+
+    name: str
+    listen: str
+    epp: str
+    endpoints: Sequence[str] = ()
+
+
 def bootstrap(
     listen: str,
     epp: str,
@@ -69,12 +138,77 @@ def bootstrap(
     request_body_mode: str | None = None,
     response_body_mode: str = "FULL_DUPLEX_STREAMED",
     epp_timeout_seconds: float = 10.0,
+    picker_timeout_seconds: float = PICKER_TIMEOUT_SECONDS,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> dict[str, Any]:
     """Envoy listening on `listen` (`ip:port`), asking the EPP at `epp` (`ip:port`) where
-    each request goes. `pool` (the model servers, `ip:port`) is where FailOpen sends
-    requests the EPP did not answer."""
+    each request goes: one pool. `pool` (that pool's model servers, `ip:port`, and no other
+    pool's) is where FailOpen sends requests the EPP did not answer."""
+    return bootstrap_pools(
+        [Pool("", listen, epp, pool)], failure_mode_allow, admin, request_body_mode,
+        response_body_mode, epp_timeout_seconds, picker_timeout_seconds, max_body_bytes,
+    )  # fmt: skip
+
+
+def bootstrap_pools(
+    pools: Sequence[Pool],
+    failure_mode_allow: bool = False,
+    admin: str | None = None,
+    request_body_mode: str | None = None,
+    response_body_mode: str = "FULL_DUPLEX_STREAMED",
+    epp_timeout_seconds: float = 10.0,
+    picker_timeout_seconds: float = PICKER_TIMEOUT_SECONDS,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> dict[str, Any]:
+    """Envoy with one listener per pool, each calling its own pool's picker, and under
+    FailOpen falling back to its own pool's servers only: a request that came in for one
+    pool never reaches another's, whether its picker answers or not. Cluster names: the
+    picker `ext_proc` and the fallback `pool` (suffixed `_<name>` for a named pool)."""
+    names = [p.name for p in pools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"pool names must differ: {names}")
     if request_body_mode is None:
         request_body_mode = "BUFFERED" if failure_mode_allow else "FULL_DUPLEX_STREAMED"
+    clusters: list[dict[str, Any]] = [
+        {
+            "name": "original_destination_cluster",
+            "type": "ORIGINAL_DST",
+            "connect_timeout": "1s",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
+            "circuit_breakers": {
+                "thresholds": [
+                    {"max_connections": 40000, "max_pending_requests": 40000, "max_requests": 40000}
+                ]
+            },
+        }
+    ]
+    listeners = []
+    for pool in pools:
+        suffix = f"_{pool.name}" if pool.name else ""
+        listener, own = _pool_listener(
+            pool, suffix, failure_mode_allow, request_body_mode, response_body_mode,
+            epp_timeout_seconds, picker_timeout_seconds, max_body_bytes,
+        )  # fmt: skip
+        listeners.append(listener)
+        clusters += own
+    config: dict[str, Any] = {"static_resources": {"listeners": listeners, "clusters": clusters}}
+    if admin:
+        config["admin"] = {"address": _address(admin)}
+    return config
+
+
+def _pool_listener(
+    pool: Pool,
+    suffix: str,
+    failure_mode_allow: bool,
+    request_body_mode: str,
+    response_body_mode: str,
+    epp_timeout_seconds: float,
+    picker_timeout_seconds: float,
+    max_body_bytes: int,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One pool's listener and its own clusters (its picker, its fallback servers)."""
     streamed = request_body_mode == "FULL_DUPLEX_STREAMED"
     processing_mode = {
         "request_header_mode": "SEND",
@@ -94,38 +228,42 @@ def bootstrap(
             },
         }
     ]
-    clusters: list[dict[str, Any]] = [
-        {
-            "name": "original_destination_cluster",
-            "type": "ORIGINAL_DST",
-            "connect_timeout": "1s",
-            "lb_policy": "CLUSTER_PROVIDED",
-            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
-            "circuit_breakers": {
-                "thresholds": [
-                    {"max_connections": 40000, "max_pending_requests": 40000, "max_requests": 40000}
-                ]
-            },
-        },
-        _cluster("ext_proc", [epp], http2=True),
-    ]
-    if failure_mode_allow and pool:
-        routes.append({"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s"}})
-        clusters.append(_cluster("pool", pool))
+    ext_proc, fallback = f"ext_proc{suffix}", f"pool{suffix}"
+    clusters = [_cluster(ext_proc, [pool.epp], http2=True)]
+    if failure_mode_allow and pool.endpoints:
+        routes.append({"match": {"prefix": "/"}, "route": {"cluster": fallback, "timeout": "0s"}})
+        clusters.append(_cluster(fallback, pool.endpoints))
     else:
+        # FailClose: a request the picker has not answered yet holds this route, whose idle
+        # timeout bounds a frozen picker (Envoy applies no message_timeout in
+        # FULL_DUPLEX_STREAMED mode); once the picker answers, the route is the one above.
+        # Its cluster has no endpoint: a request that gets here unanswered is refused.
+        unpicked = f"no_endpoint_picked{suffix}"
         routes.append(
             {
                 "match": {"prefix": "/"},
-                "direct_response": {"status": 503, "body": {"inline_string": "no endpoint picked"}},
+                "route": {
+                    "cluster": unpicked,
+                    "timeout": "0s",
+                    "idle_timeout": f"{picker_timeout_seconds}s",
+                },
             }
         )
+        clusters.append(_cluster(unpicked, []))
     http_filters = [
+        {  # the same body bound as the picker's, in both modes (FailOpen buffers bodies)
+            "name": "envoy.filters.http.buffer",
+            "typed_config": {
+                "@type": _T + "extensions.filters.http.buffer.v3.Buffer",
+                "max_request_bytes": max_body_bytes,
+            },
+        },
         {
             "name": "envoy.filters.http.ext_proc",
             "typed_config": {
                 "@type": _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
                 "grpc_service": {
-                    "envoy_grpc": {"cluster_name": "ext_proc"},
+                    "envoy_grpc": {"cluster_name": ext_proc},
                     "timeout": f"{epp_timeout_seconds}s",
                 },
                 "failure_mode_allow": failure_mode_allow,
@@ -152,18 +290,19 @@ def bootstrap(
     }
     manager = {
         "@type": _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": "inference",
+        "stat_prefix": f"inference{suffix}",
         "route_config": {
-            "name": "inference",
+            "name": f"inference{suffix}",
             "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}],
         },
         "early_header_mutation_extensions": [strip_client_destination],
         "http_filters": http_filters,
         "stream_idle_timeout": "300s",
+        "local_reply_config": local_replies(max_body_bytes, picker_timeout_seconds),
     }
     listener = {
-        "name": "inference",
-        "address": _address(listen),
+        "name": f"inference{suffix}",
+        "address": _address(pool.listen),
         "filter_chains": [
             {
                 "filters": [
@@ -175,10 +314,7 @@ def bootstrap(
             }
         ],
     }
-    config: dict[str, Any] = {"static_resources": {"listeners": [listener], "clusters": clusters}}
-    if admin:
-        config["admin"] = {"address": _address(admin)}
-    return config
+    return listener, clusters
 
 
 def binary() -> str | None:

@@ -157,9 +157,12 @@ class OutOfOrder(Exception):
 
 # Which messages may come in each phase of an exchange (Envoy's order: request headers
 # once, the body and trailers, then the response's headers, body and trailers).
+# A response may come before the request was routed: a local reply Envoy made itself (the
+# buffer filter's 413 for a body over the bound reaches ext_proc's encode side without any
+# request message). It is passed on; nothing was acquired for it.
 _ALLOWED = {
-    "start": frozenset({"request_headers"}),
-    "body": frozenset({"request_body", "request_trailers"}),
+    "start": frozenset({"request_headers", "response_headers"}),
+    "body": frozenset({"request_body", "request_trailers", "response_headers"}),
     "routed": frozenset({"request_body", "request_trailers", "response_headers"}),
     "response": frozenset({"response_body", "response_trailers"}),
     "ended": frozenset({"response_trailers"}),

@@ -89,10 +89,20 @@ def unauthorized() -> GatewayError:
     )
 
 
-def overloaded(model: str, retry_after: int, status: int = 429) -> GatewayError:
+def overloaded(
+    model: str, retry_after: int, status: int = 429, loading: str | None = None
+) -> GatewayError:
+    """A refusal for lack of capacity; `loading`: the adapter whose load on a replica is
+    still under way (the request's deadline came first)."""
+    message = (
+        f"Model `{model}` is at capacity; retry after {retry_after} s."
+        if loading is None
+        else f"Adapter `{loading}` of model `{model}` is being loaded on a replica and was "
+        f"not ready within the request's deadline; retry after {retry_after} s."
+    )
     return GatewayError(
         status,
-        f"Model `{model}` is at capacity; retry after {retry_after} s.",
+        message,
         "rate_limit_error" if status == 429 else "server_error",
         "rate_limit_exceeded" if status == 429 else "service_unavailable",
         headers={"Retry-After": str(retry_after)},

@@ -25,6 +25,7 @@ here, beside `load.scrape_loop`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -32,6 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+from kubellm.gateway.routing.load import read_answer
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.bounded_load import within_bound
 from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight
@@ -390,7 +392,11 @@ class AdapterMetrics:
 
 
 class AdapterLoads:
-    """Loads in progress: one per (replica, adapter), at most `limit` at once."""
+    """Loads in progress: one per (replica, adapter), at most `limit` at once per replica.
+
+    The bound is per replica, not per process: a replica that hangs on its load API holds
+    only its own slots (until `timeout`), so another model's (or another replica's) loads
+    go on. Unloads share the replica's slots."""
 
     def __init__(
         self,
@@ -404,7 +410,8 @@ class AdapterLoads:
         self.loader: Loader | None = None  # set by the front end that can send requests
         self.unloader: Loader | None = None
         self.timeout = timeout
-        self._limit = asyncio.Semaphore(limit)
+        self.limit = limit
+        self._limits: dict[str, asyncio.Semaphore] = {}  # per replica URL
         self._running: dict[tuple[str, str], asyncio.Task[bool]] = {}
         self.expected_seconds = 1.0  # a load's duration, a moving average of those seen
         self._failed: dict[tuple[str, str], float] = {}  # (url, name) -> when a load failed
@@ -432,10 +439,19 @@ class AdapterLoads:
         """Replicas where `name` is being loaded now."""
         return [url for (url, n) in self._running if n == name]
 
+    def _slots(self, url: str) -> asyncio.Semaphore:
+        slots = self._limits.get(url)
+        if slots is None:
+            if len(self._limits) >= 4096:  # replicas come and go: drop the idle ones
+                for gone in [u for u, sem in self._limits.items() if not sem.locked()]:
+                    del self._limits[gone]
+            slots = self._limits[url] = asyncio.Semaphore(self.limit)
+        return slots
+
     async def _load(self, url: str, name: str, path: str, labels: tuple[str, ...]) -> bool:
         if self.loader is None:
             return False
-        async with self._limit:
+        async with self._slots(url):
             start = time.monotonic()
             outcome = "ok"
             try:
@@ -459,7 +475,7 @@ class AdapterLoads:
     async def unload(self, url: str, name: str) -> None:
         if self.unloader is None:
             return
-        async with self._limit:
+        async with self._slots(url):
             try:
                 await asyncio.wait_for(self.unloader(url, name, ""), self.timeout)
             except Exception:  # retried on the next scrape that still lists it
@@ -467,7 +483,6 @@ class AdapterLoads:
         self.view.unloaded(url, name)
 
 
-_SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 # A replica that failed to load an adapter is not asked again for it for this long.
 RETRY_FAILED_LOAD_S = 30.0
 
@@ -475,10 +490,9 @@ RETRY_FAILED_LOAD_S = 30.0
 async def scrape_models(client: aiohttp.ClientSession, url: str, base: str) -> set[str] | None:
     """The adapters `url` has registered for `base` (its /v1/models), None when unknown."""
     try:
-        async with client.get(f"{url}/v1/models", timeout=_SCRAPE_TIMEOUT) as response:
-            response.raise_for_status()
-            return registered_adapters(await response.json(content_type=None), base)
-    except (TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError):
+        body = await read_answer(client, f"{url}/v1/models")  # bounded in bytes and time
+        return registered_adapters(json.loads(body), base)
+    except (TimeoutError, aiohttp.ClientError, ValueError, RecursionError):
         return None
 
 

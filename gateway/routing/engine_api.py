@@ -16,6 +16,8 @@ import json
 
 import aiohttp
 
+from kubellm import bounded
+
 # vLLM refuses these requests without it (400, "Unsupported Media Type"); the gateway's
 # client adds no Content-Type of its own (relay.new_session skips it), so it is set here.
 _JSON = {"Content-Type": "application/json"}
@@ -24,8 +26,19 @@ _JSON = {"Content-Type": "application/json"}
 _UNBOUNDED = aiohttp.ClientTimeout(total=None, sock_connect=5)
 
 
+# An answer to a load or unload is a line of JSON: more is a broken (or hostile) replica.
+MAX_ANSWER_BYTES = 64 * 1024
+
+
 class AdapterRequestFailed(RuntimeError):
     """The replica refused a load or unload; the message is its answer."""
+
+
+async def _text(response: aiohttp.ClientResponse) -> str:
+    body = await bounded.read_capped(
+        response.content.iter_any(), MAX_ANSWER_BYTES, response.content_length
+    )
+    return body.decode("utf-8", "replace")
 
 
 async def load_adapter(client: aiohttp.ClientSession, url: str, name: str, path: str) -> None:
@@ -33,7 +46,7 @@ async def load_adapter(client: aiohttp.ClientSession, url: str, name: str, path:
     async with client.post(
         f"{url}/v1/load_lora_adapter", data=body, headers=_JSON, timeout=_UNBOUNDED
     ) as response:
-        text = await response.text()
+        text = await _text(response)
         if response.status == 200 or (response.status == 400 and "already been loaded" in text):
             return
         raise AdapterRequestFailed(f"{url}: loading {name!r}: {response.status} {text[:200]}")
@@ -44,7 +57,7 @@ async def unload_adapter(client: aiohttp.ClientSession, url: str, name: str) -> 
     async with client.post(
         f"{url}/v1/unload_lora_adapter", data=body, headers=_JSON, timeout=_UNBOUNDED
     ) as response:
-        text = await response.text()
+        text = await _text(response)
         if response.status in (200, 404):  # 404: it is gone already
             return
         raise AdapterRequestFailed(f"{url}: unloading {name!r}: {response.status} {text[:200]}")

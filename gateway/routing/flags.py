@@ -106,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-adapter-loads",
         type=int,
         default=_CORE.max_adapter_loads,
-        help="LoRA adapter loads (vLLM's runtime adapter API) running at once",
+        help="LoRA adapter loads (vLLM's runtime adapter API) running at once per replica",
     )
     parser.add_argument(
         "--tokenizer",

@@ -17,11 +17,25 @@ ROUTER socket; it answers (empty, topic, seq, payload) per buffered batch at or 
 start, then (empty, empty, seq -1, empty).
 
 Memory: one entry is a dict slot from a 64-bit hash to a small int bitmask of replica
-slots (replicas are numbered per index, at most `MAX_REPLICAS`); measured with
-tracemalloc in tests/gateway/routing/test_kv_index.py and printed by bench/kv_index_memory.py
-(about 100 bytes an entry). The map is bounded by `capacity` entries (default 4 M,
-about 400 MB at worst): a store past it is dropped and counted, and the replica that
-lost it is no longer fresh until its cache is cleared or it restarts.
+slots (replicas are numbered per index, at most `MAX_REPLICAS`), plus a slot in its
+replica's own set (so clearing a replica costs its own entries, not the whole index);
+measured with tracemalloc in tests/gateway/routing/test_kv_index.py and printed by
+bench/kv_index_memory.py. Every peer may be hostile, so the index takes only what vLLM
+sends and bounds the rest:
+
+- a block hash is a 64-bit int (vLLM's event form) or bytes of at most `MAX_HASH_BYTES`
+  (the raw SHA-256 form, kept as its last 64 bits as vLLM converts it); anything else is a
+  malformed entry, skipped and counted (`Applied.malformed`), never an error;
+- the map holds at most `capacity` entries in all (default 4 M, ~560 MB at worst) and
+  `per_replica` entries per replica (default 1 Mi: 16 M tokens of 16-token blocks, more
+  than any GPU's KV pool); a store past either is dropped and counted, and the replica that
+  lost it is no longer fresh (scored approximately) until its cache is cleared or it
+  restarts; one replica filling its share leaves every other replica precise;
+- `steps` applies a batch in slices of `SLICE` hashes, and the subscriber yields to the
+  event loop between slices, so a batch of a million hashes never holds the loop; the
+  subscriber's sockets refuse a message over `MAX_MESSAGE_BYTES` (4 MiB, ZMQ's maximum
+  message size: the connection is dropped, and the follower starts again) and queue at
+  most `RECEIVE_QUEUE` (8) messages (more are dropped by ZMQ: a gap, filled by replay).
 """
 
 from __future__ import annotations
@@ -31,7 +45,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +55,26 @@ log = logging.getLogger(__name__)
 
 MAX_REPLICAS = 1024
 END_SEQ = kv_blocks.END_SEQ
+MAX_HASH_BYTES = 64  # vLLM's raw block hash is a 32-byte SHA-256 digest
+MAX_BLOCK_SIZE = 1 << 16  # tokens per block (vLLM's are 16 on GPUs, 128 on CPUs)
+SLICE = 8192  # hashes applied between two yields to the event loop
+# One ZMQ message (a batch): ~70 k blocks with their tokens, where a vLLM step's batch holds
+# at most its batched tokens' blocks (8 k tokens: 512 blocks of 16, ~40 KiB).
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# Messages a SUB socket queues before ZMQ drops new ones (a gap, filled through replay):
+# with MAX_MESSAGE_BYTES, at most 32 MiB waiting per replica.
+RECEIVE_QUEUE = 8
+MIN_INT64 = -(1 << 63)
+
+
+def block_hash(value: Any) -> int | None:
+    """A published block hash as the index keeps it (its 64-bit int form), None when it is
+    not one of the forms vLLM sends."""
+    if type(value) is int:
+        return value & kv_blocks.MASK64 if MIN_INT64 <= value <= kv_blocks.MASK64 else None
+    if isinstance(value, bytes) and 0 < len(value) <= MAX_HASH_BYTES:
+        return kv_blocks.external(value)
+    return None
 
 
 @dataclass
@@ -55,6 +89,7 @@ class Applied:
     gap: int | None = None
     restarted: bool = False
     dropped: int = 0
+    malformed: int = 0  # events or hashes not in vLLM's form, skipped
 
 
 @dataclass
@@ -65,6 +100,7 @@ class _Replica:
     block_size: int | None = None  # tokens per block, as its BlockStored events say
     entries: int = 0
     overflowed: bool = False
+    hashes: set[int] = field(default_factory=set)  # what it holds: clearing costs only these
     removed_at: float = -math.inf  # clock time of the last removal its events announced
 
 
@@ -73,6 +109,7 @@ class KVIndex:
     """Exact map from a block's 64-bit hash to the replicas (by URL) that hold it."""
 
     capacity: int = 4_000_000
+    per_replica: int = 1 << 20
     clock: Callable[[], float] = field(default=time.monotonic)
     _owners: dict[int, int] = field(default_factory=dict)
     _replicas: dict[str, _Replica] = field(default_factory=dict)
@@ -99,15 +136,25 @@ class KVIndex:
             self._clear(replica)
 
     def _clear(self, replica: _Replica) -> None:
-        bit = 1 << replica.slot
-        if replica.entries:
-            owners = self._owners
-            for h in [h for h, mask in owners.items() if mask & bit]:
-                mask = owners[h] & ~bit
-                if mask:
-                    owners[h] = mask
-                else:
-                    del owners[h]
+        for _ in self._clear_steps(replica):
+            pass
+
+    def _clear_steps(self, replica: _Replica) -> Generator[None, None, None]:
+        """Drop `replica`'s entries, yielding every SLICE of them: the cost is its own
+        entries, never the whole index (another replica's clear does not scan yours)."""
+        held = replica.hashes
+        keep = ~(1 << replica.slot)
+        owners = self._owners
+        for i, h in enumerate(list(held), 1):  # a clear cut short (forget) finishes it
+            held.discard(h)
+            replica.entries -= 1
+            mask = owners.get(h, 0) & keep
+            if mask:
+                owners[h] = mask
+            else:
+                owners.pop(h, None)
+            if i % SLICE == 0:
+                yield
         replica.entries = 0
         replica.overflowed = False
 
@@ -143,11 +190,23 @@ class KVIndex:
         publisher lives: one at or below the last live batch means the publisher restarted
         (the replica's entries are reset first). Otherwise a batch below the one expected
         was applied already through replay and is skipped, and one above it leaves a gap."""
+        steps = self.steps(url, seq, batch, live)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def steps(
+        self, url: str, seq: int, batch: Sequence[Any], live: bool = True
+    ) -> Generator[None, None, Applied]:
+        """`apply` in slices: yields after every SLICE hashes (stored, removed or cleared),
+        returns what the batch did. The subscriber yields to the event loop at each step."""
         replica = self._replica(url)
         applied = Applied()
         if live and replica.last_live is not None and seq <= replica.last_live:
             applied.restarted = True
-            self._clear(replica)
+            yield from self._clear_steps(replica)
             replica.next_seq = None
         if live:
             replica.last_live = seq
@@ -157,22 +216,51 @@ class KVIndex:
         if expected is not None and seq > expected:
             applied.gap = expected
         replica.next_seq = seq + 1
-        events = batch[1] if len(batch) > 1 else ()
+        events = batch[1] if isinstance(batch, list | tuple) and len(batch) > 1 else ()
+        if not isinstance(events, list | tuple):
+            applied.malformed += 1
+            events = ()
         for event in events:
-            self._event(replica, event, applied)
+            yield from self._event(replica, event, applied)
         if applied.removed or applied.cleared or applied.restarted:
             replica.removed_at = self.clock()
         return applied
 
-    def _event(self, replica: _Replica, event: Any, applied: Applied) -> None:
+    def _event(self, replica: _Replica, event: Any, applied: Applied) -> Generator[None]:
         kind = event.get("type") if isinstance(event, dict) else None
+        if kind == "AllBlocksCleared":
+            yield from self._clear_steps(replica)
+            applied.cleared = True
+            return
+        if kind not in ("BlockStored", "BlockRemoved"):
+            applied.malformed += kind is None
+            return
+        hashes = event.get("block_hashes") or ()
+        if not isinstance(hashes, list | tuple):
+            applied.malformed += 1
+            return
         bit = 1 << replica.slot
         owners = self._owners
+        held = replica.hashes
         if kind == "BlockStored":
             size = event.get("block_size")
-            if isinstance(size, int) and size > 0:
+            if type(size) is int and 0 < size <= MAX_BLOCK_SIZE:
                 replica.block_size = size
-            for h in event.get("block_hashes") or ():
+            for i, value in enumerate(hashes, 1):
+                if i % SLICE == 0:
+                    yield
+                h = block_hash(value)
+                if h is None:
+                    applied.malformed += 1
+                    continue
+                if h in held:
+                    continue
+                if replica.entries >= self.per_replica:  # its share is full: the rest drop
+                    left = len(hashes) - i + 1
+                    applied.dropped += left
+                    self.dropped_total += left
+                    replica.overflowed = True
+                    return
                 mask = owners.get(h)
                 if mask is None:
                     if len(owners) >= self.capacity:
@@ -181,36 +269,35 @@ class KVIndex:
                         replica.overflowed = True
                         continue
                     owners[h] = bit
-                elif mask & bit:
-                    continue
                 else:
                     owners[h] = mask | bit
+                held.add(h)
                 replica.entries += 1
                 applied.stored += 1
-        elif kind == "BlockRemoved":
-            for h in event.get("block_hashes") or ():
-                mask = owners.get(h)
-                if mask is None or not mask & bit:
+        else:
+            for i, value in enumerate(hashes, 1):
+                if i % SLICE == 0:
+                    yield
+                h = block_hash(value)
+                if h is None:
+                    applied.malformed += 1
                     continue
-                mask &= ~bit
+                if h not in held:
+                    continue
+                held.discard(h)
+                mask = owners.get(h, 0) & ~bit
                 if mask:
                     owners[h] = mask
                 else:
-                    del owners[h]
+                    owners.pop(h, None)
                 replica.entries -= 1
                 applied.removed += 1
-        elif kind == "AllBlocksCleared":
-            self._clear(replica)
-            applied.cleared = True
 
     # ------------------------------------------------------------------ lookups
     def hashes(self, url: str) -> set[int]:
-        """Every block hash `url` holds (a full scan: for tests and diagnosis)."""
+        """Every block hash `url` holds (a copy: for tests and diagnosis)."""
         replica = self._replicas.get(url)
-        if replica is None:
-            return set()
-        bit = 1 << replica.slot
-        return {h for h, mask in self._owners.items() if mask & bit}
+        return set() if replica is None else set(replica.hashes)
 
     def matched(self, url: str, hashes: Sequence[int]) -> int:
         """How many of the chain's first blocks `url` holds (stops at the first miss: a
@@ -272,8 +359,12 @@ class KVEventsSubscriber:
         probe_timeout: float = 1.0,
         stale_after: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         self.index = index
+        self.max_message_bytes = max_message_bytes
+        self.malformed = 0  # batches, events or hashes skipped as not in vLLM's form
+        self._warned: dict[str, float] = {}  # url -> when a malformed batch was last logged
         self.probe_interval = probe_interval
         self.probe_timeout = probe_timeout
         self.stale_after = stale_after
@@ -327,10 +418,20 @@ class KVEventsSubscriber:
 
     async def _follow(self, url: str, address: EventAddress) -> None:
         import zmq
+        import zmq.asyncio
 
         sub = self._context().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sub.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        # ZMQ drops a connection that sent a message over the maximum size and, as for any
+        # protocol error, never reconnects it: the follower ends on a disconnect and
+        # `sync` starts a new one (the replica rebuilt through replay meanwhile).
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         sub.connect(address.publish)
         try:
             next_probe = 0.0
@@ -340,12 +441,21 @@ class KVEventsSubscriber:
                     await self._probe(url, address)
                     next_probe = self.clock() + self.probe_interval
                 wait_ms = max(1, int((next_probe - self.clock()) * 1000))
-                if not await sub.poll(wait_ms):
+                ready = dict(await poller.poll(wait_ms))
+                if monitor in ready:
+                    log.warning(
+                        "KV events of %s: the publisher's connection dropped (it stopped, or "
+                        "sent a message over %d bytes); following again",
+                        url, self.max_message_bytes,
+                    )  # fmt: skip
+                    self._fresh_until.pop(url, None)
+                    return
+                if sub not in ready:
                     continue
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
                     continue
-                if self._take(url, frames[1], frames[2]):
+                if await self._take(url, frames[1], frames[2]):
                     await self._probe(url, address)  # a gap: catch up through replay
                     next_probe = self.clock() + self.probe_interval
         except asyncio.CancelledError:
@@ -354,20 +464,43 @@ class KVEventsSubscriber:
             log.exception("KV events of %s: subscriber stopped", url)
             self._fresh_until.pop(url, None)
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
 
-    def _take(self, url: str, seq_bytes: bytes, payload: bytes, live: bool = True) -> bool:
-        """Apply one batch; True when it revealed a gap."""
+    async def _take(self, url: str, seq_bytes: bytes, payload: bytes, live: bool = True) -> bool:
+        """Apply one batch, yielding to the event loop between slices; True when it revealed
+        a gap. A batch that is not in vLLM's form is skipped (logged at most once a minute
+        per replica), never an error that would restart the subscriber."""
+        if len(seq_bytes) != 8:
+            self._malformed(url, "a sequence number that is not 8 bytes")
+            return False
         seq = int.from_bytes(seq_bytes, "big", signed=True)
         try:
             batch = decode(payload)
         except Exception:
-            log.warning("KV events of %s: undecodable batch %d skipped", url, seq)
+            self._malformed(url, f"undecodable batch {seq}")
             return False
-        applied = self.index.apply(url, seq, batch, live)
+        steps = self.index.steps(url, seq, batch, live)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                applied: Applied = done.value
+                break
+            await asyncio.sleep(0)  # a big batch in slices: other requests run between
+        if applied.malformed:
+            self._malformed(url, f"{applied.malformed} malformed entries in batch {seq}")
         if applied.restarted:
             self.restarts += 1
         return applied.gap is not None
+
+    def _malformed(self, url: str, what: str) -> None:
+        self.malformed += 1
+        now = self.clock()
+        if now - self._warned.get(url, -math.inf) >= 60.0:
+            self._warned[url] = now
+            log.warning("KV events of %s: %s skipped (logged once a minute)", url, what)
 
     async def _probe(self, url: str, address: EventAddress) -> None:
         """Ask the replay socket for everything from the next expected batch; fresh when it
@@ -378,6 +511,7 @@ class KVEventsSubscriber:
         start = 0 if expected is None else expected
         dealer = self._context().socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         dealer.connect(address.replay)
         try:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -402,7 +536,7 @@ class KVEventsSubscriber:
                         expected = None
                     elif expected is not None and seq <= expected:
                         self.gaps["replayed"] += 1
-                self._take(url, frames[2], frames[3], live=False)
+                await self._take(url, frames[2], frames[3], live=False)
             self._fresh_until[url] = self.clock() + self.stale_after
         finally:
             dealer.close(linger=0)

@@ -171,7 +171,12 @@ class Ticket:
     # ------------------------------------------------------------ admission (the core's)
 
     def _admitted(
-        self, route: Route, reason: str, order: list[Candidate], target: ModelTarget
+        self,
+        route: Route,
+        reason: str,
+        order: list[Candidate],
+        target: ModelTarget,
+        loading: str | None = None,
     ) -> None:
         core = self._core
         self.target = target
@@ -186,7 +191,7 @@ class Ticket:
         else:  # saturated: 429, come back soon; no replica at all: 503 until one is up
             status = 429 if reason == "saturated" else 503
             retry = core.settings.retry_after_seconds
-            self.fail(errors.overloaded(target.served_name, retry, status))
+            self.fail(errors.overloaded(target.served_name, retry, status, loading))
 
     # ------------------------------------------------------------ the front end's calls
 

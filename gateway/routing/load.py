@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubellm import metrics
+from kubellm import bounded, metrics
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,37 @@ def parse_engine_metrics(text: str, scraped_at: float) -> EngineStats:
         kv_usage=kv,
         scraped_at=scraped_at,
     )
+
+
+# The families the gateway reads from an engine's /metrics (the load gauges, and the LoRA
+# info the adapter view reads through `scrape_hooks`), and the most sample lines of them one
+# answer may hold: vLLM exports a few per model, plus one per adapter set it has seen (it
+# leaves old LoRA label sets exported). Parsing costs ~12 us a line, so 16 MiB of them
+# would take seconds: the answer is cut to these families (in a worker thread, off the
+# event loop) and refused past the line bound.
+READ_FAMILIES = (
+    metrics.NUM_REQUESTS_WAITING,
+    metrics.NUM_REQUESTS_RUNNING,
+    metrics.KV_CACHE_USAGE,
+    metrics.LORA_REQUESTS_INFO,
+)
+MAX_SAMPLE_LINES = 10_000
+
+
+def relevant_lines(text: str, limit: int = MAX_SAMPLE_LINES) -> str:
+    """The lines of `text` (with their `# TYPE`/`# HELP`) that belong to `READ_FAMILIES`;
+    ValueError past `limit` sample lines (the answer is unusable, the scrape fails)."""
+    keep = []
+    samples = 0
+    for line in text.splitlines():
+        comment = line.startswith(("# TYPE ", "# HELP "))
+        if (line[7:] if comment else line).startswith(READ_FAMILIES):
+            keep.append(line)
+            if not comment:
+                samples += 1
+                if samples > limit:
+                    raise ValueError(f"more than {limit} samples of the load and LoRA metrics")
+    return "\n".join(keep) + "\n"
 
 
 class LoadView:
@@ -139,15 +170,32 @@ class LoadView:
         self._failing &= keep
 
 
-_SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+_SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)  # the whole answer, body included
+
+
+async def read_answer(
+    client: aiohttp.ClientSession, url: str, limit: int = bounded.MAX_ANSWER_BYTES
+) -> bytes:
+    """GET `url`'s body within `_SCRAPE_TIMEOUT` (the whole answer) and at most `limit` bytes
+    (the core's bounded reader: a replica answering gigabytes costs the gateway `limit`).
+    Raises aiohttp.ClientError, TimeoutError or bounded.AnswerTooLarge (a ValueError)."""
+    async with client.get(url, timeout=_SCRAPE_TIMEOUT) as response:
+        response.raise_for_status()
+        return await bounded.read_capped(
+            response.content.iter_any(), limit, response.content_length
+        )
+
+
+def _parse(body: bytes, scraped_at: float) -> tuple[str, EngineStats]:
+    text = relevant_lines(body.decode("utf-8"))
+    return text, parse_engine_metrics(text, scraped_at)
 
 
 async def scrape_once(client: aiohttp.ClientSession, url: str, view: LoadView) -> bool:
     try:
-        async with client.get(f"{url}/metrics", timeout=_SCRAPE_TIMEOUT) as response:
-            response.raise_for_status()
-            text = await response.text()
-        view.record(url, parse_engine_metrics(text, view.clock()))
+        body = await read_answer(client, f"{url}/metrics")
+        text, stats = await asyncio.to_thread(_parse, body, view.clock())
+        view.record(url, stats)
         for hook in view.scrape_hooks:
             hook(url, text)
         return True

@@ -177,16 +177,16 @@ class Scheduler:
         start = time.monotonic()
         ticket = Ticket(self, target, routing, start if arrived is None else arrived, stream)
         try:
-            route, reason, order, target = await self._decide(target, routing, fallback)
+            route, reason, order, target, loading = await self._decide(target, routing, fallback)
         except BaseException:
             ticket.finish()
             raise
-        ticket._admitted(route, reason, order, target)
+        ticket._admitted(route, reason, order, target, loading)
         return ticket
 
     async def _decide(
         self, target: ModelTarget, routing: RoutingRequest, fallback_allowed: bool
-    ) -> tuple[Route, str, list[Candidate], ModelTarget]:
+    ) -> tuple[Route, str, list[Candidate], ModelTarget, str | None]:
         model = target.served_name
         start = time.monotonic()
         ready_now = bool(self.router.candidates(target))
@@ -233,9 +233,14 @@ class Scheduler:
                         order += [c for c in candidates if c.url not in chosen]
                     waited = now - start
                     self.metrics.target(labels(target)).queue_wait.observe(waited)
+                    pending = None
                     if routing.adapter is not None:
                         self.adapter_placed(target, routing.adapter, decision.route, order, loaded)
-                    return decision.route, decision.reason, order, target
+                        if decision.route is Route.REJECT and self.adapter_loads.pending(
+                            routing.adapter
+                        ):
+                            pending = routing.adapter
+                    return decision.route, decision.reason, order, target, pending
                 if not queued:
                     queued = True
                     self.queued[model] = self.queued.get(model, 0) + 1

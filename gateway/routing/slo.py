@@ -44,6 +44,15 @@ def _name(full: str, suffix: str) -> str:
     return full.removesuffix(suffix)
 
 
+def without_credentials(url: str) -> str:
+    """`url` without any `user:password@` (a label on the metrics port must not carry it)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, path = rest.partition("/")
+    return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}"
+
+
 @dataclass
 class GatewayMetrics:
     registry: CollectorRegistry
@@ -79,7 +88,7 @@ class GatewayMetrics:
         """Replace the endpoint series with `rows` of (model labels, url, state)."""
         self.endpoint_info.clear()
         for names, url, state in rows:
-            self.endpoint_info.labels(*names, url, state).set(1)
+            self.endpoint_info.labels(*names, without_credentials(url), state).set(1)
 
     def publish_slo(self, labels: Sequence[str], ttft: float, itl: float, objective: float) -> None:
         """Export one deployment's SLO as series the recording rules join on `le`."""

@@ -93,10 +93,22 @@ async def test_repeated_request_headers_close_the_stream_and_leak_no_slot(picker
     assert answers[0].request_body is not None or answers[0].request_headers is not None
 
 
+async def test_a_local_reply_before_any_request_is_passed_on_and_acquires_nothing(
+    picker_server,
+):
+    # Envoy's own reply (the buffer filter's 413) reaches the picker's encode side with no
+    # request message before it: it must pass, not fail the client's answer with a 500.
+    picker, address = picker_server
+    answers, code = await _exchange(address, [_response_headers(413)])
+    assert code == grpc.StatusCode.OK
+    assert len(answers) == 1 and answers[0].response_headers is not None
+    assert _in_flight(picker) == 0
+
+
 @pytest.mark.parametrize(
     "messages",
     [
-        [_response_headers(200)],  # a response before any request
+        [_response_headers(413), _headers("/v1/completions", end=True)],  # a request after
         [_headers("/v1/completions", end=False), _body(), _body(), _headers("/x", end=True)],
         [
             _headers("/v1/completions", end=False),
@@ -105,7 +117,7 @@ async def test_repeated_request_headers_close_the_stream_and_leak_no_slot(picker
             _headers("/v1/completions", end=True),
         ],
     ],
-    ids=["response-first", "headers-after-body", "headers-after-response"],
+    ids=["request-after-response", "headers-after-body", "headers-after-response"],
 )
 async def test_out_of_order_messages_are_invalid_argument_and_release_every_slot(
     picker_server, messages

@@ -1,0 +1,119 @@
+"""spec.engine.extraArgs may not set again what the launcher derives from the spec, in any
+spelling vLLM's parser accepts (underscores for dashes, unambiguous prefixes, -tp), and
+`kubellm validate` refuses what `kubellm render` refuses. vLLM's own parser checks the list."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from kubellm.operator import builders
+
+from kubellm import api
+from tests.fixtures.engines import REPO_ROOT
+
+REFUSED = [
+    ["--served_model_name", "other"],
+    ["--served-model", "other"],
+    ["--served-model-name=other"],
+    ["--hos", "0.0.0.0"],
+    ["--host=0.0.0.0"],
+    ["--tensor_parallel_size=8"],
+    ["--tensor-parallel", "8"],
+    ["-tp", "2"],
+    ["--port", "9"],
+    ["--model", "other/weights"],
+]
+ACCEPTED = [
+    ["--enforce-eager"],
+    ["--max-num-batched-tokens=512"],
+    ["--model-impl", "vllm"],
+    ["--seed", "1"],
+    ["--disable_log_stats"],
+]
+
+
+@pytest.mark.parametrize("args", REFUSED, ids=" ".join)
+def test_each_spelling_of_an_owned_argument_is_refused(args: list[str]) -> None:
+    problem = api.extra_args_problem(args)
+    assert problem is not None and problem.startswith("spec.engine.extraArgs: ")
+    with pytest.raises(builders.SpecError) as error:  # the operator's refusal: the same
+        builders.check(deployment(args))
+    assert error.value.reason == "InvalidEngineArguments"
+
+
+@pytest.mark.parametrize("args", ACCEPTED, ids=" ".join)
+def test_other_arguments_pass(args: list[str]) -> None:
+    assert api.extra_args_problem(args) is None
+    builders.check(deployment(args))
+
+
+def deployment(extra_args: list[str]) -> api.LLMDeployment:
+    return api.LLMDeployment.model_validate(document(extra_args))
+
+
+def document(extra_args: list[str]) -> dict:
+    return {
+        "apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
+        "metadata": {"name": "m"},
+        "spec": {"model": {"source": "hf://org/m"}, "engine": {"extraArgs": extra_args}},
+    }  # fmt: skip
+
+
+def manifest(tmp_path: Path, extra_args: list[str]) -> Path:
+    path = tmp_path / "llmd.yaml"
+    path.write_text(yaml.safe_dump(document(extra_args)))
+    return path
+
+
+@pytest.mark.parametrize("command", ["validate", "render"])
+def test_validate_refuses_what_render_refuses(tmp_path: Path, command: str) -> None:
+    path = manifest(tmp_path, ["--served_model_name", "other"])
+    done = subprocess.run(
+        [sys.executable, "-m", "kubellm.cli", command, "-f", str(path)],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0, done.stdout
+    assert "extraArgs" in done.stderr + done.stdout
+
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM's own parser is the reference"
+)
+OWNED_DESTS = {
+    "served_model_name": None, "host": None, "port": 8000, "tensor_parallel_size": 1,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vllm_parser(tmp_path_factory: pytest.TempPathFactory):
+    from kubellm.engine import launcher
+
+    if launcher.torchcodec_broken():
+        sys.path.insert(0, launcher.write_torchcodec_shim(tmp_path_factory.mktemp("shim")))
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def vllm_sets(parser, args: list[str]) -> set[str]:
+    """The owned options `args` change as vLLM parses them (--model aside: compared with
+    the default model)."""
+    values = vars(parser.parse_args(["--model", "base/model", *args]))
+    changed = {k for k, default in OWNED_DESTS.items() if values.get(k) != default}
+    if values.get("model") != "base/model":
+        changed.add("model")
+    return changed
+
+
+@needs_vllm
+def test_vllms_parser_agrees_with_the_refusals(vllm_parser) -> None:
+    for args in REFUSED:
+        assert vllm_sets(vllm_parser, args), f"vLLM does not read {args} as an owned option"
+    for args in ACCEPTED:
+        assert not vllm_sets(vllm_parser, args), f"vLLM reads {args} as an owned option"
