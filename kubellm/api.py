@@ -821,6 +821,12 @@ class RolloutStatus(_Status):
     )
     verdict: RolloutVerdict | None = None
     message: str | None = None
+    rolled_back_reason: str | None = Field(
+        default=None, description="Why the canary was rolled back (a condition reason)."
+    )
+    last_step_weight: int | None = Field(
+        default=None, description="While promoting: the canary's weight at its last step."
+    )
 
 
 class LLMDeploymentStatus(_Status):
