@@ -541,8 +541,8 @@ class RolloutAnalysis(_Model):
         default=2.0,
         gt=0,
         description="The canary's SLO error-budget burn rate ((1 - share of requests meeting "
-        "slo.ttftSeconds and slo.itlSeconds) / (1 - slo.objective)) may pass this only while "
-        "the stable revision burns as fast.",
+        "slo.ttftSeconds and slo.itlSeconds) / (1 - slo.objective)) may exceed the stable "
+        "revision's by at most this much.",
     )
 
 

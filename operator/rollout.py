@@ -139,8 +139,8 @@ def analyse(
 
     Inconclusive until the canary answered `minRequests`; then Fail on the first check it
     breaks (error rate over stable's + maxErrorRate; mean TTFT or ITL over max...Ratio x
-    stable's, when stable has figures to compare with; burn rate over maxBurnRate while
-    stable burns slower), else Pass."""
+    stable's, when stable has figures to compare with; burn rate more than maxBurnRate over
+    stable's), else Pass."""
     if canary is None:
         return Verdict(
             "Inconclusive",
@@ -190,12 +190,12 @@ def analyse(
                 )
     burn = canary.burn_rate(slo.objective)
     stable_burn = stable.burn_rate(slo.objective) if stable is not None else 0.0
-    if burn > analysis.max_burn_rate and burn > stable_burn:
+    if burn - stable_burn > analysis.max_burn_rate:
         return Verdict(
             "Fail",
             "CanarySLOBurn",
             f"the canary burns its SLO error budget at {burn:.1f}x (stable {stable_burn:.1f}x, "
-            f"allowed {analysis.max_burn_rate:g}x, spec.rollout.analysis.maxBurnRate): "
+            f"allowed {analysis.max_burn_rate:g} more, spec.rollout.analysis.maxBurnRate): "
             f"{canary.requests - canary.slo_met:.0f} of {canary.requests:.0f} requests missed "
             f"ttft {slo.ttft_seconds:g} s or itl {slo.itl_seconds:g} s",
             canary,
