@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from kubellm.operator import rollout_cli
 from kubellm.operator.rollout import Counters
 
 from kubellm import api
@@ -211,10 +212,15 @@ async def test_abort_then_promote_by_annotation(emulator, api_client):
         _, new, _ = await start_canary(api_client, emulator)
         await open_window(api_client, emulator, 1)
         annotation = "kubellm.io/rollout-action"
-        await patch(api_client, PATH, {"metadata": {"annotations": {annotation: "abort"}}})
+        # `kubellm rollout abort m -n llm` (its requests, through the test's client)
+        code, said = await rollout_cli.act(api_client, NS, NAME, "abort")
+        assert code == 0 and "abort" in said
         await wait_for(lambda: rollout_status(emulator).get("phase") == "RolledBack")
         await wait_for(lambda: replicas(emulator, CANARY) == 0)
         await wait_for(lambda: condition(emulator, "RolledBack", NAME, NS) == ("True", "Aborted"))
+        code, said = await rollout_cli.act(api_client, NS, NAME, "status")
+        assert code == 0 and "RolledBack" in said and "Aborted" in said
+        assert (await rollout_cli.act(api_client, NS, "nope", "abort"))[0] == 1
         await wait_for(lambda: annotation not in current(emulator, LLMD, NAME, NS)["metadata"].get(
             "annotations", {}), what="the annotation removed")  # fmt: skip
         await patch(api_client, PATH, {"metadata": {"annotations": {annotation: "promote"}}})
