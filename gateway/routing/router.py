@@ -17,6 +17,7 @@ from kubellm.gateway.routing.adapters import AdapterScorer
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.precise import PreciseRouting
+from kubellm.gateway.routing.revisions import for_request as revision_candidates
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.bounded_load import (
@@ -113,6 +114,7 @@ class Router:
     def order(
         self, target: ModelTarget, request: RoutingRequest, candidates: Sequence[Candidate]
     ) -> list[Candidate]:
+        candidates = revision_candidates(target, request, candidates)  # canary split, if any
         policy = target.routing.policy
         if policy == "prefix-aware" and self.unshared(request):
             policy = "least-load"

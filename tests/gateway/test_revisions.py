@@ -1,0 +1,142 @@
+"""The canary split (routing/revisions.py) and how discovery carries it: table tests of the
+pure choice, the EndpointSlices of a canary Service, and the router's hook."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+from kubellm.gateway.discovery import kubernetes as k8s
+from kubellm.gateway.discovery.base import CanarySplit, Endpoint, ModelTarget, canary_split
+from kubellm.gateway.routing import revisions
+from kubellm.gateway.routing.load import LoadView
+from kubellm.gateway.routing.outliers import OutlierDetector
+from kubellm.gateway.routing.router import Router, routing_request
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+
+KEYS = [f"prefix:{i}" for i in range(4000)]
+
+
+@pytest.mark.parametrize("weight", [0, 1, 10, 25, 50, 90, 100])
+def test_the_canary_takes_its_weight_of_keys(weight):
+    share = sum(revisions.to_canary(k, weight) for k in KEYS) / len(KEYS)
+    assert abs(share - weight / 100) < 0.025  # 4,000 keys: a few standard deviations
+
+
+def test_a_growing_weight_keeps_the_canary_keys_on_the_canary():
+    at = {w: {k for k in KEYS if revisions.to_canary(k, w)} for w in (10, 50, 90)}
+    assert at[10] <= at[50] <= at[90]
+
+
+def test_the_choice_is_the_same_everywhere():
+    # a fixed hash (SHA-256), not Python's per-process hash(): every gateway agrees
+    assert revisions.bucket("session:alice") == revisions.bucket("session:alice")
+    # the documented formula (a change would move every session to the other revision)
+    digest = hashlib.sha256(b"prefix:1").digest()
+    assert revisions.bucket("prefix:1") == int.from_bytes(digest[:8], "big") % 10_000
+
+
+@pytest.mark.parametrize(
+    ("request_", "key"),
+    [
+        (RoutingRequest("m", session="s1", affinity_key=7), "session:s1"),
+        (RoutingRequest("m", affinity_key=7), "prefix:7"),
+        (RoutingRequest("m"), ""),
+    ],
+)
+def test_request_key_is_the_session_else_the_prompt_home(request_, key):
+    assert revisions.request_key(request_) == key
+
+
+ITEMS = ["s1", "s2", "c1"]
+REVS = {0: None, 1: "old", 2: "new"}  # "old" is not the canary: stable side
+
+
+@pytest.mark.parametrize(
+    ("split", "items", "canary_key", "expected"),
+    [
+        (None, ITEMS, True, ITEMS),  # no rollout: everyone
+        (CanarySplit("new", 0), ITEMS, True, ["s1", "s2"]),  # rolled back
+        (CanarySplit("new", 100), ITEMS, False, ["c1"]),
+        (CanarySplit("new", 50), ITEMS, True, ["c1"]),
+        (CanarySplit("new", 50), ITEMS, False, ["s1", "s2"]),
+        (CanarySplit("new", 50), ["s1", "s2"], True, ["s1", "s2"]),  # canary not ready yet
+        (CanarySplit("new", 0), ["c1"], False, ["c1"]),  # no stable left: the canary serves
+    ],
+)
+def test_choose(split, items, canary_key, expected):
+    # a key that falls in the canary's half, and one that does not
+    key = next(k for k in KEYS if revisions.to_canary(k, 50) == canary_key)
+    revs = {i: REVS[ITEMS.index(item)] for i, item in enumerate(items)}
+    assert revisions.choose(items, revs, split, key) == expected
+
+
+@pytest.mark.parametrize(
+    ("rollout", "split"),
+    [
+        (None, None),
+        ({"phase": "Stable", "revision": "a", "canaryWeight": 0}, None),
+        ({"phase": "Progressing", "canaryRevision": "b", "canaryWeight": 10}, CanarySplit("b", 10)),
+        ({"phase": "RolledBack", "canaryRevision": "b", "canaryWeight": 0}, CanarySplit("b", 0)),
+        ({"phase": "Promoting", "canaryRevision": "b", "canaryWeight": 100}, None),
+        ({"phase": "Progressing", "canaryRevision": "b", "canaryWeight": "x"}, None),
+        ({"phase": "Progressing", "canaryRevision": "b", "canaryWeight": 900},
+         CanarySplit("b", 100)),
+    ],
+)  # fmt: skip
+def test_canary_split_from_status(rollout, split):
+    assert canary_split(rollout) == split
+
+
+def _slice(name: str, addresses: list[str], revision: str | None = None):
+    labels = {"kubellm.io/deployment": "m"}
+    if revision:
+        labels["kubellm.io/revision"] = revision
+    return {
+        "metadata": {"name": name, "namespace": "ml", "labels": labels},
+        "ports": [{"name": "http", "port": 8000}],
+        "endpoints": [{"addresses": [a], "conditions": {"ready": True}} for a in addresses],
+    }
+
+
+def test_discovery_labels_canary_endpoints_and_carries_the_weight():
+    item = {
+        "apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
+        "metadata": {"name": "m", "namespace": "ml"},
+        "spec": {"model": {"source": "hf://org/m"}},
+        "status": {"rollout": {"phase": "Progressing", "canaryRevision": "c0ffee",
+                               "canaryWeight": 10}},
+    }  # fmt: skip
+    deployments = k8s.parse_deployments([item])
+    # the engine Service selects every engine pod, the canary Service its own: a canary pod
+    # is in both slices, whichever comes first
+    slices = [
+        _slice("m-engine-a", ["10.0.0.3"], "c0ffee"),
+        _slice("m-engine-b", ["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
+    ]
+    target = k8s.build_targets(deployments, slices, {}, k8s.canary_splits([item]))["m"]
+    assert target.canary == CanarySplit("c0ffee", 10)
+    assert [(e.url, e.revision) for e in target.endpoints] == [
+        ("http://10.0.0.1:8000", None),
+        ("http://10.0.0.2:8000", None),
+        ("http://10.0.0.3:8000", "c0ffee"),
+    ]
+
+
+def test_the_router_orders_only_the_chosen_revision():
+    urls = ["http://s1", "http://s2", "http://c1"]
+    target = ModelTarget(
+        "m", "m",
+        endpoints=(Endpoint(urls[0]), Endpoint(urls[1]), Endpoint(urls[2], revision="new")),
+        canary=CanarySplit("new", 50),
+    )  # fmt: skip
+    router = Router(LoadView(), OutlierDetector(), random.Random(1))
+    candidates = [Candidate(url=u, load=0.0) for u in urls]
+    seen: dict[bool, set[str]] = {True: set(), False: set()}
+    for i in range(200):
+        request = routing_request("m", {"prompt": f"system prompt {i} " * 40}, session=None)
+        order = router.order(target, request, candidates)
+        seen[revisions.to_canary(revisions.request_key(request), 50)].update(c.url for c in order)
+    assert seen[True] == {"http://c1"}
+    assert seen[False] == {"http://s1", "http://s2"}
