@@ -40,6 +40,7 @@ from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.openai import PATHS, parse_body
 from kubellm.gateway.routing import slo
 from kubellm.gateway.routing.admission import Route
+from kubellm.gateway.routing.revisions import revision_label
 from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings, labels
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -317,6 +318,7 @@ class Exchange:
         self.url = order[0].url
         self.release = self.sched.acquire(self.url)
         self.sched.routed(target, routing, self.url, admission.order)
+        self.record.revision = revision_label(target, self.url)  # canary analysis
         self.timing = slo.StreamTiming(start=self.record.arrived)
         listed = [host_port(c.url) for c in order[: self.picker.settings.endpoints_per_answer]]
         return [self._answer(phase, listed, body)]

@@ -37,6 +37,7 @@ from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
 from kubellm.gateway.routing import slo
 from kubellm.gateway.routing.admission import Route, Thresholds
 from kubellm.gateway.routing.load import LoadView
+from kubellm.gateway.routing.revisions import revision_label
 from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings, labels
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -303,6 +304,7 @@ class Gateway:
             call.finish("replica", error.status)
             return await call.error(error)
         self.scheduler.routed(target, routing, attempt.url, order)
+        call.record.revision = revision_label(target, attempt.url)  # canary analysis
         release, url, scheduler = attempt.release, attempt.url, self.scheduler
 
         def release_completed() -> None:

@@ -27,6 +27,7 @@ from typing import TypeVar
 
 from kubellm.gateway.discovery.base import CanarySplit, ModelTarget
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.slo import STABLE_REVISION
 
 BUCKETS = 10_000
 
@@ -68,6 +69,17 @@ def choose(
     stable = [item for i, item in enumerate(items) if revision_of.get(i) != split.revision]
     wanted, other = (canary, stable) if to_canary(key, split.weight) else (stable, canary)
     return wanted or other
+
+
+def revision_label(target: ModelTarget, url: str) -> str | None:
+    """The `revision` label of an answer from `url` while the model's traffic is split
+    (the endpoint's revision, "stable" for the others); None when no rollout splits it."""
+    if target.canary is None:
+        return None
+    for endpoint in target.endpoints:
+        if endpoint.url == url:
+            return endpoint.revision or STABLE_REVISION
+    return STABLE_REVISION
 
 
 def for_request(

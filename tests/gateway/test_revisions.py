@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from dataclasses import replace
 
 import pytest
 from kubellm.gateway.discovery import kubernetes as k8s
@@ -14,6 +15,10 @@ from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.router import Router, routing_request
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.operator import figures
+from prometheus_client import generate_latest
+
+from tests.gateway.conftest import model
 
 KEYS = [f"prefix:{i}" for i in range(4000)]
 
@@ -140,3 +145,31 @@ def test_the_router_orders_only_the_chosen_revision():
         seen[revisions.to_canary(revisions.request_key(request), 50)].update(c.url for c in order)
     assert seen[True] == {"http://c1"}
     assert seen[False] == {"http://s1", "http://s2"}
+
+
+def test_a_split_gateway_counts_each_revision_for_the_canary_analysis(engines, gateway):
+    """Real servers: a gateway splitting a model 50/50 sends each prompt home to one
+    revision, and its per-revision series (read as the operator reads them) count it."""
+    (_, stable), (_, canary) = engines(2, prefix="r")
+    target = model("tiny", [stable, canary])
+    target = replace(
+        target,
+        endpoints=(Endpoint(stable.url), Endpoint(canary.url, revision="new")),
+        canary=CanarySplit("new", 50),
+    )
+    gw = gateway({"tiny": target})
+    client = gw.client()
+    expected = {"new": 0, "stable": 0}
+    for i in range(16):
+        prompt = f"System prompt {i} of the split test. " * 30
+        messages = [{"role": "user", "content": prompt}]
+        request = routing_request("tiny", {"messages": messages}, session=None)
+        side = "new" if revisions.to_canary(revisions.request_key(request), 50) else "stable"
+        expected[side] += 1
+        stream = client.chat.completions.create(model="tiny", messages=messages, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert text.startswith("r1" if side == "new" else "r0")  # the engine's name
+    assert expected["new"] and expected["stable"]  # both sides taken by these prompts
+    counted = figures.parse(generate_latest(gw.gateway.metrics.registry).decode(), "tiny")
+    assert {r: int(c.requests) for r, c in counted.items()} == expected
+    assert counted["new"].ttft_count == expected["new"] and counted["new"].errors == 0
