@@ -277,8 +277,10 @@ def _baseline(counters: Mapping[str, Counters] | None) -> dict[str, dict[str, fl
 def _window(
     counters: Mapping[str, Counters] | None, baseline: Any, revision: str
 ) -> Counters | None:
-    if counters is None or revision not in counters:
+    if counters is None:
         return None
+    if revision not in counters:
+        return Counters()  # the gateway answers, but nothing of this revision yet
     before = Counters.from_status((baseline or {}).get(revision)) if baseline else None
     return counters[revision].minus(before)
 

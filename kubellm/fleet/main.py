@@ -139,8 +139,7 @@ async def serve(args: argparse.Namespace, deployments: list) -> int:
             d.manifest.served_name: figures.parse(text, d.manifest.served_name)
             for d in runtime.deployments.values()
         }
-        for line in runtime.tend_rollout(counters, time.time()):
-            print(f"kubellm up: {line}", flush=True)
+        runtime.tend_rollout(counters, time.time())  # its events print with the supervisor's
 
     printed_events = 0
 
