@@ -273,3 +273,17 @@ def test_gateway_figures_parse_per_revision():
     assert (parsed["a"].requests, parsed["a"].errors) == (100, 10)
     assert parsed["a"].ttft == pytest.approx(0.2)
     assert figures.merge([parsed, parsed])["a"].requests == 200
+
+
+def test_the_status_patch_removes_rollout_fields_that_are_gone():
+    from kubellm.operator import status
+
+    old = {"rollout": {"phase": "Progressing", "stepStartedAt": "t", "verdict": {"result": "Pass",
+           "canary": {"requests": 3}}, "canaryWeight": 10}}  # fmt: skip
+    new = {"rollout": {"phase": "Progressing", "verdict": {"result": "Inconclusive"},
+                       "canaryWeight": 10}}  # fmt: skip
+    patch = status.status_patch(new, old)
+    # a JSON merge patch: nulls delete, so the stored status ends up equal to `new`
+    verdict = {"result": "Inconclusive", "canary": None}
+    assert patch == {"rollout": {"stepStartedAt": None, "verdict": verdict}}
+    assert status.status_patch(new, new) is None
