@@ -226,6 +226,7 @@ async def reconcile(
     deployment = None
     rollout_status: dict[str, Any] | None = old_status.get("rollout")
     progressing = None
+    canary_deployment = None
     selector = old_status.get("selector") or ""
     desired_replicas = int((body.get("spec") or {}).get("replicas") or 0)
     cap = None
@@ -307,6 +308,8 @@ async def reconcile(
             applied, apply_problems = await _apply(client, outcome.plan, emit, body)
             outcome.problems += apply_problems
             deployment = applied.get(deployment_ref, deployment)
+            if decision.mode != "rolling":
+                canary_deployment = applied.get(canary_refs[1], canary_live)
             pool_ref = Ref(builders.INFERENCE_POOL_API_VERSION, "InferencePool", namespace,
                            builders.engine_name(llmd))  # fmt: skip
             pool = applied.get(pool_ref, observed.get(pool_ref))
@@ -353,6 +356,7 @@ async def reconcile(
         now=now(),
         rollout=rollout_status,
         progressing=progressing,
+        canary=canary_deployment,
     )
     outcome.status_patch = status.status_patch(new_status, old_status)
     if outcome.status_patch is not None:

@@ -333,12 +333,16 @@ def desired_status(
     extra_conditions: Sequence[Mapping[str, Any]] = (),
     rollout: Mapping[str, Any] | None = None,
     progressing: Mapping[str, Any] | None = None,
+    canary: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every status field the operator owns (never `autoscaler` or `adapters`). `extra_conditions`
     (e.g. `InferencePool`, `RolledBack`) follow Ready, Progressing and Degraded; `progressing`
-    replaces the Deployment's Progressing (a canary rollout's); `rollout` is status.rollout."""
+    replaces the Deployment's Progressing (a canary rollout's); `rollout` is status.rollout;
+    `canary` (the canary revision's Deployment, while one runs) adds its pods to the counts
+    the scale subresource reports (the selector matches both revisions' pods)."""
     old_status = old_status or {}
     dstatus = (deployment or {}).get("status") or {}
+    cstatus = (canary or {}).get("status") or {}
     conds = conditions(
         desired_replicas=desired_replicas,
         deployment=deployment,
@@ -350,8 +354,9 @@ def desired_status(
     conds += [dict(c) for c in extra_conditions]
     out = {
         "observedGeneration": generation,
-        "replicas": int(dstatus.get("replicas") or 0),
-        "readyReplicas": int(dstatus.get("readyReplicas") or 0),
+        "replicas": int(dstatus.get("replicas") or 0) + int(cstatus.get("replicas") or 0),
+        "readyReplicas": int(dstatus.get("readyReplicas") or 0)
+        + int(cstatus.get("readyReplicas") or 0),
         "selector": selector,
         "capacity": dict(capacity) if capacity else None,
         "conditions": merge_conditions(conds, old_status.get("conditions") or [], now),

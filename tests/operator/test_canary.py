@@ -139,6 +139,8 @@ async def test_a_good_revision_advances_through_its_steps_and_is_promoted(emulat
         gateway.serve(old, 300)
         await open_window(api_client, emulator, 1)
         assert rollout_status(emulator)["baseline"][old]["requests"] == 300
+        # the scale subresource counts both revisions' pods (its selector matches both)
+        await wait_for(lambda: llmd_status(emulator, NAME, NS).get("readyReplicas") == 5)
         gateway.serve(old, 270)
         gateway.serve(new, 30)
         # step 2: 50%, the stable Deployment scaled (not rebuilt) to its share
