@@ -22,12 +22,15 @@ serves, so the split never fails a request.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from kubellm.gateway.discovery.base import CanarySplit, ModelTarget
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.slo import STABLE_REVISION
+
+if TYPE_CHECKING:
+    from kubellm.gateway.routing.slo import GatewayMetrics
 
 BUCKETS = 10_000
 
@@ -80,6 +83,19 @@ def revision_label(target: ModelTarget, url: str) -> str | None:
         if endpoint.url == url:
             return endpoint.revision or STABLE_REVISION
     return STABLE_REVISION
+
+
+def revisions_failed(metrics: GatewayMetrics, targets: Iterable[ModelTarget], url: str) -> None:
+    """An attempt on `url` failed before its first byte (the gateway retries it elsewhere):
+    while a canary splits the model, count it as an error of the endpoint's revision, so a
+    revision that answers 5xx is seen by the analysis even when a retry saved the request."""
+    if metrics.revisions is None:
+        return
+    for target in targets:
+        if target.canary is not None and any(e.url == url for e in target.endpoints):
+            names = (target.served_name, target.deployment, target.namespace)
+            revision = revision_label(target, url) or STABLE_REVISION
+            metrics.revisions.requests.labels(*names, revision, "error").inc()
 
 
 def for_request(

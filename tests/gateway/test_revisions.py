@@ -15,9 +15,10 @@ from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.router import Router, routing_request
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
-from kubellm.operator import figures
+from kubellm.operator import figures, rollout
 from prometheus_client import generate_latest
 
+from kubellm import api
 from tests.gateway.conftest import model
 
 KEYS = [f"prefix:{i}" for i in range(4000)]
@@ -173,3 +174,27 @@ def test_a_split_gateway_counts_each_revision_for_the_canary_analysis(engines, g
     counted = figures.parse(generate_latest(gw.gateway.metrics.registry).decode(), "tiny")
     assert {r: int(c.requests) for r, c in counted.items()} == expected
     assert counted["new"].ttft_count == expected["new"] and counted["new"].errors == 0
+
+
+def test_a_canary_answering_5xx_is_counted_even_when_a_retry_saves_the_request(engines, gateway):
+    """The gateway retries a 5xx before the first byte on another replica: the client never
+    sees the canary's failure, but the canary's error series does, and the analysis fails it."""
+    (_, stable), (bad, canary) = engines(2, prefix="r")
+    bad.behaviour.status = 500
+    target = replace(
+        model("tiny", [stable, canary]),
+        endpoints=(Endpoint(stable.url), Endpoint(canary.url, revision="new")),
+        canary=CanarySplit("new", 50),
+    )
+    gw = gateway({"tiny": target})
+    client = gw.client()
+    for i in range(16):
+        messages = [{"role": "user", "content": f"System prompt {i} of the 5xx test. " * 30}]
+        stream = client.chat.completions.create(model="tiny", messages=messages, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    counted = figures.parse(generate_latest(gw.gateway.metrics.registry).decode(), "tiny")
+    assert counted["new"].errors >= 1 and counted["new"].errors == counted["new"].requests
+    assert counted["stable"].errors == 0 and counted["stable"].requests == 16
+    verdict = rollout.analyse(counted["new"], counted["stable"],
+                              api.RolloutAnalysis(minRequests=1), api.SLO())  # fmt: skip
+    assert verdict.reason == "CanaryErrorRate"
