@@ -43,6 +43,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "canary step waits for `kubellm rollout promote`",
     )
     parser.add_argument(
+        "--prometheus-url",
+        metavar="URL",
+        default=None,
+        help="read the canary analysis' figures from this Prometheus (which scrapes every "
+        "gateway replica: their counts are summed) instead of --gateway-metrics-url",
+    )
+    parser.add_argument(
         "--rollout-seconds",
         type=float,
         default=5.0,
@@ -58,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
 
     from . import handlers
-    from .figures import GatewayFigures
+    from .figures import GatewayFigures, PrometheusFigures
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -67,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
     registry = kopf.OperatorRegistry()
     urls = list(args.gateway_metrics_url)
 
-    def figures() -> GatewayFigures | None:
+    def figures() -> GatewayFigures | PrometheusFigures | None:
+        if args.prometheus_url:
+            return PrometheusFigures(args.prometheus_url)
         return GatewayFigures(urls) if urls else None
 
     handlers.register(

@@ -287,3 +287,51 @@ def test_the_status_patch_removes_rollout_fields_that_are_gone():
     verdict = {"result": "Inconclusive", "canary": None}
     assert patch == {"rollout": {"stepStartedAt": None, "verdict": verdict}}
     assert status.status_patch(new, new) is None
+
+
+def _vector(*rows: tuple[dict[str, str], float]) -> dict[str, Any]:
+    result = [{"metric": labels, "value": [1700000000.0, str(v)]} for labels, v in rows]
+    return {"status": "success", "data": {"resultType": "vector", "result": result}}
+
+
+def test_prometheus_queries_sum_over_gateway_replicas_per_revision():
+    queries = figures.prometheus_queries("ns", 'm"x')
+    assert queries["requests"] == (
+        f"sum by (revision, outcome) ({metrics.GATEWAY_REVISION_REQUESTS}"
+        '{namespace="ns",model="m\\"x"})'
+    )
+    assert queries["ttft_sum"].startswith(f"sum by (revision) ({metrics.GATEWAY_REVISION_TTFT}_sum")
+    answers = {key: _vector() for key in queries}
+    answers["requests"] = _vector(({"revision": "a", "outcome": "ok"}, 90),
+                                  ({"revision": "a", "outcome": "error"}, 10),
+                                  ({"outcome": "ok"}, 5))  # fmt: skip
+    answers["ttft_sum"] = _vector(({"revision": "a"}, 18))
+    answers["ttft_count"] = _vector(({"revision": "a"}, 90))
+    parsed = figures.from_prometheus(answers)
+    assert (parsed["a"].requests, parsed["a"].errors) == (100, 10)
+    assert parsed["a"].ttft == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="no vector"):
+        figures.from_prometheus({"requests": {"status": "error"}})
+
+
+async def test_prometheus_figures_over_http_and_a_broken_server():
+    import httpx
+
+    asked: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        query = request.url.params["query"]
+        asked.append(query)
+        if "revision_requests_total" in query:
+            return httpx.Response(200, json=_vector(({"revision": "c", "outcome": "ok"}, 7)))
+        return httpx.Response(200, json=_vector())
+
+    source = figures.PrometheusFigures("http://prometheus.invalid:9090/")
+    source.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    got = await source("ns", "d", "m")
+    assert got is not None and got["c"].requests == 7 and len(asked) == 6
+    source.http = httpx.AsyncClient(
+        transport=httpx.MockTransport(lambda r: httpx.Response(200, text="<html>"))
+    )
+    assert await source("ns", "d", "m") is None  # the step waits; nothing raises
+    await source.aclose()
