@@ -19,6 +19,7 @@ from kubellm.operator import figures, rollout
 from prometheus_client import generate_latest
 
 from kubellm import api
+from tests.fixtures.engines import wait_until
 from tests.gateway.conftest import model
 
 KEYS = [f"prefix:{i}" for i in range(4000)]
@@ -148,6 +149,11 @@ def test_the_router_orders_only_the_chosen_revision():
     assert seen[False] == {"http://s1", "http://s2"}
 
 
+def counted_by(gw) -> dict[str, rollout.Counters]:
+    """The gateway's per-revision counters, read as the operator reads them."""
+    return figures.parse(generate_latest(gw.gateway.metrics.registry).decode(), "tiny")
+
+
 def test_a_split_gateway_counts_each_revision_for_the_canary_analysis(engines, gateway):
     """Real servers: a gateway splitting a model 50/50 sends each prompt home to one
     revision, and its per-revision series (read as the operator reads them) count it."""
@@ -171,7 +177,9 @@ def test_a_split_gateway_counts_each_revision_for_the_canary_analysis(engines, g
         text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         assert text.startswith("r1" if side == "new" else "r0")  # the engine's name
     assert expected["new"] and expected["stable"]  # both sides taken by these prompts
-    counted = figures.parse(generate_latest(gw.gateway.metrics.registry).decode(), "tiny")
+    # the gateway counts an answer once its stream is closed, just after the client's end
+    wait_until(lambda: sum(c.requests for c in counted_by(gw).values()) == 16, what="counts")
+    counted = counted_by(gw)
     assert {r: int(c.requests) for r, c in counted.items()} == expected
     assert counted["new"].ttft_count == expected["new"] and counted["new"].errors == 0
 
@@ -192,7 +200,9 @@ def test_a_canary_answering_5xx_is_counted_even_when_a_retry_saves_the_request(e
         messages = [{"role": "user", "content": f"System prompt {i} of the 5xx test. " * 30}]
         stream = client.chat.completions.create(model="tiny", messages=messages, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    counted = figures.parse(generate_latest(gw.gateway.metrics.registry).decode(), "tiny")
+    wait_until(lambda: (c := counted_by(gw)).get("stable") and c["stable"].requests == 16,
+               what="every answer counted")  # fmt: skip
+    counted = counted_by(gw)
     assert counted["new"].errors >= 1 and counted["new"].errors == counted["new"].requests
     assert counted["stable"].errors == 0 and counted["stable"].requests == 16
     verdict = rollout.analyse(counted["new"], counted["stable"],
