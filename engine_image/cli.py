@@ -65,6 +65,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--block-size", type=int, help="override the profile's (and the spec's) KV block size"
     )
     sim.add_argument("--num-blocks", type=int, help="override the profile's KV pool size")
+    sim.add_argument(
+        "--slow-steps", type=float, metavar="X",
+        help="misbehave on purpose: every engine step takes X times as long (a bad revision "
+        "for a canary test)",
+    )  # fmt: skip
+    sim.add_argument(
+        "--fail-prompts-over", type=int, metavar="TOKENS",
+        help="misbehave on purpose: answer 500 to prompts longer than TOKENS",
+    )  # fmt: skip
     sim.description = sim_spec_note()
     sim.add_argument(
         "--tokenizer", metavar="DIR",
@@ -181,6 +190,8 @@ def _sim(args: argparse.Namespace) -> int:
             tokenizer=args.tokenizer,
             adapters=sim_adapters(args.spec),
             kv_events_port=events_port,
+            slow_steps=args.slow_steps,
+            fail_prompts_over=args.fail_prompts_over,
         )
     except ValueError as error:
         print(f"kubellm engine: {error}", file=sys.stderr)

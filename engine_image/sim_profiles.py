@@ -67,6 +67,17 @@ class Profile:
         """A copy with the given fields replaced (None values are ignored)."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
+    def slowed(self, factor: float) -> Profile:
+        """Every step `factor` times as long (`--slow-steps`: a bad revision, for a test)."""
+        if not factor > 0:
+            raise ValueError(f"--slow-steps must be more than 0, got {factor}")
+        return replace(
+            self,
+            step_base_s=self.step_base_s * factor,
+            prefill_token_s=self.prefill_token_s * factor,
+            decode_token_s=self.decode_token_s * factor,
+        )
+
 
 # A rank-16 adapter on every linear layer of Llama 3.1 8B holds 16 x (in + out) weights
 # per projection: 1.31 M per layer, 42 M over 32 layers, 84 MB in bf16. vLLM keeps

@@ -116,13 +116,18 @@ def create_app(
     tokenizer_dir: str | None = None,
     adapters: dict[str, str] | None = None,
     kv_events: tuple[str, int] | None = None,
+    fail_prompts_over: int | None = None,
 ) -> Starlette:
     """The simulator as an ASGI app (run it with uvicorn, or in-process via httpx).
 
     The stepping task starts with the first request, so ASGI transports that skip
     lifespan events work too. `kv_events` = (host, port): publish KV-cache events there
     (replay on port + 1), as vLLM's --kv-events-config does (sim_events).
+    `fail_prompts_over`: misbehave on purpose, answering 500 (OpenAI's envelope) to every
+    prompt longer than this many tokens (a bad revision, for a test).
     """
+    if fail_prompts_over is not None and fail_prompts_over < 1:
+        raise ValueError(f"--fail-prompts-over must be at least 1, got {fail_prompts_over}")
     chosen = profiles.get(profile) if isinstance(profile, str) else profile
     chosen = chosen.with_overrides(block_size=block_size, num_blocks=num_blocks)
     publisher = KVEventPublisher(*kv_events) if kv_events else None
@@ -219,6 +224,12 @@ def create_app(
         prompt_ids = sim.tokenizer.encode(text) if text is not None else body["prompt"]
         if not prompt_ids:
             raise APIError(400, "prompt: tokenizes to zero tokens", "prompt")
+        if fail_prompts_over is not None and len(prompt_ids) > fail_prompts_over:
+            raise APIError(
+                500,
+                f"simulated failure: a prompt of {len(prompt_ids)} tokens is over "
+                f"--fail-prompts-over {fail_prompts_over}",
+            )
         max_tokens = _max_tokens(body, None if not chat else sim.profile.max_model_len // 8)
         if chat and "max_tokens" not in body and "max_completion_tokens" not in body:
             max_tokens = min(max_tokens, sim.profile.max_model_len - len(prompt_ids))
@@ -376,17 +387,26 @@ def serve(
     tokenizer: str | None = None,
     adapters: dict[str, str] | None = None,
     kv_events_port: int | None = None,
+    slow_steps: float | None = None,
+    fail_prompts_over: int | None = None,
 ) -> int:
     """Run the simulator with uvicorn until interrupted."""
     import uvicorn
 
+    if slow_steps is not None:
+        base = profiles.get(profile) if isinstance(profile, str) else profile
+        profile = base.slowed(slow_steps)
     app = create_app(
         served_model_name, profile, time_scale,
         block_size=block_size, num_blocks=num_blocks, tokenizer_dir=tokenizer,
         adapters=adapters, kv_events=(host, kv_events_port) if kv_events_port else None,
+        fail_prompts_over=fail_prompts_over,
     )  # fmt: skip
     chosen = app.state.simulator.profile
     line = banner(host, port, served_model_name, chosen.name, time_scale)
+    if slow_steps is not None or fail_prompts_over is not None:
+        line += (f", MISBEHAVING on purpose (slow steps x{slow_steps or 1:g}, failing "
+                 f"prompts over {fail_prompts_over or 'no'} tokens)")  # fmt: skip
     if kv_events_port:
         line += f", KV events on {kv_events_port} (replay {kv_events_port + 1})"
     print(f"{line}; {describe(chosen)}", file=sys.stderr, flush=True)

@@ -536,9 +536,107 @@ class Scheduling(_Model):
     priority_class_name: str | None = None
 
 
-class Rollout(_Model):
-    """How engine pods are replaced on a spec change (the Deployment's rolling update)."""
+# The most canary steps a rollout lists: bounds the CEL rules' cost (the ordering rule is
+# unrolled over consecutive pairs).
+MAX_CANARY_STEPS = 10
 
+
+class CanaryStep(_Model):
+    """One step of a canary rollout: the share of traffic (and of capacity) the new revision
+    takes, and how long it must hold the analysis before the next step."""
+
+    weight: int = Field(
+        ge=1, le=99, description="Percent of requests (and of replicas) the canary takes."
+    )
+    pause_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=86400,
+        description="The step's analysis window: the canary must pass the analysis over it "
+        "(with at least analysis.minRequests requests) before the next step.",
+    )
+
+
+class RolloutAnalysis(_Model):
+    """What a canary step must hold over its window, against the stable revision (from the
+    gateway's per-revision figures). A failed check rolls the canary back at once; too few
+    requests keep the step waiting."""
+
+    min_requests: int = Field(
+        default=50,
+        ge=1,
+        description="Requests the canary must answer in a step's window before a verdict "
+        "(pass or fail) is drawn.",
+    )
+    max_error_rate: float = Field(
+        default=0.02,
+        ge=0,
+        le=1,
+        description="The canary's error rate may exceed the stable revision's by at most this "
+        "much (0.02: two points).",
+    )
+    max_ttft_ratio: float = Field(
+        default=1.5,
+        ge=1,
+        alias="maxTTFTRatio",
+        description="The canary's mean time to first token may be at most this many times "
+        "the stable revision's.",
+    )
+    max_itl_ratio: float = Field(
+        default=1.5,
+        ge=1,
+        alias="maxITLRatio",
+        description="The canary's mean inter-token latency may be at most this many times "
+        "the stable revision's.",
+    )
+    max_burn_rate: float = Field(
+        default=2.0,
+        gt=0,
+        description="The canary's SLO error-budget burn rate ((1 - share of requests meeting "
+        "slo.ttftSeconds and slo.itlSeconds) / (1 - slo.objective)) may exceed the stable "
+        "revision's by at most this much.",
+    )
+
+
+def _default_steps() -> list[CanaryStep]:
+    return [CanaryStep(weight=10), CanaryStep(weight=50)]
+
+
+DEFAULT_CANARY_STEPS = [{"weight": 10, "pauseSeconds": 300}, {"weight": 50, "pauseSeconds": 300}]
+
+
+class Rollout(_Model):
+    """How a new revision (a change to the engine identity: spec.model, spec.engine,
+    spec.resources, spec.routing.prefixIndex precise) replaces the running one. Scaling,
+    routing, fallback, SLO and adapter edits never start a revision.
+
+    Rolling: the engine Deployment's rolling update (maxSurge, maxUnavailable).
+    Canary: a second Deployment runs the new revision and takes each step's weight of the
+    traffic and capacity while the analysis holds; it is promoted after the last step and
+    rolled back (scaled to zero, 100% to stable) when a check fails."""
+
+    rules = (
+        Rule(
+            "self.strategy != 'Canary' || size(self.steps) > 0",
+            "spec.rollout.steps must list at least one step when strategy is Canary",
+            ".steps",
+        ),
+        Rule(
+            " && ".join(
+                f"(size(self.steps) <= {i + 1} || self.steps[{i}].weight < "
+                f"self.steps[{i + 1}].weight)"
+                for i in range(MAX_CANARY_STEPS - 1)
+            ),
+            "spec.rollout.steps weights must increase from one step to the next",
+            ".steps",
+        ),
+    )
+
+    strategy: Literal["Rolling", "Canary"] = Field(
+        default="Rolling",
+        description="Rolling: replace pods one by one. Canary: run the new revision beside "
+        "the stable one, shift traffic by steps, promote or roll back by the analysis.",
+    )
     max_surge: int | str = Field(
         default=1,
         description="Extra pods during a rollout (a count or a percentage such as '25%').",
@@ -546,6 +644,16 @@ class Rollout(_Model):
     max_unavailable: int | str = Field(
         default=0,
         description="Pods that may be unready during a rollout; 0 keeps serving capacity.",
+    )
+    steps: list[CanaryStep] = Field(
+        default_factory=_default_steps,
+        max_length=MAX_CANARY_STEPS,
+        json_schema_extra={"default": DEFAULT_CANARY_STEPS},
+        description="Canary only: the weights the new revision takes, in increasing order; "
+        "after the last step passes it is promoted to 100%.",
+    )
+    analysis: RolloutAnalysis = _nested(
+        RolloutAnalysis, "Canary only: what each step must hold against the stable revision."
     )
 
 
@@ -617,7 +725,9 @@ class LLMDeploymentSpec(_Model):
     fallback: Fallback | None = Field(default=None, description="Overflow to an external API.")
     slo: SLO = _nested(SLO, "Latency targets for goodput, metrics and alerts.")
     scheduling: Scheduling = _nested(Scheduling, "Where engine pods may run.")
-    rollout: Rollout = _nested(Rollout, "Rolling update of engine pods.")
+    rollout: Rollout = _nested(
+        Rollout, "How a new revision replaces the running one: Rolling or Canary."
+    )
     termination_grace_period_seconds: int = Field(
         default=120, ge=0, description="Time a removed replica gets to finish in-flight requests."
     )
@@ -633,7 +743,7 @@ class _Status(_Model):
 
 
 class Condition(_Status):
-    type: Literal["Ready", "Progressing", "Degraded"]
+    type: Literal["Ready", "Progressing", "Degraded", "RolledBack", "InferencePool"]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(min_length=1)
     message: str = ""
@@ -719,6 +829,58 @@ class AdapterStatus(_Status):
     replicas: int = 0
 
 
+class RevisionFigures(_Status):
+    """One revision's figures over a canary step's window (from the gateway's counters)."""
+
+    requests: int = 0
+    errors: int = 0
+    slo_met: int = Field(default=0, alias="sloMet")
+    ttft_seconds: float | None = Field(default=None, description="Mean time to first token.")
+    itl_seconds: float | None = Field(default=None, description="Mean inter-token latency.")
+
+
+class RolloutVerdict(_Status):
+    """The analysis' last verdict on the canary, with the figures it was drawn from."""
+
+    result: Literal["Pass", "Fail", "Inconclusive"]
+    reason: str
+    message: str = ""
+    time: str | None = None
+    canary: RevisionFigures | None = None
+    stable: RevisionFigures | None = None
+
+
+class RolloutStatus(_Status):
+    """Where the rollout stands (written by the operator)."""
+
+    revision: str | None = Field(
+        default=None, description="The spec's revision: a hash of the engine identity."
+    )
+    stable_revision: str | None = None
+    canary_revision: str | None = None
+    phase: Literal["Stable", "Progressing", "Promoting", "RolledBack"] | None = None
+    step: int | None = Field(default=None, description="The current canary step, from 1.")
+    steps: int | None = None
+    canary_weight: int | None = Field(
+        default=None, description="Percent of requests the gateway sends to the canary."
+    )
+    step_started_at: str | None = Field(
+        default=None, description="When the current step's window began (canary ready)."
+    )
+    baseline: dict[str, dict[str, float]] | None = Field(
+        default=None,
+        description="The gateway's cumulative counters per revision when the window began.",
+    )
+    verdict: RolloutVerdict | None = None
+    message: str | None = None
+    rolled_back_reason: str | None = Field(
+        default=None, description="Why the canary was rolled back (a condition reason)."
+    )
+    last_step_weight: int | None = Field(
+        default=None, description="While promoting: the canary's weight at its last step."
+    )
+
+
 class LLMDeploymentStatus(_Status):
     conditions: list[Condition] = Field(
         default_factory=list,
@@ -736,6 +898,7 @@ class LLMDeploymentStatus(_Status):
         description="Each adapter of spec.adapters: on how many ready replicas it is loaded "
         "(written by the autoscaler).",
     )
+    rollout: RolloutStatus | None = None
 
 
 class ObjectMeta(BaseModel):

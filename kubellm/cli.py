@@ -34,6 +34,10 @@ COMPONENT_COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kubellm.fleet.up", "Run the whole control plane locally, without Kubernetes."),
     "status": ("kubellm.fleet.show", "Show the state of a local fleet or a gateway."),
     "render": ("kubellm.operator.render", "Print the Kubernetes objects for a manifest."),
+    "rollout": (
+        "kubellm.operator.rollout_cli",
+        "Abort, promote or show a canary rollout of an LLMDeployment.",
+    ),
     "bench": ("kubellm.bench", "Load-test an OpenAI-compatible endpoint."),
     "diagnose": ("kubellm.diagnose", "Explain what is slow in a fleet from its metrics."),
 }

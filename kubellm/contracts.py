@@ -25,6 +25,7 @@ autoscaler and the local fleet read it:
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,15 @@ from kubellm import api
 
 DEPLOYMENT_LABEL = "kubellm.io/deployment"
 PORT_NAME = "http"
+# A canary rollout (spec.rollout.strategy Canary): the canary revision's Deployment, pods and
+# Service carry the revision and the track; the Service's EndpointSlices copy both, which is
+# how the gateway tells a canary endpoint from a stable one (unlabelled: stable).
+REVISION_LABEL = "kubellm.io/revision"
+TRACK_LABEL = "kubellm.io/track"
+CANARY_TRACK = "canary"
+# `kubellm rollout abort|promote NAME` sets it; the operator acts once and removes it.
+ROLLOUT_ACTION_ANNOTATION = "kubellm.io/rollout-action"
+ROLLOUT_ACTIONS = ("abort", "promote")
 
 
 # --------------------------------------------------------------------------- labels
@@ -188,6 +198,12 @@ def engine_identity_json(llmd: api.LLMDeployment) -> str:
     if slots is not None:  # without LoRA the identity is the engine spec itself
         document["spec"]["engine"]["maxLoras"] = slots
     return json.dumps(document, sort_keys=True, indent=2) + "\n"
+
+
+def revision(llmd: api.LLMDeployment) -> str:
+    """The spec's revision: a short hash of its engine identity. A change to it restarts
+    engines (Rolling) or starts a canary revision (Canary); nothing else does."""
+    return hashlib.sha256(engine_identity_json(llmd).encode()).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------- the fallback API

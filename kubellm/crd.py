@@ -112,6 +112,18 @@ PRINTER_COLUMNS = [
         "jsonPath": ".status.autoscaler.kvCacheUsage",
         "description": "Mean KV-cache pool occupancy of the replicas (0-1).",
     },
+    {
+        "name": "Revision",
+        "type": "string",
+        "jsonPath": ".status.rollout.revision",
+        "description": "The spec's engine revision (a hash of the engine identity).",
+    },
+    {
+        "name": "Canary",
+        "type": "integer",
+        "jsonPath": ".status.rollout.canaryWeight",
+        "description": "Percent of requests the canary revision takes during a rollout.",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -57,6 +57,14 @@ GATEWAY_FALLBACK_TOKENS = "kubellm_gateway_fallback_tokens_total"  # + kind=prom
 GATEWAY_ADAPTER_REQUESTS = "kubellm_gateway_adapter_requests_total"
 GATEWAY_ADAPTER_LOADS = "kubellm_gateway_adapter_loads_total"
 GATEWAY_ADAPTER_LOAD_SECONDS = "kubellm_gateway_adapter_load_seconds"  # histogram
+# Per revision of a model during a canary rollout (+ revision, the endpoint's
+# kubellm.io/revision; the stable one's too): what the operator's canary analysis reads.
+# Requests answered by a replica of the revision (+ outcome=ok|error), those that met both
+# SLO targets, and TTFT / ITL histograms (the analysis compares means: _sum / _count).
+GATEWAY_REVISION_REQUESTS = "kubellm_gateway_revision_requests_total"
+GATEWAY_REVISION_SLO_MET = "kubellm_gateway_revision_slo_met_requests_total"
+GATEWAY_REVISION_TTFT = "kubellm_gateway_revision_time_to_first_token_seconds"
+GATEWAY_REVISION_ITL = "kubellm_gateway_revision_inter_token_latency_seconds"
 # Process-wide health of the gateway itself (no model labels).
 # One series per engine endpoint the gateway knows: state=ready|draining|ejected|down, value 1
 # (diagnose and dashboards find a gateway's engines here, without being told their ports).

@@ -15,13 +15,12 @@ Children of an `LLMDeployment` named N (all in its namespace, all owned by it):
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from kubellm import api, contracts, sources
-from kubellm.contracts import DEPLOYMENT_LABEL, PORT_NAME, engine_identity_json, engine_spec_json
+from kubellm.contracts import DEPLOYMENT_LABEL, PORT_NAME, engine_spec_json
 
 FIELD_MANAGER = "kubellm-operator"
 SPEC_HASH_ANNOTATION = "kubellm.io/spec-hash"
@@ -66,8 +65,18 @@ def engine_name(llmd: api.LLMDeployment) -> str:
     return f"{llmd.metadata.name}-engine"
 
 
-def spec_configmap_name(llmd: api.LLMDeployment) -> str:
-    return f"{llmd.metadata.name}-engine-spec"
+def spec_configmap_name(llmd: api.LLMDeployment, canary: bool = False) -> str:
+    return f"{llmd.metadata.name}-engine-spec" + ("-canary" if canary else "")
+
+
+def canary_name(llmd: api.LLMDeployment) -> str:
+    """The canary revision's Deployment and Service (spec.rollout.strategy Canary)."""
+    return f"{llmd.metadata.name}-engine-canary"
+
+
+def canary_labels(llmd: api.LLMDeployment) -> dict[str, str]:
+    """The canary pods' selector: the engine selector plus the canary track."""
+    return {**selector_labels(llmd), contracts.TRACK_LABEL: contracts.CANARY_TRACK}
 
 
 def selector_labels(llmd: api.LLMDeployment) -> dict[str, str]:
@@ -113,14 +122,16 @@ def _metadata(llmd: api.LLMDeployment, name: str, options: Options) -> dict[str,
 def spec_hash(llmd: api.LLMDeployment) -> str:
     """Hash of the engine identity (the engine spec less its adapters, which load at runtime);
     a pod-template annotation, so a change rolls out."""
-    return hashlib.sha256(engine_identity_json(llmd).encode()).hexdigest()[:16]
+    return contracts.revision(llmd)
 
 
-def spec_configmap(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+def spec_configmap(
+    llmd: api.LLMDeployment, options: Options = Options(), canary: bool = False
+) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(llmd, spec_configmap_name(llmd), options),
+        "metadata": _metadata(llmd, spec_configmap_name(llmd, canary), options),
         "data": {sources.SPEC_FILENAME: engine_spec_json(llmd)},
     }
 
@@ -277,7 +288,15 @@ def kv_event_ports(llmd: api.LLMDeployment) -> list[dict[str, Any]]:
     ]
 
 
-def engine_deployment(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+def engine_deployment(
+    llmd: api.LLMDeployment,
+    options: Options = Options(),
+    *,
+    replicas: int | None = None,
+    canary: bool = False,
+) -> dict[str, Any]:
+    """The engine Deployment (`canary`: the canary revision's, beside the stable one), with
+    `replicas` (default spec.replicas: the rollout splits it between the two)."""
     spec = llmd.spec
     port = spec.engine.port
     grace = spec.termination_grace_period_seconds
@@ -314,7 +333,7 @@ def engine_deployment(llmd: api.LLMDeployment, options: Options = Options()) -> 
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": [
-            {"name": "engine-spec", "configMap": {"name": spec_configmap_name(llmd)}},
+            {"name": "engine-spec", "configMap": {"name": spec_configmap_name(llmd, canary)}},
             _model_volume(llmd),
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
             {"name": "tmp", "emptyDir": {}},
@@ -339,22 +358,29 @@ def engine_deployment(llmd: api.LLMDeployment, options: Options = Options()) -> 
         pod_spec["affinity"] = scheduling.affinity
     if scheduling.priority_class_name:
         pod_spec["priorityClassName"] = scheduling.priority_class_name
+    revision = spec_hash(llmd)
+    metadata = _metadata(llmd, canary_name(llmd) if canary else engine_name(llmd), options)
+    metadata["labels"][contracts.REVISION_LABEL] = revision
+    pod_labels = labels(llmd)
+    if canary:
+        pod_labels.update({contracts.TRACK_LABEL: contracts.CANARY_TRACK,
+                           contracts.REVISION_LABEL: revision})  # fmt: skip
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(llmd, engine_name(llmd), options),
+        "metadata": metadata,
         "spec": {
-            "replicas": spec.replicas,
-            "selector": {"matchLabels": selector_labels(llmd)},
+            "replicas": spec.replicas if replicas is None else replicas,
+            "selector": {"matchLabels": canary_labels(llmd) if canary else selector_labels(llmd)},
             "strategy": _rollout(llmd),
             "revisionHistoryLimit": 3,
             # Past the startup probe's 30 minutes, a stuck rollout is reported.
             "progressDeadlineSeconds": 2400,
             "template": {
                 "metadata": {
-                    "labels": labels(llmd),
+                    "labels": pod_labels,
                     "annotations": {
-                        SPEC_HASH_ANNOTATION: spec_hash(llmd),
+                        SPEC_HASH_ANNOTATION: revision,
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(port),
                         "prometheus.io/path": METRICS_PATH,
@@ -369,14 +395,23 @@ def engine_deployment(llmd: api.LLMDeployment, options: Options = Options()) -> 
 # --------------------------------------------------------------------------- service, PDB, monitor
 
 
-def engine_service(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+def engine_service(
+    llmd: api.LLMDeployment, options: Options = Options(), canary: bool = False
+) -> dict[str, Any]:
+    """The engine Service (all engine pods, both revisions during a canary rollout), or, with
+    `canary`, the canary's: its EndpointSlices carry the revision label, which is how the
+    gateway knows which endpoints run the canary."""
+    metadata = _metadata(llmd, canary_name(llmd) if canary else engine_name(llmd), options)
+    if canary:
+        metadata["labels"].update({contracts.TRACK_LABEL: contracts.CANARY_TRACK,
+                                   contracts.REVISION_LABEL: spec_hash(llmd)})  # fmt: skip
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(llmd, engine_name(llmd), options),
+        "metadata": metadata,
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(llmd),
+            "selector": canary_labels(llmd) if canary else selector_labels(llmd),
             "ports": [
                 {
                     "name": PORT_NAME,
@@ -535,6 +570,31 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
 
 def child_name(llmd: api.LLMDeployment, kind: str) -> str:
     return spec_configmap_name(llmd) if kind == "ConfigMap" else engine_name(llmd)
+
+
+# The canary revision's children (spec.rollout.strategy Canary, while a rollout runs).
+CANARY_KINDS: tuple[tuple[str, str], ...] = (
+    ("v1", "ConfigMap"),
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+)
+
+
+def canary_child_name(llmd: api.LLMDeployment, kind: str) -> str:
+    return spec_configmap_name(llmd, canary=True) if kind == "ConfigMap" else canary_name(llmd)
+
+
+def build_canary(
+    llmd: api.LLMDeployment, replicas: int, options: Options = Options()
+) -> list[dict[str, Any]]:
+    """The canary revision of `llmd` (its spec, as the stable one will be once promoted):
+    its engine-spec ConfigMap, a Deployment of `replicas` and a Service, labelled with the
+    revision and the canary track."""
+    return [
+        spec_configmap(llmd, options, canary=True),
+        engine_deployment(llmd, options, replicas=replicas, canary=True),
+        engine_service(llmd, options, canary=True),
+    ]
 
 
 def build(llmd: api.LLMDeployment, options: Options = Options()) -> list[dict[str, Any]]:

@@ -126,6 +126,20 @@ class Client:
             if error.status != 404:
                 raise
 
+    async def patch_merge(
+        self, api_version: str, kind: str, namespace: str, name: str, body: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """A JSON merge patch of one object (a stable Deployment's replicas during a canary
+        rollout; removing the LLMDeployment's rollout-action annotation once acted on)."""
+        response = await self._request(
+            "PATCH",
+            path(api_version, kind, namespace, name),
+            params={"fieldManager": FIELD_MANAGER},
+            content=json.dumps(body),
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        return response.json()
+
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         """Merge-patch the LLMDeployment's status subresource."""
         await self._request(

@@ -27,7 +27,7 @@ from kubellm import api, kube
 
 from . import builders
 from .client import ApiError, Client
-from .reconcile import Outcome, reconcile
+from .reconcile import Figures, Outcome, reconcile
 
 MANAGED = {"app.kubernetes.io/managed-by": "kubellm-operator"}
 CHILD_RESOURCES = (
@@ -37,6 +37,8 @@ CHILD_RESOURCES = (
     ("policy", "v1", "poddisruptionbudgets"),
 )
 PODMONITOR_CHECK_SECONDS = 300.0
+# status.rollout phases during which a canary rollout is re-evaluated every rollout_seconds.
+ACTIVE_PHASES = ("Progressing", "Promoting")
 
 
 @dataclass
@@ -53,6 +55,8 @@ class Runtime:
     # as rarely as the PodMonitor CRD.
     gateway_crds: tuple[bool, bool] = (False, False)
     gateway_crds_checked: float = float("-inf")
+    # The gateway's per-revision counters, for the canary analysis (None: not configured).
+    figures: Figures | None = None
 
     async def podmonitor_installed(self) -> bool:
         if time.monotonic() - self.podmonitor_checked > PODMONITOR_CHECK_SECONDS:
@@ -89,6 +93,7 @@ class Runtime:
                     inference_pool=pools,
                     http_route=routes,
                     emit=_emit,
+                    figures=self.figures,
                 )
         except ApiError as error:
             if error.transient:
@@ -120,8 +125,11 @@ def register(
     connect: Callable[[], kube.KubeConfig] = kube.load,
     resync_seconds: float = 60.0,
     retry_seconds: float = 5.0,
+    rollout_seconds: float = 5.0,
+    figures: Callable[[], Figures | None] = lambda: None,
 ) -> None:
-    """Add the operator's handlers to `registry`; `connect` says where the API server is."""
+    """Add the operator's handlers to `registry`; `connect` says where the API server is;
+    `figures` makes the canary analysis' source of per-revision counters (at startup)."""
     resource = (api.GROUP, api.VERSION, api.PLURAL)
 
     @kopf.on.login(registry=registry)
@@ -133,13 +141,16 @@ def register(
         settings.posting.level = logging.INFO  # Events for explicit kopf.event() calls
         settings.persistence.finalizer = f"{api.GROUP}/finalizer"
         client = Client(kube.async_client(connect()))
-        memo.runtime = Runtime(client, retry_seconds=retry_seconds)
+        memo.runtime = Runtime(client, retry_seconds=retry_seconds, figures=figures())
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         runtime: Runtime | None = memo.get("runtime")
         if runtime is not None:
             await runtime.client.aclose()
+            closer = getattr(runtime.figures, "aclose", None)
+            if closer is not None:
+                await closer()
 
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.update(*resource, registry=registry)
@@ -149,6 +160,14 @@ def register(
 
     @kopf.timer(*resource, interval=resync_seconds, registry=registry)
     async def resync(memo: kopf.Memo, namespace: str, name: str, **_: Any) -> None:
+        await memo.runtime.reconcile(namespace, name)
+
+    def rolling_out(status: Mapping[str, Any], **_: Any) -> bool:
+        return ((status or {}).get("rollout") or {}).get("phase") in ACTIVE_PHASES
+
+    @kopf.timer(*resource, interval=rollout_seconds, when=rolling_out, registry=registry)
+    async def canary(memo: kopf.Memo, namespace: str, name: str, **_: Any) -> None:
+        """A canary step's analysis and pause run on time, not only on events."""
         await memo.runtime.reconcile(namespace, name)
 
     for group, version, plural in CHILD_RESOURCES:

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
-Verb = Literal["create", "update", "delete"]
+# scale: set only spec.replicas (the stable Deployment during a canary rollout, whose
+# template the operator leaves as it is).
+Verb = Literal["create", "update", "delete", "scale"]
 
 
 @dataclass(frozen=True, order=True)
@@ -43,6 +45,7 @@ class Action:
     verb: Verb
     ref: Ref
     body: Mapping[str, Any] | None = None  # the desired object, for create and update
+    replicas: int | None = None  # for scale
 
 
 @dataclass(frozen=True)

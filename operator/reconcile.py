@@ -14,20 +14,27 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubellm import api, capacity, manifests
+from kubellm import api, capacity, contracts, manifests
 
-from . import builders, status
+from . import builders, rollout, status
 from .client import ApiError, Client
-from .plan import Plan, Ref, plan
+from .plan import Action, Plan, Ref, plan
 
 log = logging.getLogger(__name__)
 
 # emit(body, type, reason, message): post a Kubernetes Event about `body`.
 Emit = Callable[[Mapping[str, Any], str, str, str], None]
+# figures(namespace, deployment, served name): the gateway's cumulative counters per
+# revision of one model, or None when they cannot be read (the canary analysis waits).
+Figures = Callable[[str, str, str], Awaitable[Mapping[str, rollout.Counters] | None]]
+
+
+def _epoch() -> float:
+    return datetime.datetime.now(datetime.UTC).timestamp()
 
 
 def utc_now() -> str:
@@ -45,6 +52,7 @@ class Outcome:
     plan: Plan | None = None
     problems: list[status.Problem] = field(default_factory=list)
     status_patch: dict[str, Any] | None = None
+    rollout: rollout.Decision | None = None
 
 
 def _parse(body: Mapping[str, Any]) -> api.LLMDeployment:
@@ -83,6 +91,13 @@ async def _apply(
                 await client.delete(ref.api_version, ref.kind, ref.namespace, ref.name)
                 applied[ref] = None
                 emit(body, "Normal", "Deleted", f"deleted {ref}: no longer wanted by the spec")
+            elif action.verb == "scale":
+                applied[ref] = await client.patch_merge(
+                    ref.api_version, ref.kind, ref.namespace, ref.name,
+                    {"spec": {"replicas": action.replicas}},
+                )  # fmt: skip
+                emit(body, "Normal", "Scaled", f"scaled {ref} to {action.replicas} replicas "
+                     "(the canary rollout's split)")  # fmt: skip
             else:
                 assert action.body is not None
                 applied[ref] = await client.apply(action.body)
@@ -132,6 +147,44 @@ def _capacity(llmd: api.LLMDeployment) -> tuple[dict[str, Any] | None, list[stat
         return None, [status.Problem("CapacityPlanFailed", f"status.capacity: {error}")]
 
 
+def _canary_refs(llmd: api.LLMDeployment) -> list[Ref]:
+    ns = llmd.metadata.namespace
+    return [
+        Ref(v, kind, ns, builders.canary_child_name(llmd, kind))
+        for v, kind in builders.CANARY_KINDS
+    ]
+
+
+def _rolled_out(deployment: Mapping[str, Any] | None) -> bool:
+    """A Deployment whose controller has seen its template and has every replica updated
+    and ready."""
+    if deployment is None:
+        return False
+    want = int((deployment.get("spec") or {}).get("replicas") or 0)
+    dstatus = deployment.get("status") or {}
+    generation = (deployment.get("metadata") or {}).get("generation", 0)
+    return (
+        dstatus.get("observedGeneration", 0) >= generation
+        and int(dstatus.get("updatedReplicas") or 0) >= want
+        and int(dstatus.get("readyReplicas") or 0) >= want
+    )
+
+
+def _template_revision(deployment: Mapping[str, Any] | None) -> str | None:
+    if deployment is None:
+        return None
+    template = (deployment.get("spec") or {}).get("template") or {}
+    return ((template.get("metadata") or {}).get("annotations") or {}).get(
+        builders.SPEC_HASH_ANNOTATION
+    )
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    return value
+
+
 def _needs_pods(deployment: Mapping[str, Any] | None, desired: int) -> bool:
     """Pods are read only while something is not yet right (a cheap steady state)."""
     if deployment is None:
@@ -152,6 +205,8 @@ async def reconcile(
     http_route: bool = False,
     emit: Emit = _no_events,
     now: Callable[[], str] = utc_now,
+    figures: Figures | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> Outcome | None:
     """Bring the children and status of one LLMDeployment in line; None when it is gone."""
     body = await client.get(api.API_VERSION, api.KIND, namespace, name)
@@ -169,6 +224,9 @@ async def reconcile(
         llmd = None
 
     deployment = None
+    rollout_status: dict[str, Any] | None = old_status.get("rollout")
+    progressing = None
+    canary_deployment = None
     selector = old_status.get("selector") or ""
     desired_replicas = int((body.get("spec") or {}).get("replicas") or 0)
     cap = None
@@ -192,11 +250,66 @@ async def reconcile(
         observed = await _observe(client, llmd, options)
         deployment_ref = Ref("apps/v1", "Deployment", namespace, builders.engine_name(llmd))
         deployment = observed.get(deployment_ref)
+        old_rollout = old_status.get("rollout") or {}
+        canary_refs = _canary_refs(llmd)
+        if llmd.spec.rollout.strategy == "Canary" or old_rollout.get("canaryRevision"):
+            for ref in canary_refs:  # read only where a canary may exist
+                observed[ref] = await client.get(ref.api_version, ref.kind, ref.namespace,
+                                                 ref.name)  # fmt: skip
+        canary_live = observed.get(canary_refs[1])
+        action = (meta.get("annotations") or {}).get(contracts.ROLLOUT_ACTION_ANNOTATION)
+        revision = contracts.revision(llmd)
+        active = llmd.spec.rollout.strategy == "Canary" and _template_revision(deployment) not in (
+            None, revision
+        )  # fmt: skip
+        counters = None
+        if figures is not None and (active or old_rollout.get("phase") == "Promoting"):
+            counters = await figures(namespace, name, llmd.served_name)
+        decision = rollout.decide(
+            llmd.spec,
+            old_rollout,
+            rollout.Observation(
+                desired_revision=revision,
+                stable_revision=_template_revision(deployment),
+                stable_ready=_rolled_out(deployment),
+                canary_ready=_template_revision(canary_live) == revision
+                and _rolled_out(canary_live)
+                and int(((canary_live or {}).get("status") or {}).get("readyReplicas") or 0) > 0,
+                now=(clock or _epoch)(),
+                counters=counters,
+                action=action if action in contracts.ROLLOUT_ACTIONS else None,
+            ),
+        )
+        outcome.rollout = decision
         if desired is not None:
-            outcome.plan = plan(desired, observed, meta.get("uid", ""))
+            extra_actions: list[Action] = []
+            wanted_children = list(desired)
+            seen_children = dict(observed)
+            if decision.mode == "canary":
+                # The stable revision keeps its engine spec and pod template: only its
+                # replicas follow the split.
+                configmap = builders.spec_configmap_name(llmd)
+                stable_refs = {deployment_ref, Ref("v1", "ConfigMap", namespace, configmap)}
+                wanted_children = [c for c in desired if Ref.of(c) not in stable_refs]
+                for ref in stable_refs:
+                    seen_children.pop(ref, None)
+                if deployment is not None and (
+                    int((deployment.get("spec") or {}).get("replicas") or 0)
+                    != decision.stable_replicas
+                ):
+                    extra_actions.append(Action("scale", deployment_ref, None,
+                                                decision.stable_replicas))  # fmt: skip
+            elif decision.mode == "rolling":
+                pass  # canary children observed are no longer wanted: the plan deletes them
+            if decision.mode in ("canary", "promoting"):
+                wanted_children += builders.build_canary(llmd, decision.canary_replicas, options)
+            outcome.plan = plan(wanted_children, seen_children, meta.get("uid", ""))
+            outcome.plan.actions.extend(extra_actions)
             applied, apply_problems = await _apply(client, outcome.plan, emit, body)
             outcome.problems += apply_problems
             deployment = applied.get(deployment_ref, deployment)
+            if decision.mode != "rolling":
+                canary_deployment = applied.get(canary_refs[1], canary_live)
             pool_ref = Ref(builders.INFERENCE_POOL_API_VERSION, "InferencePool", namespace,
                            builders.engine_name(llmd))  # fmt: skip
             pool = applied.get(pool_ref, observed.get(pool_ref))
@@ -211,6 +324,21 @@ async def reconcile(
                 status.Problem("NameConflict", f"{ref} exists and is not owned by {name}")
                 for ref in outcome.plan.conflicts
             ]
+        if decision.clear_action:
+            await client.patch_merge(
+                api.API_VERSION, api.KIND, namespace, name,
+                {"metadata": {"annotations": {contracts.ROLLOUT_ACTION_ANNOTATION: None}}},
+            )  # fmt: skip
+        for kind, reason, message in decision.events:
+            emit(body, kind, reason, message)
+        rollout_status = _drop_none(decision.status)
+        progressing, rollout_extra = status.rollout_conditions(
+            rollout_status.get("phase"), rollout_status.get("message", ""),
+            decision.rolled_back, llmd.spec.rollout.strategy == "Canary", generation,
+        )  # fmt: skip
+        extra_conditions += rollout_extra
+        if decision.mode == "canary":
+            desired_replicas = decision.stable_replicas
         outcome.problems += await _fallback_problems(client, llmd)
         if _needs_pods(deployment, desired_replicas):
             pods = await client.list("v1", "Pod", namespace, builders.selector_labels(llmd))
@@ -226,6 +354,9 @@ async def reconcile(
         old_status=old_status,
         extra_conditions=extra_conditions,
         now=now(),
+        rollout=rollout_status,
+        progressing=progressing,
+        canary=canary_deployment,
     )
     outcome.status_patch = status.status_patch(new_status, old_status)
     if outcome.status_patch is not None:

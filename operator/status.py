@@ -285,6 +285,41 @@ def merge_conditions(
     return merged
 
 
+def rollout_conditions(
+    phase: str | None,
+    message: str,
+    rolled_back: tuple[str, str] | None,
+    canary_strategy: bool,
+    generation: int | None,
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The canary rollout's conditions: a Progressing that replaces the Deployment's while a
+    canary runs or is being promoted (else None), and RolledBack (with the Canary strategy,
+    or while a rolled-back canary is kept), True with the reason the analysis or a person
+    gave."""
+    progressing = None
+    if phase == "Progressing":
+        progressing = _condition("Progressing", True, "CanaryProgressing", message, generation)
+    elif phase == "Promoting":
+        progressing = _condition("Progressing", True, "Promoting", message, generation)
+    extra = []
+    if rolled_back is not None:
+        extra.append(_condition("RolledBack", True, rolled_back[0], rolled_back[1], generation))
+    elif canary_strategy:
+        extra.append(
+            _condition("RolledBack", False, "NotRolledBack", "no canary rolled back", generation)
+        )
+    return progressing, extra
+
+
+def merge_patch(old: Any, new: Any) -> Any:
+    """The JSON merge patch that turns `old` into `new` (keys gone from `new` become null)."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        out = {k: merge_patch(old.get(k), v) for k, v in new.items() if old.get(k) != v}
+        out.update({k: None for k in old if k not in new})
+        return out
+    return new
+
+
 def desired_status(
     *,
     generation: int | None,
@@ -296,26 +331,39 @@ def desired_status(
     old_status: Mapping[str, Any] | None,
     now: str,
     extra_conditions: Sequence[Mapping[str, Any]] = (),
+    rollout: Mapping[str, Any] | None = None,
+    progressing: Mapping[str, Any] | None = None,
+    canary: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every status field the operator owns (never `autoscaler` or `adapters`). `extra_conditions`
-    (e.g. `InferencePool`) follow Ready, Progressing and Degraded."""
+    (e.g. `InferencePool`, `RolledBack`) follow Ready, Progressing and Degraded; `progressing`
+    replaces the Deployment's Progressing (a canary rollout's); `rollout` is status.rollout;
+    `canary` (the canary revision's Deployment, while one runs) adds its pods to the counts
+    the scale subresource reports (the selector matches both revisions' pods)."""
     old_status = old_status or {}
     dstatus = (deployment or {}).get("status") or {}
+    cstatus = (canary or {}).get("status") or {}
     conds = conditions(
         desired_replicas=desired_replicas,
         deployment=deployment,
         problems=problems,
         generation=generation,
     )
+    if progressing is not None:
+        conds = [dict(progressing) if c["type"] == "Progressing" else c for c in conds]
     conds += [dict(c) for c in extra_conditions]
-    return {
+    out = {
         "observedGeneration": generation,
-        "replicas": int(dstatus.get("replicas") or 0),
-        "readyReplicas": int(dstatus.get("readyReplicas") or 0),
+        "replicas": int(dstatus.get("replicas") or 0) + int(cstatus.get("replicas") or 0),
+        "readyReplicas": int(dstatus.get("readyReplicas") or 0)
+        + int(cstatus.get("readyReplicas") or 0),
         "selector": selector,
         "capacity": dict(capacity) if capacity else None,
         "conditions": merge_conditions(conds, old_status.get("conditions") or [], now),
     }
+    if rollout is not None:
+        out["rollout"] = dict(rollout)
+    return out
 
 
 def status_patch(
@@ -324,6 +372,8 @@ def status_patch(
     """The merge patch that brings `old_status` to `desired`, or None when nothing changed."""
     old_status = old_status or {}
     changed = {key: value for key, value in desired.items() if old_status.get(key) != value}
+    if "rollout" in changed and isinstance(old_status.get("rollout"), Mapping):
+        changed["rollout"] = merge_patch(old_status["rollout"], changed["rollout"])
     return changed or None
 
 

@@ -21,6 +21,7 @@ from kubellm.contracts import (
 
 __all__ = [
     "AdapterRef",
+    "CanarySplit",
     "Discovery",
     "Endpoint",
     "FallbackTarget",
@@ -40,6 +41,18 @@ class Endpoint:
     url: str
     draining: bool = False
     kv_events_port: int | None = None
+    # The canary revision it runs during a canary rollout (its EndpointSlice's
+    # kubellm.io/revision label); None: the stable revision.
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
+class CanarySplit:
+    """A canary step's split (status.rollout while it is Progressing or RolledBack): the
+    canary revision and the percent of requests it takes (routing/revisions.py)."""
+
+    revision: str
+    weight: int
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,8 @@ class ModelTarget:
     # hf:// model's tokenizer from the same repository and revision when no --tokenizer
     # names one (routing/precise.py)
     model_source: str = ""
+    # While a canary rollout splits traffic: the canary revision and its weight.
+    canary: CanarySplit | None = None
     # The InferencePool of the model's engines (None: the operator's name for it,
     # `<deployment>-engine`); an endpoint picker with --pool-name serves one pool only.
     pool: str | None = None
@@ -80,6 +95,24 @@ class ModelTarget:
     def routable(self) -> tuple[Endpoint, ...]:
         """Endpoints that may take new requests (draining ones finish what they have)."""
         return tuple(e for e in self.endpoints if not e.draining)
+
+
+def canary_split(rollout: Mapping[str, object] | None) -> CanarySplit | None:
+    """The split an LLMDeployment's status.rollout asks for: the canary's weight while a step
+    runs (Progressing), 0 once rolled back; None otherwise (no canary, or Promoting: the
+    stable Deployment then rolls to the canary's revision and every endpoint serves)."""
+    if not isinstance(rollout, Mapping):
+        return None
+    revision, phase, weight = (
+        rollout.get("canaryRevision"), rollout.get("phase"), rollout.get("canaryWeight"),
+    )  # fmt: skip
+    if not isinstance(revision, str) or not revision:
+        return None
+    if phase == "RolledBack":
+        return CanarySplit(revision, 0)
+    if phase == "Progressing" and isinstance(weight, int) and not isinstance(weight, bool):
+        return CanarySplit(revision, max(0, min(100, weight)))
+    return None
 
 
 def find_model(

@@ -22,11 +22,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
-from kubellm.gateway.discovery.base import AdapterRef, Endpoint, ModelTarget
+from kubellm.gateway.discovery.base import (
+    AdapterRef,
+    CanarySplit,
+    Endpoint,
+    ModelTarget,
+    canary_split,
+)
 
 from kubellm import kube
 from kubellm.api import LLMDeployment, LLMDeploymentSpec
-from kubellm.contracts import DEPLOYMENT_LABEL, fallback_target, slice_endpoints
+from kubellm.contracts import DEPLOYMENT_LABEL, REVISION_LABEL, fallback_target, slice_endpoints
 from kubellm.manifests import ManifestError, parse
 from kubellm.sources import adapter_path
 
@@ -37,9 +43,11 @@ SecretKey = tuple[str, str, str]  # namespace, secret name, key
 
 def endpoints_of(slice_: Mapping[str, Any]) -> list[Endpoint]:
     """Engine URLs of one EndpointSlice (port `http`): ready ones, and draining ones
-    (serving while terminating: they finish what they have)."""
+    (serving while terminating: they finish what they have), with the slice's revision
+    label (a canary Service's slices carry it)."""
+    revision = ((slice_.get("metadata") or {}).get("labels") or {}).get(REVISION_LABEL) or None
     return [
-        Endpoint(e.url, draining=not e.routable)
+        Endpoint(e.url, draining=not e.routable, revision=revision)
         for e in slice_endpoints(slice_)
         if e.routable or e.draining
     ]
@@ -70,19 +78,39 @@ def parse_deployments(items: list[Mapping[str, Any]]) -> list[LLMDeployment]:
     return out
 
 
+def canary_splits(items: list[Mapping[str, Any]]) -> dict[tuple[str, str], CanarySplit]:
+    """(namespace, name) -> the canary split its status.rollout asks for."""
+    out = {}
+    for item in items:
+        meta = item.get("metadata") or {}
+        split = canary_split((item.get("status") or {}).get("rollout"))
+        if split is not None:
+            out[meta.get("namespace", "default"), meta.get("name", "")] = split
+    return out
+
+
 def build_targets(
     deployments: list[LLMDeployment],
     slices: list[Mapping[str, Any]],
     keys: Mapping[SecretKey, str],
+    splits: Mapping[tuple[str, str], CanarySplit] | None = None,
 ) -> dict[str, ModelTarget]:
-    """Served name -> target. A served name claimed twice goes to the first by namespace/name."""
-    by_owner: dict[tuple[str, str], list[Endpoint]] = {}
+    """Served name -> target. A served name claimed twice goes to the first by namespace/name.
+    A canary pod is in two slices (the engine Service's and the canary's): its revision
+    comes from the labelled one."""
+    by_owner: dict[tuple[str, str], dict[str, Endpoint]] = {}
     for s in slices:
         meta = s.get("metadata") or {}
         owner = (meta.get("labels") or {}).get(DEPLOYMENT_LABEL)
         if owner:
-            bucket = by_owner.setdefault((meta.get("namespace", "default"), owner), [])
-            bucket.extend(e for e in endpoints_of(s) if e not in bucket)
+            bucket = by_owner.setdefault((meta.get("namespace", "default"), owner), {})
+            for e in endpoints_of(s):
+                known = bucket.get(e.url)
+                if known is None:
+                    bucket[e.url] = e
+                elif e.revision and not known.revision:
+                    bucket[e.url] = Endpoint(e.url, known.draining and e.draining,
+                                             known.kv_events_port, e.revision)  # fmt: skip
     targets: dict[str, ModelTarget] = {}
     for d in sorted(deployments, key=lambda d: (d.metadata.namespace, d.metadata.name)):
         name = d.served_name
@@ -93,7 +121,7 @@ def build_targets(
         ref = d.spec.fallback.api_key_secret_ref if d.spec.fallback else None
         key = keys.get((d.metadata.namespace, ref.name, ref.key)) if ref else None
         fallback = fallback_target(d.spec.fallback, key)
-        endpoints = by_owner.get((d.metadata.namespace, d.metadata.name), [])
+        endpoints = list(by_owner.get((d.metadata.namespace, d.metadata.name), {}).values())
         targets[name] = ModelTarget(
             served_name=name,
             deployment=d.metadata.name,
@@ -104,6 +132,7 @@ def build_targets(
             slo=d.spec.slo,
             adapters=adapter_refs(d.spec),
             model_source=d.spec.model.source,
+            canary=(splits or {}).get((d.metadata.namespace, d.metadata.name)),
         )
     return targets
 
@@ -174,7 +203,10 @@ class KubernetesDiscovery:
         deployments = parse_deployments(list(self._deployments.values()))
         if self.read_fallback_keys:
             await self._read_keys(client, secret_keys(deployments))
-        self._models = build_targets(deployments, list(self._slices.values()), self._keys)
+        items = list(self._deployments.values())
+        self._models = build_targets(
+            deployments, list(self._slices.values()), self._keys, canary_splits(items)
+        )
         on_change()
 
     async def _follow(

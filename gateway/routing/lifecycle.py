@@ -45,6 +45,7 @@ from kubellm.gateway.discovery.base import ModelTarget
 from kubellm.gateway.protocol import errors
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.routing.admission import Route
+from kubellm.gateway.routing.revisions import revision_label
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.slo import TOKEN, RequestRecord, StreamTiming
 
@@ -205,6 +206,7 @@ class Ticket:
         if self._attempt is not None:
             self._attempt.abandon()
         attempt = self._attempt = Attempt(self, url, self._core.acquire(url))
+        self.record.revision = revision_label(self.target, url)  # canary analysis
         if self.done:  # finished meanwhile: nothing may stay held
             attempt.release()
         return attempt

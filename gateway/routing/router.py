@@ -18,6 +18,7 @@ from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.precise import PreciseRouting
 from kubellm.gateway.routing.profiles import HOLDER_SHARE, HOLDER_SLACK, Profiles, Shared
+from kubellm.gateway.routing.revisions import for_request as revision_candidates
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight
@@ -100,6 +101,9 @@ class Router:
     ) -> list[Candidate]:
         """The candidates best first for `request`: its profile's (`routing/profiles.py`,
         the one place that answers which replica gets a request)."""
+        # A canary rollout's split narrows the candidates first: the other revision's
+        # replicas are not even a last resort (routing/revisions.py).
+        candidates = revision_candidates(target, request, candidates)
         return self.profiles.order(target, request, candidates, self.rng)
 
     def unshared(self, request: RoutingRequest) -> bool:

@@ -35,6 +35,7 @@ from kubellm.gateway.routing.lifecycle import Attempt, Ticket, labels
 from kubellm.gateway.routing.load import LoadView, scrape_loop
 from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.precise import PreciseRouting
+from kubellm.gateway.routing.revisions import revisions_failed
 from kubellm.gateway.routing.router import Router
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.settings import SchedulerSettings
@@ -311,6 +312,7 @@ class Scheduler:
         """A replica failed before its first byte. `fatal` (refused, frozen): eject now."""
         if self.outliers.failure(url, fatal=fatal):
             self.topology_changed()
+        revisions_failed(self.metrics, self.discovery.snapshot().values(), url)  # canaries
 
     def succeeded(self, url: str) -> None:
         self.outliers.success(url)

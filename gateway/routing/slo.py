@@ -72,6 +72,8 @@ class GatewayMetrics:
     connections_refused: Counter
     config_reload_errors: Counter
     endpoint_info: Gauge
+    # Per revision during a canary rollout (the operator's analysis reads these).
+    revisions: RevisionMetrics | None = None
 
     _targets: dict[tuple[str, ...], TargetMetrics] = field(
         default_factory=dict, init=False, repr=False
@@ -129,9 +131,43 @@ class TargetMetrics:
         return child
 
 
+STABLE_REVISION = "stable"  # the revision label of endpoints without one (the stable side)
+
+
+class RevisionMetrics:
+    """One model's figures per revision while a canary rollout splits its traffic: answers
+    by outcome, SLO-meeting answers, TTFT and ITL (routing/revisions.py chooses the side;
+    the operator's canary analysis compares the canary's figures with the rest)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        names = [*_LABELS, "revision"]
+        self.requests = Counter(
+            _name(metrics.GATEWAY_REVISION_REQUESTS, "_total"),
+            "Requests a replica of the revision answered, by outcome (ok|error: 5xx or a "
+            "broken stream).",
+            [*names, "outcome"],
+            registry=registry,
+        )
+        self.slo_met = Counter(
+            _name(metrics.GATEWAY_REVISION_SLO_MET, "_total"),
+            "Streamed answers of the revision that met both the TTFT and the ITL target.",
+            names,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            metrics.GATEWAY_REVISION_TTFT, "Time to first token, per revision.", names,
+            buckets=_LATENCY, registry=registry,
+        )  # fmt: skip
+        self.itl = Histogram(
+            metrics.GATEWAY_REVISION_ITL, "Time between streamed chunks, per revision.", names,
+            buckets=_ITL, registry=registry,
+        )  # fmt: skip
+
+
 def create(registry: CollectorRegistry | None = None) -> GatewayMetrics:
     r = registry or CollectorRegistry()
     return GatewayMetrics(
+        revisions=RevisionMetrics(r),
         registry=r,
         requests=Counter(
             _name(metrics.GATEWAY_REQUESTS, "_total"),
@@ -289,12 +325,15 @@ class RequestRecord:
     """One request's accounting in a deployment's series: pending while it lives, then
     its outcome (route, status) and end-to-end time counted exactly once."""
 
-    __slots__ = ("arrived", "finished", "series")
+    __slots__ = ("arrived", "finished", "revision", "series")
 
     def __init__(self, series: TargetMetrics, arrived: float) -> None:
         self.series = series
         self.arrived = arrived
         self.finished = False
+        # During a canary rollout: the revision of the replica that answers (set once the
+        # replica is known: Scheduler.routed's caller), counted in the per-revision series.
+        self.revision: str | None = None
         series.pending.inc()
 
     def finish(self, route: str, code: int) -> None:
@@ -305,6 +344,10 @@ class RequestRecord:
         series.pending.dec()
         series.requests(route, code).inc()
         series.e2e.observe(time.monotonic() - self.arrived)
+        per_revision = series._metrics.revisions
+        if self.revision is not None and route == "replica" and per_revision is not None:
+            outcome = "error" if code >= 500 else "ok"
+            per_revision.requests.labels(*series.labels, self.revision, outcome).inc()
 
     def streamed(self, timing: StreamTiming, ttft_target: float, itl_target: float) -> bool:
         """Observe a finished stream's TTFT, ITL and goodput; True if it completed."""
@@ -314,6 +357,17 @@ class RequestRecord:
         for gap in timing.gaps:
             series.itl.observe(gap)
         completed = timing.error is None and timing.first is not None
-        if completed and met_slo(timing.ttft, timing.mean_itl, ttft_target, itl_target):
+        met = completed and met_slo(timing.ttft, timing.mean_itl, ttft_target, itl_target)
+        if met:
             series.goodput.inc()
+        per_revision = series._metrics.revisions
+        if self.revision is not None and per_revision is not None:
+            names = (*series.labels, self.revision)
+            if timing.ttft is not None:
+                per_revision.ttft.labels(*names).observe(timing.ttft)
+            itl = per_revision.itl.labels(*names)
+            for gap in timing.gaps:
+                itl.observe(gap)
+            if met:
+                per_revision.slo_met.labels(*names).inc()
         return completed

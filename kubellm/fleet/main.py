@@ -129,6 +129,20 @@ async def serve(args: argparse.Namespace, deployments: list) -> int:
         for line in _starting(runtime, args.engine):
             print(f"kubellm up: {line}", flush=True)
 
+    async def rollouts() -> None:
+        """Canary rollouts (spec.rollout.strategy Canary), analysed on this gateway's own
+        per-revision figures, as the operator analyses a cluster's."""
+        from prometheus_client import generate_latest
+
+        from kubellm.operator import figures
+
+        text = generate_latest(gateway.metrics.registry).decode()
+        counters = {
+            d.manifest.served_name: figures.parse(text, d.manifest.served_name)
+            for d in runtime.deployments.values()
+        }
+        runtime.tend_rollout(counters, time.time())  # its events print with the supervisor's
+
     printed_events = 0
 
     async def events() -> None:
@@ -158,6 +172,7 @@ async def serve(args: argparse.Namespace, deployments: list) -> int:
     tasks = [
         asyncio.create_task(_every(0.5, stop, tend)),
         asyncio.create_task(_every(0.5, stop, events)),
+        asyncio.create_task(_every(args.rollout_seconds, stop, rollouts)),
         asyncio.create_task(autoscaler.run(stop)),
     ]
     if args.watch:
@@ -253,6 +268,11 @@ def _write_state(run_dir: Path, gateway_url: str, runtime: LocalRuntime) -> None
                 ],
                 "autoscaler": d.autoscaler_status,
                 "adapters": d.adapter_status,
+                "rollout": d.rollout_status,
+                "canaryReplicas": [
+                    {"name": r.name, "url": r.url, "state": r.state}
+                    for r in runtime.supervisor.endpoints(d.canary_key)
+                ],
             }
             for name, d in runtime.deployments.items()
         },

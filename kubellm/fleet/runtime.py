@@ -31,16 +31,29 @@ from kubellm import api
 from kubellm.autoscaler.backend import AdapterTarget, Target
 from kubellm.autoscaler.backend import Endpoint as ScalerEndpoint
 from kubellm.contracts import (
+    ROLLOUT_ACTION_ANNOTATION,
+    ROLLOUT_ACTIONS,
     FallbackTarget,
     engine_identity_json,
     engine_spec_json,
     fallback_target,
+    revision,
 )
 from kubellm.fleet.processes import CommandFor, Supervisor
 from kubellm.gateway.discovery.base import Endpoint as GatewayEndpoint
-from kubellm.gateway.discovery.base import ModelTarget
+from kubellm.gateway.discovery.base import ModelTarget, canary_split
 from kubellm.gateway.discovery.kubernetes import adapter_refs
+from kubellm.operator import rollout
 from kubellm.sources import parse_source
+
+# The supervisor's key for a deployment's canary replicas (spec.rollout.strategy Canary).
+CANARY_SUFFIX = "--canary"
+# With --engine sim, these annotations make a revision's simulated engines misbehave on
+# purpose (kubellm engine --slow-steps / --fail-prompts-over): a bad revision to try a
+# canary rollout on. Annotations are not part of the engine identity: change them together
+# with a field that is (the model source) to start a revision.
+SIM_SLOW_STEPS_ANNOTATION = "kubellm.io/sim-slow-steps"
+SIM_FAIL_PROMPTS_OVER_ANNOTATION = "kubellm.io/sim-fail-prompts-over"
 
 
 def secret_env_var(ref: api.SecretKeyRef) -> str:
@@ -67,10 +80,19 @@ class LocalDeployment:
     autoscaler_status: dict[str, Any] = field(default_factory=dict)
     adapter_status: list[dict[str, Any]] | None = None  # status.adapters, by the autoscaler
     events: list[str] = field(default_factory=list)
+    total: int = 0  # the /scale value (a canary rollout splits it)
+    # During a canary rollout: the manifest the stable replicas still run (None: `manifest`).
+    stable: api.LLMDeployment | None = None
+    rollout_status: dict[str, Any] = field(default_factory=dict)  # status.rollout
+    acted_action: str | None = None  # the rollout-action annotation already acted on
 
     @property
     def name(self) -> str:
         return self.manifest.metadata.name
+
+    @property
+    def canary_key(self) -> str:
+        return self.name + CANARY_SUFFIX
 
 
 class LocalRuntime:
@@ -110,7 +132,7 @@ class LocalRuntime:
         for name, manifest in wanted.items():
             current = self.deployments.get(name)
             if current is None:
-                self.deployments[name] = LocalDeployment(manifest)
+                self.deployments[name] = LocalDeployment(manifest, total=manifest.spec.replicas)
                 self.supervisor.set_command(name, self._command(manifest), _events(manifest))
                 self.supervisor.set_replicas(name, manifest.spec.replicas)
                 changes.append(f"{name} created with {manifest.spec.replicas} replica(s)")
@@ -118,23 +140,41 @@ class LocalRuntime:
             old = current.manifest
             current.manifest = manifest
             before = len(changes)
-            if engine_identity_json(old) != engine_identity_json(manifest):
+            stable = current.stable or old
+            canary = manifest.spec.rollout.strategy == "Canary"
+            if canary and revision(stable) != revision(manifest):
+                # the stable replicas keep their spec file and command; the canary's run the
+                # new revision beside them (tend_rollout sizes both)
+                if current.stable is None:
+                    current.stable = old
+                command = self._command(manifest, canary=True)
+                self.supervisor.set_command(current.canary_key, command, _events(manifest))
+                changes.append(f"{name} revision {revision(manifest)}: starts as a canary "
+                               f"beside {revision(stable)}")  # fmt: skip
+            elif engine_identity_json(stable) != engine_identity_json(manifest):
+                current.stable = None
+                self.supervisor.forget(current.canary_key)
                 self.supervisor.set_command(name, self._command(manifest), _events(manifest))
                 changes.append(f"{name} engine spec changed: replacing replicas")
+            elif current.stable is not None and canary:
+                pass  # back to the stable revision's spec: tend_rollout ends the canary
             elif engine_spec_json(old) != engine_spec_json(manifest):
                 self._command(manifest)  # new replicas start with the adapters; running ones
                 changes.append(f"{name} adapters changed: loaded at runtime, no restart")
             if old.spec.replicas != manifest.spec.replicas:
-                self.supervisor.set_replicas(name, manifest.spec.replicas)
+                current.total = manifest.spec.replicas
+                if current.stable is None:
+                    self.supervisor.set_replicas(name, manifest.spec.replicas)
                 changes.append(f"{name} scaled to {manifest.spec.replicas}")
             if len(changes) == before and old.spec != manifest.spec:
                 changes.append(f"{name} updated")  # routing, fallback, SLO: the gateway follows
         return changes
 
-    def _command(self, manifest: api.LLMDeployment) -> CommandFor:
+    def _command(self, manifest: api.LLMDeployment, canary: bool = False) -> CommandFor:
         base = [sys.executable, "-m", "kubellm.cli", "engine"]
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        spec_file = self.run_dir / f"{manifest.metadata.name}.json"
+        suffix = CANARY_SUFFIX if canary else ""
+        spec_file = self.run_dir / f"{manifest.metadata.name}{suffix}.json"
         spec_file.write_text(engine_spec_json(manifest))
         if self.engine == "sim":
             # The simulator reads the same spec file and simulates the engine fields it
@@ -143,26 +183,101 @@ class LocalRuntime:
             extra = ["--time-scale", f"{self.sim_time_scale:g}", "--spec", str(spec_file)]
             if self.sim_profile:
                 extra += ["--profile", self.sim_profile]
+            notes = manifest.metadata.model_extra or {}
+            annotations = notes.get("annotations") or {}
+            if annotations.get(SIM_SLOW_STEPS_ANNOTATION):
+                extra += ["--slow-steps", str(annotations[SIM_SLOW_STEPS_ANNOTATION])]
+            if annotations.get(SIM_FAIL_PROMPTS_OVER_ANNOTATION):
+                extra += ["--fail-prompts-over",
+                          str(annotations[SIM_FAIL_PROMPTS_OVER_ANNOTATION])]  # fmt: skip
             return lambda _name, port: [*base, "--backend", "sim", "--port", str(port),
                                         "--served-model-name", manifest.served_name,
                                         *extra]  # fmt: skip
         return lambda _name, port: [*base, "--spec", str(spec_file), "--port", str(port),
                                     "--host", "127.0.0.1"]  # fmt: skip
 
+    # ------------------------------------------------------------------ canary rollouts
+
+    def _ready(self, key: str) -> bool:
+        """All of a supervisor deployment's wanted replicas are ready (at least one)."""
+        want = self.supervisor.desired.get(key, 0)
+        ready = [r for r in self.supervisor.endpoints(key) if r.state == "ready"]
+        starting = [r for r in self.supervisor.endpoints(key)
+                    if r.state not in ("ready", "draining")]  # fmt: skip
+        return want > 0 and len(ready) >= want and not starting
+
+    def tend_rollout(
+        self, counters: dict[str, dict[str, rollout.Counters]] | None, now: float
+    ) -> list[str]:
+        """One step of every canary rollout, as the operator takes it (`rollout.decide`):
+        `counters` are the gateway's per-revision counters by served name (None: unknown).
+        Returns the events, as lines."""
+        lines = []
+        for d in self.deployments.values():
+            manifest = d.manifest
+            active = d.stable is not None or d.rollout_status.get("phase") == "Promoting"
+            if manifest.spec.rollout.strategy != "Canary" and not active:
+                d.rollout_status = {}
+                continue
+            notes = (manifest.metadata.model_extra or {}).get("annotations") or {}
+            action = notes.get(ROLLOUT_ACTION_ANNOTATION)
+            if action != d.acted_action and d.acted_action is not None:
+                d.acted_action = None  # the annotation changed or went: a new one may act
+            fresh = action if action in ROLLOUT_ACTIONS and action != d.acted_action else None
+            spec = manifest.spec.model_copy(update={"replicas": d.total})
+            stable = d.stable or manifest
+            seen = rollout.Observation(
+                desired_revision=revision(manifest),
+                stable_revision=revision(stable),
+                stable_ready=self._ready(d.name) or d.total == 0,
+                canary_ready=self._ready(d.canary_key),
+                now=now,
+                counters=None if counters is None else counters.get(manifest.served_name, {}),
+                action=fresh,
+            )
+            decision = rollout.decide(spec, d.rollout_status, seen)
+            if decision.clear_action:
+                d.acted_action = fresh
+            d.rollout_status = {k: v for k, v in decision.status.items() if v is not None}
+            if decision.mode == "canary":
+                self.supervisor.set_replicas(d.name, decision.stable_replicas)
+                self.supervisor.set_replicas(d.canary_key, decision.canary_replicas)
+            elif decision.mode == "promoting":
+                if d.stable is not None:  # the stable replicas take the revision now
+                    d.stable = None
+                    self.supervisor.set_command(d.name, self._command(manifest),
+                                                _events(manifest))  # fmt: skip
+                self.supervisor.set_replicas(d.name, d.total)
+                self.supervisor.set_replicas(d.canary_key, decision.canary_replicas)
+            else:
+                if d.canary_key in self.supervisor.commands:
+                    self.supervisor.forget(d.canary_key)
+                if d.stable is not None:  # the spec went back to the stable revision
+                    d.stable = None
+                self.supervisor.set_replicas(d.name, d.total)
+            for kind, reason, message in decision.events:
+                lines.append(f"rollout: {d.name}: {reason}: {message}")
+                self.supervisor.event(f"rollout: {d.name}: {kind} {reason}: {message}")
+        return lines
+
     # ------------------------------------------------------------------ views
 
     def gateway_targets(self) -> dict[str, ModelTarget]:
-        """What the gateway serves: per served model, the ready replicas and the settings."""
+        """What the gateway serves: per served model, the ready replicas and the settings;
+        during a canary rollout the canary's replicas too, with their revision and the split."""
         targets = {}
         for deployment in self.deployments.values():
             manifest = deployment.manifest
+            canary_revision = revision(manifest)
             endpoints = tuple(
                 GatewayEndpoint(
-                    url=r.url, draining=r.state == "draining", kv_events_port=r.kv_events_port
+                    url=r.url, draining=r.state == "draining", kv_events_port=r.kv_events_port,
+                    revision=canary_revision if key == deployment.canary_key else None,
                 )
-                for r in self.supervisor.endpoints(deployment.name)
+                for key in (deployment.name, deployment.canary_key)
+                for r in self.supervisor.endpoints(key)
                 if r.state in ("ready", "draining")
-            )
+            )  # fmt: skip
             targets[manifest.served_name] = ModelTarget(
                 served_name=manifest.served_name,
                 deployment=deployment.name,
@@ -172,6 +287,7 @@ class LocalRuntime:
                 fallback=_fallback(manifest.spec),
                 slo=manifest.spec.slo,
                 adapters=adapter_refs(manifest.spec),
+                canary=canary_split(deployment.rollout_status),
             )
         return targets
 
@@ -196,7 +312,18 @@ class LocalRuntime:
         return out
 
     def desired_replicas(self, name: str) -> int:
-        return self.supervisor.desired.get(name, 0)
+        """The /scale value (a canary rollout splits it between the revisions)."""
+        deployment = self.deployments.get(name)
+        if deployment is None:
+            return self.supervisor.desired.get(name, 0)
+        return deployment.total
+
+    def scale(self, name: str, replicas: int) -> None:
+        """Write /scale: the stable replicas follow at once unless a rollout splits them."""
+        deployment = self.deployments[name]
+        deployment.total = replicas
+        if deployment.stable is None and not deployment.rollout_status.get("canaryRevision"):
+            self.supervisor.set_replicas(name, replicas)
 
 
 class LocalBackend:
@@ -245,7 +372,7 @@ class LocalBackend:
         ]
 
     async def write_replicas(self, target: Target, replicas: int) -> None:
-        self.runtime.supervisor.set_replicas(target.name, replicas)
+        self.runtime.scale(target.name, replicas)
 
     async def write_status(self, target: Target, autoscaler: dict[str, Any]) -> None:
         status = self.runtime.deployments[target.name].autoscaler_status

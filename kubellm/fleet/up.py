@@ -68,6 +68,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "resources.gpu.count 0, else llama-3.1-8b-h100)",
     )  # fmt: skip
     parser.add_argument(
+        "--rollout-seconds", type=float, default=1.0, metavar="SECONDS",
+        help="how often canary rollouts (spec.rollout.strategy Canary) are analysed and "
+        "stepped, on the gateway's per-revision figures",
+    )  # fmt: skip
+    parser.add_argument(
         "--status-interval", type=float, default=5.0, metavar="SECONDS",
         help="how often to print the status table (0: never)",
     )  # fmt: skip

@@ -152,3 +152,30 @@ def test_a_completion_stream_starts_with_the_first_token(sim_server: Callable[..
     chunks = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
               if line.startswith("data: {")]  # fmt: skip
     assert [bool(c["choices"][0]["text"]) for c in chunks] == [True, True, False]
+
+
+def test_slow_steps_multiply_every_step_time() -> None:
+    base = sim_profiles.get("tiny-cpu")
+    slow = base.slowed(3)
+    for prefill, decode in [(0, 1), (512, 0), (100, 16)]:
+        assert slow.step_seconds(prefill, decode) == pytest.approx(
+            3 * base.step_seconds(prefill, decode)
+        )
+    with pytest.raises(ValueError, match="--slow-steps"):
+        base.slowed(0)
+
+
+async def test_fail_prompts_over_answers_long_prompts_with_a_500_envelope() -> None:
+    with pytest.raises(ValueError, match="--fail-prompts-over"):
+        create_app("m", "tiny-cpu", 0, fail_prompts_over=0)
+    app = create_app("m", "tiny-cpu", 0, fail_prompts_over=40)
+    async with client_for(app) as client:
+        short = {"model": "m", "prompt": "x" * 40, "max_tokens": 2}  # ~10 tokens
+        assert (await client.post("/v1/completions", json=short)).status_code == 200
+        long = {"model": "m", "prompt": "hello world " * 100, "max_tokens": 2}
+        failed = await client.post("/v1/completions", json=long)
+        assert failed.status_code == 500
+        error = failed.json()["error"]
+        assert "--fail-prompts-over 40" in error["message"] and error["code"] == 500
+        streamed = await client.post("/v1/completions", json={**long, "stream": True})
+        assert streamed.status_code == 500

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from kubellm.operator.rollout import Counters
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kubellm import manifests, metrics
+from kubellm.contracts import revision
 from kubellm.fleet import status
-from kubellm.fleet.processes import Supervisor, restart_delay
+from kubellm.fleet.processes import Replica, Supervisor, restart_delay
 from kubellm.fleet.runtime import LocalBackend, LocalRuntime, secret_env_var
 
 
@@ -130,3 +133,80 @@ def test_events_keep_printing_past_the_kept_window(tmp_path: Path) -> None:
     assert supervisor.events_since(150) == ["e150"]
     assert supervisor.events_since(151) == []
     assert supervisor.events_since(0)[0] == "e51"  # older ones were dropped, not replayed
+
+
+def _canary_llmd(source: str, **meta: Any) -> object:
+    return manifests.parse(
+        {
+            "apiVersion": "kubellm.io/v1alpha1",
+            "kind": "LLMDeployment",
+            "metadata": {"name": "m", **meta},
+            "spec": {
+                "model": {"source": source},
+                "replicas": 4,
+                "rollout": {
+                    "strategy": "Canary",
+                    "steps": [{"weight": 25, "pauseSeconds": 0}],
+                    "analysis": {"minRequests": 10},
+                },
+            },
+        }
+    )
+
+
+def _mark_ready(supervisor: Supervisor, key: str, tmp_path: Path) -> None:
+    """Play the supervisor: the wanted replicas of `key` run and pass /health."""
+    replicas = supervisor.replicas.setdefault(key, [])
+    replicas[:] = [r for r in replicas if r.state == "ready"][: supervisor.desired.get(key, 0)]
+    while len(replicas) < supervisor.desired.get(key, 0):
+        index = len(replicas)
+        replicas.append(Replica(key, index, 40000 + index + (100 if "canary" in key else 0),
+                                [], tmp_path / "x.log", state="ready"))  # fmt: skip
+
+
+def _served(requests: int, ttft: float) -> Counters:
+    return Counters(requests=requests, slo_met=requests, ttft_sum=ttft * requests,
+                    ttft_count=requests, itl_sum=0.05 * requests, itl_count=requests)  # fmt: skip
+
+
+async def test_the_local_fleet_runs_a_canary_beside_the_stable_replicas(tmp_path: Path) -> None:
+    supervisor = Supervisor(tmp_path / "logs")
+    runtime = LocalRuntime(supervisor, tmp_path, engine="sim")
+    runtime.apply([_canary_llmd("file:///v1")])
+    _mark_ready(supervisor, "m", tmp_path)
+    assert runtime.tend_rollout({}, 100.0) == []  # nothing to roll out
+    stable_spec = (tmp_path / "m.json").read_text()
+    bad = _canary_llmd("file:///v2", annotations={"kubellm.io/sim-slow-steps": "3"})
+    (change,) = runtime.apply([bad])
+    assert "starts as a canary" in change
+    assert (tmp_path / "m.json").read_text() == stable_spec  # stable replicas keep their spec
+    assert "file:///v2" in (tmp_path / "m--canary.json").read_text()
+    assert "--slow-steps" in supervisor.commands["m--canary"]("m--canary", 1)
+    lines = runtime.tend_rollout({}, 101.0)
+    assert any("CanaryStarted" in line for line in lines)
+    assert (supervisor.desired["m"], supervisor.desired["m--canary"]) == (3, 1)
+    _mark_ready(supervisor, "m", tmp_path)
+    _mark_ready(supervisor, "m--canary", tmp_path)
+    old = revision(runtime.deployments["m"].stable)
+    new = revision(bad)
+    runtime.tend_rollout({"m": {old: _served(100, 0.2)}}, 102.0)  # the window opens
+    target = runtime.gateway_targets()["m"]
+    assert target.canary is not None and target.canary.weight == 25
+    assert sorted(e.revision or "" for e in target.endpoints) == ["", "", "", new]
+    slow = {"m": {old: _served(130, 0.2), new: _served(10, 0.6)}}
+    lines = runtime.tend_rollout(slow, 103.0)
+    assert any("RolledBack" in line for line in lines)
+    assert (supervisor.desired["m"], supervisor.desired["m--canary"]) == (4, 0)
+    assert runtime.gateway_targets()["m"].canary.weight == 0
+    # a person promotes it anyway (the manifest's annotation, as kubectl annotate would)
+    promoted = _canary_llmd("file:///v2", annotations={"kubellm.io/rollout-action": "promote"})
+    runtime.apply([promoted])
+    runtime.tend_rollout(slow, 104.0)
+    assert runtime.deployments["m"].rollout_status["phase"] == "Promoting"
+    assert "file:///v2" in (tmp_path / "m.json").read_text()  # the stable ones take it
+    _mark_ready(supervisor, "m", tmp_path)
+    lines = runtime.tend_rollout(slow, 105.0)
+    assert any("Promoted" in line for line in lines)
+    assert "m--canary" not in supervisor.commands and supervisor.desired["m"] == 4
+    assert runtime.deployments["m"].rollout_status["phase"] == "Stable"
+    assert runtime.gateway_targets()["m"].canary is None

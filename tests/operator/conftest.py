@@ -161,7 +161,11 @@ async def api_client(emulator: Emulator) -> AsyncIterator[httpx.AsyncClient]:
 
 @contextlib.asynccontextmanager
 async def running_operator(
-    emulator: Emulator, resync_seconds: float = 60.0, retry_seconds: float = 0.05
+    emulator: Emulator,
+    resync_seconds: float = 60.0,
+    retry_seconds: float = 0.05,
+    figures: Any = None,
+    rollout_seconds: float = 5.0,
 ) -> AsyncIterator[None]:
     """kopf's real operator, in its own thread and event loop.
 
@@ -171,7 +175,12 @@ async def running_operator(
     registry = kopf.OperatorRegistry()
     config = kube.KubeConfig(server=str(emulator.url).rstrip("/"))
     handlers.register(
-        registry, connect=lambda: config, resync_seconds=resync_seconds, retry_seconds=retry_seconds
+        registry,
+        connect=lambda: config,
+        resync_seconds=resync_seconds,
+        retry_seconds=retry_seconds,
+        rollout_seconds=rollout_seconds,
+        figures=lambda: figures,
     )
     settings = kopf.OperatorSettings()
     settings.watching.reconnect_backoff = 0.1

@@ -274,6 +274,8 @@ def test_every_child_carries_the_labels_and_the_owner_reference():
         "PodMonitor",
     ]
     for obj in objects:
+        # the Deployment also says which revision its pod template runs
+        revision = {"kubellm.io/revision": builders.spec_hash(source)}
         assert obj["metadata"]["labels"] == {
             "app.kubernetes.io/name": "kubellm-engine",
             "app.kubernetes.io/instance": "m",
@@ -281,6 +283,7 @@ def test_every_child_carries_the_labels_and_the_owner_reference():
             "app.kubernetes.io/managed-by": "kubellm-operator",
             "app.kubernetes.io/part-of": "kubellm",
             "kubellm.io/deployment": "m",
+            **(revision if obj["kind"] == "Deployment" else {}),
         }
         assert obj["metadata"]["namespace"] == "ns"
         (owner,) = obj["metadata"]["ownerReferences"]

@@ -1,0 +1,109 @@
+"""Which revision serves a request while a canary rollout runs (pure).
+
+During a canary step the LLMDeployment's status says the canary revision and its weight
+(percent); discovery carries both (`ModelTarget.canary`) and each endpoint's revision
+(`Endpoint.revision`, None for the stable one). A request goes to the canary when its
+key falls in the canary's share of a fixed hash space:
+
+    canary  iff  bucket(key) < weight x 100,   bucket(key) = SHA-256(key) mod 10,000
+
+The key is the request's session (the `x-session-id` header or the body's `user`), else
+its prompt's home key (the first prefix chunk's hash: what prompts sharing a system
+prompt have in common). So a session, and a shared prefix, stay on one revision and their
+KV cache is not built on both; every gateway replica agrees without shared state; and as
+the weight grows, keys already on the canary stay there (the share only adds keys). The
+traffic share is by keys, not requests: a hot prefix moves as one.
+
+Weight 0 (rolled back) sends nothing to the canary; when the chosen side has no candidate
+(the canary is not ready yet, or a revision's replicas are all ejected), the other side
+serves, so the split never fails a request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+from kubellm.gateway.discovery.base import CanarySplit, ModelTarget
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.slo import STABLE_REVISION
+
+if TYPE_CHECKING:
+    from kubellm.gateway.routing.slo import GatewayMetrics
+
+BUCKETS = 10_000
+
+C = TypeVar("C")
+
+
+def bucket(key: str) -> int:
+    """Where `key` falls in [0, BUCKETS): the same on every gateway and every run."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % BUCKETS
+
+
+def request_key(request: RoutingRequest) -> str:
+    """The key a request sticks to a revision by: its session, else its prompt's home."""
+    if request.session:
+        return f"session:{request.session}"
+    if request.affinity_key is not None:
+        return f"prefix:{request.affinity_key}"
+    return ""
+
+
+def to_canary(key: str, weight: int) -> bool:
+    """Whether `key` goes to a canary taking `weight` percent."""
+    if weight <= 0:
+        return False
+    if weight >= 100:
+        return True
+    return bucket(key) < weight * (BUCKETS // 100)
+
+
+def choose(
+    items: Sequence[C], revision_of: Mapping[int, str | None], split: CanarySplit | None, key: str
+) -> list[C]:
+    """The items (candidates, by position) of the revision `key` goes to; all of them with
+    no split; the other side's when the chosen side has none. `revision_of` maps an item's
+    position to its endpoint's revision (None: stable)."""
+    if split is None:
+        return list(items)
+    canary = [item for i, item in enumerate(items) if revision_of.get(i) == split.revision]
+    stable = [item for i, item in enumerate(items) if revision_of.get(i) != split.revision]
+    wanted, other = (canary, stable) if to_canary(key, split.weight) else (stable, canary)
+    return wanted or other
+
+
+def revision_label(target: ModelTarget, url: str) -> str | None:
+    """The `revision` label of an answer from `url` while the model's traffic is split
+    (the endpoint's revision, "stable" for the others); None when no rollout splits it."""
+    if target.canary is None:
+        return None
+    for endpoint in target.endpoints:
+        if endpoint.url == url:
+            return endpoint.revision or STABLE_REVISION
+    return STABLE_REVISION
+
+
+def revisions_failed(metrics: GatewayMetrics, targets: Iterable[ModelTarget], url: str) -> None:
+    """An attempt on `url` failed before its first byte (the gateway retries it elsewhere):
+    while a canary splits the model, count it as an error of the endpoint's revision, so a
+    revision that answers 5xx is seen by the analysis even when a retry saved the request."""
+    if metrics.revisions is None:
+        return
+    for target in targets:
+        if target.canary is not None and any(e.url == url for e in target.endpoints):
+            names = (target.served_name, target.deployment, target.namespace)
+            revision = revision_label(target, url) or STABLE_REVISION
+            metrics.revisions.requests.labels(*names, revision, "error").inc()
+
+
+def for_request(
+    target: ModelTarget, request: RoutingRequest, candidates: Sequence[Candidate]
+) -> list[Candidate]:
+    """The router's hook: `candidates` narrowed to the revision this request goes to."""
+    if target.canary is None:
+        return list(candidates)
+    revisions = {e.url: e.revision for e in target.endpoints}
+    by_position = {i: revisions.get(c.url) for i, c in enumerate(candidates)}
+    return choose(candidates, by_position, target.canary, request_key(request))
