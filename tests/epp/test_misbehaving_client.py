@@ -6,6 +6,8 @@ so with `--max-in-flight 1` every later request of every client was shed)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -62,17 +64,32 @@ async def picker_server() -> AsyncIterator[tuple[EndpointPicker, str]]:
 async def _exchange(
     address: str, messages: list[ext.ProcessingRequest]
 ) -> tuple[list[ext.ProcessingResponse], grpc.StatusCode]:
-    """Send `messages` on one stream; the answers and the stream's final status."""
+    """Send `messages` on one stream as Envoy does, each after the picker answered the one
+    before; the answers and the stream's final status as the picker set it. Once the picker
+    has closed the stream nothing more is written (a write racing the close would fail on
+    the client's side and hide the picker's status behind the client's own INTERNAL)."""
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.stream_stream(
             METHOD, request_serializer=bytes, response_deserializer=ext.ProcessingResponse.parse
-        )(iter(messages), timeout=10)
-        answers = []
-        try:
-            async for answer in call:
-                answers.append(answer)
-        except grpc.aio.AioRpcError as error:
-            return answers, error.code()
+        )(timeout=10)
+        answers: list[ext.ProcessingResponse] = []
+        arrived: asyncio.Queue[bool] = asyncio.Queue()
+
+        async def read() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                async for answer in call:
+                    answers.append(answer)
+                    arrived.put_nowait(True)
+            arrived.put_nowait(False)  # the stream ended
+
+        reader = asyncio.create_task(read())
+        for message in messages:
+            await call.write(message)
+            if not await arrived.get():
+                break
+        else:
+            await call.done_writing()
+        await reader
         return answers, await call.code()
 
 
