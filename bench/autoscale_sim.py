@@ -24,7 +24,7 @@ scaling direction changes (in all, and the most in any scale-down window) and
 the time from the queue passing its target to the scale-up decision; per
 trace, reference sizings; then checks the targets of issue #17. Writes
 `summary.json` and `autoscale.png` to --out (and the figures per policy to
---json). Details: bench/_autoscale/.
+--json). Details: kubellm/simulation/ (shared with `kubellm plan --trace`).
 
     python bench/autoscale_sim.py [--mix long|short] [--out bench/out] [--json FILE]
     python bench/autoscale_sim.py --trace day.csv --rate-scale 2 --gpu-hour-price 4
@@ -45,14 +45,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from kubellm import api
-
-# Run as a script, bench/ is on sys.path; run from the repository root, as `bench._autoscale`.
-try:
-    from _autoscale import experiment, report, traces
-    from _autoscale.gateway import ApiModel
-except ImportError:  # imported as bench.autoscale_sim (tests)
-    from bench._autoscale import experiment, report, traces
-    from bench._autoscale.gateway import ApiModel
+from kubellm.simulation import experiment, report, traces
+from kubellm.simulation.gateway import ApiModel
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

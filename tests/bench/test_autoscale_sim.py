@@ -15,9 +15,9 @@ import pytest
 from kubellm.autoscaler import policy as policies
 
 from bench import autoscale_sim
-from bench._autoscale import experiment, traces
-from bench._autoscale.fleet import Fleet, FleetConfig, Result
 from kubellm import api
+from kubellm.simulation import experiment, traces
+from kubellm.simulation.fleet import Fleet, FleetConfig, Result
 
 CAPACITY = experiment.CAPACITY_RPS["long"]
 MIX = traces.MIXES["long"]
@@ -218,7 +218,7 @@ def test_what_if_overrides_reach_the_spec() -> None:
 
 
 def test_overflow_goes_to_the_fallback_through_the_production_admission() -> None:
-    from bench._autoscale import gateway
+    from kubellm.simulation import gateway
 
     high = 2.5 * CAPACITY  # one replica, no scaling: the overflow has to go somewhere
     trace = traces.Trace("flat", 40.0, lambda t: high, high, "")
@@ -235,7 +235,7 @@ def test_overflow_goes_to_the_fallback_through_the_production_admission() -> Non
 
 
 def test_the_admission_is_the_gateways_own() -> None:
-    from bench._autoscale import gateway
+    from kubellm.simulation import gateway
 
     try:
         from kubellm.gateway.routing import admission
@@ -246,7 +246,7 @@ def test_the_admission_is_the_gateways_own() -> None:
 
 
 def test_cost_is_gpu_hours_plus_the_tokens_the_api_served() -> None:
-    from bench._autoscale import gateway
+    from kubellm.simulation import gateway
 
     model = gateway.ApiModel(input_price_per_million=1.0, output_price_per_million=4.0)
     result = Result("t", "p", 3600.0, requests=10)
@@ -277,7 +277,7 @@ def test_the_breakdown_splits_replica_seconds_by_what_the_load_needed(stepped: R
 
 
 def test_all_api_meets_the_slo_only_when_the_apis_latency_does() -> None:
-    from bench._autoscale import gateway
+    from kubellm.simulation import gateway
 
     arrivals = step_trace().arrivals(0, MIX)
     fast = experiment.all_api(arrivals, 90.0, gateway.ApiModel(), api.SLO(), "t")

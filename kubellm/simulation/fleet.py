@@ -45,12 +45,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kubellm import api, metrics
 from kubellm.autoscaler import observe, overflow, rate
 from kubellm.autoscaler import policy as p
 from kubellm.engine.sim_core import Engine, Request, StepResult
 from kubellm.engine.sim_profiles import Profile
-
-from kubellm import api, metrics
 
 from . import gateway as gw
 from .traces import Arrival

@@ -33,12 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kubellm import api
 from kubellm.autoscaler import kvqueue
 from kubellm.autoscaler import policy as policies
 from kubellm.autoscaler.concurrency import ConcurrencyPolicy
 from kubellm.engine import sim_profiles
-
-from kubellm import api
 
 from . import traces
 from .fleet import Fleet, FleetConfig, Result, Sample
