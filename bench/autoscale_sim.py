@@ -130,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     if args.trace is not None:
         try:
-            args.recorded = traces.read_csv(args.trace, args.rate_scale, args.seed)
+            args.recorded = traces.read_file(args.trace, args.rate_scale, args.seed)
         except traces.TraceError as error:
             parser.error(f"--trace: {error}")
     else:

@@ -500,6 +500,7 @@ class Fleet:
             observe.gateway_admitted(text, *names),
             observe.gateway_fallback(text, *names),
             observe.gateway_answered(text, "sim", "replica", "sim", "default"),
+            observe.gateway_answered(text, "sim", "none", "sim", "default"),
         )
         answers, _ = overflow.observe(
             self.status,
@@ -514,6 +515,18 @@ class Fleet:
             recent_request_rate=window.recent if counted else None,
             fallback_share=answers.fallback_share if self.config.fallback else None,
             replica_answer_rate=answers.replica_rate,
+            refused=answers.refused_recently if self.config.fallback else None,
+            # sent less answered, from the counters, as the loop reads it
+            fallback_in_flight=max(
+                0.0,
+                observe.gateway_fallback(text, *names)
+                - observe.gateway_answered(text, "sim", "fallback", "sim", "default"),
+            )
+            if self.config.fallback
+            else None,
+            fallback_capacity=self.config.fallback.max_concurrency
+            if self.config.fallback
+            else None,
         )
 
     def _tick(self, now: float) -> None:
