@@ -237,7 +237,11 @@ class KVQueuePolicy:
                 and obs.fallback_capacity is not None
                 and obs.fallback_in_flight >= FALLBACK_ROOM * obs.fallback_capacity
             )
-            absorb = (
+            # the share rule's absorbing stands; the cost rule adds young overflows to it
+            shared = (
+                obs.fallback_share is not None and obs.fallback_share <= spec.max_fallback_share
+            )
+            absorb = shared or (
                 not refused
                 and not full
                 and waited < overflow_wait(ratio, spec.model_load_seconds, window)

@@ -389,6 +389,15 @@ def read_jsonl(path: Path, rate_scale: float = 1.0, seed: int = 0) -> RecordedTr
     return _recorded(path, rows, clipped, rate_scale, seed)
 
 
+def write_csv(path: Path, arrivals: Sequence[Arrival]) -> None:
+    """Arrivals as a CSV trace `read_csv` reads back (timestamp in seconds, to 0.1 ms)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as handle:
+        handle.write("timestamp,prompt_tokens,output_tokens\n")
+        for a in arrivals:
+            handle.write(f"{a.time:.4f},{a.prompt_tokens},{a.output_tokens}\n")
+
+
 def read_file(path: Path, rate_scale: float = 1.0, seed: int = 0) -> RecordedTrace:
     """A trace file: JSONL when its name ends in .jsonl (or .ndjson), else CSV."""
     if path.suffix.lower() in (".jsonl", ".ndjson"):

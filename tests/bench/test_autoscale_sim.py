@@ -374,3 +374,38 @@ def test_a_bad_trace_flag_names_the_flag(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         autoscale_sim.parse_args(["--gpu-hour-price", "-1"])
     assert "--gpu-hour-price" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the cost rule keeps the SLO
+
+
+@pytest.fixture(scope="module")
+def cost_rule_runs() -> dict[tuple[str, str], dict]:
+    """The cost rule and the share rule on the step and the ramp (full length) and the
+    bursty day at a quarter of its length (90 minutes, spikes of 7-37 s)."""
+    runs = {}
+    for trace, scale, policies_ in (
+        ("step", 1.0, (experiment.FALLBACK, experiment.COST)),
+        ("ramp", 1.0, (experiment.COST,)),
+        ("bursty-day", 0.25, (experiment.COST,)),
+    ):
+        for policy in policies_:
+            summary, _ = experiment.run(experiment.Job(trace, policy, scale=scale))
+            runs[(trace, policy)] = summary
+    return runs
+
+
+@pytest.mark.parametrize("trace", ["ramp", "bursty-day"])
+def test_the_cost_rule_keeps_attainment_at_99_percent(cost_rule_runs, trace: str) -> None:
+    summary = cost_rule_runs[(trace, experiment.COST)]
+    assert summary["fallback_cost_ratio"] > 1  # the rule was on: the API dearer than a replica
+    assert summary["slo_attainment"] >= 0.99, summary["slo_attainment"]
+
+
+def test_on_the_step_the_cost_rule_loses_nothing_to_the_share_rule(cost_rule_runs) -> None:
+    # a step to 3.5 replicas' worth overflows the fallback (64 at once) while replicas load
+    # for 60 s: no rule reaches 99% there; the cost rule must not wait any longer than the
+    # share rule (the fallback fills at once, and a full fallback ends the wait)
+    cost, share = (cost_rule_runs[("step", p)] for p in (experiment.COST, experiment.FALLBACK))
+    assert cost["slo_attainment"] >= share["slo_attainment"]
+    assert cost["step_to_scale_up_s"] <= share["step_to_scale_up_s"]
