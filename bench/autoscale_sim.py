@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         outcomes = [experiment.run(job) for job in jobs]
     summaries = [summary for summary, _ in outcomes]
-    checks = report.targets(summaries, experiment.PERIOD)
+    checks = report.targets(summaries, experiment.PERIOD) + report.oracle_targets(summaries)
 
     cal = calibration
     print(

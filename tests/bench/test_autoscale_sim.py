@@ -409,3 +409,23 @@ def test_on_the_step_the_cost_rule_loses_nothing_to_the_share_rule(cost_rule_run
     cost, share = (cost_rule_runs[("step", p)] for p in (experiment.COST, experiment.FALLBACK))
     assert cost["slo_attainment"] >= share["slo_attainment"]
     assert cost["step_to_scale_up_s"] <= share["step_to_scale_up_s"]
+
+
+def test_issue_31s_targets_bound_replica_seconds_by_the_oracles_per_kind_of_trace() -> None:
+    from kubellm.simulation import report
+
+    def run(trace: str, policy: str, replica_s: float, attainment: float = 0.995) -> dict:
+        return {"trace": trace, "policy": policy, "replica_seconds": replica_s,
+                "oracle_replica_seconds": 1000.0, "slo_attainment": attainment,
+                "max_direction_changes_per_scale_down_window": 1}  # fmt: skip
+
+    checks = report.oracle_targets(
+        [run("bursty-hour", experiment.COST, 1140), run("smooth-hour", experiment.COST, 1060),
+         run("bursty-hour", experiment.FALLBACK, 1200, 0.98), run("bursty-hour", "fixed", 9e9)]
+    )  # fmt: skip
+    met = {(c["policy"], c["target"]): c["met"] for c in checks}
+    assert met[(experiment.COST, "bursty-hour: replica-s <= 1.15 x the oracle's")] is True
+    assert met[(experiment.COST, "smooth-hour: replica-s <= 1.05 x the oracle's")] is False
+    assert met[(experiment.FALLBACK, "bursty-hour: >= 99% of requests meet the SLO")] is False
+    assert met[(experiment.FALLBACK, "bursty-hour: replica-s <= 1.15 x the oracle's")] is False
+    assert not any(c["policy"] == "fixed" for c in checks)
