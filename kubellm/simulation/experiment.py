@@ -146,9 +146,11 @@ def fixed_size(trace: traces.Trace, mix: str | float) -> int:
 def oracle_fleet(trace: traces.Trace, capacity: float, interval: float) -> list[int]:
     """Replicas the load needs per `interval` (instant replicas): the largest
     ceil(rate / capacity) of its seconds, at least one."""
-    out = []
+    out: list[int] = []
     start = 0.0
-    while start < trace.duration:
+    # a last interval of under 5% of one (a recorded trace ends a second after its last
+    # request) is the previous interval's tail
+    while start < trace.duration and not (out and trace.duration - start < 0.05 * interval):
         seconds = range(int(start), int(min(trace.duration, start + interval)))
         need = max((math.ceil(trace.rate(t + 0.5) / capacity - 1e-9) for t in seconds), default=0)
         out.append(max(1, need))
