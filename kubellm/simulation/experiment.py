@@ -278,8 +278,11 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
         overrides.setdefault("model_load_seconds", round(job.load_seconds))
         if overrides.get("fallback_cost_ratio") is None:
             per_replica = autoscaling(job.mix, **overrides).target_requests_per_replica
-            overrides["fallback_cost_ratio"] = round(
-                cost_ratio(arrivals, job.api_model, job.gpu_hour_price, per_replica), 3
+            ratio = cost_ratio(arrivals, job.api_model, job.gpu_hour_price, per_replica)
+            # free GPUs (a zero price): no finite ratio, the share rule decides; a free API: the
+            # least ratio the spec takes (an overflow never adds a replica)
+            overrides["fallback_cost_ratio"] = (
+                max(0.001, round(ratio, 3)) if math.isfinite(ratio) else None
             )
     spec = autoscaling(job.mix, **overrides)
     slo = api.SLO() if job.slo is None else api.SLO(ttft_seconds=job.slo[0], itl_seconds=job.slo[1])
