@@ -175,6 +175,10 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
                        "and the last")  # fmt: skip
     trace.add_argument("--png", metavar="FILE", help="plot load, oracle and replicas")
     trace.add_argument("--seed", type=int, help="default 0")
+    trace.add_argument("-f", "--filename", metavar="FILE",
+                       help="an LLMDeployment: its spec.autoscaling, spec.slo, "
+                       "spec.fallback.maxConcurrency and GPUs per replica, where the flags "
+                       "leave them unset")  # fmt: skip
 
 
 def _shape(args: argparse.Namespace) -> capacity.ModelShape:

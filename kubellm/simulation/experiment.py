@@ -274,10 +274,13 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
         overrides["max_fallback_share"] = job.fallback_share
     if job.policy in FALLBACK_POLICIES and "target_requests_per_replica" not in dict(job.spec):
         overrides["target_requests_per_replica"] = round(FALLBACK_RATE_TARGET * capacity, 2)
+    if job.policy == FALLBACK:
+        overrides["fallback_cost_ratio"] = None  # the share rule, whatever the spec says
     if job.policy == COST:
         overrides.setdefault("model_load_seconds", round(job.load_seconds))
         if overrides.get("fallback_cost_ratio") is None:
             per_replica = autoscaling(job.mix, **overrides).target_requests_per_replica
+            per_replica = per_replica or capacity  # derived (unset): what a replica serves
             ratio = cost_ratio(arrivals, job.api_model, job.gpu_hour_price, per_replica)
             # free GPUs (a zero price): no finite ratio, the share rule decides; a free API: the
             # least ratio the spec takes (an overflow never adds a replica)

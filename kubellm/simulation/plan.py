@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kubellm import api
+from kubellm import api, manifests
 from kubellm.simulation import experiment, traces
 from kubellm.simulation.fleet import Fleet
 from kubellm.simulation.gateway import ApiModel
@@ -57,6 +57,36 @@ OBJECTIVE = 0.99
 def _fail(message: str) -> int:
     print(f"kubellm plan: {message}", file=sys.stderr)
     return 2
+
+
+def _from_manifest(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+    """`-f FILE`: an LLMDeployment's spec.autoscaling (every field), spec.slo,
+    spec.fallback.maxConcurrency and spec.resources.gpu.count stand in for the flags left
+    unset. Returns the spec.autoscaling overrides for the runs."""
+    found = list(manifests.load(args.filename))
+    if len(found) != 1:
+        raise ValueError(f"-f {args.filename}: expected one LLMDeployment, found {len(found)}")
+    spec = found[0].spec
+    if args.ttft is None:
+        args.ttft = spec.slo.ttft_seconds
+    if args.itl is None:
+        args.itl = spec.slo.itl_seconds
+    if args.api_max_concurrency is None and spec.fallback is not None:
+        args.api_max_concurrency = spec.fallback.max_concurrency
+    args.tensor_parallel = max(1, spec.resources.gpu.count)
+    auto = spec.autoscaling
+    if auto is None:
+        return ()
+    if args.min_replicas is None:
+        args.min_replicas = max(1, auto.min_replicas)
+    if args.max_replicas is None:
+        args.max_replicas = auto.max_replicas
+    if args.load_seconds is None:
+        args.load_seconds = float(auto.model_load_seconds)
+    skip = ("enabled", "min_replicas", "max_replicas")
+    return tuple(
+        (name, getattr(auto, name)) for name in type(auto).model_fields if name not in skip
+    )
 
 
 def _defaults(args: argparse.Namespace) -> None:
@@ -154,7 +184,11 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         output_price_per_million=api_price,
         max_concurrency=args.api_max_concurrency,
     )
-    spec = (("min_replicas", args.min_replicas), ("max_replicas", args.max_replicas))
+    spec = (
+        *getattr(args, "manifest_spec", ()),
+        ("min_replicas", args.min_replicas),
+        ("max_replicas", args.max_replicas),
+    )
     common = {
         "trace_file": str(args.trace),
         "rate_scale": args.rate_scale,
@@ -339,6 +373,13 @@ def _plot(
 
 def main(args: argparse.Namespace) -> int:
     """`kubellm plan --trace`: the parsed arguments of `kubellm plan` (kubellm/cli.py)."""
+    if getattr(args, "filename", None):
+        try:
+            args.manifest_spec = _from_manifest(args)
+        except manifests.ManifestError as error:
+            return _fail(str(error))
+        except ValueError as error:
+            return _fail(str(error))
     _defaults(args)
     problem = _check(args)
     if problem:

@@ -168,3 +168,49 @@ def test_a_stricter_slo_measures_less_capacity_per_replica(tmp_path) -> None:
         arrivals, experiment.api.SLO(ttft_seconds=2.0, itl_seconds=0.03)
     )
     assert 0 < strict < loose
+
+
+def manifest(tmp_path: Path, **changes: object) -> Path:
+    """examples/llama-3.1-8b-gpu.yaml with its SLO at the defaults and `changes` applied."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    document = yaml.safe_load((root / "examples/llama-3.1-8b-gpu.yaml").read_text())
+    spec = document["spec"]
+    spec["slo"] = {"ttftSeconds": 2.0, "itlSeconds": 0.1, "objective": 0.99}
+    spec["autoscaling"].update(changes.pop("autoscaling", {}))
+    spec["fallback"]["maxConcurrency"] = changes.pop("max_concurrency", 64)
+    spec["resources"]["gpu"]["count"] = changes.pop("gpus", 1)
+    if "tensor_parallel" in changes:
+        spec["engine"]["tensorParallelSize"] = changes.pop("tensor_parallel")
+    path = tmp_path / "llmd.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def test_an_llmdeployment_gives_the_spec_slo_and_gpus(tmp_path, capsys) -> None:
+    trace = tmp_path / "burst.csv"
+    write_burst(trace)
+    path = manifest(tmp_path, autoscaling={"maxReplicas": 2}, gpus=2, tensor_parallel=2,
+                    max_concurrency=8)  # fmt: skip
+    common = ("--trace", str(trace), "--capacity", "7", "--load-seconds", "20", "--json")
+    code, out, err = run_plan(capsys, "-f", str(path), *common, "--policies", POLICIES)
+    assert code == 0, err
+    document = json.loads(out)
+    assert document["replica"]["gpus"] == 2
+    assert all(f["max_replicas"] <= 2 for f in document["policies"].values())
+    hours = document["trace"]["duration_s"] / 3600
+    peak = document["peak_fleet"]
+    assert peak["cost"] == pytest.approx(peak["replicas"] * hours * 2.5 * 2, abs=1e-3)
+    # a flag the user gives wins over the manifest
+    code, out, _ = run_plan(capsys, "-f", str(path), *common, "--policies", "kv-queue",
+                            "--max-replicas", "1")  # fmt: skip
+    assert code == 0 and json.loads(out)["policies"]["kv-queue"]["max_replicas"] == 1
+
+
+def test_a_bad_llmdeployment_is_refused_naming_the_field(tmp_path, capsys) -> None:
+    trace = tmp_path / "burst.csv"
+    write_burst(trace)
+    path = manifest(tmp_path, autoscaling={"fallbackCostRatio": -1})
+    code, out, err = run_plan(capsys, "-f", str(path), "--trace", str(trace))
+    assert code == 2 and out == "" and "fallbackCostRatio" in err
