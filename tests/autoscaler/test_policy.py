@@ -579,3 +579,13 @@ def test_with_a_cheap_api_the_scale_down_waits_the_shorter_hold() -> None:
         if current < 4 and first_down is None:
             first_down = t
     assert first_down == 120.0
+
+
+@pytest.mark.parametrize(("in_flight", "replicas"), [(31, 2), (32, 6), (None, 2)])
+def test_a_fallback_half_full_ends_the_wait(in_flight: float | None, replicas: int) -> None:
+    # past half of maxConcurrency a growing overflow would soon queue or be refused
+    observed = dataclasses.replace(
+        RISING, fallback_share=0.5, refused=0, fallback_in_flight=in_flight, fallback_capacity=64
+    )
+    decision = POLICY.decide(observed, p.PolicyState(), spec(**COST_SPEC))
+    assert decision.replicas == replicas, decision.message
