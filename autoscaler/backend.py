@@ -26,6 +26,7 @@ class Target:
     autoscaling: api.Autoscaling
     status: dict[str, Any] = field(default_factory=dict)  # status.autoscaler, camelCase
     has_fallback: bool = False  # spec.fallback is set: the gateway sends overflow there
+    fallback_max_concurrency: int | None = None  # spec.fallback.maxConcurrency
 
     @property
     def key(self) -> str:

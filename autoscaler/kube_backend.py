@@ -134,6 +134,9 @@ def _target(item: dict[str, Any]) -> Target | None:
         autoscaling=autoscaling,
         status=dict((item.get("status") or {}).get("autoscaler") or {}),
         has_fallback=deployment.spec.fallback is not None and bool(deployment.spec.fallback.url),
+        fallback_max_concurrency=deployment.spec.fallback.max_concurrency
+        if deployment.spec.fallback is not None
+        else None,
     )
 
 

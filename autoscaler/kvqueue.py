@@ -92,6 +92,10 @@ DRAIN_SECONDS = 60.0  # a queue-driven scale-up aims to drain the backlog within
 DERIVED_HEADROOM = 0.8
 LEARN_WEIGHT = 0.2  # moving average of the per-replica rate over saturated periods
 LEARN_AFTER_SECONDS = 30.0  # saturated this long before answers measure a replica
+# The cost rule leaves an overflow to the fallback only while the fallback serves fewer than
+# this share of its maxConcurrency: past it, a growing overflow would queue at the gateway or
+# be refused before a replica added now is ready.
+FALLBACK_ROOM = 0.5
 
 
 @p.register(p.DEFAULT_POLICY)
@@ -215,11 +219,38 @@ class KVQueuePolicy:
         # remembers the recommendation at the 30 s rate: the last period's rate may add
         # replicas at once (a step), but its noise, held for the window, would keep replicas
         # the load does not need, and the fallback takes what a 5 s burst brings.
-        rec, driver, hold = self._recommend(sig, obs, spec, floor, unknown_load)
+        # With spec.fallbackCostRatio (the cost rule): the fallback takes an overflow until it
+        # has lasted `overflow_wait` (nothing refused meanwhile), and the scale-down window
+        # is `scale_down_hold`; without it, maxFallbackShare and the fixed window.
+        ratio = spec.fallback_cost_ratio if obs.fallback_share is not None else None
+        window = spec.scale_down_stabilization_seconds
+        overflow_since, absorb = None, None
+        if ratio is not None:
+            window = scale_down_hold(ratio, spec.model_load_seconds, window)
+            overflowing = current > 0 and max(sig.want_rate, sig.want_kv) > current
+            if overflowing:
+                overflow_since = state.overflow_since if state.overflow_since else now
+            waited = now - overflow_since if overflow_since is not None else 0.0
+            refused = obs.refused is not None and obs.refused > 0
+            full = (
+                obs.fallback_in_flight is not None
+                and obs.fallback_capacity is not None
+                and obs.fallback_in_flight >= FALLBACK_ROOM * obs.fallback_capacity
+            )
+            # the share rule's absorbing stands; the cost rule adds young overflows to it
+            shared = (
+                obs.fallback_share is not None and obs.fallback_share <= spec.max_fallback_share
+            )
+            absorb = shared or (
+                not refused
+                and not full
+                and waited < overflow_wait(ratio, spec.model_load_seconds, window)
+            )
+        rec, driver, hold = self._recommend(sig, obs, spec, floor, unknown_load, absorb)
         remembered = rec
         if obs.fallback_share is not None and obs.request_rate is not None:
             smooth = self.signals(obs, spec, learned, recent=False)
-            remembered = self._recommend(smooth, obs, spec, floor, unknown_load)[0]
+            remembered = self._recommend(smooth, obs, spec, floor, unknown_load, absorb)[0]
 
         # Stabilisation windows over the remembered recommendations.
         earlier = state.recommendations or ((now, current),)
@@ -227,7 +258,7 @@ class KVQueuePolicy:
         down = max(
             [
                 remembered,
-                *(r for t, r in earlier if t > now - spec.scale_down_stabilization_seconds),
+                *(r for t, r in earlier if t > now - window),
             ]
         )
         target = up if up > current else down if down < current else current
@@ -257,7 +288,11 @@ class KVQueuePolicy:
             reason=reason,
             message=message,
             state=p.PolicyState(
-                _compact(history, now - keep), idle_since, learned, saturated_since
+                _compact(history, now - keep),
+                idle_since,
+                learned,
+                saturated_since,
+                overflow_since,
             ),
             kv_cache_usage=sig.kv_mean,
             queue_depth=sig.queue_mean,
@@ -270,8 +305,12 @@ class KVQueuePolicy:
         spec: api.Autoscaling,
         floor: int,
         unknown_load: bool,
+        absorb: bool | None = None,
     ) -> tuple[int, str, str | None]:
-        """The recommendation for this period, what drove it, and what held it (if anything)."""
+        """The recommendation for this period, what drove it, and what held it (if anything).
+
+        `absorb`: the cost rule's answer to whether the fallback takes the overflow (None:
+        the share rule decides)."""
         current, pending = obs.current_replicas, obs.gateway_pending
         candidates = [
             (sig.want_queue, p.QUEUE_DEPTH),
@@ -286,7 +325,7 @@ class KVQueuePolicy:
         absorbing = (
             obs.fallback_share is not None
             and current > 0
-            and obs.fallback_share <= spec.max_fallback_share
+            and (obs.fallback_share <= spec.max_fallback_share if absorb is None else absorb)
         )
         floors = max(floor, 1 if pending and pending > 0 else 0)
         # A queue past its target is not absorbed: requests wait at the replicas, not at the
@@ -380,6 +419,36 @@ class KVQueuePolicy:
         if limited:
             parts.append("step-limited")
         return "; ".join(parts)
+
+
+def overflow_wait(ratio: float, load_seconds: float, hold_seconds: float) -> float:
+    """How long an overflow the fallback takes must last before replicas are added for it.
+
+    Rent or buy, per replica's worth of overflow, in replica-seconds (a replica's cost per
+    second is 1, the fallback's for the same load `ratio`): the fallback costs `ratio` a
+    second for as long as the overflow lasts; a replica added for it costs, once, the
+    fallback's `ratio x load_seconds` while it loads and `hold_seconds` held after the
+    overflow ends, and then 1 a second instead of `ratio`. Renting until the extra paid,
+    `(ratio - 1) x t`, reaches that one-off cost (the deterministic ski-rental rule, never
+    more than twice the cost of the best choice made knowing the overflow's length) gives
+    `t = (ratio x load_seconds + hold_seconds) / (ratio - 1)`. At `ratio <= 1` the fallback
+    is never dearer than a replica: the overflow never adds one (a queue or a refusal still
+    does).
+    """
+    if ratio <= 1.0:
+        return math.inf
+    return (ratio * load_seconds + hold_seconds) / (ratio - 1.0)
+
+
+def scale_down_hold(ratio: float, load_seconds: float, window: float) -> float:
+    """How long a scale-down waits with the cost rule: what a mistake would cost.
+
+    A replica removed for a dip that then comes back costs a model load again while the
+    fallback takes its worth (`load_seconds x (1 + ratio)` replica-seconds); kept, it costs
+    1 a second. Keep it (the window remembers its asks) for as long as that, at most
+    `window` (scaleDownStabilizationSeconds): the deterministic ski-rental hold.
+    """
+    return min(float(window), load_seconds * (1.0 + ratio))
 
 
 def _compact(history: list[tuple[float, int]], cutoff: float) -> tuple[tuple[float, int], ...]:

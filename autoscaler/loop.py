@@ -156,6 +156,9 @@ class Autoscaler:
             recent_request_rate=window.recent if counted else None,
             fallback_share=answers.fallback_share if answered and target.has_fallback else None,
             replica_answer_rate=answers.replica_rate if answered else None,
+            refused=answers.refused_recently if answered and target.has_fallback else None,
+            fallback_in_flight=_fallback_in_flight(gateway_text, target),
+            fallback_capacity=target.fallback_max_concurrency if target.has_fallback else None,
         )
         state = p.PolicyState.from_status(target.status)
         decision = self.policy.decide(observation, state, target.autoscaling)
@@ -244,11 +247,25 @@ def _gateway_window(
                 observe.gateway_admitted(gateway_text, *names),
                 observe.gateway_fallback(gateway_text, *names),
                 observe.gateway_answered(gateway_text, names[0], "replica", *names[1:]),
+                observe.gateway_answered(gateway_text, names[0], "none", *names[1:]),
             )
         except observe.MetricsError as error:
             log.info("gateway metrics unusable: %s", error)
     window = target.autoscaling.scale_down_stabilization_seconds
     return overflow.observe(target.status, now, counts, window)
+
+
+def _fallback_in_flight(gateway_text: str | None, target: Target) -> float | None:
+    """Requests the fallback serves now: sent to it (counted when sent) less answered by it."""
+    if gateway_text is None or not target.has_fallback:
+        return None
+    names = (target.served_name, target.name, target.namespace)
+    try:
+        sent = observe.gateway_fallback(gateway_text, *names)
+        answered = observe.gateway_answered(gateway_text, names[0], "fallback", *names[1:])
+    except observe.MetricsError:
+        return None
+    return max(0.0, sent - answered)
 
 
 def _rounded(value: float | None) -> float | None:

@@ -12,9 +12,14 @@ answered by replicas):
 - the rate the replicas answered requests over the last period: while every
   replica is saturated, that rate per replica is what one replica serves,
   the per-replica rate the policy derives when `targetRequestsPerReplica`
-  is unset.
+  is unset;
+- the requests the gateway answered itself over the last period
+  (`kubellm_gateway_requests_total{target="none"}`: refused with 429/503,
+  or given up on while they waited): overflow the fallback did not absorb,
+  which the cost rule (`spec.autoscaling.fallbackCostRatio`) never leaves
+  to the fallback.
 
-`GatewayWindow` keeps (time, admitted, fallback, replica-answered) samples;
+`GatewayWindow` keeps (time, admitted, fallback, replica-answered, refused) samples;
 the loop persists them in `status.autoscaler.gatewaySamples` so a restart
 forgets nothing. Pure: time and counts come in as numbers.
 """
@@ -30,7 +35,7 @@ from kubellm.autoscaler.rate import WINDOW_SECONDS
 
 STATUS_KEY = "gatewaySamples"
 
-Sample = tuple[float, float, float, float]  # time, admitted, fallback, replica-answered
+Sample = tuple[float, float, float, float, float]  # time, admitted, fallback, replica, refused
 
 
 @dataclass(frozen=True)
@@ -38,14 +43,21 @@ class GatewayWindow:
     samples: tuple[Sample, ...] = ()  # oldest first
 
     def add(
-        self, now: float, admitted: float, fallback: float, replica: float, window: float
+        self,
+        now: float,
+        admitted: float,
+        fallback: float,
+        replica: float,
+        window: float,
+        refused: float = 0.0,
     ) -> GatewayWindow:
         """This period's sample; a counter that went down (gateway restart) starts afresh."""
         window = max(window, WINDOW_SECONDS)
         kept = [s for s in self.samples if now - window - 1e-6 <= s[0] < now]
-        if kept and (admitted < kept[-1][1] or fallback < kept[-1][2] or replica < kept[-1][3]):
+        sample = (now, admitted, fallback, replica, refused)
+        if kept and any(v < old for v, old in zip(sample[1:], kept[-1][1:], strict=True)):
             kept = []
-        return GatewayWindow((*kept, (now, admitted, fallback, replica)))
+        return GatewayWindow((*kept, sample))
 
     @property
     def fallback_share(self) -> float | None:
@@ -63,13 +75,21 @@ class GatewayWindow:
         """Requests/s the replicas answered over the last period (None: one sample)."""
         if len(self.samples) < 2:
             return None
-        (t0, _, _, r0), (t1, _, _, r1) = self.samples[-2], self.samples[-1]
+        (t0, _, _, r0, _), (t1, _, _, r1, _) = self.samples[-2], self.samples[-1]
         return max(0.0, (r1 - r0) / (t1 - t0)) if t1 > t0 else None
+
+    @property
+    def refused_recently(self) -> float | None:
+        """Requests the gateway answered itself (refused, or given up on) over the last
+        period (None: one sample)."""
+        if len(self.samples) < 2:
+            return None
+        return max(0.0, self.samples[-1][4] - self.samples[-2][4])
 
     def to_status(self) -> list[dict[str, Any]]:
         return [
-            {"time": format_time(t), "admitted": a, "fallback": f, "replica": r}
-            for t, a, f, r in self.samples
+            {"time": format_time(t), "admitted": a, "fallback": f, "replica": r, "refused": x}
+            for t, a, f, r, x in self.samples
         ]
 
     @classmethod
@@ -84,6 +104,7 @@ class GatewayWindow:
                         float(entry["admitted"]),
                         float(entry["fallback"]),
                         float(entry["replica"]),
+                        float(entry.get("refused", 0.0)),
                     )
                 )
             except (AttributeError, KeyError, TypeError, ValueError):
@@ -94,12 +115,13 @@ class GatewayWindow:
 def observe(
     status: Mapping[str, Any] | None,
     now: float,
-    counts: tuple[float, float, float] | None,
+    counts: tuple[float, ...] | None,
     window: float,
 ) -> tuple[GatewayWindow, bool]:
     """The window read back from status.autoscaler with this period's counts added.
 
-    `counts` (admitted, fallback, replica-answered) is None when the gateway
+    `counts` (admitted, fallback, replica-answered and, optionally, refused) is None when
+    the gateway
     could not be read: no sample is added (the second value, whether the
     figures are current, is False) and older samples age out. The loop and
     the fleet simulation both call this.
@@ -108,4 +130,5 @@ def observe(
     if counts is None:
         keep = max(window, WINDOW_SECONDS)
         return GatewayWindow(tuple(s for s in found.samples if s[0] >= now - keep)), False
-    return found.add(now, *counts, window=window), True
+    admitted, fallback, replica, *refused = counts
+    return found.add(now, admitted, fallback, replica, window, *refused), True

@@ -70,7 +70,11 @@ class Observation:
     requests the gateway sent to the fallback over the scale-down window
     (None: the deployment has no fallback, or the gateway is unreadable);
     `replica_answer_rate` the requests/s the replicas answered over the last
-    period (None: unknown).
+    period (None: unknown); `refused` the requests the gateway answered itself
+    (refused, or given up on while waiting) over the last period, with a fallback
+    (None: no fallback, or unknown); `fallback_in_flight` the requests the fallback
+    serves now (sent less answered, from the gateway's counters) and
+    `fallback_capacity` the most it may serve at once (spec.fallback.maxConcurrency).
     """
 
     now: float
@@ -81,6 +85,9 @@ class Observation:
     recent_request_rate: float | None = None
     fallback_share: float | None = None
     replica_answer_rate: float | None = None
+    refused: float | None = None  # requests the gateway refused in the last period (fallback)
+    fallback_in_flight: float | None = None  # requests at the fallback now (sent - answered)
+    fallback_capacity: int | None = None  # spec.fallback.maxConcurrency
 
     @property
     def fresh(self) -> tuple[ReplicaMetrics, ...]:
@@ -107,13 +114,16 @@ class PolicyState:
     saturated (a moving average), the derived per-replica rate where
     `targetRequestsPerReplica` is unset; `saturated_since`: since when every
     ready replica has been saturated (the learned rate waits out the first
-    seconds, while answers still lag the load).
+    seconds, while answers still lag the load). `overflow_since`: since when
+    the rate or KV signal has asked for more replicas than there are (the cost
+    rule leaves an overflow to the fallback until it has lasted long enough).
     """
 
     recommendations: tuple[tuple[float, int], ...] = ()
     idle_since: float | None = None
     learned_rate: float | None = None
     saturated_since: float | None = None  # every replica saturated since (None: not now)
+    overflow_since: float | None = None  # the signals asked above the fleet since (None: not)
 
     def to_status(self) -> dict[str, Any]:
         """The camelCase fields this state adds to status.autoscaler."""
@@ -128,6 +138,9 @@ class PolicyState:
             "saturatedSince": None
             if self.saturated_since is None
             else format_time(self.saturated_since),
+            "overflowSince": None
+            if self.overflow_since is None
+            else format_time(self.overflow_since),
         }
 
     @classmethod
@@ -157,7 +170,18 @@ class PolicyState:
             saturated_since = parse_time(saturated) if saturated else None
         except (TypeError, ValueError):
             saturated_since = None
-        return cls(tuple(sorted(recommendations)), idle_since, learned_rate, saturated_since)
+        overflowing = status.get("overflowSince")
+        try:
+            overflow_since = parse_time(overflowing) if overflowing else None
+        except (TypeError, ValueError, AttributeError):
+            overflow_since = None
+        return cls(
+            tuple(sorted(recommendations)),
+            idle_since,
+            learned_rate,
+            saturated_since,
+            overflow_since,
+        )
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,10 @@ their real length.
 Policies: a fixed fleet sized for the peak, a KPA-style concurrency target,
 `kv-queue`, `kv-queue+fallback` (kv-queue with the gateway's own admission
 sending overflow to a modelled fallback API; `--fallback-shares` runs it
-again at other values of maxFallbackShare) and all-API.
+again at other values of maxFallbackShare), `kv-queue+fallback+cost` (the same
+with the cost rule: spec.autoscaling.fallbackCostRatio from the run's prices
+and trace) and all-API. `--traces bursty-hour,smooth-hour` adds two generated
+hours shaped like the Azure code and conversation traces superposed x8.
 
 Per trace and policy it reports SLO attainment (TTFT <= 2 s and mean ITL <=
 0.1 s; a request the fallback served counts when the API's modelled latency
@@ -24,7 +27,7 @@ scaling direction changes (in all, and the most in any scale-down window) and
 the time from the queue passing its target to the scale-up decision; per
 trace, reference sizings; then checks the targets of issue #17. Writes
 `summary.json` and `autoscale.png` to --out (and the figures per policy to
---json). Details: bench/_autoscale/.
+--json). Details: kubellm/simulation/ (shared with `kubellm plan --trace`).
 
     python bench/autoscale_sim.py [--mix long|short] [--out bench/out] [--json FILE]
     python bench/autoscale_sim.py --trace day.csv --rate-scale 2 --gpu-hour-price 4
@@ -45,14 +48,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from kubellm import api
-
-# Run as a script, bench/ is on sys.path; run from the repository root, as `bench._autoscale`.
-try:
-    from _autoscale import experiment, report, traces
-    from _autoscale.gateway import ApiModel
-except ImportError:  # imported as bench.autoscale_sim (tests)
-    from bench._autoscale import experiment, report, traces
-    from bench._autoscale.gateway import ApiModel
+from kubellm.simulation import experiment, report, traces
+from kubellm.simulation.gateway import ApiModel
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,10 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         + ", ".join((*experiment.TRACES, *experiment.EXTRA_TRACES))
                         + f" (default: {','.join(experiment.TRACES)}; "
                         "none with --trace)")  # fmt: skip
-    parser.add_argument("--trace", type=Path, metavar="FILE.csv",
-                        help="a recorded trace: a timestamp column and prompt and output token "
-                        "columns (timestamp, prompt_tokens | input_tokens | ContextTokens, "
-                        "output_tokens | GeneratedTokens; any case)")  # fmt: skip
+    parser.add_argument("--trace", type=Path, metavar="FILE",
+                        help="a recorded trace: a CSV with a timestamp column and prompt and "
+                        "output token columns (timestamp, prompt_tokens | input_tokens | "
+                        "ContextTokens, output_tokens | GeneratedTokens; any case), or a JSONL "
+                        "(.jsonl) of objects with those fields")  # fmt: skip
     parser.add_argument("--rate-scale", type=float, default=1.0, metavar="X",
                         help="with --trace: superpose X copies of it, each circularly "
                         "shifted by a random offset (same length and burstiness, X x the "
@@ -100,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="write the figures per trace and policy to FILE")  # fmt: skip
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-curve", action="store_true", help="skip the one-replica load curve")
+    parser.add_argument("--write-traces", type=Path, metavar="DIR",
+                        help="write each --traces trace's requests to DIR/NAME.csv (what "
+                        "`kubellm plan --trace` reads) and exit")  # fmt: skip
     args = parser.parse_args(argv)
     if args.traces is None:
         args.traces = "" if args.trace else ",".join(experiment.TRACES)
@@ -136,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     if args.trace is not None:
         try:
-            args.recorded = traces.read_csv(args.trace, args.rate_scale, args.seed)
+            args.recorded = traces.read_file(args.trace, args.rate_scale, args.seed)
         except traces.TraceError as error:
             parser.error(f"--trace: {error}")
     else:
@@ -192,6 +193,13 @@ def default_share(args: argparse.Namespace) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
+    if args.write_traces is not None:
+        for name in args.traces:
+            trace = experiment.make_trace(name, args.mix, args.scale, args.seed)
+            path = args.write_traces / f"{name}.csv"
+            traces.write_csv(path, trace.arrivals(args.seed, traces.MIXES[args.mix]))
+            print(f"wrote {path}")
+        return 0
     calibration = experiment.calibrate(args.mix)
     capacity = experiment.CAPACITY_RPS[args.mix]
     # One replica's KV usage and in-flight requests against its load: the policies' inputs.
@@ -239,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         outcomes = [experiment.run(job) for job in jobs]
     summaries = [summary for summary, _ in outcomes]
-    checks = report.targets(summaries, experiment.PERIOD)
+    checks = report.targets(summaries, experiment.PERIOD) + report.oracle_targets(summaries)
 
     cal = calibration
     print(

@@ -357,6 +357,24 @@ class Autoscaling(_Model):
         "the scale-down window before load adds a replica; spikes under it go to the "
         "fallback. 0: any overflow is a reason to scale up.",
     )
+    fallback_cost_ratio: float | None = Field(
+        default=None,
+        gt=0,
+        description="With spec.fallback set: what the fallback API charges per second for the "
+        "load of one replica (targetRequestsPerReplica requests/s of your request mix) over "
+        "what one replica costs per second (its GPUs' hourly price / 3600); `kubellm plan "
+        "--trace` prints it for your prices and traffic. Set, an overflow goes to the "
+        "fallback until it has lasted long enough that replicas cost less, and a scale-down "
+        "waits as long as a re-spike at the API would cost (at most "
+        "scaleDownStabilizationSeconds). Unset: maxFallbackShare and the fixed window.",
+    )
+    model_load_seconds: int = Field(
+        default=60,
+        ge=0,
+        description="Seconds from a new replica's creation to ready (image pull and weight "
+        "load): the cost rule's estimate of how long the fallback takes an overflow before "
+        "a replica added for it serves.",
+    )
 
 
 # --------------------------------------------------------------------------- routing, fallback, SLO

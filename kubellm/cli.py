@@ -152,6 +152,42 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--utilization", type=_FRACTION, default=1.0, help="share of the hour busy")
     work.add_argument("--api-price-per-million", type=_POSITIVE, help="API price per 1M tokens")
     parser.add_argument("--json", action="store_true", help="print one flat JSON object")
+    trace = parser.add_argument_group(
+        "from a trace (--trace FILE: simulate the fleet on the trace; the model and workload "
+        "flags are then not needed; --gpu-hour-price (default 2.5), --api-price-per-million "
+        "(default 0.2, prompt and output) and --tensor-parallel apply)"
+    )
+    trace.add_argument("--trace", metavar="FILE",
+                       help="requests: CSV (timestamp, prompt_tokens | input_tokens | "
+                       "ContextTokens, output_tokens | GeneratedTokens; any case) or JSONL "
+                       "(.jsonl) with the same fields")  # fmt: skip
+    trace.add_argument("--rate-scale", type=float, metavar="X",
+                       help="superpose X shifted copies of the trace (default 1)")  # fmt: skip
+    trace.add_argument("--capacity", type=float, metavar="RPS",
+                       help="requests/s one replica serves within the SLO (default: measured "
+                       "on a simulated replica with the trace's request sizes)")  # fmt: skip
+    trace.add_argument("--ttft", type=float, metavar="S", help="SLO: TTFT target (default 2)")
+    trace.add_argument("--itl", type=float, metavar="S", help="SLO: mean ITL (default 0.1)")
+    trace.add_argument("--load-seconds", type=float, metavar="S",
+                       help="a new replica's time to ready (default 60)")  # fmt: skip
+    trace.add_argument("--min-replicas", type=int, help="default 1")
+    trace.add_argument("--max-replicas", type=int, help="default 8")
+    trace.add_argument("--api-ttft", type=float, metavar="S", help="the API's TTFT (0.6)")
+    trace.add_argument("--api-itl", type=float, metavar="S", help="the API's ITL (0.025)")
+    trace.add_argument("--api-max-concurrency", type=int, metavar="N",
+                       help="spec.fallback.maxConcurrency (default 64)")  # fmt: skip
+    trace.add_argument("--interval", type=float, metavar="S",
+                       help="the oracle fleet's interval (default 300)")  # fmt: skip
+    trace.add_argument("--policies", metavar="P,...",
+                       help="simulated: kv-queue (no fallback), kv-queue+fallback (the share "
+                       "rule), kv-queue+fallback+cost (the cost rule); default: the first "
+                       "and the last")  # fmt: skip
+    trace.add_argument("--png", metavar="FILE", help="plot load, oracle and replicas")
+    trace.add_argument("--seed", type=int, help="default 0")
+    trace.add_argument("-f", "--filename", metavar="FILE",
+                       help="an LLMDeployment: its spec.autoscaling, spec.slo, "
+                       "spec.fallback.maxConcurrency and GPUs per replica, where the flags "
+                       "leave them unset")  # fmt: skip
 
 
 def _shape(args: argparse.Namespace) -> capacity.ModelShape:
@@ -196,6 +232,13 @@ def _fmt_bytes(value: float) -> str:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.trace:
+        # the fleet simulation composes components: imported here, for this command only
+        from kubellm.simulation import plan as trace_plan
+
+        args.trace = Path(args.trace)
+        args.png = Path(args.png) if args.png else None
+        return trace_plan.main(args)
     try:
         shape = _shape(args)
         result = capacity.plan(

@@ -17,6 +17,7 @@ from kubellm.autoscaler.kube_backend import KubernetesBackend, slice_endpoints
 from kubellm.autoscaler.loop import Autoscaler
 from kubellm.autoscaler.telemetry import Telemetry, app
 
+from kubellm import metrics
 from tests.autoscaler.conftest import (
     LLMD,
     SLICES,
@@ -345,3 +346,35 @@ async def test_without_a_rate_target_the_loop_learns_it_while_saturated(
     assert status["learnedRequestsPerReplica"] == pytest.approx(15.2)
     assert f"(target derived {0.8 * 15.2:.3g}/replica)" in status["message"]
     assert status.get("fallbackShare") is None  # no spec.fallback: the share is not weighed
+
+
+async def test_the_fallbacks_load_and_refusals_reach_the_policy(
+    cluster: Any, clients: Any, metrics_server: Any
+) -> None:
+    document = llmd(replicas=1, maxReplicas=8, targetRequestsPerReplica=5, fallbackCostRatio=6)
+    document["spec"]["fallback"] = {"url": "https://api.example/v1", "maxConcurrency": 16,
+                                    "apiKeySecretRef": {"name": "api"}}  # fmt: skip
+    cluster.objects[LLMD, "default", "tiny"] = document
+    await add_engine(cluster, metrics_server, engine_text(0, 6, 0.1), "a")
+    labels = 'model="tiny",deployment="tiny",namespace="default"'
+    counter, sent = metrics.GATEWAY_REQUESTS, metrics.GATEWAY_FALLBACK
+
+    def text(fallback_answered: int, fallback_sent: int, refused: int) -> str:
+        return gateway_text({"tiny": 6}) + "".join(
+            [f'{counter}{{{labels},target="replica",code="200"}} 100\n',
+             f'{counter}{{{labels},target="fallback",code="200"}} {fallback_answered}\n',
+             f'{counter}{{{labels},target="none",code="429"}} {refused}\n',
+             f"# TYPE {sent.removesuffix('_total')} counter\n",
+             f'{sent}{{{labels},reason="saturated"}} {fallback_sent}\n']
+        )  # fmt: skip
+
+    gateway = await metrics_server(text(1, 11, 2))
+    clock = Clock()
+    await scaler(clients, clock, gateway_metrics_url=gateway.url).step()
+    gateway.text = text(4, 30, 5)  # 26 at the fallback now; 3 refused in this period
+    clock.now += 5
+    [outcome] = await scaler(clients, clock, gateway_metrics_url=gateway.url).step()
+    observed = outcome.observation
+    assert observed.fallback_in_flight == 26 and observed.fallback_capacity == 16
+    assert observed.refused == 3
+    assert obj(cluster)["status"]["autoscaler"]["gatewaySamples"][-1]["refused"] == 5

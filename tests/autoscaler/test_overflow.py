@@ -57,7 +57,7 @@ def test_a_short_window_still_spans_the_rate_window() -> None:
 def test_a_gateway_restart_starts_afresh() -> None:
     window = GatewayWindow().add(T0, 100, 10, 90, 300).add(T0 + 5, 120, 12, 108, 300)
     restarted = window.add(T0 + 10, 5, 0, 5, 300)
-    assert restarted.samples == ((T0 + 10, 5, 0, 5),) and restarted.fallback_share is None
+    assert restarted.samples == ((T0 + 10, 5, 0, 5, 0.0),) and restarted.fallback_share is None
 
 
 def test_status_round_trip_and_unreadable_gateway() -> None:
@@ -68,3 +68,17 @@ def test_status_round_trip_and_unreadable_gateway() -> None:
     assert again.fallback_share == pytest.approx(2 / 30)
     kept, counted = overflow.observe(status, T0 + 304, None, 300)
     assert not counted and [s[0] for s in kept.samples] == [T0 + 5]
+
+
+def test_refusals_over_the_last_period_and_their_round_trip() -> None:
+    window = GatewayWindow().add(T0, 100, 10, 90, 300, refused=3)
+    assert window.refused_recently is None  # one sample
+    window = window.add(T0 + 5, 120, 12, 100, 300, refused=7)
+    assert window.refused_recently == 4
+    again, counted = overflow.observe(
+        {overflow.STATUS_KEY: window.to_status()}, T0 + 10, (130, 12, 110, 7), 300
+    )
+    assert counted and again.refused_recently == 0
+    # a status written before the refused count existed reads as none refused
+    old = [{k: v for k, v in e.items() if k != "refused"} for e in window.to_status()]
+    assert GatewayWindow.from_status({overflow.STATUS_KEY: old}).refused_recently == 0

@@ -495,3 +495,97 @@ def test_with_a_fallback_the_last_periods_rate_still_scales_up_at_once_and_is_he
     seen = _run_every_period(0.5, {5.0: 19}, 300.0, current=3)
     assert seen[1] == (5.0, 4)
     assert all(replicas == 4 for t, replicas in seen if t >= 5)
+
+
+# ---------------------------------------------------------------- the cost rule (fallbackCostRatio)
+
+from kubellm.autoscaler import kvqueue  # noqa: E402
+
+# ratio 6: the fallback charges six times a replica's price for its load; 60 s model loads.
+# The hold: min(300, 60 x 7) = 300 s; the overflow waits (6 x 60 + 300) / 5 = 132 s.
+COST_SPEC = {**FALLBACK_SPEC, "fallback_cost_ratio": 6.0, "model_load_seconds": 60}
+
+
+def test_the_cost_rules_waits_are_rent_or_buy() -> None:
+    assert kvqueue.scale_down_hold(6.0, 60, 300) == 300  # a mistake costs more than the window
+    assert kvqueue.scale_down_hold(1.0, 60, 300) == 120  # cheap API: a shorter hold
+    assert kvqueue.overflow_wait(6.0, 60, 300) == pytest.approx(132.0)
+    assert kvqueue.overflow_wait(12.0, 60, 300) < kvqueue.overflow_wait(6.0, 60, 300)
+    assert kvqueue.overflow_wait(1.0, 60, 120) == float("inf")  # never dearer at the API
+
+
+def _overflowing(
+    times: list[float], share: float = 0.5, refused_at: float | None = None, **fields: object
+) -> list[p.Decision]:
+    """RISING (2 replicas, the rate asks 6, the share far past the knob) every period."""
+    state, out = p.PolicyState(), []
+    for t in times:
+        observed = dataclasses.replace(
+            RISING, now=NOW + t, fallback_share=share, refused=3 if t == refused_at else 0
+        )
+        decision = POLICY.decide(observed, state, spec(**{**COST_SPEC, **fields}))
+        state = decision.state
+        out.append(decision)
+    return out
+
+
+def test_with_the_cost_rule_an_overflow_waits_at_the_fallback_until_replicas_pay() -> None:
+    times = [5.0 * k for k in range(30)]  # 0 .. 145 s
+    decisions = _overflowing(times)
+    absorbed = [t for t, d in zip(times, decisions, strict=True) if d.replicas == 2]
+    assert absorbed == [t for t in times if t < 132]  # the share alone would add at once
+    assert all(d.reason == p.FALLBACK_ABSORBING for d in decisions if d.replicas == 2)
+    assert decisions[-1].replicas == 6 and decisions[-1].reason == p.REQUEST_RATE
+    assert decisions[0].state.to_status()["overflowSince"] == p.format_time(NOW)
+
+
+def test_a_refusal_ends_the_wait_at_once() -> None:
+    decisions = _overflowing([0.0, 5.0, 10.0], refused_at=10.0)
+    assert [d.replicas for d in decisions] == [2, 2, 6]
+
+
+def test_without_the_ratio_the_share_rule_decides_as_before() -> None:
+    decisions = _overflowing([0.0], fallback_cost_ratio=None)
+    assert decisions[0].replicas == 6
+
+
+def test_an_overflow_that_ends_starts_its_wait_afresh() -> None:
+    state = p.PolicyState()
+    calm = obs(2, rep(0, 40, 0.5), rep(0, 40, 0.5), rate=8)  # rate and KV ask 2: no overflow
+    for t, seen in (
+        (0.0, RISING),
+        (100.0, RISING),
+        (105.0, calm),
+        (110.0, RISING),
+        (200.0, RISING),
+    ):
+        observed = dataclasses.replace(seen, now=NOW + t, fallback_share=0.5)
+        decision = POLICY.decide(observed, state, spec(**COST_SPEC))
+        state = decision.state
+    assert decision.replicas == 2  # 90 s since the overflow came back: still absorbed
+
+
+def test_with_a_cheap_api_the_scale_down_waits_the_shorter_hold() -> None:
+    # ratio 1: hold min(300, 60 x 2) = 120 s. Four replicas, then three replicas' worth.
+    cheap = {**COST_SPEC, "fallback_cost_ratio": 1.0}
+    state, current, first_down = p.PolicyState(((NOW, 4),)), 4, None
+    for k in range(1, 80):
+        t = 5.0 * k
+        observed = dataclasses.replace(
+            obs(current, *[rep(0, 60, 0.5)] * current, now=NOW + t, rate=14), fallback_share=0.0
+        )
+        decision = POLICY.decide(observed, state, spec(**cheap))
+        state, current = decision.state, decision.replicas
+        if current < 4 and first_down is None:
+            first_down = t
+    assert first_down == 120.0
+
+
+@pytest.mark.parametrize(("in_flight", "replicas"), [(31, 2), (32, 6), (None, 2)])
+def test_a_fallback_half_full_ends_the_wait(in_flight: float | None, replicas: int) -> None:
+    # past half of maxConcurrency a growing overflow would soon queue or be refused
+    observed = dataclasses.replace(
+        RISING, fallback_share=0.5, refused=0, fallback_in_flight=in_flight, fallback_capacity=64
+    )
+    decision = POLICY.decide(observed, p.PolicyState(), spec(**COST_SPEC))
+    assert decision.replicas == replicas, decision.message

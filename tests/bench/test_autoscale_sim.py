@@ -15,9 +15,9 @@ import pytest
 from kubellm.autoscaler import policy as policies
 
 from bench import autoscale_sim
-from bench._autoscale import experiment, traces
-from bench._autoscale.fleet import Fleet, FleetConfig, Result
 from kubellm import api
+from kubellm.simulation import experiment, traces
+from kubellm.simulation.fleet import Fleet, FleetConfig, Result
 
 CAPACITY = experiment.CAPACITY_RPS["long"]
 MIX = traces.MIXES["long"]
@@ -218,7 +218,7 @@ def test_what_if_overrides_reach_the_spec() -> None:
 
 
 def test_overflow_goes_to_the_fallback_through_the_production_admission() -> None:
-    from bench._autoscale import gateway
+    from kubellm.simulation import gateway
 
     high = 2.5 * CAPACITY  # one replica, no scaling: the overflow has to go somewhere
     trace = traces.Trace("flat", 40.0, lambda t: high, high, "")
@@ -235,7 +235,7 @@ def test_overflow_goes_to_the_fallback_through_the_production_admission() -> Non
 
 
 def test_the_admission_is_the_gateways_own() -> None:
-    from bench._autoscale import gateway
+    from kubellm.simulation import gateway
 
     try:
         from kubellm.gateway.routing import admission
@@ -246,7 +246,7 @@ def test_the_admission_is_the_gateways_own() -> None:
 
 
 def test_cost_is_gpu_hours_plus_the_tokens_the_api_served() -> None:
-    from bench._autoscale import gateway
+    from kubellm.simulation import gateway
 
     model = gateway.ApiModel(input_price_per_million=1.0, output_price_per_million=4.0)
     result = Result("t", "p", 3600.0, requests=10)
@@ -277,7 +277,7 @@ def test_the_breakdown_splits_replica_seconds_by_what_the_load_needed(stepped: R
 
 
 def test_all_api_meets_the_slo_only_when_the_apis_latency_does() -> None:
-    from bench._autoscale import gateway
+    from kubellm.simulation import gateway
 
     arrivals = step_trace().arrivals(0, MIX)
     fast = experiment.all_api(arrivals, 90.0, gateway.ApiModel(), api.SLO(), "t")
@@ -374,3 +374,58 @@ def test_a_bad_trace_flag_names_the_flag(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         autoscale_sim.parse_args(["--gpu-hour-price", "-1"])
     assert "--gpu-hour-price" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the cost rule keeps the SLO
+
+
+@pytest.fixture(scope="module")
+def cost_rule_runs() -> dict[tuple[str, str], dict]:
+    """The cost rule and the share rule on the step and the ramp (full length) and the
+    bursty day at a quarter of its length (90 minutes, spikes of 7-37 s)."""
+    runs = {}
+    for trace, scale, policies_ in (
+        ("step", 1.0, (experiment.FALLBACK, experiment.COST)),
+        ("ramp", 1.0, (experiment.COST,)),
+        ("bursty-day", 0.25, (experiment.COST,)),
+    ):
+        for policy in policies_:
+            summary, _ = experiment.run(experiment.Job(trace, policy, scale=scale))
+            runs[(trace, policy)] = summary
+    return runs
+
+
+@pytest.mark.parametrize("trace", ["ramp", "bursty-day"])
+def test_the_cost_rule_keeps_attainment_at_99_percent(cost_rule_runs, trace: str) -> None:
+    summary = cost_rule_runs[(trace, experiment.COST)]
+    assert summary["fallback_cost_ratio"] > 1  # the rule was on: the API dearer than a replica
+    assert summary["slo_attainment"] >= 0.99, summary["slo_attainment"]
+
+
+def test_on_the_step_the_cost_rule_loses_nothing_to_the_share_rule(cost_rule_runs) -> None:
+    # a step to 3.5 replicas' worth overflows the fallback (64 at once) while replicas load
+    # for 60 s: no rule reaches 99% there; the cost rule must not wait any longer than the
+    # share rule (the fallback fills at once, and a full fallback ends the wait)
+    cost, share = (cost_rule_runs[("step", p)] for p in (experiment.COST, experiment.FALLBACK))
+    assert cost["slo_attainment"] >= share["slo_attainment"]
+    assert cost["step_to_scale_up_s"] <= share["step_to_scale_up_s"]
+
+
+def test_issue_31s_targets_bound_replica_seconds_by_the_oracles_per_kind_of_trace() -> None:
+    from kubellm.simulation import report
+
+    def run(trace: str, policy: str, replica_s: float, attainment: float = 0.995) -> dict:
+        return {"trace": trace, "policy": policy, "replica_seconds": replica_s,
+                "oracle_replica_seconds": 1000.0, "slo_attainment": attainment,
+                "max_direction_changes_per_scale_down_window": 1}  # fmt: skip
+
+    checks = report.oracle_targets(
+        [run("bursty-hour", experiment.COST, 1140), run("smooth-hour", experiment.COST, 1060),
+         run("bursty-hour", experiment.FALLBACK, 1200, 0.98), run("bursty-hour", "fixed", 9e9)]
+    )  # fmt: skip
+    met = {(c["policy"], c["target"]): c["met"] for c in checks}
+    assert met[(experiment.COST, "bursty-hour: replica-s <= 1.15 x the oracle's")] is True
+    assert met[(experiment.COST, "smooth-hour: replica-s <= 1.05 x the oracle's")] is False
+    assert met[(experiment.FALLBACK, "bursty-hour: >= 99% of requests meet the SLO")] is False
+    assert met[(experiment.FALLBACK, "bursty-hour: replica-s <= 1.15 x the oracle's")] is False
+    assert not any(c["policy"] == "fixed" for c in checks)

@@ -169,6 +169,51 @@ def targets(
     return checks
 
 
+# Issue #31's bounds on replica-seconds against the oracle's, by the kind of trace.
+ORACLE_BOUNDS = {"bursty-day": 1.15, "bursty-hour": 1.15, "smooth-hour": 1.05}
+COST = "kv-queue+fallback+cost"
+
+
+def oracle_targets(summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue #31's targets for the fallback policies (the share rule and the cost rule):
+    >= 99% attainment and <= 1 change of direction per window on every trace, and
+    replica-seconds within `ORACLE_BOUNDS` of the oracle's on the bursty and smooth traces."""
+    checks: list[dict[str, Any]] = []
+    for s in summaries:
+        if s["policy"] not in (FALLBACK, COST):
+            continue
+        checks.append(
+            {
+                "target": f"{s['trace']}: >= 99% of requests meet the SLO",
+                "figure": f"{s['slo_attainment']:.2%}",
+                "met": s["slo_attainment"] >= 0.99,
+                "policy": s["policy"],
+            }
+        )
+        changes = s["max_direction_changes_per_scale_down_window"]
+        checks.append(
+            {
+                "target": f"{s['trace']}: <= 1 change of direction per scale-down window",
+                "figure": str(changes),
+                "met": changes <= 1,
+                "policy": s["policy"],
+            }
+        )
+        bound = ORACLE_BOUNDS.get(s["trace"])
+        if bound and s["oracle_replica_seconds"]:
+            share = s["replica_seconds"] / s["oracle_replica_seconds"]
+            checks.append(
+                {
+                    "target": f"{s['trace']}: replica-s <= {bound:g} x the oracle's",
+                    "figure": f"{share:.3f} x ({s['replica_seconds']:.0f} vs "
+                    f"{s['oracle_replica_seconds']:.0f})",
+                    "met": share <= bound,
+                    "policy": s["policy"],
+                }
+            )
+    return checks
+
+
 def per_policy(summaries: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The `--json` document: per trace and policy, the issue's figures."""
     keys = (

@@ -45,12 +45,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kubellm import api, metrics
 from kubellm.autoscaler import observe, overflow, rate
 from kubellm.autoscaler import policy as p
 from kubellm.engine.sim_core import Engine, Request, StepResult
 from kubellm.engine.sim_profiles import Profile
-
-from kubellm import api, metrics
 
 from . import gateway as gw
 from .traces import Arrival
@@ -501,6 +500,7 @@ class Fleet:
             observe.gateway_admitted(text, *names),
             observe.gateway_fallback(text, *names),
             observe.gateway_answered(text, "sim", "replica", "sim", "default"),
+            observe.gateway_answered(text, "sim", "none", "sim", "default"),
         )
         answers, _ = overflow.observe(
             self.status,
@@ -515,6 +515,18 @@ class Fleet:
             recent_request_rate=window.recent if counted else None,
             fallback_share=answers.fallback_share if self.config.fallback else None,
             replica_answer_rate=answers.replica_rate,
+            refused=answers.refused_recently if self.config.fallback else None,
+            # sent less answered, from the counters, as the loop reads it
+            fallback_in_flight=max(
+                0.0,
+                observe.gateway_fallback(text, *names)
+                - observe.gateway_answered(text, "sim", "fallback", "sim", "default"),
+            )
+            if self.config.fallback
+            else None,
+            fallback_capacity=self.config.fallback.max_concurrency
+            if self.config.fallback
+            else None,
         )
 
     def _tick(self, now: float) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import json
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -174,6 +175,65 @@ def compressed_day(capacity: float, scale: float = 1.0, seed: int = 0) -> Trace:
     )
 
 
+def bursty_hour(capacity: float, scale: float = 1.0, seed: int = 0) -> Trace:
+    """One hour shaped like a bursty production trace superposed x8 (as the issue ran
+    Azure's code trace): eight copies of a stream at 0.25 replicas' worth (2 replicas' worth
+    in all, drifting +-25% over 15 minutes), where each copy bursts to 3-10x its own mean for
+    30-120 s, one burst every 12 minutes per copy (every 90 s in all; bursts may overlap).
+    Generated, seeded: no data set is read.
+    """
+    duration = 3600.0 * scale
+    rng = random.Random(f"bursty-hour/{seed}")
+    copies, per_copy = 8, 0.25 * capacity
+    bursts: list[tuple[float, float, float]] = []
+    for _ in range(copies):
+        t = rng.expovariate(1 / 720.0)
+        while t < duration:
+            length = rng.uniform(30.0, 120.0) * scale
+            bursts.append((t, t + length, per_copy * (rng.uniform(3.0, 10.0) - 1.0)))
+            t += length + rng.expovariate(1 / 720.0)
+    phase = rng.uniform(0, 2 * math.pi)
+    base = copies * per_copy
+
+    def rate(t: float) -> float:
+        level = base * (1 + 0.25 * math.sin(2 * math.pi * t / (900.0 * scale) + phase))
+        return level + sum(x for a, b, x in bursts if a <= t < b)
+
+    peak = max(rate(float(t)) for t in range(int(duration) + 1))
+    return Trace(
+        "bursty-hour",
+        duration,
+        rate,
+        peak,
+        f"1 h generated, x8-superposed shape: base {base:g} req/s +-25%, {len(bursts)} bursts "
+        f"(one copy at 3-10x its mean) of 30-120 s",
+    )
+
+
+def smooth_hour(capacity: float, scale: float = 1.0, seed: int = 0) -> Trace:
+    """One hour shaped like a smooth production trace (Azure's conversation trace,
+    superposed x8): about 5 replicas' worth, drifting +-15% over a 20-minute wave with
+    +-5% wiggles over 2 minutes, no bursts. Generated, seeded: no data set is read.
+    """
+    duration = 3600.0 * scale
+    rng = random.Random(f"smooth-hour/{seed}")
+    mean = 5.0 * capacity
+    a, b = rng.uniform(0, 2 * math.pi), rng.uniform(0, 2 * math.pi)
+
+    def rate(t: float) -> float:
+        slow = 0.15 * math.sin(2 * math.pi * t / (1200.0 * scale) + a)
+        fast = 0.05 * math.sin(2 * math.pi * t / (120.0 * scale) + b)
+        return mean * (1 + slow + fast)
+
+    return Trace(
+        "smooth-hour",
+        duration,
+        rate,
+        mean * 1.2,
+        f"1 h generated: {mean:g} req/s +-15% over 20 min, +-5% over 2 min",
+    )
+
+
 # --------------------------------------------------------------------------- recorded traces
 
 # Column names accepted in a trace CSV (case-insensitive), as public traces name them.
@@ -274,6 +334,80 @@ def read_csv(path: Path, rate_scale: float = 1.0, seed: int = 0) -> RecordedTrac
             sized = (min(max(prompt, 1), MAX_PROMPT_TOKENS), min(max(output, 1), MAX_OUTPUT_TOKENS))
             clipped += sized != (prompt, output)
             rows.append((when, *sized))
+    return _recorded(path, rows, clipped, rate_scale, seed)
+
+
+def read_jsonl(path: Path, rate_scale: float = 1.0, seed: int = 0) -> RecordedTrace:
+    """A JSONL trace: one request per line, a JSON object with the CSV's column names as
+    keys (a timestamp, prompt and output tokens; any case); `rate_scale` as `read_csv`."""
+    try:
+        handle = path.open(encoding="utf-8-sig")
+    except OSError as error:
+        raise TraceError(f"--trace: cannot read {path}: {error.strerror or error}") from None
+    rows: list[tuple[float, int, int]] = []
+    clipped = 0
+    wanted = (
+        (TIME_COLUMNS, "timestamp"),
+        (PROMPT_COLUMNS, "prompt-token"),
+        (OUTPUT_COLUMNS, "output-token"),
+    )
+    with handle:
+        for line, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise TraceError(f"{path}:{line}: not JSON: {error.msg}") from None
+            if not isinstance(record, dict):
+                raise TraceError(f"{path}:{line}: expected a JSON object per line")
+            keys = {str(k).strip().lower(): v for k, v in record.items()}
+            values: list[float] = []
+            for names, what in wanted:
+                key = next((n for n in names if n in keys), None)
+                if key is None:
+                    raise TraceError(
+                        f"{path}:{line}: no {what} field; expected one of {', '.join(names)} "
+                        "(any case)"
+                    )
+                cell = keys[key]
+                try:
+                    if isinstance(cell, bool) or not isinstance(cell, int | float | str):
+                        raise ValueError
+                    values.append(_parse_time(str(cell)) if not values else int(float(cell)))
+                except ValueError:
+                    raise TraceError(
+                        f"{path}:{line}: {key} ({what}): cannot read {cell!r}"
+                    ) from None
+            when, prompt, output = values
+            if prompt < 0 or output < 0:
+                raise TraceError(f"{path}:{line}: token counts must not be negative")
+            sized = (min(max(int(prompt), 1), MAX_PROMPT_TOKENS),
+                     min(max(int(output), 1), MAX_OUTPUT_TOKENS))  # fmt: skip
+            clipped += sized != (prompt, output)
+            rows.append((when, *sized))
+    return _recorded(path, rows, clipped, rate_scale, seed)
+
+
+def write_csv(path: Path, arrivals: Sequence[Arrival]) -> None:
+    """Arrivals as a CSV trace `read_csv` reads back (timestamp in seconds, to 0.1 ms)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as handle:
+        handle.write("timestamp,prompt_tokens,output_tokens\n")
+        for a in arrivals:
+            handle.write(f"{a.time:.4f},{a.prompt_tokens},{a.output_tokens}\n")
+
+
+def read_file(path: Path, rate_scale: float = 1.0, seed: int = 0) -> RecordedTrace:
+    """A trace file: JSONL when its name ends in .jsonl (or .ndjson), else CSV."""
+    if path.suffix.lower() in (".jsonl", ".ndjson"):
+        return read_jsonl(path, rate_scale, seed)
+    return read_csv(path, rate_scale, seed)
+
+
+def _recorded(
+    path: Path, rows: list[tuple[float, int, int]], clipped: int, rate_scale: float, seed: int
+) -> RecordedTrace:
     if len(rows) < 2:
         raise TraceError(f"{path}: needs at least two requests, found {len(rows)}")
     rows.sort()

@@ -33,12 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kubellm import api
 from kubellm.autoscaler import kvqueue
 from kubellm.autoscaler import policy as policies
 from kubellm.autoscaler.concurrency import ConcurrencyPolicy
 from kubellm.engine import sim_profiles
-
-from kubellm import api
 
 from . import traces
 from .fleet import Fleet, FleetConfig, Result, Sample
@@ -54,11 +53,17 @@ RATE_TARGET = 0.8  # targetRequestsPerReplica as a share of CAPACITY_RPS
 FALLBACK_RATE_TARGET = 1.0
 PERIOD = 5.0
 FALLBACK = "kv-queue+fallback"  # kv-queue, with the gateway's admission and the fallback API
+# The same, with spec.autoscaling.fallbackCostRatio set from the run's prices and trace (the
+# cost rule: overflow waits at the fallback, scale-down holds, by what each costs).
+COST = "kv-queue+fallback+cost"
+FALLBACK_POLICIES = (FALLBACK, COST)
 ALL_API = "all-api"  # no fleet: every request goes to the API
 # The issue's comparison, run by default.
-POLICIES = ("fixed", "concurrency", "kv-queue", FALLBACK, ALL_API)
+POLICIES = ("fixed", "concurrency", "kv-queue", FALLBACK, COST, ALL_API)
 TRACES = ("step", "ramp", "bursty-day")
-EXTRA_TRACES = ("compressed-day",)  # issue #6's day (mixed time scales), on request only
+EXTRA_TRACES = ("compressed-day", "bursty-hour", "smooth-hour")  # on request only
+# compressed-day: issue #6's day (mixed time scales); bursty-hour, smooth-hour: generated
+# hours shaped like the Azure code and conversation traces superposed x8 (issue #31)
 GPU_HOUR_PRICE = 2.50  # $ per GPU-hour: an 80 GB H100 rented on demand
 
 
@@ -92,12 +97,13 @@ def config(
     load_seconds: float = LOAD_SECONDS,
     mix: str = "long",
     fallback: ApiModel | None = None,
+    slo: api.SLO | None = None,
     **overrides: Any,
 ) -> FleetConfig:
     return FleetConfig(
         profile=profile(),
         autoscaling=autoscaling(mix, **overrides),
-        slo=api.SLO(),
+        slo=slo or api.SLO(),
         initial_replicas=initial_replicas,
         load_seconds=load_seconds,
         period=PERIOD,
@@ -115,6 +121,10 @@ def make_trace(name: str, mix: str = "long", scale: float = 1.0, seed: int = 0) 
         return traces.bursty_day(capacity, scale, seed)
     if name == "compressed-day":
         return traces.compressed_day(capacity, scale, seed)
+    if name == "bursty-hour":
+        return traces.bursty_hour(capacity, scale, seed)
+    if name == "smooth-hour":
+        return traces.smooth_hour(capacity, scale, seed)
     known = ", ".join((*TRACES, *EXTRA_TRACES))
     raise ValueError(f"--traces: unknown trace {name!r}; known: {known}")
 
@@ -124,13 +134,33 @@ def peak_rate(trace: traces.Trace) -> float:
     return max(trace.rate(float(t)) for t in range(int(trace.duration) + 1))
 
 
-def fixed_size(trace: traces.Trace, mix: str) -> int:
-    return math.ceil(peak_rate(trace) / CAPACITY_RPS[mix] - 1e-9)
+def capacity_rps(mix: str | float) -> float:
+    """One replica's requests/s within the SLO: a mix's (`CAPACITY_RPS`), or a figure."""
+    return float(mix) if not isinstance(mix, str) else CAPACITY_RPS[mix]
 
 
-def oracle_replica_seconds(trace: traces.Trace, mix: str) -> float:
+def fixed_size(trace: traces.Trace, mix: str | float) -> int:
+    return math.ceil(peak_rate(trace) / capacity_rps(mix) - 1e-9)
+
+
+def oracle_fleet(trace: traces.Trace, capacity: float, interval: float) -> list[int]:
+    """Replicas the load needs per `interval` (instant replicas): the largest
+    ceil(rate / capacity) of its seconds, at least one."""
+    out: list[int] = []
+    start = 0.0
+    # a last interval of under 5% of one (a recorded trace ends a second after its last
+    # request) is the previous interval's tail
+    while start < trace.duration and not (out and trace.duration - start < 0.05 * interval):
+        seconds = range(int(start), int(min(trace.duration, start + interval)))
+        need = max((math.ceil(trace.rate(t + 0.5) / capacity - 1e-9) for t in seconds), default=0)
+        out.append(max(1, need))
+        start += interval
+    return out
+
+
+def oracle_replica_seconds(trace: traces.Trace, mix: str | float) -> float:
     """A lower bound: replicas appear instantly, ceil(rate / capacity) of them, every second."""
-    capacity = CAPACITY_RPS[mix]
+    capacity = capacity_rps(mix)
     return float(
         sum(
             max(1, math.ceil(trace.rate(t + 0.5) / capacity - 1e-9))
@@ -184,7 +214,7 @@ def calibrate(mix: str, rate: float | None = None, seconds: float = 120.0) -> di
 def make_policy(name: str, kpa_target: float, capacity: float) -> policies.Policy | None:
     if name in ("fixed", ALL_API):
         return None
-    if name == FALLBACK:
+    if name in FALLBACK_POLICIES:
         return policies.get("kv-queue")
     if name == "concurrency":
         return ConcurrencyPolicy(target_concurrency=kpa_target)
@@ -204,8 +234,13 @@ class Job:
     api_model: ApiModel = field(default_factory=ApiModel)
     gpu_hour_price: float = GPU_HOUR_PRICE
     fallback_share: float | None = None  # maxFallbackShare for this run (None: the spec's)
-    trace_file: str | None = None  # a CSV trace instead of a built-in one
+    trace_file: str | None = None  # a CSV (or JSONL) trace instead of a built-in one
     rate_scale: float = 1.0
+    # one replica's requests/s within the SLO (None: the mix's CAPACITY_RPS); sets the
+    # fixed fleet, the oracle and targetRequestsPerReplica (RATE_TARGET x, or the full rate
+    # with the fallback) unless the spec overrides it
+    capacity: float | None = None
+    slo: tuple[float, float] | None = None  # (TTFT, ITL) seconds (None: spec.slo's defaults)
 
     @property
     def label(self) -> str:
@@ -217,13 +252,13 @@ class Job:
 
 def load_trace(job: Job) -> traces.Trace:
     if job.trace_file:
-        return traces.read_csv(Path(job.trace_file), job.rate_scale, job.seed)
+        return traces.read_file(Path(job.trace_file), job.rate_scale, job.seed)
     return make_trace(job.trace, job.mix, job.scale, job.seed)
 
 
-def fixed_size_of(trace: traces.Trace, mix: str) -> int:
+def fixed_size_of(trace: traces.Trace, mix: str | float) -> int:
     if isinstance(trace, traces.RecordedTrace):
-        return max(1, math.ceil(trace.peak_rate / CAPACITY_RPS[mix] - 1e-9))
+        return max(1, math.ceil(trace.peak_rate / capacity_rps(mix) - 1e-9))
     return fixed_size(trace, mix)
 
 
@@ -231,28 +266,44 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
     """One (trace, policy) run: its summary and its full result (for the plot)."""
     trace = load_trace(job)
     arrivals = trace.arrivals(job.seed, traces.MIXES[job.mix])
+    capacity = job.capacity or CAPACITY_RPS[job.mix]
     overrides = dict(job.spec)
+    if job.capacity is not None:
+        overrides.setdefault("target_requests_per_replica", round(RATE_TARGET * capacity, 2))
     if job.fallback_share is not None:
         overrides["max_fallback_share"] = job.fallback_share
-    if job.policy == FALLBACK and "target_requests_per_replica" not in overrides:
-        overrides["target_requests_per_replica"] = round(
-            FALLBACK_RATE_TARGET * CAPACITY_RPS[job.mix], 2
-        )
+    if job.policy in FALLBACK_POLICIES and "target_requests_per_replica" not in dict(job.spec):
+        overrides["target_requests_per_replica"] = round(FALLBACK_RATE_TARGET * capacity, 2)
+    if job.policy == FALLBACK:
+        overrides["fallback_cost_ratio"] = None  # the share rule, whatever the spec says
+    if job.policy == COST:
+        overrides.setdefault("model_load_seconds", round(job.load_seconds))
+        if overrides.get("fallback_cost_ratio") is None:
+            per_replica = autoscaling(job.mix, **overrides).target_requests_per_replica
+            per_replica = per_replica or capacity  # derived (unset): what a replica serves
+            ratio = cost_ratio(arrivals, job.api_model, job.gpu_hour_price, per_replica)
+            # free GPUs (a zero price): no finite ratio, the share rule decides; a free API: the
+            # least ratio the spec takes (an overflow never adds a replica)
+            overrides["fallback_cost_ratio"] = (
+                max(0.001, round(ratio, 3)) if math.isfinite(ratio) else None
+            )
     spec = autoscaling(job.mix, **overrides)
+    slo = api.SLO() if job.slo is None else api.SLO(ttft_seconds=job.slo[0], itl_seconds=job.slo[1])
     started = time.perf_counter()
     if job.policy == ALL_API:
-        result = all_api(arrivals, trace.duration, job.api_model, api.SLO(), trace.name)
+        result = all_api(arrivals, trace.duration, job.api_model, slo, trace.name)
     else:
-        initial = fixed_size_of(trace, job.mix) if job.policy == "fixed" else 1
+        initial = fixed_size_of(trace, capacity) if job.policy == "fixed" else 1
         fleet = Fleet(
             config(
                 initial,
                 job.load_seconds,
                 job.mix,
-                fallback=job.api_model if job.policy == FALLBACK else None,
+                fallback=job.api_model if job.policy in FALLBACK_POLICIES else None,
+                slo=slo,
                 **overrides,
             ),
-            make_policy(job.policy, job.kpa_target, CAPACITY_RPS[job.mix]),
+            make_policy(job.policy, job.kpa_target, capacity),
             arrivals,
             trace.duration,
             trace=trace.name,
@@ -262,18 +313,22 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
     summary = summarise(result, spec.scale_down_stabilization_seconds)
     summary["wall_s"] = round(time.perf_counter() - started, 2)
     summary["trace_description"] = trace.description
-    summary["oracle_replica_seconds"] = oracle_replica_seconds(trace, job.mix)
+    summary["oracle_replica_seconds"] = oracle_replica_seconds(trace, capacity)
     summary["target_requests_per_replica"] = spec.target_requests_per_replica
     summary["scale_down_stabilization_seconds"] = spec.scale_down_stabilization_seconds
-    summary["max_fallback_share"] = spec.max_fallback_share if job.policy == FALLBACK else None
+    summary["max_fallback_share"] = (
+        spec.max_fallback_share if job.policy in FALLBACK_POLICIES else None
+    )
+    summary["fallback_cost_ratio"] = spec.fallback_cost_ratio
     for key, held in (
         ("rate_rule_replica_seconds", False),
         ("rate_rule_held_replica_seconds", True),
     ):
         summary[key] = rate_rule_replica_seconds(trace, spec, held)
     summary["mix"] = job.mix
+    summary["capacity_rps"] = capacity
     summary.update(costs(result, job.api_model, job.gpu_hour_price))
-    summary["breakdown"] = breakdown(result, trace, job.mix, spec.min_replicas)
+    summary["breakdown"] = breakdown(result, trace, capacity, spec.min_replicas)
     # The step's reflex with a fallback: the gateway sends the overflow there, so no queue
     # need form at the replicas; what counts is how soon after the step a replica is added.
     if job.trace == "step" and not job.trace_file:
@@ -281,6 +336,26 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
         ups = [t for t, a, b, _ in result.decisions if b > a and t >= step_at]
         summary["step_to_scale_up_s"] = round(ups[0] - step_at, 3) if ups else None
     return summary, result
+
+
+def cost_ratio(
+    arrivals: Sequence[traces.Arrival],
+    model: ApiModel,
+    gpu_hour_price: float,
+    per_replica: float | None,
+    gpus_per_replica: int = 1,
+) -> float:
+    """spec.autoscaling.fallbackCostRatio for a trace and prices: what the fallback API
+    charges per second for one replica's load (`per_replica` requests/s of the trace's
+    mean request) over what one replica costs per second."""
+    if not arrivals or not per_replica:
+        raise ValueError("cost ratio: needs requests and a per-replica rate")
+    prompt = sum(a.prompt_tokens for a in arrivals) / len(arrivals)
+    output = sum(a.output_tokens for a in arrivals) / len(arrivals)
+    replica_per_second = gpu_hour_price * gpus_per_replica / 3600
+    if replica_per_second <= 0:
+        return math.inf
+    return per_replica * model.cost(prompt, output) / replica_per_second
 
 
 def all_api(
@@ -311,7 +386,11 @@ def all_api(
 
 
 def breakdown(
-    result: Result, trace: traces.Trace, mix: str, min_replicas: int, period: float = PERIOD
+    result: Result,
+    trace: traces.Trace,
+    mix: str | float,
+    min_replicas: int,
+    period: float = PERIOD,
 ) -> dict[str, Any]:
     """Where the replica-seconds go, from the fleet sampled every control period.
 
@@ -325,7 +404,7 @@ def breakdown(
     period that follows; the first period is not sampled), so their sum
     differs a little from the exact replica-seconds.
     """
-    capacity = CAPACITY_RPS[mix]
+    capacity = capacity_rps(mix)
     keys = ("loading", "draining", "needed", "headroom", "short")
     total = dict.fromkeys(keys, 0.0)
     hours: list[dict[str, float]] = []

@@ -1,1 +1,0 @@
-"""The fleet simulation behind bench/autoscale_sim.py: traces, the simulated fleet, the report."""
