@@ -17,6 +17,7 @@ from kubellm.gateway.routing.adapters import AdapterScorer
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.precise import PreciseRouting
+from kubellm.gateway.routing.predicted import Predictions
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.bounded_load import (
@@ -24,10 +25,14 @@ from kubellm.gateway.routing.scorers.bounded_load import (
     within_bound,
     within_bound_or_holding,
 )
-from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight
+from kubellm.gateway.routing.scorers.consistent_hash import (
+    ConsistentHashScorer,
+    rendezvous_weight,
+)
 from kubellm.gateway.routing.scorers.picker import Profile, pick, profiles
 from kubellm.gateway.routing.scorers.precise import PrecisePrefixScorer
 from kubellm.gateway.routing.scorers.session import SessionTable
+from prometheus_client import CollectorRegistry
 
 
 def routing_request(
@@ -48,6 +53,7 @@ def routing_request(
         session=session or (user if isinstance(user, str) and user else None),
         body=body,
         adapter=adapter,
+        prompt_chars=len(text),
     )
 
 
@@ -70,6 +76,14 @@ ADAPTER_WEIGHT = 20.0
 HOLDER_SHARE = 0.5
 HOLDER_SLACK = 2.0
 
+# slo-aware: score 1 / (1 + cost), cost = the larger of predicted TTFT / target and
+# predicted ITL / target (latency.slo_cost), x SLO_WEIGHT; the prompt's rendezvous home adds
+# HOME_WEIGHT. Between two replicas predicted 0.3 and 0.31 of the TTFT target the score
+# differs by 10 x 0.0074 = 0.074 > 0.05: the home wins only near-ties (under ~0.7% of the
+# SLO), enough to keep a shared prefix on one replica when the fleet is idle.
+SLO_WEIGHT = 10.0
+HOME_WEIGHT = 0.05
+
 
 class Router:
     def __init__(
@@ -79,6 +93,7 @@ class Router:
         rng: random.Random | None = None,
         index_capacity: int = 65_536,
         precise: PreciseRouting | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.load = load
         self.outliers = outliers
@@ -87,7 +102,9 @@ class Router:
         self.sessions = SessionTable()
         self.sharing = prefix.Sharing()
         self.profiles = profiles(self.index, self.sessions)
+        self.home_scorer = ConsistentHashScorer()
         self.precise = precise
+        self.predictions = Predictions(registry=registry)
         self.adapter_scorer: AdapterScorer | None = None  # None: adapter-blind routing
 
     def candidates(self, target: ModelTarget) -> list[Candidate]:
@@ -106,6 +123,7 @@ class Router:
                     in_flight=self.load.in_flight.get(endpoint.url, 0),
                     waiting=None if stats is None else stats.waiting,
                     kv_usage=None if stats is None else stats.kv_usage,
+                    running=None if stats is None else stats.running,
                 )
             )
         return out
@@ -118,6 +136,8 @@ class Router:
             policy = "least-load"
         profile = self.profiles[policy]
         bound: Filter = within_bound
+        if policy == "slo-aware":
+            profile = self.slo_profile(target, request, candidates)
         if policy == "prefix-aware":
             if target.routing.prefix_index == "precise" and self.precise:
                 request = replace(request, kv_hashes=self.precise.kv_hashes(target, request.body))
@@ -138,6 +158,20 @@ class Router:
             candidates,
             target.routing.load_bound,
             self.rng,
+        )
+
+    def slo_profile(
+        self, target: ModelTarget, request: RoutingRequest, candidates: Sequence[Candidate]
+    ) -> Profile:
+        """The `slo-aware` profile for this request: each candidate scored by how well its
+        predicted TTFT and ITL keep within the model's targets (routing/predicted.py), the
+        prompt's rendezvous home breaking near-ties (so a shared prefix starts in one place)."""
+        slo = target.slo
+        costs = self.predictions.costs(request, candidates, slo.ttft_seconds, slo.itl_seconds)
+        scores = {url: 1.0 / (1.0 + cost) for url, (cost, _, _) in costs.items()}
+        return Profile(
+            filters=[],
+            scorers=[(Scored("slo-aware", scores), SLO_WEIGHT), (self.home_scorer, HOME_WEIGHT)],
         )
 
     def unshared(self, request: RoutingRequest) -> bool:

@@ -25,6 +25,10 @@ Policies (`spec.routing.policy`):
   (`bounded_load.within_bound_or_holding`).
 - least-load: bounded-load filter, session 8, in-flight 2, queue 1, KV cache 1.
 - round-robin: each candidate in turn.
+- slo-aware: no load filter; each candidate scored 1 / (1 + cost), where cost is the larger
+  of its predicted TTFT and ITL over the model's targets (routing/latency.py, learnt per
+  replica), weight 10, the prompt's home 0.05 for near-ties. Built per request by the
+  router (`Router.slo_profile`); the entry here is its shape without predictions.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def pick(
 
 
 def profiles(index: PrefixIndex, sessions: SessionTable) -> dict[str, Profile]:
-    """The three policies, sharing one prefix index and one session table."""
+    """The policies, sharing one prefix index and one session table."""
     session = SessionScorer(sessions)
     least_load: list[tuple[Scorer, float]] = [
         (session, 8.0),
@@ -100,4 +104,5 @@ def profiles(index: PrefixIndex, sessions: SessionTable) -> dict[str, Profile]:
         ),
         "least-load": Profile(filters=[within_bound], scorers=least_load),
         "round-robin": Profile(filters=[], scorers=[(RoundRobinScorer(), 1.0)]),
+        "slo-aware": Profile(filters=[], scorers=[(ConsistentHashScorer(), 1.0)]),
     }
