@@ -118,6 +118,8 @@ class Fleet:
         self.changes = sorted(changes)  # (time, replica, new profile): a replica slows down
         kubellm_policy = policy if policy in KUBELLM_POLICIES else "least-load"
         self.router = Router(LoadView(), OutlierDetector(10**9, 1.0), rng=random.Random(seed))
+        self.now = 0.0
+        self.router.predictions.clock = lambda: self.now
         self.target = ModelTarget(
             served_name="m",
             deployment="m",
@@ -188,6 +190,7 @@ class Fleet:
         counter = 0
         while events:
             now, _, kind, payload = heapq.heappop(events)
+            self.now = now
             if kind == "scrape":
                 for r in self.replicas:
                     e = r.engine

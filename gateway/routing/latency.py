@@ -18,7 +18,14 @@ gateways sent (the engine's running + waiting beyond this gateway's in flight):
     steps = 1 + (u + a) // max_num_batched_tokens
     TTFT  = k_ttft x [(steps + 1/2) x (base + decode x b) + prefill x (u + a)
                       + o x (base + prefill x QUEUED_PROMPT_TOKENS)]
-    ITL   = k_itl  x [base + decode x b + prefill x a / PRIOR_ANSWER_TOKENS]
+    ITL   = k_itl  x [(base + decode x b) / (1 - busy) + prefill x a / PRIOR_ANSWER_TOKENS]
+    busy  = k_ttft x prefill x r                    (at most BUSY_MAX)
+
+where `r` is the rate of prompt tokens this gateway has been sending the replica (a
+moving mean over ~`PREFILL_RATE_WINDOW_S`): `busy` is the share of the replica's time
+spent computing prompts, which stalls every decoding stream there for as long. A
+request's own prefill adds to the others' `r` (`others_itl`), so a long prompt is not
+sent where it would push the streams already there past the ITL target.
 
 (the half step: a request arrives mid-step on average and waits for it to end). `k` is
 an exponentially weighted mean of log(observed / physics) per replica (weight `RATE`
@@ -55,6 +62,13 @@ MIN_SAMPLES_FOR_SPEED = 20
 QUEUED_PROMPT_TOKENS = 250
 # ITL: tokens ahead are spread over this many decode steps of the new answer.
 PRIOR_ANSWER_TOKENS = 100
+# The share of time a replica may be predicted to spend on prompts (1 would be a stall).
+BUSY_MAX = 0.9
+# The window of the prompt-token rate per replica (predicted.Predictions), seconds.
+PREFILL_RATE_WINDOW_S = 5.0
+# Without answers, a replica's factors halve (in log) toward the prior every this many
+# seconds (ReplicaModel.fade).
+IDLE_HALF_LIFE_S = 60.0
 # One answer moves log k by at most this (a stalled stream must not swing the factor).
 MAX_LOG_STEP = math.log(4.0)
 
@@ -90,10 +104,12 @@ class Prior:
         queued = self.step_base_s + self.prefill_token_s * QUEUED_PROMPT_TOKENS
         return (steps + 0.5) * step + self.prefill_token_s * tokens + d.others * queued
 
-    def itl(self, d: Dispatch) -> float:
-        """The physics' mean ITL of dispatch `d` (speed factor 1)."""
+    def itl(self, d: Dispatch, busy: float = 0.0) -> float:
+        """The physics' mean ITL of dispatch `d` (speed factor 1) on a replica that spends
+        `busy` of its time computing prompts."""
         spread = self.prefill_token_s * d.ahead_tokens / PRIOR_ANSWER_TOKENS
-        return self.step_base_s + self.decode_token_s * d.batch + spread
+        step = self.step_base_s + self.decode_token_s * d.batch
+        return step / (1.0 - min(max(busy, 0.0), BUSY_MAX)) + spread
 
 
 @dataclass(frozen=True)
@@ -104,6 +120,7 @@ class Dispatch:
     cached_tokens: int = 0  # the part of the prompt the replica holds (prefix index)
     ahead_tokens: int = 0  # prefill this gateway sent there that has not begun to stream
     ahead_requests: int = 0  # ... and how many requests that is
+    prefill_rate: float = 0.0  # uncached prompt tokens/s sent there lately, this one not
     in_flight: int = 0  # this gateway's requests there
     running: float | None = None  # the engine's figures; None: stale or never scraped
     waiting: float | None = None
@@ -149,13 +166,36 @@ class ReplicaModel:
         """(TTFT, ITL) factors against the prior's physics (1.5: 50% slower)."""
         return math.exp(self.log_ttft), math.exp(self.log_itl)
 
+    def fade(self, idle_seconds: float) -> None:
+        """No answer for `idle_seconds`: the factors drift back toward the prior (half-life
+        IDLE_HALF_LIFE_S), so a replica routed around because it was slow is tried again
+        once it may have recovered, and relearnt from its next answers."""
+        keep = 0.5 ** (max(idle_seconds, 0.0) / IDLE_HALF_LIFE_S)
+        self.log_ttft *= keep
+        self.log_itl *= keep
+
+    def busy(self, prefill_rate: float) -> float:
+        """The share of its time this replica spends on prompts at `prefill_rate` tokens/s
+        (prefill runs at its TTFT speed)."""
+        return self.speed[0] * self.prior.prefill_token_s * prefill_rate
+
     def predict(self, dispatch: Dispatch) -> tuple[float, float]:
         """(TTFT, ITL) in seconds."""
         k_ttft, k_itl = self.speed
+        busy = self.busy(dispatch.prefill_rate)
         return (
             max(k_ttft * self.prior.ttft(dispatch), FLOOR_S),
-            max(k_itl * self.prior.itl(dispatch), FLOOR_S),
+            max(k_itl * self.prior.itl(dispatch, busy), FLOOR_S),
         )
+
+    def others_itl(self, dispatch: Dispatch) -> float:
+        """The mean ITL the requests already there would see once this one's prompt adds
+        to the replica's prompt rate (its tokens over the rate's window); 0 when nobody is
+        there."""
+        if dispatch.batch <= 1:
+            return 0.0
+        rate = dispatch.prefill_rate + dispatch.uncached / PREFILL_RATE_WINDOW_S
+        return self.speed[1] * self.prior.itl(dispatch, self.busy(rate))
 
     def observe(self, dispatch: Dispatch, ttft: float | None, itl: float | None) -> None:
         """Learn from one answer (either figure None, not finite or not positive: that
@@ -163,7 +203,8 @@ class ReplicaModel:
         if ttft is not None and math.isfinite(ttft) and ttft > 0:
             self.log_ttft += self.rate * _step(ttft / self.prior.ttft(dispatch), self.log_ttft)
         if itl is not None and math.isfinite(itl) and itl > 0:
-            self.log_itl += self.rate * _step(itl / self.prior.itl(dispatch), self.log_itl)
+            physics = self.prior.itl(dispatch, self.busy(dispatch.prefill_rate))
+            self.log_itl += self.rate * _step(itl / physics, self.log_itl)
         self.samples += 1
 
 
@@ -195,6 +236,10 @@ class LatencyModel:
     def observe(self, url: str, dispatch: Dispatch, ttft: float | None, itl: float | None) -> None:
         self.replica(url).observe(dispatch, ttft, itl)
 
+    def others_itl(self, url: str, dispatch: Dispatch) -> float:
+        model = self.replicas.get(url) or ReplicaModel(self.prior, self.rate)
+        return model.others_itl(dispatch)
+
     def forget_replicas(self, keep: Iterable[str]) -> None:
         """Drop the models of replicas no longer in any target."""
         wanted = set(keep)
@@ -202,10 +247,13 @@ class LatencyModel:
             del self.replicas[url]
 
 
-def slo_cost(ttft: float, itl: float, ttft_target: float, itl_target: float) -> float:
-    """How far a prediction is from the request's SLO: the larger of the two predicted
-    figures over its target (1: exactly at the target; under 1: within both)."""
-    return max(ttft / ttft_target, itl / itl_target)
+def slo_cost(
+    ttft: float, itl: float, ttft_target: float, itl_target: float, others_itl: float = 0.0
+) -> float:
+    """How far a prediction is from the SLO: the largest of the request's predicted TTFT
+    and ITL and the ITL it leaves the requests already there (`others_itl`), each over its
+    target (1: exactly at the target; under 1: within all)."""
+    return max(ttft / ttft_target, itl / itl_target, others_itl / itl_target)
 
 
 def speed_factors(

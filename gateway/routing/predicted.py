@@ -16,9 +16,18 @@ ranks by (routing/router.py) and what its admission compares with the TTFT budge
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 
-from kubellm.gateway.routing.latency import Dispatch, LatencyModel, Prior, slo_cost, speed_factors
+from kubellm.gateway.routing.latency import (
+    PREFILL_RATE_WINDOW_S,
+    Dispatch,
+    LatencyModel,
+    Prior,
+    slo_cost,
+    speed_factors,
+)
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.prefix import CHUNK_CHARS, PrefixIndex
 from prometheus_client import CollectorRegistry, Gauge, Histogram
@@ -30,6 +39,8 @@ CHARS_PER_TOKEN = 4
 _RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
 _LABELS = ("model", "deployment", "namespace", "url")
 _NONE = (0, 0)
+# A replica's factors fade toward the prior once it has had no answer for this long.
+FADE_AFTER_S = 5.0
 
 
 def prompt_tokens(request: RoutingRequest) -> int:
@@ -43,8 +54,13 @@ class Predictions:
         prior: Prior | None = None,
         registry: CollectorRegistry | None = None,
         index_capacity: int = 65_536,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = LatencyModel(prior)
+        self.clock = clock
+        # url -> (moving mean of uncached prompt tokens/s sent there, when last updated)
+        self.rates: dict[str, tuple[float, float]] = {}
+        self.answered_at: dict[str, float] = {}  # url -> the last answer learnt from, or fade
         # What was sent where, every prompt (the router's index leaves out cold prompts
         # sent away from their home, by design; the replica still caches them)
         self.index = PrefixIndex(index_capacity)
@@ -84,9 +100,21 @@ class Predictions:
             ahead_tokens=ahead[0],
             ahead_requests=ahead[1],
             in_flight=candidate.in_flight,
+            prefill_rate=self.prefill_rate(url),
             running=candidate.running,
             waiting=candidate.waiting,
         )
+
+    def prefill_rate(self, url: str, add: int = 0) -> float:
+        """Uncached prompt tokens per second sent to `url` lately (decayed over the
+        window), after adding `add` tokens sent now."""
+        now = self.clock()
+        rate, then = self.rates.get(url, (0.0, now))
+        rate *= math.exp(-(now - then) / PREFILL_RATE_WINDOW_S)
+        if add:
+            rate += add / PREFILL_RATE_WINDOW_S
+            self.rates[url] = (rate, now)
+        return rate
 
     def costs(
         self,
@@ -95,12 +123,25 @@ class Predictions:
         ttft_target: float,
         itl_target: float,
     ) -> dict[str, tuple[float, float, float]]:
-        """Per candidate URL: (SLO cost, predicted TTFT, predicted ITL); see latency.slo_cost."""
+        """Per candidate URL: (SLO cost, predicted TTFT, predicted ITL); see latency.slo_cost
+        (the cost counts the ITL this request leaves the ones already there too)."""
         out = {}
+        model = self.model
+        now = self.clock()
         for c in candidates:
-            ttft, itl = self.model.predict(c.url, self.dispatch(c.url, request, c))
-            out[c.url] = (slo_cost(ttft, itl, ttft_target, itl_target), ttft, itl)
+            self._fade(c.url, now)
+            dispatch = self.dispatch(c.url, request, c)
+            ttft, itl = model.predict(c.url, dispatch)
+            others = model.others_itl(c.url, dispatch)
+            out[c.url] = (slo_cost(ttft, itl, ttft_target, itl_target, others), ttft, itl)
         return out
+
+    def _fade(self, url: str, now: float) -> None:
+        """A replica without answers for a while drifts back to the prior (latency.fade)."""
+        then = self.answered_at.get(url)
+        if then is not None and now - then > FADE_AFTER_S and url in self.model.replicas:
+            self.model.replicas[url].fade(now - then)
+            self.answered_at[url] = now
 
     # ---------------------------------------------------------------- the ticket's calls
 
@@ -110,6 +151,7 @@ class Predictions:
         ahead = self.ahead.setdefault(url, [0, 0])
         ahead[0] += dispatch.uncached
         ahead[1] += 1
+        self.prefill_rate(url, add=dispatch.uncached)
         if request.chunk_hashes:
             self.index.record(url, request.chunk_hashes)
         return dispatch
@@ -141,6 +183,7 @@ class Predictions:
         if itl is not None and itl > 0:
             self.ratio.labels(*labels, url, "itl").observe(predicted_itl / itl)
         self.model.observe(url, dispatch, ttft, itl)
+        self.answered_at[url] = self.clock()
 
     def publish_speed(self, labels: tuple[str, str, str], urls: Sequence[str]) -> None:
         """Set the speed-factor gauge of one model's replicas (those with enough answers)."""
