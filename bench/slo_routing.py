@@ -98,6 +98,16 @@ def rate_at(points: list[dict[str, float]], share: float = 0.9) -> float:
     return best
 
 
+def goodput_at(points: list[dict[str, float]], rate: float) -> float | None:
+    """Requests/s meeting the SLO at `rate`, interpolated within the sweep (None outside)."""
+    ordered = sorted(points, key=lambda p: p["rate"])
+    for low, high in itertools.pairwise(ordered):
+        if low["rate"] <= rate <= high["rate"]:
+            f = (rate - low["rate"]) / (high["rate"] - low["rate"])
+            return low["goodput_rps"] + f * (high["goodput_rps"] - low["goodput_rps"])
+    return None
+
+
 def decision_cost(replicas: int, rounds: int = 2000) -> float:
     """p99 seconds of one slo-aware decision's predictions over `replicas` candidates."""
     predictions = Predictions()
@@ -177,6 +187,21 @@ def verdict(
                      f"(x{mine / base if base else float('inf'):.2f}), best peer "
                      f"{max(peers, default=0):.1f}: {'MET' if ok else 'NOT MET'} "
                      "(>= 1.2x prefix-aware and >= every peer)")  # fmt: skip
+        past = 1.4 * base
+        at = {p: goodput_at(points, past) for p, points in by_policy.items()}
+        if at.get("slo-aware") is None or at.get("prefix-aware") is None:
+            lines.append(f"{pool}: {past:.1f} req/s (1.4x prefix-aware's 90%-rate) is outside "
+                         "the sweep: NOT MEASURED")  # fmt: skip
+        else:
+            others = {p: g for p, g in at.items() if p in PEER_POLICIES and g is not None}
+            ok = at["slo-aware"] >= 1.2 * at["prefix-aware"] and all(
+                at["slo-aware"] >= g for g in others.values()
+            )
+            peers_text = ", ".join(f"{p} {g:.1f}" for p, g in others.items())
+            lines.append(f"{pool}: at {past:.1f} req/s SLO-meeting req/s: slo-aware "
+                         f"{at['slo-aware']:.1f}, prefix-aware {at['prefix-aware']:.1f}, "
+                         f"{peers_text}: {'MET' if ok else 'NOT MET'} "
+                         "(>= 1.2x prefix-aware, >= peers)")  # fmt: skip
         worse = [
             (a["rate"], a["slo_share"], b["slo_share"])
             for a, b in zip(by_policy["slo-aware"], by_policy["prefix-aware"], strict=True)

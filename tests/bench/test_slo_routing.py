@@ -8,7 +8,7 @@ import pytest
 from kubellm.engine import sim_profiles
 
 from bench._slo.fleet import Fleet, workload
-from bench.slo_routing import rate_at
+from bench.slo_routing import goodput_at, rate_at
 from kubellm import api
 
 H100 = sim_profiles.get("llama-3.1-8b-h100")
@@ -49,3 +49,9 @@ def test_a_replica_that_slows_down_loses_its_share_within_a_minute() -> None:
 def test_the_90_percent_rate_is_interpolated(shares: list[float], expected: float) -> None:
     points = [{"rate": r, "slo_share": s} for r, s in zip((30.0, 40.0, 50.0), shares, strict=True)]
     assert rate_at(points) == pytest.approx(expected)
+
+
+def test_goodput_past_the_knee_is_interpolated_within_the_sweep_only() -> None:
+    points = [{"rate": 40.0, "goodput_rps": 39.0}, {"rate": 60.0, "goodput_rps": 45.0}]
+    assert goodput_at(points, 50.0) == pytest.approx(42.0)
+    assert goodput_at(points, 70.0) is None
