@@ -142,6 +142,7 @@ class EndpointPicker:
         finally:
             exchange.close()
         if violation is not None:
+            log.warning("ext_proc stream closed: %s", violation)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(violation))
 
 
