@@ -185,6 +185,15 @@ class Predictions:
         self.model.observe(url, dispatch, ttft, itl)
         self.answered_at[url] = self.clock()
 
+    def forget(self, keep: Sequence[str]) -> None:
+        """Drop what is kept about replicas no longer in any model (bounded state: a fleet
+        that replaces its pods does not grow these maps)."""
+        wanted = set(keep)
+        self.model.forget_replicas(wanted)
+        for table in (self.ahead, self.rates, self.answered_at):
+            for url in [u for u in table if u not in wanted]:
+                del table[url]
+
     def publish_speed(self, labels: tuple[str, str, str], urls: Sequence[str]) -> None:
         """Set the speed-factor gauge of one model's replicas (those with enough answers)."""
         models = {u: self.model.replicas[u] for u in urls if u in self.model.replicas}

@@ -144,6 +144,7 @@ class Scheduler:
         """Endpoints appeared, left or were ejected."""
         self.wake()
         self.update_ready_gauge()
+        self.predictions.forget(self.engine_urls())
 
     def update_ready_gauge(self) -> None:
         rows = []

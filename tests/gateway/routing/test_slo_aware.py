@@ -168,3 +168,14 @@ async def test_a_slow_fleet_sends_slo_aware_requests_to_the_fallback_at_once() -
         ticket = await scheduler.admit(target, routing, stream=True)
         assert ticket.route == route, policy
         ticket.finish()
+
+
+async def test_replicas_that_left_are_forgotten() -> None:
+    target = _target(A, B)
+    scheduler = _scheduler(target)
+    await _stream(scheduler, A, ttft=0.5, gap=0.02)
+    await _stream(scheduler, B, ttft=0.5, gap=0.02)
+    scheduler.discovery.update({"tiny": replace(target, endpoints=(Endpoint(B),))})
+    scheduler.topology_changed()
+    assert set(scheduler.predictions.model.replicas) == {B}
+    assert A not in scheduler.predictions.rates and A not in scheduler.predictions.answered_at
