@@ -3,6 +3,7 @@
     kubellm engine --spec FILE --port PORT             # vLLM (the image's entrypoint)
     kubellm engine --backend sim --port PORT --served-model-name NAME
                    [--profile NAME] [--time-scale X]   # the simulated engine
+                   [--slowdown X]                      # ... X times slower
                    [--spec FILE]                       # ... simulating that spec
     kubellm engine tiny-model DIR                      # the tiny test checkpoint
 
@@ -54,9 +55,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sim = parser.add_argument_group("simulator (--backend sim)")
     sim.add_argument(
         "--profile",
-        help="llama-3.1-8b-h100 (the default) or tiny-cpu (the default for a --spec with "
-        "resources.gpu.count 0)",
+        help="llama-3.1-8b-h100 (the default), llama-3.1-8b-a100, llama-3.1-8b-l4, "
+        "llama-3.1-70b-4xh100, or tiny-cpu (the default for a --spec with resources.gpu.count 0)",
     )
+    sim.add_argument(
+        "--slowdown", type=float, default=1.0, metavar="X",
+        help="multiply every step cost of the profile by X (1.5: a card 1.5x slower)",
+    )  # fmt: skip
     sim.add_argument(
         "--time-scale", type=float, default=1.0,
         help="wall seconds per simulated second (0.1: ten times faster; 0: no waiting)",
@@ -178,6 +183,7 @@ def _sim(args: argparse.Namespace) -> int:
 
     try:
         profile, served = sim_profile(args.profile, args.spec)
+        profile = profile.slowed(args.slowdown)
         events_port = sim_kv_events_port(args.spec, args.kv_events_port)
         return server.serve(
             host=args.host or "127.0.0.1",

@@ -395,7 +395,7 @@ def serve(
 
     if slow_steps is not None:
         base = profiles.get(profile) if isinstance(profile, str) else profile
-        profile = base.slowed(slow_steps)
+        profile = base.slowed(slow_steps, "--slow-steps")
     app = create_app(
         served_model_name, profile, time_scale,
         block_size=block_size, num_blocks=num_blocks, tokenizer_dir=tokenizer,

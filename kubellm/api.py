@@ -468,7 +468,13 @@ class InferencePoolRouting(_Model):
 
 
 class Routing(_Model):
-    policy: Literal["prefix-aware", "least-load", "round-robin"] = Field(default="prefix-aware")
+    policy: Literal["prefix-aware", "least-load", "round-robin", "slo-aware"] = Field(
+        default="prefix-aware",
+        description="How a replica is chosen: prefix-aware (the replica holding the prompt's "
+        "prefix, bounded by load), least-load, round-robin, or slo-aware (the replica whose "
+        "learnt TTFT and ITL predictions best keep the request within spec.slo; admission "
+        "sends it to the fallback when no replica's predicted TTFT fits).",
+    )
     load_bound: float = Field(
         default=1.25,
         ge=1,

@@ -72,6 +72,12 @@ GATEWAY_ENDPOINT_INFO = "kubellm_gateway_endpoint_info"
 GATEWAY_CONNECTIONS_REFUSED = "kubellm_gateway_connections_refused_total"  # over the cap
 GATEWAY_CONFIG_RELOAD_ERRORS = "kubellm_gateway_config_reload_errors_total"  # static file
 
+# Latency prediction (gateway/routing/predicted.py, spec.routing.policy slo-aware learns it
+# for every policy): predicted over observed TTFT and ITL per replica (kind=ttft|itl), and
+# each replica's speed against its peers' median at the same batch and prompt.
+GATEWAY_PREDICTION_RATIO = "kubellm_gateway_predicted_over_observed_ratio"  # histogram
+GATEWAY_SPEED_FACTOR = "kubellm_gateway_replica_speed_factor"  # gauge per url
+
 
 def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
     """Prometheus' histogram_quantile over cumulative (upper bound, count) buckets; None

@@ -3,6 +3,9 @@
 `decide` is a pure function of what the gateway sees for one model:
 
 - a replica that is not saturated is ready            -> REPLICA
+  (slo-aware: unless the best predicted TTFT there
+  is past the remaining budget and the fallback has
+  room                                                 -> FALLBACK "predicted-ttft")
 - every replica saturated, but the predicted wait for
   a slot fits the request's remaining TTFT budget      -> QUEUE ("short-wait")
 - no ready replica, fallback has the trigger and room -> FALLBACK
@@ -107,10 +110,21 @@ def decide(
     may_wait: bool,
     wait: float = math.inf,
     budget_left: float = 0.0,
+    predicted_ttft: float | None = None,
 ) -> Decision:
     """Where one request goes now. `may_wait`: queue has room and the wait budget is left;
-    `wait`: the predicted wait for a replica slot; `budget_left`: TTFT budget still unspent."""
+    `wait`: the predicted wait for a replica slot; `budget_left`: TTFT budget still unspent;
+    `predicted_ttft`: the best replica's predicted TTFT (slo-aware; None: not predicted).
+    The saturation thresholds stay the safety bound: a replica past them is never `ready`."""
     if unsaturated > 0:
+        late = predicted_ttft is not None and predicted_ttft > budget_left
+        if (
+            late
+            and fallback is not None
+            and "saturated" in fallback.triggers
+            and fallback_in_flight < fallback.max_concurrency
+        ):
+            return Decision(Route.FALLBACK, "predicted-ttft")
         return Decision(Route.REPLICA, "ready")
     trigger = "no-ready-replicas" if ready == 0 else "saturated"
     if ready > 0 and may_wait and wait <= budget_left:

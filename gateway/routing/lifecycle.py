@@ -120,6 +120,7 @@ class Ticket:
         "_body",
         "_carry",
         "_core",
+        "_dispatch",
         "_fallback",
         "_recorded",
         "_size",
@@ -168,6 +169,8 @@ class Ticket:
         self._size = 0
         self._carry = b""
         self._usage: dict[str, int] | None = None
+        # latency prediction: (url, features at dispatch, when sent, streaming yet)
+        self._dispatch: list[Any] | None = None
 
     # ------------------------------------------------------------ admission (the core's)
 
@@ -205,6 +208,8 @@ class Ticket:
         if still held, is freed: one attempt holds a slot at a time)."""
         if self._attempt is not None:
             self._attempt.abandon()
+        self._end_dispatch()
+        self._dispatch = [url, self._core.dispatched(self, url), time.monotonic(), False]
         attempt = self._attempt = Attempt(self, url, self._core.acquire(url))
         self.record.revision = revision_label(self.target, url)  # canary analysis
         if self.done:  # finished meanwhile: nothing may stay held
@@ -241,6 +246,9 @@ class Ticket:
         tokens = len(TOKEN.findall(events))
         if tokens:
             timing = self.timing
+            if timing.first is None and self._dispatch is not None:
+                self._dispatch[3] = True  # its prefill is done
+                self._core.predictions.started(self._dispatch[0], self._dispatch[1])
             timing.token(now)
             for _ in range(tokens - 1):
                 timing.token(now)
@@ -280,6 +288,7 @@ class Ticket:
             self._fallback = None
         status = self.status
         if not status:  # nothing reached the client: it left
+            self._end_dispatch()
             self.record.finish("none", 499)
             return
         if broken is not None:
@@ -289,9 +298,32 @@ class Ticket:
             core.completed(self.served)
         if self.refusal is None:
             self._observe(status, broken is None and not client_gone)
+            self._learn(status, broken is None and not client_gone)
+        self._end_dispatch()
         if broken is not None and status < 400:
             status = 502  # the answer started and broke: a server-side failure
         self.record.finish(self.route, status)
+
+    # ------------------------------------------------------------ latency prediction
+
+    def _end_dispatch(self) -> None:
+        """The current attempt owes no more prefill (it streamed, failed or ended)."""
+        dispatch, self._dispatch = self._dispatch, None
+        if dispatch is not None and not dispatch[3]:
+            self._core.predictions.abandoned(dispatch[0], dispatch[1])
+
+    def _learn(self, status: int, whole: bool) -> None:
+        """A whole streamed answer from the replica it was sent to: the prediction's error,
+        and the model learns (TTFT from the dispatch, not the arrival: admission's wait
+        is not the replica's)."""
+        dispatch, timing = self._dispatch, self.timing
+        if dispatch is None or self._body is not None or not whole or status != 200:
+            return
+        if timing.first is None or dispatch[0] != self.served:
+            return
+        self._core.answered(
+            self.target, dispatch[0], dispatch[1], timing.first - dispatch[2], timing.mean_itl
+        )
 
     # ------------------------------------------------------------ the SLO outcome
 
@@ -310,17 +342,22 @@ class Ticket:
             if self.route == "fallback" or ttft > slo.ttft_seconds:
                 usage = _usage(b"".join(self._body))
             budget = slo.ttft_seconds + slo.itl_seconds * max(usage.get("completion", 0) - 1, 0)
-            if whole and ttft <= max(slo.ttft_seconds, budget):
+            met = whole and ttft <= max(slo.ttft_seconds, budget)
+            if met:
                 series.goodput.inc()
+            self.record.revision_observed(ttft, (), met)
         else:
             if timing.ttft is not None:
                 series.ttft.observe(timing.ttft)
             for gap in timing.gaps:
                 series.itl.observe(gap)
             completed = whole and status == 200 and timing.first is not None
-            if completed and met_slo(timing.ttft, timing.mean_itl, slo.ttft_seconds,
-                                     slo.itl_seconds):  # fmt: skip
+            met = completed and met_slo(
+                timing.ttft, timing.mean_itl, slo.ttft_seconds, slo.itl_seconds
+            )
+            if met:
                 series.goodput.inc()
+            self.record.revision_observed(timing.ttft, timing.gaps, met)
         if self.route == "fallback" and status == 200 and usage:
             metric = self._core.metrics.fallback_tokens
             for kind, count in usage.items():

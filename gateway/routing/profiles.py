@@ -20,6 +20,14 @@ Profiles:
 - least-load: bounded-load, then lora-affinity 20, session 8, in-flight 2, queue 1,
   kv-cache 1.
 - round-robin: round-robin 1 (no filter, no affinity).
+- slo-aware: no load filter; lora-affinity 20, slo 10, home 0.05. `slo` scores each
+  candidate 1 / (1 + cost), the cost being the worst of its predicted TTFT and ITL over
+  the model's targets and the ITL it leaves the streams already there
+  (`routing/predicted.py`, the per-replica model of `routing/latency.py`); a prefix
+  held enters only as a shorter predicted prefill. Between two replicas predicted at 0.30
+  and 0.31 of the TTFT target the slo scores differ by 10 x 0.0074 = 0.074 > 0.05: the
+  prompt's home wins only near-ties (under ~0.7% of the SLO), enough to keep a shared
+  prefix on one replica while the fleet is idle.
 
 Members and what they tell each other through the request's `Cycle`:
 
@@ -49,6 +57,7 @@ from typing import Protocol
 from kubellm.gateway.discovery.base import ModelTarget
 from kubellm.gateway.routing.adapters import AdapterScorer
 from kubellm.gateway.routing.precise import PreciseRouting
+from kubellm.gateway.routing.predicted import Predictions
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest, Scorer
 from kubellm.gateway.routing.scorers.bounded_load import (
@@ -83,16 +92,21 @@ HOLDER_SLACK = 2.0
 # request past the batch's max_loras adapters waits for a slot).
 ADAPTER_WEIGHT = 20.0
 
+# slo-aware's weights (see the module's list of profiles).
+SLO_WEIGHT = 10.0
+HOME_WEIGHT = 0.05
+
 
 @dataclass
 class Shared:
     """What members read, one per router: the prefix index, sessions, precise routing,
-    the adapter view (None: adapter-blind routing)."""
+    the adapter view (None: adapter-blind routing), the latency predictions."""
 
     index: prefix.PrefixIndex
     sessions: SessionTable
     precise: PreciseRouting | None = None
     adapters: AdapterScorer | None = None
+    predictions: Predictions | None = None
 
 
 @dataclass(slots=True)
@@ -222,6 +236,21 @@ class _AdapterAffinity:
         return scorer
 
 
+class _Slo:
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+
+    def bind(self, cycle: Cycle) -> Scorer | Filter | None:
+        predictions = self.shared.predictions
+        if predictions is None:
+            return None
+        slo = cycle.target.slo
+        costs = predictions.costs(
+            cycle.request, cycle.candidates, slo.ttft_seconds, slo.itl_seconds
+        )
+        return Scored("slo", {url: 1.0 / (1.0 + cost) for url, (cost, _, _) in costs.items()})
+
+
 def either(a: Filter, b: Filter) -> Filter:
     """The candidates that either filter keeps."""
 
@@ -243,6 +272,7 @@ register("in-flight")(lambda shared: _Fixed(InFlightScorer()))
 register("queue")(lambda shared: _Fixed(QueueScorer()))
 register("kv-cache")(lambda shared: _Fixed(KVCacheScorer()))
 register("round-robin")(lambda shared: _Fixed(RoundRobinScorer()))
+register("slo")(_Slo)
 
 declare(
     "prefix-aware",
@@ -266,6 +296,13 @@ declare(
     ),
 )  # fmt: skip
 declare("round-robin", ProfileSpec(filters=(), scorers=(("round-robin", 1.0),)))
+declare(
+    "slo-aware",
+    ProfileSpec(
+        filters=(),
+        scorers=(("lora-affinity", ADAPTER_WEIGHT), ("slo", SLO_WEIGHT), ("home", HOME_WEIGHT)),
+    ),
+)
 
 
 _Entry = tuple["Scorer | Filter | None", float, "Member | None"]

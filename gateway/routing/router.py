@@ -17,12 +17,14 @@ from kubellm.gateway.routing.adapters import AdapterScorer
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.precise import PreciseRouting
+from kubellm.gateway.routing.predicted import Predictions
 from kubellm.gateway.routing.profiles import HOLDER_SHARE, HOLDER_SLACK, Profiles, Shared
 from kubellm.gateway.routing.revisions import for_request as revision_candidates
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight
 from kubellm.gateway.routing.scorers.session import SessionTable
+from prometheus_client import CollectorRegistry
 
 __all__ = ["HOLDER_SHARE", "HOLDER_SLACK", "Router", "home", "routing_request"]
 
@@ -45,6 +47,7 @@ def routing_request(
         session=session or (user if isinstance(user, str) and user else None),
         body=body,
         adapter=adapter,
+        prompt_chars=len(text),
     )
 
 
@@ -56,6 +59,7 @@ class Router:
         rng: random.Random | None = None,
         index_capacity: int = 65_536,
         precise: PreciseRouting | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.load = load
         self.outliers = outliers
@@ -64,7 +68,9 @@ class Router:
         self.sessions = SessionTable()
         self.sharing = prefix.Sharing()
         self.precise = precise
-        self.shared = Shared(self.index, self.sessions, precise)
+        # slo-aware's latency model (learnt under every policy: routing/predicted.py)
+        self.predictions = Predictions(registry=registry)
+        self.shared = Shared(self.index, self.sessions, precise, predictions=self.predictions)
         self.profiles = Profiles(self.shared, self.unshared)
 
     @property
@@ -92,6 +98,7 @@ class Router:
                     in_flight=self.load.in_flight.get(endpoint.url, 0),
                     waiting=None if stats is None else stats.waiting,
                     kv_usage=None if stats is None else stats.kv_usage,
+                    running=None if stats is None else stats.running,
                 )
             )
         return out

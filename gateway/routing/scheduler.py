@@ -31,6 +31,7 @@ from kubellm.gateway.routing.admission import (
     predicted_wait,
     saturated,
 )
+from kubellm.gateway.routing.latency import Dispatch
 from kubellm.gateway.routing.lifecycle import Attempt, Ticket, labels
 from kubellm.gateway.routing.load import LoadView, scrape_loop
 from kubellm.gateway.routing.outliers import OutlierDetector
@@ -43,6 +44,9 @@ from kubellm.gateway.routing.settings import SchedulerSettings
 __all__ = ["Scheduler", "SchedulerSettings", "labels"]
 
 from kubellm.metrics import parse_lora_info
+
+# How often (answers) the replicas' speed factors are recomputed for /metrics.
+SPEED_EVERY = 16
 
 
 class Scheduler:
@@ -60,7 +64,11 @@ class Scheduler:
         self.load = LoadView(stale_after=s.stale_after)
         self.outliers = OutlierDetector(s.eject_after_failures, s.eject_base_seconds)
         self.precise = PreciseRouting(s.tokenizers, registry=self.metrics.registry)
-        self.router = Router(self.load, self.outliers, precise=self.precise)
+        self.router = Router(
+            self.load, self.outliers, precise=self.precise, registry=self.metrics.registry
+        )
+        self.predictions = self.router.predictions
+        self._answers = 0
         self.adapters = adapters.AdapterView(stale_after=s.stale_after)
         self.adapter_metrics = adapters.AdapterMetrics.create(self.metrics.registry)
         self.adapter_loads = adapters.AdapterLoads(
@@ -137,6 +145,7 @@ class Scheduler:
         """Endpoints appeared, left or were ejected."""
         self.wake()
         self.update_ready_gauge()
+        self.predictions.forget(self.engine_urls())
 
     def update_ready_gauge(self) -> None:
         rows = []
@@ -218,6 +227,9 @@ class Scheduler:
                 room = queued or waiting < self.settings.max_queue
                 position = waiting if queued else waiting + 1
                 rate = 0.0 if open_ else self.completions.rate(c.url for c in candidates)
+                predicted = None
+                if target.routing.policy == "slo-aware" and open_:
+                    predicted = self.best_ttft(target, routing, open_)
                 decision = decide(
                     ready=len(candidates),
                     unsaturated=len(open_),
@@ -226,6 +238,7 @@ class Scheduler:
                     may_wait=room and now < deadline,
                     wait=predicted_wait(position, rate),
                     budget_left=deadline - now if ready_now else 0.0,
+                    predicted_ttft=predicted,
                 )
                 if decision.route is not Route.QUEUE:
                     order = self.router.order(target, routing, open_) if open_ else []
@@ -293,7 +306,33 @@ class Scheduler:
             kind = "fallback" if route is Route.FALLBACK else "refused"
         self.adapter_metrics.requests.labels(*labels(target), name, kind).inc()
 
+    def best_ttft(
+        self, target: ModelTarget, routing: RoutingRequest, candidates: list[Candidate]
+    ) -> float:
+        """The lowest predicted TTFT among `candidates` (slo-aware admission)."""
+        slo = target.slo
+        costs = self.predictions.costs(routing, candidates, slo.ttft_seconds, slo.itl_seconds)
+        return min(ttft for _, ttft, _ in costs.values())
+
     # ---------------------------------------------------------------- outcomes
+
+    def dispatched(self, ticket: Ticket, url: str) -> Dispatch:
+        """An attempt of `ticket` starts on `url`: the replica's state for its prediction."""
+        candidate = next((c for c in ticket.order if c.url == url), None)
+        if candidate is None:  # a replica the front end chose itself
+            candidate = Candidate(url=url, in_flight=self.load.in_flight.get(url, 0))
+        return self.predictions.sent(url, ticket.routing, candidate)
+
+    def answered(
+        self, target: ModelTarget, url: str, dispatch: Dispatch, ttft: float, itl: float | None
+    ) -> None:
+        """A whole streamed answer of `url`: the prediction's error, and the model learns;
+        every SPEED_EVERY answers the model's speed factors are published."""
+        names = labels(target)
+        self.predictions.answered(names, url, dispatch, ttft, itl)
+        self._answers += 1
+        if self._answers % SPEED_EVERY == 0:
+            self.predictions.publish_speed(names, [e.url for e in target.endpoints])
 
     def acquire(self, url: str) -> Callable[[], None]:
         """Count one request on replica `url`; the returned callback releases it (once)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -360,14 +360,21 @@ class RequestRecord:
         met = completed and met_slo(timing.ttft, timing.mean_itl, ttft_target, itl_target)
         if met:
             series.goodput.inc()
-        per_revision = series._metrics.revisions
-        if self.revision is not None and per_revision is not None:
-            names = (*series.labels, self.revision)
-            if timing.ttft is not None:
-                per_revision.ttft.labels(*names).observe(timing.ttft)
-            itl = per_revision.itl.labels(*names)
-            for gap in timing.gaps:
-                itl.observe(gap)
-            if met:
-                per_revision.slo_met.labels(*names).inc()
+        self.revision_observed(timing.ttft, timing.gaps, met)
         return completed
+
+    def revision_observed(self, ttft: float | None, gaps: Iterable[float], met: bool) -> None:
+        """An answer's TTFT, ITL gaps and SLO outcome in its revision's series, while a
+        canary rollout splits the model (nothing otherwise)."""
+        series = self.series
+        per_revision = series._metrics.revisions
+        if self.revision is None or per_revision is None:
+            return
+        names = (*series.labels, self.revision)
+        if ttft is not None:
+            per_revision.ttft.labels(*names).observe(ttft)
+        itl = per_revision.itl.labels(*names)
+        for gap in gaps:
+            itl.observe(gap)
+        if met:
+            per_revision.slo_met.labels(*names).inc()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -101,6 +101,9 @@ class Snapshot:
     mean_prompt_tokens: float | None = None  # prefill tokens / finished requests
     preemptions_per_s: float | None = None
     generation_tokens_per_s: float | None = None
+    # the gateway's learnt speed of each replica against its peers' median (slo-aware's
+    # latency model, kubellm_gateway_replica_speed_factor), by URL
+    speed_factors: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -135,6 +138,11 @@ def build(
             snap.request_rate = requests / window_s
             fallback = _delta(g0, g1, metrics.GATEWAY_REQUESTS, target="fallback") or 0.0
             snap.fallback_share = fallback / requests if requests > 0 else None
+        snap.speed_factors = {
+            labels.get("url", ""): value
+            for name, labels, value in g1
+            if name == metrics.GATEWAY_SPEED_FACTOR and labels.get("url")
+        }
         if snap.ttft_target_s is None:
             snap.ttft_target_s = _total(g1, metrics.GATEWAY_SLO_TARGET, kind="ttft")
         if snap.itl_target_s is None:

@@ -33,6 +33,7 @@ class Thresholds:
     kv_full: float = 0.9
     idle_kv: float = 0.2  # KV use below this, with no queue, is idle capacity
     idle_running_per_engine: float = 1.0
+    slow_replica: float = 1.3  # a replica's speed factor over its peers' median
 
 
 @dataclass
@@ -246,7 +247,30 @@ def triage(
         idle = _idle_finding(snap, t, latency, advice)
         if idle is not None:
             findings.append(idle)
+    findings += _slow_replicas(snap, t)
     return findings
+
+
+def _slow_replicas(snap: Snapshot, t: Thresholds) -> list[Finding]:
+    """Replicas the gateway learnt to be slower than their peers at the same batch."""
+    out = []
+    for url, factor in sorted(snap.speed_factors.items(), key=lambda kv: -kv[1]):
+        if factor < t.slow_replica:
+            continue
+        out.append(
+            Finding(
+                "slow-replica",
+                f"{url} is {factor:.1f}x slower than its peers at the same batch",
+                {f"{metrics.GATEWAY_SPEED_FACTOR}{{url={url}}}": factor},
+                [
+                    "check that replica's node: an older or throttled GPU, a noisy neighbour, "
+                    "another model's process on the same card",
+                    "spec.routing.policy slo-aware routes around it (it already learnt this); "
+                    "other policies keep sending it a full share",
+                ],
+            )
+        )
+    return out
 
 
 def _ttft_finding(

@@ -64,6 +64,7 @@ async def serve(args: argparse.Namespace, deployments: list) -> int:
         engine=args.engine,
         sim_time_scale=args.sim_time_scale,
         sim_profile=args.sim_profile,
+        sim_slowdown=args.sim_slowdown,
     )
     for change in runtime.apply(deployments):
         print(f"kubellm up: {change}", flush=True)

@@ -84,8 +84,8 @@ class Replica:
         return f"{self.deployment}-{self.index}"
 
 
-# Builds an engine command line for (deployment name, port).
-CommandFor = Callable[[str, int], list[str]]
+# Builds an engine command line for (replica index, port).
+CommandFor = Callable[[int, int], list[str]]
 
 
 class Supervisor:
@@ -130,7 +130,7 @@ class Supervisor:
         self.kv_events.discard(deployment)
 
     def _argv(self, replica: Replica) -> list[str]:
-        argv = self.commands[replica.deployment](replica.deployment, replica.port)
+        argv = self.commands[replica.deployment](replica.index, replica.port)
         if replica.deployment not in self.kv_events:
             replica.kv_events_port = None
             return argv

@@ -23,6 +23,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,12 @@ class LocalDeployment:
         return self.name + CANARY_SUFFIX
 
 
+def _as_tuple(value: Any) -> tuple:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
 class LocalRuntime:
     """Desired deployments, their processes, and the views the gateway and autoscaler read."""
 
@@ -105,13 +112,15 @@ class LocalRuntime:
         *,
         engine: str = "vllm",
         sim_time_scale: float = 1.0,
-        sim_profile: str | None = None,
+        sim_profile: str | Sequence[str] | None = None,
+        sim_slowdown: float | Sequence[float] | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.run_dir = run_dir
         self.engine = engine
         self.sim_time_scale = sim_time_scale
-        self.sim_profile = sim_profile
+        self.sim_profiles = _as_tuple(sim_profile)
+        self.sim_slowdowns = _as_tuple(sim_slowdown)
         self.deployments: dict[str, LocalDeployment] = {}
 
     # ------------------------------------------------------------------ apply
@@ -179,10 +188,9 @@ class LocalRuntime:
         if self.engine == "sim":
             # The simulator reads the same spec file and simulates the engine fields it
             # models (kubellm.engine.sim_profiles.SPEC_FIELDS) on its hardware profile
-            # (tiny-cpu for CPU deployments unless --sim-profile names one).
+            # (tiny-cpu for CPU deployments unless --sim-profile names one). Replica i
+            # gets item i mod n of --sim-profile and of --sim-slowdown.
             extra = ["--time-scale", f"{self.sim_time_scale:g}", "--spec", str(spec_file)]
-            if self.sim_profile:
-                extra += ["--profile", self.sim_profile]
             notes = manifest.metadata.model_extra or {}
             annotations = notes.get("annotations") or {}
             if annotations.get(SIM_SLOW_STEPS_ANNOTATION):
@@ -190,11 +198,22 @@ class LocalRuntime:
             if annotations.get(SIM_FAIL_PROMPTS_OVER_ANNOTATION):
                 extra += ["--fail-prompts-over",
                           str(annotations[SIM_FAIL_PROMPTS_OVER_ANNOTATION])]  # fmt: skip
-            return lambda _name, port: [*base, "--backend", "sim", "--port", str(port),
+            return lambda index, port: [*base, "--backend", "sim", "--port", str(port),
                                         "--served-model-name", manifest.served_name,
-                                        *extra]  # fmt: skip
-        return lambda _name, port: [*base, "--spec", str(spec_file), "--port", str(port),
+                                        *extra, *self.sim_hardware(index)]  # fmt: skip
+        return lambda _index, port: [*base, "--spec", str(spec_file), "--port", str(port),
                                     "--host", "127.0.0.1"]  # fmt: skip
+
+    def sim_hardware(self, index: int) -> list[str]:
+        """The simulator flags of replica `index`: its profile and slowdown, if given."""
+        out = []
+        if self.sim_profiles:
+            out += ["--profile", self.sim_profiles[index % len(self.sim_profiles)]]
+        if self.sim_slowdowns:
+            factor = self.sim_slowdowns[index % len(self.sim_slowdowns)]
+            if factor != 1:
+                out += ["--slowdown", f"{factor:g}"]
+        return out
 
     # ------------------------------------------------------------------ canary rollouts
 

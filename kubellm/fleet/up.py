@@ -31,6 +31,29 @@ def _sim_profiles() -> list[str] | None:
     return sorted(PROFILES)
 
 
+def _profile_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(","))
+    known = _sim_profiles() or []
+    for name in names:
+        if name not in known:
+            raise argparse.ArgumentTypeError(
+                f"--sim-profile {name!r} is unknown; known profiles: {', '.join(known)}"
+            )
+    return names
+
+
+def _slowdown_list(text: str) -> tuple[float, ...]:
+    try:
+        factors = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--sim-slowdown {text!r}: give numbers separated by commas, e.g. 1,1.5"
+        ) from None
+    if not all(0 < f < float("inf") for f in factors):
+        raise argparse.ArgumentTypeError(f"--sim-slowdown {text!r}: factors must be positive")
+    return factors
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = _Help
     parser.epilog = __doc__.split("\n\n")[1]
@@ -63,9 +86,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="simulator: wall seconds per simulated second (0.1 runs ten times faster)",
     )  # fmt: skip
     parser.add_argument(
-        "--sim-profile", choices=_sim_profiles(),
-        help="simulator hardware/model profile (default: tiny-cpu for deployments with "
-        "resources.gpu.count 0, else llama-3.1-8b-h100)",
+        "--sim-profile", type=_profile_list, metavar="NAME[,NAME...]",
+        help="simulator hardware/model profile, or a comma list given to replicas in turn "
+        "(replica i gets item i mod n: a100,h100 alternates); known: "
+        + ", ".join(_sim_profiles() or [])
+        + " (default: tiny-cpu for deployments with resources.gpu.count 0, else "
+        "llama-3.1-8b-h100)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sim-slowdown", type=_slowdown_list, metavar="X[,X...]",
+        help="simulator: multiply every step cost by X, or a comma list given to replicas in "
+        "turn (1,1,1,1.5: every fourth replica 1.5x slower)",
     )  # fmt: skip
     parser.add_argument(
         "--rollout-seconds", type=float, default=1.0, metavar="SECONDS",

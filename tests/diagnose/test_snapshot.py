@@ -223,3 +223,24 @@ def test_a_gateway_names_its_ready_engines_on_its_metrics():
     )
     assert gateway_engines(text) == ["http://10.0.0.1:8000", "http://10.0.0.3:8000"]
     assert gateway_engines("") == []
+
+
+def test_the_gateways_speed_factors_are_read_by_replica() -> None:
+    """The gateway's slo-aware model publishes each replica's speed factor
+    (routing/predicted.py); the snapshot keeps the latest value per URL."""
+    from kubellm.gateway.routing.latency import Dispatch
+    from kubellm.gateway.routing.predicted import Predictions
+
+    registry = CollectorRegistry()
+    predictions = Predictions(registry=registry)
+    for i in range(100):
+        d = Dispatch(prompt_tokens=100 + 10 * i)
+        for url, factor in [("http://a", 1.0), ("http://b", 1.0), ("http://c", 2.0)]:
+            prior = predictions.model.prior
+            predictions.answered(("m", "d", "ns"), url, d, factor * prior.ttft(d),
+                                 factor * prior.itl(d))  # fmt: skip
+    predictions.publish_speed(("m", "d", "ns"), ["http://a", "http://b", "http://c"])
+    text = generate_latest(registry).decode()
+    snap = snapshot.build(10.0, (text, text), [])
+    assert snap.speed_factors["http://c"] == pytest.approx(2.0, rel=0.05)
+    assert snap.speed_factors["http://a"] == pytest.approx(1.0, rel=0.05)

@@ -62,6 +62,8 @@ def test_a_healthy_busy_fleet_has_no_findings() -> None:
         ({"kv_cache_usage_max": 0.03, "running": 0, "request_rate": 0.1}, "low-utilization", True),
         ({"kv_cache_usage_max": 0.03, "running": 0, "waiting": 3}, "low-utilization", False),
         ({"kv_cache_usage_max": 0.5, "running": 1}, "low-utilization", False),
+        ({"speed_factors": {"http://a": 1.0, "http://b": 1.6}}, "slow-replica", True),
+        ({"speed_factors": {"http://a": 1.0, "http://b": 1.1}}, "slow-replica", False),
     ],
 )
 def test_each_branch_fires_only_on_its_symptoms(
@@ -149,3 +151,12 @@ def test_overflow_and_latency_findings_are_reported_together_and_formatted() -> 
     text = format_findings(snap, findings)
     assert "1. [overflow]" in text and "2. [ttft-queueing]" in text
     assert f"{metrics.GATEWAY_TTFT} (p95) = 6" in text
+
+
+def test_a_slow_replica_is_named_with_its_factor() -> None:
+    snap = replace(HEALTHY, speed_factors={"http://127.0.0.1:9003": 1.62, "http://a": 0.98})
+    (finding,) = triage(snap)
+    assert finding.title == "http://127.0.0.1:9003 is 1.6x slower than its peers at the same batch"
+    assert finding.evidence == {
+        f"{metrics.GATEWAY_SPEED_FACTOR}{{url=http://127.0.0.1:9003}}": 1.62
+    }

@@ -162,7 +162,7 @@ def test_slow_steps_multiply_every_step_time() -> None:
             3 * base.step_seconds(prefill, decode)
         )
     with pytest.raises(ValueError, match="--slow-steps"):
-        base.slowed(0)
+        base.slowed(0, "--slow-steps")
 
 
 async def test_fail_prompts_over_answers_long_prompts_with_a_500_envelope() -> None:

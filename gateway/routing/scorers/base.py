@@ -11,7 +11,8 @@ from typing import Any, Protocol
 class Candidate:
     """An endpoint that passed the health filters, with the load the gateway sees on it.
 
-    `waiting` and `kv_usage` are None when the engine's metrics are stale or missing.
+    `waiting`, `kv_usage` and `running` are None when the engine's metrics are stale or
+    missing.
     """
 
     url: str
@@ -19,6 +20,7 @@ class Candidate:
     in_flight: int = 0
     waiting: float | None = None
     kv_usage: float | None = None
+    running: float | None = None
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class RoutingRequest:
     # router from `body` (the parsed request, kept by reference) when the model asks.
     kv_hashes: tuple[int, ...] = ()
     body: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    prompt_chars: int = 0  # the prompt's length (latency prediction: routing/predicted.py)
 
 
 class Scorer(Protocol):

@@ -1,0 +1,294 @@
+"""A discrete-event simulation of one gateway in front of simulated replicas, on a
+simulated clock, routing with the gateway's own code.
+
+Replicas are `kubellm.engine.sim_core.Engine`s (the simulator's pure core: paged KV,
+prefix cache, token-budget scheduler, step times from a profile). kubellm's policies are
+the shipped `Router` (`router.order` over candidates built from the replicas' state) with
+its `Predictions` fed exactly as the ticket feeds them (sent at dispatch, started at the
+first token, answered with TTFT from dispatch and the mean ITL). Engine figures are
+scraped every `scrape_interval` simulated seconds (the gateway's default 1 s), the
+gateway's own in-flight counts are exact, as in the gateway.
+
+Two peers are modelled on vllm-router's published algorithms (not the Rust binary; see
+bench/gateway_routing.py for the live one): `power_of_two` (two replicas at random, the
+one with fewer requests outstanding) and `cache_aware` (the longest prefix match when it
+covers at least half the prompt and loads are balanced, else the least loaded; loads
+count as imbalanced when max - min > 32 and max > 1.1 x min, as its defaults say).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kubellm.engine import sim_core
+from kubellm.engine.sim_profiles import Profile
+from kubellm.gateway.discovery.base import Endpoint, ModelTarget
+from kubellm.gateway.routing.latency import Dispatch
+from kubellm.gateway.routing.load import LoadView
+from kubellm.gateway.routing.outliers import OutlierDetector
+from kubellm.gateway.routing.router import Router, routing_request
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+
+from kubellm import api
+
+KUBELLM_POLICIES = ("prefix-aware", "least-load", "slo-aware", "round-robin")
+PEER_POLICIES = ("power_of_two", "cache_aware")
+CHARS_PER_TOKEN = 4
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request of a workload: when it arrives, its prompt text, its answer length."""
+
+    arrival: float
+    text: str
+    max_tokens: int
+
+
+@dataclass
+class Outcome:
+    job: Job
+    replica: int
+    sent: float
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    predicted_ttft: float | None = None
+    predicted_itl: float | None = None
+    dispatch: Dispatch | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.job.arrival
+
+    @property
+    def mean_itl(self) -> float | None:
+        if self.first is None or self.last is None or self.tokens < 2:
+            return None
+        return (self.last - self.first) / (self.tokens - 1)
+
+
+def tokens_of(text: str) -> list[int]:
+    """Token ids of a prompt: one per 4 characters, the same text the same ids (so the
+    engines' prefix cache sees what the gateway's prefix index sees)."""
+    return [
+        hash(text[i : i + CHARS_PER_TOKEN]) % 50_000 for i in range(0, len(text), CHARS_PER_TOKEN)
+    ]
+
+
+@dataclass
+class Replica:
+    engine: sim_core.Engine
+    url: str
+    busy: bool = False  # a step is scheduled
+    in_flight: int = 0
+    scraped: tuple[float, float, float] | None = None  # running, waiting, kv use
+
+
+@dataclass
+class Run:
+    outcomes: list[Outcome] = field(default_factory=list)
+    decisions: list[float] = field(default_factory=list)  # not filled here: see the bench
+
+
+class Fleet:
+    """Replicas on `profiles`, one policy, one seeded run of `jobs`."""
+
+    def __init__(
+        self,
+        profiles: Sequence[Profile],
+        policy: str,
+        slo: api.SLO,
+        *,
+        seed: int = 0,
+        scrape_interval: float = 1.0,
+        changes: Sequence[tuple[float, int, Profile]] = (),
+    ) -> None:
+        self.replicas = [
+            Replica(sim_core.Engine(p), f"http://replica-{i}") for i, p in enumerate(profiles)
+        ]
+        self.policy = policy
+        self.slo = slo
+        self.rng = random.Random(seed)
+        self.scrape_interval = scrape_interval
+        self.changes = sorted(changes)  # (time, replica, new profile): a replica slows down
+        kubellm_policy = policy if policy in KUBELLM_POLICIES else "least-load"
+        self.router = Router(LoadView(), OutlierDetector(10**9, 1.0), rng=random.Random(seed))
+        self.now = 0.0
+        self.router.predictions.clock = lambda: self.now
+        self.target = ModelTarget(
+            served_name="m",
+            deployment="m",
+            endpoints=tuple(Endpoint(r.url) for r in self.replicas),
+            routing=api.Routing(policy=kubellm_policy),
+            slo=slo,
+        )
+        self.outstanding = [0] * len(self.replicas)  # the peers' own counts
+
+    # ------------------------------------------------------------ routing
+
+    def _candidates(self) -> list[Candidate]:
+        out = []
+        for r in self.replicas:
+            running, waiting, kv = r.scraped if r.scraped else (None, None, None)
+            load = float(r.in_flight) if running is None else max(r.in_flight, running + waiting)
+            out.append(Candidate(url=r.url, load=load, in_flight=r.in_flight, waiting=waiting,
+                                 kv_usage=kv, running=running))  # fmt: skip
+        return out
+
+    def choose(self, request: RoutingRequest) -> tuple[int, list[Candidate]]:
+        candidates = self._candidates()
+        if self.policy == "power_of_two":
+            a, b = self.rng.sample(range(len(self.replicas)), 2)
+            return (a if self.outstanding[a] <= self.outstanding[b] else b), candidates
+        if self.policy == "cache_aware":
+            return self._cache_aware(request), candidates
+        order = self.router.order(self.target, request, candidates)
+        urls = [r.url for r in self.replicas]
+        return urls.index(order[0].url), candidates
+
+    def _cache_aware(self, request: RoutingRequest) -> int:
+        loads = self.outstanding
+        low, high = min(loads), max(loads)
+        if high - low > 32 and high > 1.1 * low:
+            return loads.index(low)
+        hashes = request.chunk_hashes
+        index = self.router.index
+        matches = [index.matched(r.url, hashes) for r in self.replicas]
+        best = max(range(len(matches)), key=lambda i: (matches[i], -loads[i]))
+        if hashes and matches[best] / len(hashes) >= 0.5:
+            return best
+        return loads.index(low)
+
+    # ------------------------------------------------------------ the run
+
+    def run(self, jobs: Sequence[Job], on_decision: Callable[[], None] | None = None) -> Run:
+        events: list[tuple[float, int, str, object]] = []
+        seq = 0
+
+        def push(t: float, kind: str, payload: object) -> None:
+            nonlocal seq
+            seq += 1
+            heapq.heappush(events, (t, seq, kind, payload))
+
+        for job in jobs:
+            push(job.arrival, "arrive", job)
+        for t, index, profile in self.changes:
+            push(t, "change", (index, profile))
+        end = jobs[-1].arrival if jobs else 0.0
+        t = 0.0
+        while t <= end + self.scrape_interval:
+            push(t, "scrape", None)
+            t += self.scrape_interval
+        result = Run()
+        live: dict[str, tuple[Outcome, Dispatch]] = {}
+        predictions = self.router.predictions
+        counter = 0
+        while events:
+            now, _, kind, payload = heapq.heappop(events)
+            self.now = now
+            if kind == "scrape":
+                for r in self.replicas:
+                    e = r.engine
+                    r.scraped = (float(len(e.running)), float(len(e.waiting)), e.kv_cache_usage())
+            elif kind == "change":
+                index, profile = payload  # type: ignore[misc]
+                self.replicas[index].engine.profile = profile
+            elif kind == "arrive":
+                job: Job = payload  # type: ignore[assignment]
+                request = routing_request("m", {"prompt": job.text}, None)
+                index, candidates = self.choose(request)
+                if on_decision is not None:
+                    on_decision()
+                replica = self.replicas[index]
+                candidate = next(c for c in candidates if c.url == replica.url)
+                dispatch = predictions.sent(replica.url, request, candidate)
+                predicted = predictions.model.predict(replica.url, dispatch)
+                self.router.routed(request, replica.url, [r.url for r in self.replicas])
+                counter += 1
+                rid = f"r{counter}"
+                outcome = Outcome(job, index, now, predicted_ttft=predicted[0],
+                                  predicted_itl=predicted[1], dispatch=dispatch)  # fmt: skip
+                live[rid] = (outcome, dispatch)
+                result.outcomes.append(outcome)
+                replica.in_flight += 1
+                self.outstanding[index] += 1
+                replica.engine.add(
+                    sim_core.Request(rid, tokens_of(job.text), job.max_tokens, arrival=now)
+                )
+                if not replica.busy:
+                    replica.busy = True
+                    push(now, "step", index)
+            elif kind == "step":  # a step starts: it runs until `done`
+                index = payload  # type: ignore[assignment]
+                step = self.replicas[index].engine.step()
+                push(now + step.duration, "done", (index, step))
+            elif kind == "done":  # its tokens reach the gateway now
+                index, step = payload  # type: ignore[misc]
+                replica = self.replicas[index]
+                for request_, _token in step.tokens:
+                    outcome, dispatch = live[request_.request_id]
+                    if outcome.first is None:
+                        outcome.first = now
+                        predictions.started(replica.url, dispatch)
+                    outcome.last = now
+                    outcome.tokens += 1
+                for request_ in step.finished:
+                    outcome, dispatch = live.pop(request_.request_id)
+                    replica.in_flight -= 1
+                    self.outstanding[index] -= 1
+                    # every policy's answers train the model (its MAPE is reported for all)
+                    predictions.answered(
+                        ("m", "", ""), replica.url, dispatch,
+                        None if outcome.first is None else outcome.first - outcome.sent,
+                        outcome.mean_itl,
+                    )  # fmt: skip
+                if replica.engine.has_work:
+                    push(now, "step", index)
+                else:
+                    replica.busy = False
+        return result
+
+
+# ------------------------------------------------------------------ workload
+
+
+def workload(
+    rate: float,
+    count: int,
+    seed: int,
+    *,
+    burstiness: float = 0.5,
+    shared_share: float = 1 / 3,
+    system_prompts: int = 4,
+) -> list[Job]:
+    """`count` requests at `rate` per second: gamma inter-arrival times (shape
+    `burstiness`, as vLLM's bench: under 1 burstier than Poisson), prompts heavy-tailed
+    from 50 to 8,000 tokens (lognormal, median 600, clipped: the shape of Azure's 2023
+    conversation trace's input column), answers 20-800 (median 150), a third of them
+    after one of `system_prompts` shared system prompts of 1,000-2,000 tokens."""
+    rng = random.Random(seed)
+    systems = [  # hex text: 2 characters per random byte
+        rng.randbytes(rng.randint(1000, 2000) * CHARS_PER_TOKEN // 2).hex()
+        for _ in range(system_prompts)
+    ]
+    jobs = []
+    t = 0.0
+    scale = 1.0 / (rate * burstiness)
+    for i in range(count):
+        t += rng.gammavariate(burstiness, scale)
+        prompt = int(min(max(rng.lognormvariate(math.log(600), 1.1), 50), 8000))
+        answer = int(min(max(rng.lognormvariate(math.log(150), 0.9), 20), 800))
+        unique = f"{i}:" + rng.randbytes(prompt * CHARS_PER_TOKEN // 2).hex()
+        if rng.random() < shared_share:
+            text = systems[rng.randrange(system_prompts)] + unique[: max(50, prompt // 4) * 4]
+        else:
+            text = unique
+        jobs.append(Job(t, text, answer))
+    # vLLM's bench rescales so that the last lands at count / rate
+    stretch = (count / rate) / t if t > 0 else 1.0
+    return [Job(j.arrival * stretch, j.text, j.max_tokens) for j in jobs]

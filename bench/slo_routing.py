@@ -1,0 +1,227 @@
+"""Routing by predicted latency (spec.routing.policy slo-aware) against the other policies.
+
+One discrete-event simulation per (pool, policy, rate), on a simulated clock
+(bench/_slo/fleet.py): replicas are the simulator's pure core with the named profiles,
+kubellm's policies are the gateway's own Router and Predictions, vllm-router's
+`power_of_two` and `cache_aware` are modelled on their published algorithms (the live
+Rust router is bench/gateway_routing.py's `vllm-router:POLICY`).
+
+Workload (bench/_slo/fleet.py `workload`): prompts heavy-tailed 50-8,000 tokens
+(lognormal, median 600), answers 20-800 (median 150), gamma arrivals with burstiness
+0.5, a third of the requests after one of 4 shared system prompts of 1-2k tokens.
+Pools: `h100` = 4 x llama-3.1-8b-h100; `mixed` = 2 x H100 + 2 x llama-3.1-8b-a100;
+`slow` = 3 x H100 + one H100 slowed 1.5x.
+
+Per case: goodput (share of requests meeting both SLO targets, and requests/s meeting
+them), TTFT p50/p99, mean-ITL p99, the predictor's TTFT and ITL MAPE (every policy's
+dispatches are predicted, learning from its answers), and for slo-aware the decision
+cost (p99 CPU time of one routing decision, 4 replicas here and 16 in a separate
+measurement). Then the 90%-rate per policy (DistServe's goodput: the highest rate of
+the sweep at which 90% of requests meet both SLOs, linearly interpolated) and the
+verdict against issue #30's targets.
+
+    python bench/slo_routing.py                          # the full sweep (minutes)
+    python bench/slo_routing.py --quick                  # fewer rates and requests
+    python bench/slo_routing.py --pools mixed --rates 30,45,60 --requests 1200
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from kubellm.engine import sim_profiles
+from kubellm.gateway.routing.predicted import Predictions
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+
+from kubellm import api
+from kubellm.bench.stats import percentile
+
+# Run as a script, bench/ is on sys.path; run from the repository root, as `bench._slo`.
+try:
+    from _slo.fleet import KUBELLM_POLICIES, PEER_POLICIES, Fleet, Outcome, workload
+except ImportError:  # imported as bench.slo_routing (tests)
+    from bench._slo.fleet import KUBELLM_POLICIES, PEER_POLICIES, Fleet, Outcome, workload
+
+H100 = sim_profiles.get("llama-3.1-8b-h100")
+A100 = sim_profiles.get("llama-3.1-8b-a100")
+POOLS = {
+    "h100": [H100] * 4,
+    "mixed": [H100, H100, A100, A100],
+    "slow": [H100, H100, H100, H100.slowed(1.5)],
+}
+POLICIES = ["prefix-aware", "least-load", "slo-aware", "power_of_two", "cache_aware"]
+SLO = api.SLO(ttftSeconds=1.0, itlSeconds=0.05)
+
+
+def summarize(outcomes: list[Outcome], rate: float, duration: float) -> dict[str, float]:
+    done = [o for o in outcomes if o.first is not None]
+    met = [o for o in done if o.ttft <= SLO.ttft_seconds and (o.mean_itl or 0) <= SLO.itl_seconds]
+    ttfts = [o.ttft for o in done]
+    itls = [o.mean_itl for o in done if o.mean_itl is not None]
+    warm = done[len(done) // 5 :]  # the predictor's error once it has seen answers
+
+    def mape(pairs: list[tuple[float, float]]) -> float:
+        return statistics.fmean(abs(p - y) / y for p, y in pairs if y > 0) if pairs else 0.0
+
+    return {
+        "rate": rate,
+        "slo_share": len(met) / len(outcomes),
+        "goodput_rps": len(met) / duration,
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "itl_p99": percentile(itls, 99),
+        "ttft_mape": mape([(o.predicted_ttft, o.first - o.sent) for o in warm]),
+        "itl_mape": mape([(o.predicted_itl, o.mean_itl) for o in warm if o.mean_itl]),
+    }
+
+
+def rate_at(points: list[dict[str, float]], share: float = 0.9) -> float:
+    """The highest rate with at least `share` meeting the SLO, interpolated between the
+    last point above it and the first below (the sweep's first rate when none is above)."""
+    ordered = sorted(points, key=lambda p: p["rate"])
+    best = 0.0
+    for low, high in itertools.pairwise(ordered):
+        if low["slo_share"] >= share:
+            best = low["rate"]
+            if high["slo_share"] < share:
+                span = low["slo_share"] - high["slo_share"]
+                best += (high["rate"] - low["rate"]) * (low["slo_share"] - share) / span
+                return best
+    if ordered and ordered[-1]["slo_share"] >= share:
+        return ordered[-1]["rate"]
+    return best
+
+
+def goodput_at(points: list[dict[str, float]], rate: float) -> float | None:
+    """Requests/s meeting the SLO at `rate`, interpolated within the sweep (None outside)."""
+    ordered = sorted(points, key=lambda p: p["rate"])
+    for low, high in itertools.pairwise(ordered):
+        if low["rate"] <= rate <= high["rate"]:
+            f = (rate - low["rate"]) / (high["rate"] - low["rate"])
+            return low["goodput_rps"] + f * (high["goodput_rps"] - low["goodput_rps"])
+    return None
+
+
+def decision_cost(replicas: int, rounds: int = 2000) -> float:
+    """p99 CPU seconds of one slo-aware decision's predictions over `replicas` candidates
+    (this thread's CPU time: on a shared machine wall time's p99 is other processes'
+    time slices, 4-8 ms, not the decision's)."""
+    predictions = Predictions()
+    rng = random.Random(1)
+    request = RoutingRequest(model="m", chunk_hashes=tuple(range(20)), prompt_chars=20 * 256)
+    candidates = [
+        Candidate(url=f"http://r{i}", in_flight=rng.randint(0, 30), running=20.0, waiting=1.0)
+        for i in range(replicas)
+    ]
+    times = []
+    for _ in range(rounds):
+        start = time.thread_time()
+        predictions.costs(request, candidates, 1.0, 0.05)
+        times.append(time.thread_time() - start)
+    return percentile(times, 99)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pools", default="h100,mixed")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--rates", default="30,40,50,60,70")
+    parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="3 rates, 600 requests")
+    parser.add_argument("--out", default="bench/results/slo_routing.json")
+    args = parser.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    requests = args.requests
+    if args.quick:
+        rates, requests = rates[1::2] or rates, min(requests, 600)
+    policies = args.policies.split(",")
+    for policy in policies:
+        if policy not in KUBELLM_POLICIES + PEER_POLICIES:
+            parser.error(f"--policies: unknown {policy!r}")
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    print(f"SLO: TTFT {SLO.ttft_seconds} s, ITL {SLO.itl_seconds} s; {requests} requests per case")
+    header = f"{'pool':6} {'policy':13} {'rate':>5} {'SLO%':>6} {'good/s':>7} {'TTFT50':>7} "
+    print(header + f"{'TTFT99':>7} {'ITL99':>7} {'MAPE-T':>7} {'MAPE-I':>7}")
+    for pool in args.pools.split(","):
+        results[pool] = {}
+        for rate in rates:
+            jobs = workload(rate, requests, args.seed)
+            duration = jobs[-1].arrival
+            for policy in policies:
+                run = Fleet(POOLS[pool], policy, SLO, seed=args.seed).run(jobs)
+                row = summarize(run.outcomes, rate, duration)
+                results[pool].setdefault(policy, []).append(row)
+                print(f"{pool:6} {policy:13} {rate:5g} {100 * row['slo_share']:6.1f} "
+                      f"{row['goodput_rps']:7.1f} {row['ttft_p50']:7.3f} {row['ttft_p99']:7.3f} "
+                      f"{row['itl_p99']:7.4f} {100 * row['ttft_mape']:6.1f}% "
+                      f"{100 * row['itl_mape']:6.1f}%", flush=True)  # fmt: skip
+    costs = {n: decision_cost(n) for n in (4, 16)}
+    print(f"\nslo-aware decision cost p99: 4 replicas {1e6 * costs[4]:.0f} us, "
+          f"16 replicas {1e6 * costs[16]:.0f} us")  # fmt: skip
+    verdicts = verdict(results, costs)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"results": results, "decision_cost_p99": costs,
+                                          "verdicts": verdicts}, indent=1))  # fmt: skip
+    return 0
+
+
+def verdict(
+    results: dict[str, dict[str, list[dict[str, float]]]], costs: dict[int, float]
+) -> list[str]:
+    lines = []
+    print("\n90%-rate (req/s at which 90% meet both SLOs):")
+    for pool, by_policy in results.items():
+        knees = {p: rate_at(points) for p, points in by_policy.items()}
+        print(f"  {pool}: " + ", ".join(f"{p} {r:.1f}" for p, r in knees.items()))
+        if "slo-aware" not in knees or "prefix-aware" not in knees:
+            continue
+        mine, base = knees["slo-aware"], knees["prefix-aware"]
+        peers = [knees[p] for p in PEER_POLICIES if p in knees]
+        ok = mine >= 1.2 * base and all(mine >= p for p in peers)
+        lines.append(f"{pool}: 90%-rate {mine:.1f} vs prefix-aware {base:.1f} "
+                     f"(x{mine / base if base else float('inf'):.2f}), best peer "
+                     f"{max(peers, default=0):.1f}: {'MET' if ok else 'NOT MET'} "
+                     "(>= 1.2x prefix-aware and >= every peer)")  # fmt: skip
+        past = 1.4 * base
+        at = {p: goodput_at(points, past) for p, points in by_policy.items()}
+        if at.get("slo-aware") is None or at.get("prefix-aware") is None:
+            lines.append(f"{pool}: {past:.1f} req/s (1.4x prefix-aware's 90%-rate) is outside "
+                         "the sweep: NOT MEASURED")  # fmt: skip
+        else:
+            others = {p: g for p, g in at.items() if p in PEER_POLICIES and g is not None}
+            ok = at["slo-aware"] >= 1.2 * at["prefix-aware"] and all(
+                at["slo-aware"] >= g for g in others.values()
+            )
+            peers_text = ", ".join(f"{p} {g:.1f}" for p, g in others.items())
+            lines.append(f"{pool}: at {past:.1f} req/s SLO-meeting req/s: slo-aware "
+                         f"{at['slo-aware']:.1f}, prefix-aware {at['prefix-aware']:.1f}, "
+                         f"{peers_text}: {'MET' if ok else 'NOT MET'} "
+                         "(>= 1.2x prefix-aware, >= peers)")  # fmt: skip
+        worse = [
+            (a["rate"], a["slo_share"], b["slo_share"])
+            for a, b in zip(by_policy["slo-aware"], by_policy["prefix-aware"], strict=True)
+            if a["slo_share"] < b["slo_share"] - 0.02
+        ]
+        bad = [w[0] for w in worse] or "none"
+        lines.append(f"{pool}: rates where slo-aware is > 2 points worse than prefix-aware: "
+                     f"{bad}: {'NOT MET' if worse else 'MET'}")  # fmt: skip
+        mape = max(p["ttft_mape"] for p in by_policy["slo-aware"])
+        lines.append(f"{pool}: slo-aware TTFT MAPE up to {100 * mape:.1f}%: "
+                     f"{'MET' if mape <= 0.15 else 'NOT MET'} (<= 15%)")  # fmt: skip
+    lines.append(f"decision cost p99 at 16 replicas {1e6 * costs[16]:.0f} us: "
+                 f"{'MET' if costs[16] <= 1e-3 else 'NOT MET'} (<= 1 ms)")  # fmt: skip
+    print("\nVerdict against issue #30's targets:")
+    for line in lines:
+        print("  " + line)
+    return lines
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

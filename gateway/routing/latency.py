@@ -1,0 +1,277 @@
+"""Each replica's TTFT and ITL, predicted from its state at dispatch and learnt online.
+
+Pure: no clock, no I/O. The routing core records a `Dispatch` when it sends a request to
+a replica (the replica's state then, and the request's prompt) and, when the answer has
+streamed, feeds `observe(url, dispatch, ttft, itl)` with what the client saw. `predict`
+answers for a candidate request before it is sent.
+
+The model is the engine's own physics, shared by every replica, times a speed factor per
+replica and per figure, learnt online. One engine step costs a fixed part (the weights
+streamed once, `step_base_s`), a part per sequence decoding in the batch (its KV read,
+`decode_token_s`) and a part per prompt token computed (`prefill_token_s`); a step
+computes at most `max_num_batched_tokens` prompt tokens. So, for a request whose prompt
+leaves `u` tokens uncached on the replica (a prefix it holds enters only here), with `a`
+prompt tokens ahead of it (prompts this gateway sent there that have not begun to stream:
+it knows them exactly), a batch of `b` sequences and `o` requests there that other
+gateways sent (the engine's running + waiting beyond this gateway's in flight):
+
+    steps = 1 + (u + a) // max_num_batched_tokens
+    TTFT  = k_ttft x [(steps + 1/2) x (base + decode x b) + prefill x (u + a)
+                      + o x (base + prefill x QUEUED_PROMPT_TOKENS)]
+    ITL   = k_itl  x [(base + decode x b) / (1 - busy) + prefill x a / PRIOR_ANSWER_TOKENS]
+    busy  = k_ttft x prefill x r                    (at most BUSY_MAX)
+
+where `r` is the rate of prompt tokens this gateway has been sending the replica (a
+moving mean over ~`PREFILL_RATE_WINDOW_S`): `busy` is the share of the replica's time
+spent computing prompts, which stalls every decoding stream there for as long. A
+request's own prefill adds to the others' `r` (`others_itl`), so a long prompt is not
+sent where it would push the streams already there past the ITL target.
+
+(the half step: a request arrives mid-step on average and waits for it to end). `k` is
+an exponentially weighted mean of log(observed / physics) per replica (weight `RATE`
+per answer: an answer's weight halves after ~14 later ones), 0 (factor 1) until data
+arrive: the prior is the profile's step costs (`Prior`, or `Prior.from_capacity` from
+`status.capacity`'s decode bound). A replica that slows down shows a growing k within
+tens of answers, and its speed factor against its peers is what `kubellm diagnose`
+reports. A free regression per replica was tried first (recursive least squares over
+the same features): in the bench it predicted TTFT with a mean error of 40-100% (its
+weights swung on the noisy, lagging engine figures) against 20% for this model.
+
+Stale engine metrics are unknown, never trusted: without fresh figures the batch is
+the gateway's own in-flight count (a lower bound) and no other gateway's requests count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+# Weight of each answer in the speed factors' moving mean (half-life ln 0.5 / ln(1 -
+# RATE) ~ 14 answers).
+RATE = 0.05
+# Predictions never go under this (seconds).
+FLOOR_S = 1e-4
+# The reference state at which replicas' speeds are compared (speed_factors): a
+# 1,000-token uncached prompt joining a batch of 8, nothing ahead.
+REFERENCE_TOKENS = 1000
+REFERENCE_BATCH = 8
+# Answers a replica needs before its speed factor is reported.
+MIN_SAMPLES_FOR_SPEED = 20
+# A request another gateway sent is costed as one step plus this many prompt tokens.
+QUEUED_PROMPT_TOKENS = 250
+# ITL: tokens ahead are spread over this many decode steps of the new answer.
+PRIOR_ANSWER_TOKENS = 100
+# The share of time a replica may be predicted to spend on prompts (1 would be a stall).
+BUSY_MAX = 0.9
+# The window of the prompt-token rate per replica (predicted.Predictions), seconds.
+PREFILL_RATE_WINDOW_S = 5.0
+# Without answers, a replica's factors halve (in log) toward the prior every this many
+# seconds (ReplicaModel.fade).
+IDLE_HALF_LIFE_S = 60.0
+# One answer moves log k by at most this (a stalled stream must not swing the factor).
+MAX_LOG_STEP = math.log(4.0)
+
+
+@dataclass(frozen=True)
+class Prior:
+    """The engine's step costs before any answer is seen (the simulator profile's
+    figures; defaults: Llama 3.1 8B on one H100, engine_image/sim_profiles.py)."""
+
+    step_base_s: float = 0.007
+    prefill_token_s: float = 32e-6
+    decode_token_s: float = 80e-6
+    max_num_batched_tokens: int = 8192
+
+    @classmethod
+    def from_capacity(cls, decode_tokens_per_second_bound: float) -> Prior:
+        """From `status.capacity.decodeTokensPerSecondBound` (one stream's bandwidth
+        bound): a step at ~70% of the bound, prefill per token 1/220 of a step and a
+        sequence's KV read 1/90 of one (the H100 8B profile's ratios; learnt afterwards)."""
+        if not decode_tokens_per_second_bound > 0:
+            raise ValueError(
+                "status.capacity.decodeTokensPerSecondBound must be positive, not "
+                f"{decode_tokens_per_second_bound!r}"
+            )
+        step = 1.0 / (0.7 * decode_tokens_per_second_bound)
+        return cls(step_base_s=step, prefill_token_s=step / 220, decode_token_s=step / 90)
+
+    def ttft(self, d: Dispatch) -> float:
+        """The physics' TTFT of dispatch `d` (speed factor 1)."""
+        tokens = d.uncached + d.ahead_tokens
+        steps = 1 + tokens // self.max_num_batched_tokens
+        step = self.step_base_s + self.decode_token_s * d.batch
+        queued = self.step_base_s + self.prefill_token_s * QUEUED_PROMPT_TOKENS
+        return (steps + 0.5) * step + self.prefill_token_s * tokens + d.others * queued
+
+    def itl(self, d: Dispatch, busy: float = 0.0) -> float:
+        """The physics' mean ITL of dispatch `d` (speed factor 1) on a replica that spends
+        `busy` of its time computing prompts."""
+        spread = self.prefill_token_s * d.ahead_tokens / PRIOR_ANSWER_TOKENS
+        step = self.step_base_s + self.decode_token_s * d.batch
+        return step / (1.0 - min(max(busy, 0.0), BUSY_MAX)) + spread
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """A replica's state when a request was (or would be) sent there, and the request."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0  # the part of the prompt the replica holds (prefix index)
+    ahead_tokens: int = 0  # prefill this gateway sent there that has not begun to stream
+    ahead_requests: int = 0  # ... and how many requests that is
+    prefill_rate: float = 0.0  # uncached prompt tokens/s sent there lately, this one not
+    in_flight: int = 0  # this gateway's requests there
+    running: float | None = None  # the engine's figures; None: stale or never scraped
+    waiting: float | None = None
+
+    @property
+    def uncached(self) -> int:
+        return max(self.prompt_tokens - self.cached_tokens, 0)
+
+    @property
+    def batch(self) -> float:
+        """Sequences it would decode with: the engine's running ones or this gateway's in
+        flight there, whichever is more (scraped figures lag by up to a scrape), plus itself."""
+        running = 0.0 if self.running is None else max(self.running, 0.0)
+        return max(running, float(self.in_flight)) + 1.0
+
+    @property
+    def others(self) -> float:
+        """Queued requests there that this gateway did not send (other gateways'): the
+        engine's queue beyond this gateway's prompts not yet streaming; 0 when unknown.
+        (Others' running requests are in `batch`: they cost a decode, not a queue slot.)"""
+        if self.waiting is None:
+            return 0.0
+        return max(self.waiting - self.ahead_requests, 0.0)
+
+
+REFERENCE = Dispatch(prompt_tokens=REFERENCE_TOKENS, in_flight=REFERENCE_BATCH - 1)
+
+
+class ReplicaModel:
+    """One replica's speed factors: log(observed / physics), TTFT and ITL, as moving means."""
+
+    __slots__ = ("log_itl", "log_ttft", "prior", "rate", "samples")
+
+    def __init__(self, prior: Prior, rate: float = RATE) -> None:
+        self.prior = prior
+        self.rate = rate
+        self.log_ttft = 0.0
+        self.log_itl = 0.0
+        self.samples = 0
+
+    @property
+    def speed(self) -> tuple[float, float]:
+        """(TTFT, ITL) factors against the prior's physics (1.5: 50% slower)."""
+        return math.exp(self.log_ttft), math.exp(self.log_itl)
+
+    def fade(self, idle_seconds: float) -> None:
+        """No answer for `idle_seconds`: the factors drift back toward the prior (half-life
+        IDLE_HALF_LIFE_S), so a replica routed around because it was slow is tried again
+        once it may have recovered, and relearnt from its next answers."""
+        keep = 0.5 ** (max(idle_seconds, 0.0) / IDLE_HALF_LIFE_S)
+        self.log_ttft *= keep
+        self.log_itl *= keep
+
+    def busy(self, prefill_rate: float) -> float:
+        """The share of its time this replica spends on prompts at `prefill_rate` tokens/s
+        (prefill runs at its TTFT speed)."""
+        return self.speed[0] * self.prior.prefill_token_s * prefill_rate
+
+    def predict(self, dispatch: Dispatch) -> tuple[float, float]:
+        """(TTFT, ITL) in seconds."""
+        k_ttft, k_itl = self.speed
+        busy = self.busy(dispatch.prefill_rate)
+        return (
+            max(k_ttft * self.prior.ttft(dispatch), FLOOR_S),
+            max(k_itl * self.prior.itl(dispatch, busy), FLOOR_S),
+        )
+
+    def others_itl(self, dispatch: Dispatch) -> float:
+        """The mean ITL the requests already there would see once this one's prompt adds
+        to the replica's prompt rate (its tokens over the rate's window); 0 when nobody is
+        there."""
+        if dispatch.batch <= 1:
+            return 0.0
+        rate = dispatch.prefill_rate + dispatch.uncached / PREFILL_RATE_WINDOW_S
+        return self.speed[1] * self.prior.itl(dispatch, self.busy(rate))
+
+    def observe(self, dispatch: Dispatch, ttft: float | None, itl: float | None) -> None:
+        """Learn from one answer (either figure None, not finite or not positive: that
+        part is skipped)."""
+        if ttft is not None and math.isfinite(ttft) and ttft > 0:
+            self.log_ttft += self.rate * _step(ttft / self.prior.ttft(dispatch), self.log_ttft)
+        if itl is not None and math.isfinite(itl) and itl > 0:
+            physics = self.prior.itl(dispatch, self.busy(dispatch.prefill_rate))
+            self.log_itl += self.rate * _step(itl / physics, self.log_itl)
+        self.samples += 1
+
+
+def _step(ratio: float, current: float) -> float:
+    """How far one answer pulls log k: toward log(ratio), at most MAX_LOG_STEP."""
+    return min(max(math.log(ratio) - current, -MAX_LOG_STEP), MAX_LOG_STEP)
+
+
+class LatencyModel:
+    """Every replica's model, by URL; replicas first seen start from the prior."""
+
+    def __init__(self, prior: Prior | None = None, rate: float = RATE) -> None:
+        self.prior = prior or Prior()
+        self.rate = rate
+        self.replicas: dict[str, ReplicaModel] = {}
+
+    def replica(self, url: str) -> ReplicaModel:
+        model = self.replicas.get(url)
+        if model is None:
+            model = self.replicas[url] = ReplicaModel(self.prior, self.rate)
+        return model
+
+    def predict(self, url: str, dispatch: Dispatch) -> tuple[float, float]:
+        model = self.replicas.get(url)
+        if model is None:  # not created on a read: predictions for unknown URLs cost nothing
+            return ReplicaModel(self.prior, self.rate).predict(dispatch)
+        return model.predict(dispatch)
+
+    def observe(self, url: str, dispatch: Dispatch, ttft: float | None, itl: float | None) -> None:
+        self.replica(url).observe(dispatch, ttft, itl)
+
+    def others_itl(self, url: str, dispatch: Dispatch) -> float:
+        model = self.replicas.get(url) or ReplicaModel(self.prior, self.rate)
+        return model.others_itl(dispatch)
+
+    def forget_replicas(self, keep: Iterable[str]) -> None:
+        """Drop the models of replicas no longer in any target."""
+        wanted = set(keep)
+        for url in [u for u in self.replicas if u not in wanted]:
+            del self.replicas[url]
+
+
+def slo_cost(
+    ttft: float, itl: float, ttft_target: float, itl_target: float, others_itl: float = 0.0
+) -> float:
+    """How far a prediction is from the SLO: the largest of the request's predicted TTFT
+    and ITL and the ITL it leaves the requests already there (`others_itl`), each over its
+    target (1: exactly at the target; under 1: within all)."""
+    return max(ttft / ttft_target, itl / itl_target, others_itl / itl_target)
+
+
+def speed_factors(
+    models: dict[str, ReplicaModel], min_samples: int = MIN_SAMPLES_FOR_SPEED
+) -> dict[str, float]:
+    """Each replica's predicted time at the reference state over the median of its peers
+    (1.6: 60% slower than the middle replica at the same batch and prompt). Replicas
+    with fewer than `min_samples` answers are left out (their figure is the prior's)."""
+    reference = REFERENCE
+    times = {}
+    for url, model in models.items():
+        if model.samples < min_samples:
+            continue
+        ttft, itl = model.predict(reference)
+        times[url] = math.sqrt(ttft * itl)  # both matter; a geometric mean keeps ratios
+    if len(times) < 2:
+        return {}
+    ordered = sorted(times.values())
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return {url: t / median for url, t in times.items()}

@@ -1,0 +1,201 @@
+"""What the routing core knows about each replica's latency, around the pure model.
+
+`Predictions` keeps the `latency.LatencyModel`, the prefill each replica still owes this
+gateway (prompts sent there that have not begun to stream: "tokens ahead"), and the
+metrics that show how good the predictions are. The ticket calls it at each phase:
+
+    dispatch = predictions.sent(url, request, candidate)   # an attempt starts
+    predictions.started(url, dispatch)                     # its first token streamed
+    predictions.answered(labels, url, dispatch, ttft, itl) # a whole streamed answer
+    predictions.abandoned(url, dispatch)                   # it ended otherwise
+
+It learns from every policy's answers, so switching a model to `slo-aware` starts from
+a model that already knows its replicas. `costs(...)` is what the `slo-aware` profile
+ranks by (routing/router.py) and what its admission compares with the TTFT budget.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+from kubellm.gateway.routing.latency import (
+    PREFILL_RATE_WINDOW_S,
+    Dispatch,
+    LatencyModel,
+    Prior,
+    slo_cost,
+    speed_factors,
+)
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.scorers.prefix import CHUNK_CHARS, PrefixIndex
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from kubellm import metrics
+
+# The simulator and the approximate prefix index count ~4 characters per token.
+CHARS_PER_TOKEN = 4
+_RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
+_LABELS = ("model", "deployment", "namespace", "url")
+_NONE = (0, 0)
+# A replica's factors fade toward the prior once it has had no answer for this long.
+FADE_AFTER_S = 5.0
+
+
+def prompt_tokens(request: RoutingRequest) -> int:
+    """The prompt's length in tokens, estimated from its characters."""
+    return request.prompt_chars // CHARS_PER_TOKEN
+
+
+class Predictions:
+    def __init__(
+        self,
+        prior: Prior | None = None,
+        registry: CollectorRegistry | None = None,
+        index_capacity: int = 65_536,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = LatencyModel(prior)
+        self.clock = clock
+        # url -> (moving mean of uncached prompt tokens/s sent there, when last updated)
+        self.rates: dict[str, tuple[float, float]] = {}
+        self.answered_at: dict[str, float] = {}  # url -> the last answer learnt from, or fade
+        # What was sent where, every prompt (the router's index leaves out cold prompts
+        # sent away from their home, by design; the replica still caches them)
+        self.index = PrefixIndex(index_capacity)
+        # url -> [prefill tokens, requests] sent there that have not begun to stream
+        self.ahead: dict[str, list[int]] = {}
+        r = registry or CollectorRegistry()
+        self.ratio = Histogram(
+            metrics.GATEWAY_PREDICTION_RATIO,
+            "Predicted over observed latency of each streamed answer (kind=ttft|itl), per "
+            "replica: 1 is exact, under 1 the replica was slower than predicted.",
+            [*_LABELS, "kind"],
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.speed = Gauge(
+            metrics.GATEWAY_SPEED_FACTOR,
+            "Each replica's predicted latency at the same batch and prompt over the median "
+            "of its model's replicas (1.6: 60% slower than its peers).",
+            _LABELS,
+            registry=r,
+        )
+
+    # ---------------------------------------------------------------- features
+
+    def dispatch(self, url: str, request: RoutingRequest, candidate: Candidate) -> Dispatch:
+        """The replica's state for this request now."""
+        tokens = prompt_tokens(request)
+        hashes = request.chunk_hashes
+        ahead = self.ahead.get(url, _NONE)
+        cached = 0
+        if hashes:
+            matched = self.index.matched(url, hashes)
+            cached = min(tokens, matched * CHUNK_CHARS // CHARS_PER_TOKEN)
+        return Dispatch(
+            prompt_tokens=tokens,
+            cached_tokens=cached,
+            ahead_tokens=ahead[0],
+            ahead_requests=ahead[1],
+            in_flight=candidate.in_flight,
+            prefill_rate=self.prefill_rate(url),
+            running=candidate.running,
+            waiting=candidate.waiting,
+        )
+
+    def prefill_rate(self, url: str, add: int = 0) -> float:
+        """Uncached prompt tokens per second sent to `url` lately (decayed over the
+        window), after adding `add` tokens sent now."""
+        now = self.clock()
+        rate, then = self.rates.get(url, (0.0, now))
+        rate *= math.exp(-(now - then) / PREFILL_RATE_WINDOW_S)
+        if add:
+            rate += add / PREFILL_RATE_WINDOW_S
+            self.rates[url] = (rate, now)
+        return rate
+
+    def costs(
+        self,
+        request: RoutingRequest,
+        candidates: Sequence[Candidate],
+        ttft_target: float,
+        itl_target: float,
+    ) -> dict[str, tuple[float, float, float]]:
+        """Per candidate URL: (SLO cost, predicted TTFT, predicted ITL); see latency.slo_cost
+        (the cost counts the ITL this request leaves the ones already there too)."""
+        out = {}
+        model = self.model
+        now = self.clock()
+        for c in candidates:
+            self._fade(c.url, now)
+            dispatch = self.dispatch(c.url, request, c)
+            ttft, itl = model.predict(c.url, dispatch)
+            others = model.others_itl(c.url, dispatch)
+            out[c.url] = (slo_cost(ttft, itl, ttft_target, itl_target, others), ttft, itl)
+        return out
+
+    def _fade(self, url: str, now: float) -> None:
+        """A replica without answers for a while drifts back to the prior (latency.fade)."""
+        then = self.answered_at.get(url)
+        if then is not None and now - then > FADE_AFTER_S and url in self.model.replicas:
+            self.model.replicas[url].fade(now - then)
+            self.answered_at[url] = now
+
+    # ---------------------------------------------------------------- the ticket's calls
+
+    def sent(self, url: str, request: RoutingRequest, candidate: Candidate) -> Dispatch:
+        """An attempt starts on `url`: its features, and its prefill counted as ahead."""
+        dispatch = self.dispatch(url, request, candidate)
+        ahead = self.ahead.setdefault(url, [0, 0])
+        ahead[0] += dispatch.uncached
+        ahead[1] += 1
+        self.prefill_rate(url, add=dispatch.uncached)
+        if request.chunk_hashes:
+            self.index.record(url, request.chunk_hashes)
+        return dispatch
+
+    def started(self, url: str, dispatch: Dispatch) -> None:
+        """Its first token streamed: its prefill is done."""
+        ahead = self.ahead.get(url)
+        if ahead is None:
+            return
+        ahead[0] -= dispatch.uncached
+        ahead[1] -= 1
+        if ahead[1] <= 0:
+            del self.ahead[url]
+
+    abandoned = started  # it ended before streaming: it owes no prefill either
+
+    def answered(
+        self,
+        labels: tuple[str, str, str],
+        url: str,
+        dispatch: Dispatch,
+        ttft: float | None,
+        itl: float | None,
+    ) -> None:
+        """A whole streamed answer: the error of what was predicted, then learn from it."""
+        predicted_ttft, predicted_itl = self.model.predict(url, dispatch)
+        if ttft is not None and ttft > 0:
+            self.ratio.labels(*labels, url, "ttft").observe(predicted_ttft / ttft)
+        if itl is not None and itl > 0:
+            self.ratio.labels(*labels, url, "itl").observe(predicted_itl / itl)
+        self.model.observe(url, dispatch, ttft, itl)
+        self.answered_at[url] = self.clock()
+
+    def forget(self, keep: Sequence[str]) -> None:
+        """Drop what is kept about replicas no longer in any model (bounded state: a fleet
+        that replaces its pods does not grow these maps)."""
+        wanted = set(keep)
+        self.model.forget_replicas(wanted)
+        for table in (self.ahead, self.rates, self.answered_at):
+            for url in [u for u in table if u not in wanted]:
+                del table[url]
+
+    def publish_speed(self, labels: tuple[str, str, str], urls: Sequence[str]) -> None:
+        """Set the speed-factor gauge of one model's replicas (those with enough answers)."""
+        models = {u: self.model.replicas[u] for u in urls if u in self.model.replicas}
+        for url, factor in speed_factors(models).items():
+            self.speed.labels(*labels, url).set(round(factor, 3))

@@ -1,0 +1,176 @@
+"""The latency model (routing/latency.py): its prior, its forgetting, stale inputs (its
+cost per decision is measured by bench/slo_routing.py, not asserted)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from kubellm.gateway.routing.latency import (
+    MIN_SAMPLES_FOR_SPEED,
+    Dispatch,
+    LatencyModel,
+    Prior,
+    ReplicaModel,
+    slo_cost,
+    speed_factors,
+)
+from kubellm.gateway.routing.predicted import Predictions
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+
+H100 = Prior()  # the H100 8B profile's step costs: 7 ms, 32 us / prompt token, 80 us / seq
+
+# (dispatch, TTFT and ITL from the prior, by hand from the formula in the module)
+PRIOR_TABLE = [
+    # idle replica, 1,000-token prompt: 1.5 steps of (7 ms + 80 us) + 1,000 x 32 us
+    (Dispatch(prompt_tokens=1000), 1.5 * 0.00708 + 0.032, 0.00708),
+    # the replica holds 800 of them: only 200 are computed
+    (Dispatch(prompt_tokens=1000, cached_tokens=800), 1.5 * 0.00708 + 0.0064, 0.00708),
+    # 3,000 tokens ahead of it, a batch of 20 (19 in flight + itself)
+    (Dispatch(prompt_tokens=1000, ahead_tokens=3000, ahead_requests=2, in_flight=19),
+     1.5 * (0.007 + 20 * 80e-6) + 4000 * 32e-6, 0.007 + 20 * 80e-6 + 3000 * 32e-6 / 100),
+    # 10,000 tokens to compute: two steps of 8,192 tokens, then the first token
+    (Dispatch(prompt_tokens=10_000), 2.5 * 0.00708 + 0.32, 0.00708),
+    # 3 queued there by other gateways (engine queue 3, none of this gateway's waiting)
+    (Dispatch(prompt_tokens=1000, waiting=3, running=0),
+     1.5 * 0.00708 + 0.032 + 3 * (0.007 + 250 * 32e-6), 0.00708),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dispatch", "ttft", "itl"), PRIOR_TABLE)
+def test_a_new_replica_predicts_from_the_prior(dispatch: Dispatch, ttft: float, itl: float) -> None:
+    model = LatencyModel(H100)
+    assert model.predict("http://new", dispatch) == pytest.approx((ttft, itl))
+    assert model.replicas == {}  # a read creates nothing
+
+
+@pytest.mark.parametrize(
+    ("bound", "step"),
+    [(143.0, 1 / (0.7 * 143)), (50.0, 1 / 35)],  # 7B bf16 at 2,000 GB/s; a slower card
+)
+def test_the_prior_from_status_capacity_scales_with_the_decode_bound(
+    bound: float, step: float
+) -> None:
+    prior = Prior.from_capacity(bound)
+    assert prior.step_base_s == pytest.approx(step)
+    assert prior.prefill_token_s == pytest.approx(step / 220)
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="decodeTokensPerSecondBound"):
+            Prior.from_capacity(bad)
+
+
+def _feed(model: ReplicaModel, factor: float, answers: int) -> None:
+    """Answers from a replica `factor` times slower than the prior's physics."""
+    for i in range(answers):
+        d = Dispatch(prompt_tokens=200 + 37 * (i % 50), in_flight=i % 16)
+        model.observe(d, factor * H100.ttft(d), factor * H100.itl(d))
+
+
+# (answers at factor 1.5, then answers at factor 1.0, the TTFT speed learnt within 10%)
+FORGETTING_TABLE = [
+    (0, 0, 1.0),  # nothing seen: the prior
+    (200, 0, 1.5),  # a slow replica learnt
+    (200, 100, 1.0),  # it recovered: 100 later answers outweigh the 200 old ones
+    (200, 5, 1.5 ** (0.95**5)),  # 5 answers in: log k's old part x 0.95 per answer
+]
+
+
+@pytest.mark.parametrize(("slow", "fast", "speed"), FORGETTING_TABLE)
+def test_old_answers_fade(slow: int, fast: int, speed: float) -> None:
+    model = ReplicaModel(H100)
+    _feed(model, 1.5, slow)
+    _feed(model, 1.0, fast)
+    assert model.speed[0] == pytest.approx(speed, rel=0.02)
+    d = Dispatch(prompt_tokens=1234, in_flight=5)
+    assert model.predict(d)[0] == pytest.approx(speed * H100.ttft(d), rel=0.1)
+
+
+def test_one_stalled_answer_moves_the_factor_by_a_bounded_step() -> None:
+    model = ReplicaModel(H100)
+    d = Dispatch(prompt_tokens=500)
+    model.observe(d, 1000 * H100.ttft(d), None)  # a stream that stalled for minutes
+    assert model.speed[0] == pytest.approx(4.0**0.05)  # one RATE step of at most log 4
+    model.observe(d, math.inf, math.nan)  # and nonsense teaches nothing
+    model.observe(d, -1.0, 0.0)
+    assert model.speed[0] == pytest.approx(4.0**0.05)
+    assert model.speed[1] == 1.0
+
+
+# (engine figures: running, waiting; fresh or stale) -> what the model uses
+STALE_TABLE = [
+    # fresh: running 30 > this gateway's 10 in flight: a batch of 31; 2 queued by others
+    (30.0, 3.0, 31.0, 2.0),
+    # stale (None): the gateway's own in-flight count, nobody else's queue
+    (None, None, 11.0, 0.0),
+    # fresh but lagging: the engine reports fewer running than are in flight from here
+    (4.0, 0.0, 11.0, 0.0),
+]
+
+
+@pytest.mark.parametrize(("running", "waiting", "batch", "others"), STALE_TABLE)
+def test_stale_engine_figures_are_unknown_not_zero(
+    running: float | None, waiting: float | None, batch: float, others: float
+) -> None:
+    d = Dispatch(prompt_tokens=100, in_flight=10, ahead_requests=1, running=running,
+                 waiting=waiting)  # fmt: skip
+    assert (d.batch, d.others) == (batch, others)
+
+
+def test_predictions_treat_a_candidate_with_stale_metrics_as_unknown() -> None:
+    """A replica whose last scrape is stale reports None (router.candidates): its old
+    queue of 50 must not count, its in-flight count does."""
+    predictions = Predictions()
+    request = RoutingRequest(model="m", prompt_chars=4000)
+    stale = Candidate(url="http://a", in_flight=3, running=None, waiting=None)
+    fresh_busy = Candidate(url="http://a", in_flight=3, running=40.0, waiting=50.0)
+    assert predictions.dispatch("http://a", request, stale).batch == 4.0
+    ttft_stale = predictions.model.predict(
+        "http://a", predictions.dispatch("http://a", request, stale)
+    )
+    ttft_busy = predictions.model.predict(
+        "http://a", predictions.dispatch("http://a", request, fresh_busy)
+    )
+    assert ttft_stale < ttft_busy
+
+
+def test_speed_factors_name_the_slow_replica_once_it_has_answers() -> None:
+    models = {}
+    for url, factor in [("a", 1.0), ("b", 1.0), ("c", 1.6), ("d", 1.0)]:
+        models[url] = ReplicaModel(H100)
+        _feed(models[url], factor, 200)
+    speeds = speed_factors(models)
+    assert speeds["c"] == pytest.approx(1.6, rel=0.05)
+    assert all(speeds[u] == pytest.approx(1.0, rel=0.05) for u in "abd")
+    young = {"a": models["a"], "e": ReplicaModel(H100)}
+    _feed(young["e"], 3.0, MIN_SAMPLES_FOR_SPEED - 1)
+    assert speed_factors(young) == {}  # e has too few answers; a alone has no peers
+
+
+@pytest.mark.parametrize(
+    ("ttft", "itl", "cost"), [(0.5, 0.01, 0.5), (0.1, 0.1, 2.0), (1.0, 0.05, 1.0)]
+)
+def test_slo_cost_is_the_worse_of_the_two_ratios(ttft: float, itl: float, cost: float) -> None:
+    assert slo_cost(ttft, itl, ttft_target=1.0, itl_target=0.05) == pytest.approx(cost)
+
+
+def test_prefix_held_enters_through_the_uncached_part() -> None:
+    predictions = Predictions()
+    request = RoutingRequest(model="m", chunk_hashes=tuple(range(40)), prompt_chars=40 * 256)
+    holder, other = Candidate(url="http://holder"), Candidate(url="http://other")
+    predictions.sent("http://holder", request, holder)
+    predictions.started("http://holder", predictions.dispatch("http://holder", request, holder))
+    costs = predictions.costs(request, [holder, other], 1.0, 0.05)
+    assert predictions.dispatch("http://holder", request, holder).uncached == 0
+    assert costs["http://holder"][1] < costs["http://other"][1]
+
+
+def test_ahead_counts_what_has_not_begun_to_stream() -> None:
+    predictions = Predictions()
+    request = RoutingRequest(model="m", prompt_chars=4000)
+    a = Candidate(url="http://a")
+    first = predictions.sent("http://a", request, a)
+    second = predictions.sent("http://a", request, a)
+    assert (second.ahead_tokens, second.ahead_requests) == (1000, 1)
+    predictions.started("http://a", first)
+    predictions.abandoned("http://a", second)
+    assert predictions.dispatch("http://a", request, a).ahead_tokens == 0
