@@ -192,6 +192,7 @@ def settings_from(args: argparse.Namespace) -> Any:
         adapter_affinity=scheduling.adapter_affinity,
         max_adapter_loads=scheduling.max_adapter_loads,
         tokenizers=scheduling.tokenizers,
+        tenancy=scheduling.tenancy,
     )
 
 

@@ -42,6 +42,7 @@ from kubellm.gateway.routing import slo
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Attempt, Ticket
 from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings
+from kubellm.gateway.routing.tenants import PRIORITY_HEADER
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger("kubellm.epp")
@@ -328,6 +329,12 @@ class Exchange:
         if match is None:
             return [self.refuse(errors.model_not_found(model))]
         target, adapter = match
+        try:  # the tenant, from the headers Envoy passes (tenancy.py), when declared
+            caller = self.sched.identify(
+                self.headers.get("authorization"), self.headers.get(PRIORITY_HEADER)
+            )
+        except GatewayError as error:
+            return [self.refuse(error)]
         session = self.headers.get(SESSION_HEADER)
         routing = routing_request(target.served_name, parsed, session, adapter)
         settings = self.picker.settings
@@ -337,6 +344,7 @@ class Exchange:
             arrived=self.arrived,
             stream=parsed.get("stream") is True,
             fallback=settings.fallback_forwarder is not None,
+            caller=caller,
         )
         if ticket.refusal is not None:
             return [self._immediate(ticket.refusal)]

@@ -40,6 +40,8 @@ from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Ticket
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings
+from kubellm.gateway.routing.tenancy import Caller, TenancySettings
+from kubellm.gateway.routing.tenants import PRIORITY_HEADER as PRIORITY
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -89,6 +91,7 @@ class GatewaySettings:
     body_timeout: float = 30.0  # reading a request body, from its headers to its end
     # Precise prefix routing: each model's tokenizer (served name -> directory or HF id).
     tokenizers: dict[str, str] = field(default_factory=dict)
+    tenancy: TenancySettings | None = None  # --tenants FILE: routing/tenancy.py
 
     def scheduling(self) -> SchedulerSettings:
         return SchedulerSettings(
@@ -103,6 +106,7 @@ class GatewaySettings:
             max_adapter_loads=self.max_adapter_loads,
             tokenizers=dict(self.tokenizers),
             retry_after_seconds=self.retry_after_seconds,
+            tenancy=self.tenancy,
         )
 
     def limits(self) -> Limits:
@@ -177,13 +181,17 @@ class Gateway:
 
     # ---------------------------------------------------------------- checks
 
-    def authenticate(self, authorization: str | None) -> None:
-        """Check the `Authorization` header's value (None: absent) against the key hashes."""
+    def authenticate(self, authorization: str | None, priority: str | None = None) -> Caller | None:
+        """Check the `Authorization` header's value (None: absent) against the key hashes,
+        or find its tenant when tenants are declared (`priority`: x-kubellm-priority)."""
+        if self.scheduler.tenancy is not None:
+            return self.scheduler.identify(authorization, priority)
         if not self.settings.api_key_hashes:
             return
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or hash_key(key.strip()) not in self.settings.api_key_hashes:
             raise errors.unauthorized()
+        return None
 
     async def read_body(self, receive: Receive, declared: str | None) -> bytes:
         """The request body, refused once it exceeds the size limit (`declared`: its
@@ -230,7 +238,7 @@ class Gateway:
         call = _Call(path, headers, send)
         try:
             try:
-                self.authenticate(headers.get("authorization"))
+                caller = self.authenticate(headers.get("authorization"), headers.get(PRIORITY))
                 raw = await self.read_body(receive, headers.get("content-length"))
                 body = parse_body(raw, path)
             except GatewayError as error:
@@ -246,7 +254,7 @@ class Gateway:
             # stops working for a client that left, queued, waiting or mid-stream.
             try:
                 async with relay.DisconnectWatch(receive) as watch:
-                    await self._route(call, found[0], found[1], raw, body, arrived)
+                    await self._route(call, found[0], found[1], raw, body, arrived, caller)
             finally:
                 if call.ticket is not None:
                     call.ticket.finish()  # once: a no-op after a normal end; else 499
@@ -272,13 +280,16 @@ class Gateway:
         raw: bytes,
         body: dict[str, Any],
         arrived: float,
+        caller: Caller | None = None,
     ) -> None:
         """Admission, then forwarding to a replica or the fallback, or the core's refusal."""
         routing = routing_request(
             target.served_name, body, call.headers.get("x-session-id"), adapter
         )
         stream = body.get("stream") is True
-        ticket = await self.scheduler.admit(target, routing, arrived=arrived, stream=stream)
+        ticket = await self.scheduler.admit(
+            target, routing, arrived=arrived, stream=stream, caller=caller
+        )
         call.ticket = ticket
         if ticket.refusal is not None:
             return await call.error(ticket.refusal)
@@ -463,7 +474,13 @@ async def _no_receive() -> Message:
 
 # The request headers the gateway reads (ASGI servers send names in lower case).
 _WANTED = frozenset(
-    (b"authorization", b"content-length", b"x-session-id", *(h.encode() for h in FORWARDED))
+    (
+        b"authorization",
+        b"content-length",
+        b"x-session-id",
+        PRIORITY.encode(),
+        *(h.encode() for h in FORWARDED),
+    )
 )
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from kubellm.gateway.routing import tenant_flags
+
 if TYPE_CHECKING:
     from kubellm.gateway.routing.scheduler import SchedulerSettings
 
@@ -67,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "without one, precise mode scores approximately "
         "(kubellm_gateway_prefix_index_fallbacks_total)",
     )
+    tenant_flags.add_arguments(parser)
 
 
 def settings_from(args: argparse.Namespace) -> SchedulerSettings:
@@ -83,4 +86,5 @@ def settings_from(args: argparse.Namespace) -> SchedulerSettings:
         tokenizers=tokenizer_pairs(args.tokenizer),
         adapter_affinity=args.adapter_routing == "affinity",
         max_adapter_loads=args.max_adapter_loads,
+        tenancy=tenant_flags.settings_from(args),
     )

@@ -50,6 +50,7 @@ from kubellm.gateway.routing.slo import TOKEN, RequestRecord, StreamTiming
 
 if TYPE_CHECKING:
     from kubellm.gateway.routing.scheduler import Scheduler
+    from kubellm.gateway.routing.tenancy import Caller
 
 # The response header both front ends set: which route answered (replica, fallback).
 ROUTE_HEADER = "x-kubellm-route"
@@ -116,8 +117,8 @@ class Ticket:
 
     __slots__ = (
         "_attempt", "_body", "_carry", "_core", "_fallback", "_recorded", "_usage",
-        "arrived", "done", "order", "reason", "record", "refusal", "route", "routing",
-        "served", "status", "stream", "target", "timing",
+        "arrived", "caller", "done", "good", "order", "reason", "record", "refusal", "route",
+        "routing", "served", "status", "stream", "target", "timing",
     )  # fmt: skip
 
     def __init__(
@@ -148,6 +149,8 @@ class Ticket:
         self._body: bytearray | None = None if stream else bytearray()
         self._carry = b""
         self._usage: dict[str, int] | None = None
+        self.caller: Caller | None = None  # its tenant (tenancy.py), when tenants are declared
+        self.good = False  # the answer met the SLO (goodput)
 
     # ------------------------------------------------------------ admission (the core's)
 
@@ -254,6 +257,7 @@ class Ticket:
         status = self.status
         if not status:  # nothing reached the client: it left
             self.record.finish("none", 499)
+            self._core.ended(self)
             return
         if broken is not None:
             self.timing.failed(broken)
@@ -265,6 +269,16 @@ class Ticket:
         if broken is not None and status < 400:
             status = 502  # the answer started and broke: a server-side failure
         self.record.finish(self.route, status)
+        self._core.ended(self)
+
+    def tokens(self) -> dict[str, int]:
+        """The answer's prompt and completion tokens: its `usage` where it had one, else
+        the events that carried text (a stream without a usage event)."""
+        if self._body is not None:
+            return _usage(bytes(self._body))
+        if self._usage:
+            return self._usage
+        return {"completion": self.timing.chunks}
 
     # ------------------------------------------------------------ the SLO outcome
 
@@ -282,6 +296,7 @@ class Ticket:
             tokens = usage.get("completion", 0)
             if whole and ttft <= slo.ttft_seconds + slo.itl_seconds * max(tokens - 1, 0):
                 series.goodput.inc()
+                self.good = True
         else:
             if timing.ttft is not None:
                 series.ttft.observe(timing.ttft)
@@ -291,6 +306,7 @@ class Ticket:
             if completed and met_slo(timing.ttft, timing.mean_itl, slo.ttft_seconds,
                                      slo.itl_seconds):  # fmt: skip
                 series.goodput.inc()
+                self.good = True
         if self.route == "fallback" and status == 200 and usage:
             metric = self._core.metrics.fallback_tokens
             for kind, count in usage.items():

@@ -25,8 +25,10 @@ from typing import Any
 import aiohttp
 from kubellm.gateway.discovery.base import Discovery, Endpoint, ModelTarget
 from kubellm.gateway.routing import adapters, engine_api, slo
+from kubellm.gateway.routing import flow as flows
 from kubellm.gateway.routing.admission import (
     CompletionRate,
+    Decision,
     Route,
     Thresholds,
     decide,
@@ -39,6 +41,7 @@ from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.precise import PreciseRouting
 from kubellm.gateway.routing.router import Router
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.tenancy import Caller, Tenancy, TenancySettings
 
 from kubellm.metrics import parse_lora_info
 
@@ -63,6 +66,8 @@ class SchedulerSettings:
     tokenizers: dict[str, str] = field(default_factory=dict)
     # the Retry-After of a refusal (429 saturated, 503 no replica), both front ends
     retry_after_seconds: int = 1
+    # tenants, flow control and quotas (routing/tenancy.py); None: every request alike
+    tenancy: TenancySettings | None = None
 
 
 class Scheduler:
@@ -96,6 +101,7 @@ class Scheduler:
         self.completions = CompletionRate()  # replica answers finished: predicts queue waits
         self._changed = asyncio.Event()
         self.load.on_release(self.wake)
+        self.tenancy = Tenancy(s.tenancy, self.metrics.registry) if s.tenancy else None
         self._tasks: list[asyncio.Task[None]] = []
 
     # ---------------------------------------------------------------- lifecycle
@@ -120,6 +126,8 @@ class Scheduler:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self.tenancy is not None:
+            await self.tenancy.close()
 
     def tasks(self, client: aiohttp.ClientSession) -> list[Coroutine[Any, Any, None]]:
         """The background work: discovery, and scraping every engine with `client`."""
@@ -187,6 +195,7 @@ class Scheduler:
         arrived: float | None = None,
         stream: bool = False,
         fallback: bool = True,
+        caller: Caller | None = None,
     ) -> Ticket:
         """Wait (bounded by the TTFT target, or the scale-from-zero wait while the model
         has no replica) until the request can go somewhere (see `admission.decide`), and
@@ -194,24 +203,63 @@ class Scheduler:
         `stream`: it asked for a stream; `fallback` False: this front end cannot reach
         the fallback API (the model is admitted as if it had none). A refused ticket is
         finished already and carries the error in `refusal`; a caller cancelled while
-        waiting (its client left) gets its ticket finished as 499."""
+        waiting (its client left) gets its ticket finished as 499. `caller`: its tenant
+        (`identify`), when tenants are declared: quotas, fallback rule, flow control."""
         start = time.monotonic()
         ticket = Ticket(self, target, routing, start if arrived is None else arrived, stream)
+        ticket.caller = caller
         try:
-            route, reason, order, target = await self._decide(target, routing, fallback)
+            if caller is not None and self.tenancy is not None:
+                refusal = await self.tenancy.admit(caller, routing.body)
+                if refusal is not None:
+                    ticket.fail(refusal)
+                    return ticket
+                fallback = fallback and caller.fallback_ok
+            route, reason, order, target = await self._decide(target, routing, fallback, caller)
         except BaseException:
             ticket.finish()
             raise
         ticket._admitted(route, reason, order, target)
+        if caller is not None and self.tenancy is not None and route is Route.REJECT:
+            self.tenancy.dropped(caller, reason, ticket.refusal)
         return ticket
 
+    def identify(self, authorization: str | None, priority: str | None) -> Caller | None:
+        """The tenant of a request from its headers (None: no tenants declared); raises
+        the 401 or 400 to answer (`tenancy.Tenancy.identify`)."""
+        if self.tenancy is None:
+            return None
+        return self.tenancy.identify(authorization, priority)
+
+    def ended(self, ticket: Ticket) -> None:
+        """A ticket finished: its tenant's usage and counters (the ticket calls this)."""
+        if ticket.caller is not None and self.tenancy is not None:
+            self.tenancy.ended(ticket, ticket.caller)
+
     async def _decide(
-        self, target: ModelTarget, routing: RoutingRequest, fallback_allowed: bool
+        self,
+        target: ModelTarget,
+        routing: RoutingRequest,
+        fallback_allowed: bool,
+        caller: Caller | None = None,
     ) -> tuple[Route, str, list[Candidate], ModelTarget]:
         model = target.served_name
         start = time.monotonic()
         ready_now = bool(self.router.candidates(target))
         budget = target.slo.ttft_seconds if ready_now else self.settings.zero_replica_wait_seconds
+        tenancy = self.tenancy if caller is not None else None
+        if tenancy is not None:  # flow control: queues per band x tenant (flow.py)
+            assert caller is not None
+            flow_settings = tenancy.settings.flow
+            flow = tenancy.flow(model)
+            waiter = tenancy.waiter(caller)
+            shed = flow.join(waiter)
+            if shed:
+                self.wake()  # shed waiters look again, and go
+            if waiter.dropped:
+                return Route.REJECT, waiter.dropped, [], target
+            ttl = flow_settings.ttl_seconds  # sheddable: may wait its band's TTL
+            budget = ttl if caller.priority < 0 else min(budget, ttl)
         deadline = start + budget
         queued = False
         loaded = False  # an adapter was loaded for this request
@@ -234,6 +282,14 @@ class Scheduler:
                 thresholds = self.settings.thresholds
                 open_ = [c for c in candidates if not saturated(c, thresholds)]
                 now = time.monotonic()
+                fallback = target.fallback if fallback_allowed else None
+                if tenancy is not None:
+                    if waiter.dropped:  # shed while waiting
+                        return Route.REJECT, waiter.dropped, [], target
+                    if flow.head() is not waiter:  # not its turn: wait (no fallback either)
+                        open_, fallback = [], None
+                    elif waiter.band < flow_settings.headroom_below:
+                        open_ = [c for c in open_ if flows.below_line(c, flow_settings)]
                 waiting = self.queued.get(model, 0)
                 room = queued or waiting < self.settings.max_queue
                 position = waiting if queued else waiting + 1
@@ -241,7 +297,7 @@ class Scheduler:
                 decision = decide(
                     ready=len(candidates),
                     unsaturated=len(open_),
-                    fallback=target.fallback if fallback_allowed else None,
+                    fallback=fallback,
                     fallback_in_flight=self.fallback_in_flight.get(model, 0),
                     may_wait=room and now < deadline,
                     wait=predicted_wait(position, rate),
@@ -254,6 +310,12 @@ class Scheduler:
                         order += [c for c in candidates if c.url not in chosen]
                     waited = now - start
                     self.metrics.target(labels(target)).queue_wait.observe(waited)
+                    if tenancy is not None:
+                        assert caller is not None
+                        if decision.route is Route.REJECT and now >= deadline:
+                            decision = Decision(Route.REJECT, "ttl")
+                        is_replica = decision.route is Route.REPLICA
+                        tenancy.dispatched(model, caller, waited, is_replica)
                     if routing.adapter is not None:
                         self.adapter_placed(target, routing.adapter, decision.route, order, loaded)
                     return decision.route, decision.reason, order, target
@@ -265,6 +327,10 @@ class Scheduler:
         finally:
             if queued:
                 self.queued[model] -= 1
+            if tenancy is not None:
+                flow.leave(waiter)
+                if len(flow):
+                    self.wake()  # the next in line looks now
 
     async def adapter_holders(
         self, target: ModelTarget, name: str, candidates: list[Candidate], deadline: float
