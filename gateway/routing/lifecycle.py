@@ -167,8 +167,8 @@ class Ticket:
             self.route = "fallback"
             self._fallback = core.fallback_slot(target.served_name)
             core.metrics.fallback.labels(*self.record.series.labels, reason).inc()
-        else:  # saturated: 429, come back soon; no replica at all: 503 until one is up
-            status = 429 if reason == "saturated" else 503
+        else:  # saturated (or shed by flow control): 429, come back soon; no replica: 503
+            status = 503 if reason == "no-ready-replicas" else 429
             retry = core.settings.retry_after_seconds
             self.fail(errors.overloaded(target.served_name, retry, status))
 

@@ -312,7 +312,7 @@ class Scheduler:
                     self.metrics.target(labels(target)).queue_wait.observe(waited)
                     if tenancy is not None:
                         assert caller is not None
-                        if decision.route is Route.REJECT and now >= deadline:
+                        if decision == Decision(Route.REJECT, "saturated") and now >= deadline:
                             decision = Decision(Route.REJECT, "ttl")
                         is_replica = decision.route is Route.REPLICA
                         tenancy.dispatched(model, caller, waited, is_replica)
