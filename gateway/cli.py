@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-from typing import Any
 
+from kubellm.gateway.http.settings import ClientLimits, GatewaySettings
 from kubellm.gateway.routing import flags
+
+_D, _CLIENT = GatewaySettings(), ClientLimits()  # each default stated once, there
 
 # The cyclic GC's young-generation threshold in the gateway process (Python's default: 700).
 YOUNG_COLLECTION_EVERY = 20_000
@@ -23,21 +25,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on")
     parser.add_argument(
-        "--static",
-        metavar="FILE",
-        help="serve the models listed in FILE instead of watching the cluster",
-    )
-    parser.add_argument(
-        "--namespace",
-        help="watch only this namespace (cluster mode; default: all namespaces)",
-    )
-    parser.add_argument(
         "--api-keys-file",
         metavar="FILE",
         help="require an API key: FILE holds sha256 hex digests of accepted keys, one a line",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    flags.add_arguments(parser)  # admission, scraping, tokenizers, LoRA: shared with `kubellm epp`
+    parser.add_argument("--max-body-bytes", type=int, default=_D.max_body_bytes)
+    flags.add_arguments(parser)  # admission, scraping, tokenizers, LoRA, discovery: as the EPP
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -48,52 +41,63 @@ def configure(parser: argparse.ArgumentParser) -> None:
     up = parser.add_argument_group(
         "toward replicas and the fallback API (a model's spec.routing.timeouts overrides each)"
     )
-    up.add_argument("--connect-timeout", type=float, default=2.0, help="opening a connection")
+    up.add_argument(
+        "--connect-timeout", type=float, default=_D.connect_timeout, help="opening a connection"
+    )
     up.add_argument(
         "--first-byte-timeout",
         type=float,
-        default=None,
+        default=_D.first_byte_timeout,
         help="a stream's first body byte; past it, retry on another replica and eject this "
         "one (default: 5 x the model's TTFT target, at least 10 s)",
     )
     up.add_argument(
-        "--idle-timeout", type=float, default=60.0, help="the longest silence within a stream"
+        "--idle-timeout",
+        type=float,
+        default=_D.idle_timeout,
+        help="the longest silence within a stream",
     )
     up.add_argument(
         "--total-timeout",
         type=float,
-        default=600.0,
+        default=_D.total_timeout,
         help="a whole request (bounds non-streamed answers, which arrive in one piece)",
     )
     up.add_argument(
         "--max-response-bytes",
         type=int,
-        default=32 * 1024 * 1024,
+        default=_D.max_response_bytes,
         help="a non-streamed answer, held whole before it is sent on",
     )
     up.add_argument(
         "--max-upstream-head-bytes",
         type=int,
-        default=64 * 1024,
+        default=_D.max_upstream_head_bytes,
         help="an answer's status line and headers",
     )
     client = parser.add_argument_group("from clients")
     client.add_argument(
-        "--header-timeout", type=float, default=10.0, help="a request's line and headers"
+        "--header-timeout",
+        type=float,
+        default=_CLIENT.header_timeout,
+        help="a request's line and headers",
     )
     client.add_argument(
         "--body-timeout",
         type=float,
-        default=30.0,
+        default=_D.body_timeout,
         help="a request's body, after its headers",
     )
     client.add_argument(
-        "--keep-alive-timeout", type=float, default=5.0, help="an idle kept-alive connection"
+        "--keep-alive-timeout",
+        type=float,
+        default=_CLIENT.keep_alive_timeout,
+        help="an idle kept-alive connection",
     )
     client.add_argument(
         "--max-connections",
         type=int,
-        default=0,
+        default=_CLIENT.max_connections,
         help="open client connections; over it, a 503 and close (0: half the descriptor limit)",
     )
 
@@ -120,21 +124,13 @@ def run(args: argparse.Namespace) -> int:
 
     metrics = slo.create()
     try:
-        if args.static:
-            from kubellm.gateway.discovery.static import StaticConfigError, StaticDiscovery
+        from kubellm.gateway.discovery.static import StaticConfigError
 
-            try:
-                counted = metrics.config_reload_errors.inc
-                discovery = StaticDiscovery(args.static, on_reload_error=counted)
-            except (StaticConfigError, OSError) as error:
-                print(f"kubellm gateway: {error}", file=sys.stderr)
-                return 1
-        else:
-            from kubellm.gateway.discovery.kubernetes import KubernetesDiscovery
-
-            from kubellm import kube
-
-            discovery = KubernetesDiscovery(kube.load(), namespace=args.namespace)
+        try:
+            discovery = flags.discovery(args, on_reload_error=metrics.config_reload_errors.inc)
+        except (StaticConfigError, OSError) as error:
+            print(f"kubellm gateway: {error}", file=sys.stderr)
+            return 1
         settings = settings_from(args)
     except (ValueError, OSError, KeyError) as error:
         print(f"kubellm gateway: {error}", file=sys.stderr)
@@ -170,18 +166,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def settings_from(args: argparse.Namespace) -> Any:
-    """The gateway's settings from its command line."""
-    from kubellm.gateway.http.app import GatewaySettings
-
-    scheduling = flags.settings_from(args)  # the flags shared with `kubellm epp`
+def settings_from(args: argparse.Namespace) -> GatewaySettings:
+    """The gateway's settings from its command line: the routing core's (shared with
+    `kubellm epp`) and the HTTP front end's own."""
     return GatewaySettings(
+        scheduler=flags.settings_from(args),
         max_body_bytes=args.max_body_bytes,
         api_key_hashes=_api_key_hashes(args.api_keys_file),
-        thresholds=scheduling.thresholds,
-        max_queue=scheduling.max_queue,
-        zero_replica_wait_seconds=scheduling.zero_replica_wait_seconds,
-        scrape_interval=scheduling.scrape_interval,
         connect_timeout=args.connect_timeout,
         first_byte_timeout=args.first_byte_timeout,
         idle_timeout=args.idle_timeout,
@@ -189,10 +180,6 @@ def settings_from(args: argparse.Namespace) -> Any:
         max_response_bytes=args.max_response_bytes,
         max_upstream_head_bytes=args.max_upstream_head_bytes,
         body_timeout=args.body_timeout,
-        adapter_affinity=scheduling.adapter_affinity,
-        max_adapter_loads=scheduling.max_adapter_loads,
-        tokenizers=scheduling.tokenizers,
-        tenancy=scheduling.tenancy,
     )
 
 

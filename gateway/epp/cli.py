@@ -32,15 +32,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--metrics-port", type=int, default=9090, help="HTTP /metrics port")
     parser.add_argument(
-        "--static",
-        metavar="FILE",
-        help="serve the models listed in FILE instead of watching the cluster",
-    )
-    parser.add_argument(
-        "--namespace",
-        help="watch only this namespace (cluster mode; default: all namespaces)",
-    )
-    parser.add_argument(
         "--fallback-forwarder",
         metavar="HOST:PORT",
         type=_endpoint,
@@ -66,7 +57,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the dynamic-metadata namespace of the picked endpoints",
     )
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    flags.add_arguments(parser)  # admission, scraping, tokenizers, LoRA: as `kubellm gateway`
+    flags.add_arguments(parser)  # admission, scraping, tokenizers, LoRA, discovery: as the gateway
     parser.add_argument("--log-level", default="warning")
 
 
@@ -83,23 +74,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"kubellm epp: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 1
     try:
-        if args.static:
-            from kubellm.gateway.discovery.static import StaticConfigError, StaticDiscovery
+        from kubellm.gateway.discovery.static import StaticConfigError
 
-            try:
-                discovery = StaticDiscovery(args.static)
-            except (StaticConfigError, OSError) as error:
-                print(f"kubellm epp: {error}", file=sys.stderr)
-                return 1
-        else:
-            from kubellm.gateway.discovery.kubernetes import KubernetesDiscovery
-
-            from kubellm import kube
-
-            # No Secret is read: overflow goes to the fallback forwarder, which holds the keys.
-            discovery = KubernetesDiscovery(
-                kube.load(), namespace=args.namespace, read_fallback_keys=False
-            )
+        try:  # no Secret is read: overflow goes to the fallback forwarder, which holds keys
+            discovery = flags.discovery(args, read_fallback_keys=False)
+        except (StaticConfigError, OSError) as error:
+            print(f"kubellm epp: {error}", file=sys.stderr)
+            return 1
         settings = PickerSettings(
             max_body_bytes=args.max_body_bytes,
             destination_header=args.destination_header,

@@ -42,7 +42,6 @@ from kubellm.gateway.routing import slo
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Attempt, Ticket
 from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings
-from kubellm.gateway.routing.tenants import PRIORITY_HEADER
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger("kubellm.epp")
@@ -330,9 +329,7 @@ class Exchange:
             return [self.refuse(errors.model_not_found(model))]
         target, adapter = match
         try:  # the tenant, from the headers Envoy passes (tenancy.py), when declared
-            caller = self.sched.identify(
-                self.headers.get("authorization"), self.headers.get(PRIORITY_HEADER)
-            )
+            caller = self.sched.identify(self.headers)
         except GatewayError as error:
             return [self.refuse(error)]
         session = self.headers.get(SESSION_HEADER)

@@ -23,25 +23,23 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from kubellm.gateway.discovery.base import Discovery, FallbackTarget, ModelTarget, find_model
 from kubellm.gateway.http import relay, upstream
 from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
-from kubellm.gateway.http.upstream import Deadlines, Limits
+from kubellm.gateway.http.settings import GatewaySettings
 from kubellm.gateway.protocol import errors
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
 from kubellm.gateway.routing import slo
-from kubellm.gateway.routing.admission import Thresholds
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Ticket
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.router import routing_request
-from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings
-from kubellm.gateway.routing.tenancy import Caller, TenancySettings
-from kubellm.gateway.routing.tenants import PRIORITY_HEADER as PRIORITY
+from kubellm.gateway.routing.scheduler import Scheduler
+from kubellm.gateway.routing.tenancy import Caller
+from kubellm.gateway.routing.tenants import TENANT_HEADERS
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -60,75 +58,6 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-@dataclass
-class GatewaySettings:
-    """Knobs that are the gateway's own (per-model settings come from discovery).
-    docs/operations.md, "Timeouts and limits", says what each bounds and how to tune it."""
-
-    max_body_bytes: int = 8 * 1024 * 1024
-    api_key_hashes: frozenset[str] = frozenset()  # sha256 hex; empty: no authentication
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    max_queue: int = 256  # waiting requests per model
-    zero_replica_wait_seconds: float = 60.0  # queue budget while a model has no replica
-    retry_after_seconds: int = 1
-    attempts: int = 3  # replicas tried before the first byte
-    scrape_interval: float = 1.0
-    stale_after: float = 5.0
-    eject_after_failures: int = 3
-    eject_base_seconds: float = 5.0
-    adapter_affinity: bool = True  # LoRA: prefer replicas with the adapter in a slot
-    max_adapter_loads: int = 2  # LoRA adapter loads running at once (routing/adapters.py)
-    # Toward replicas and the fallback API; a model's spec.routing.timeouts overrides each.
-    connect_timeout: float = 2.0
-    first_byte_timeout: float | None = None  # None: 5 x the model's TTFT target, >= 10 s
-    idle_timeout: float = 60.0  # the longest silence between two chunks of a stream
-    total_timeout: float = 600.0  # the whole request (bounds non-streamed answers)
-    # What an upstream answer may be.
-    max_upstream_head_bytes: int = 64 * 1024
-    max_upstream_headers: int = 100
-    max_response_bytes: int = 32 * 1024 * 1024  # a non-streamed answer, held whole
-    # From clients (header timeout, keep-alive and the connection cap: `http.server`).
-    body_timeout: float = 30.0  # reading a request body, from its headers to its end
-    # Precise prefix routing: each model's tokenizer (served name -> directory or HF id).
-    tokenizers: dict[str, str] = field(default_factory=dict)
-    tenancy: TenancySettings | None = None  # --tenants FILE: routing/tenancy.py
-
-    def scheduling(self) -> SchedulerSettings:
-        return SchedulerSettings(
-            thresholds=self.thresholds,
-            max_queue=self.max_queue,
-            zero_replica_wait_seconds=self.zero_replica_wait_seconds,
-            scrape_interval=self.scrape_interval,
-            stale_after=self.stale_after,
-            eject_after_failures=self.eject_after_failures,
-            eject_base_seconds=self.eject_base_seconds,
-            adapter_affinity=self.adapter_affinity,
-            max_adapter_loads=self.max_adapter_loads,
-            tokenizers=dict(self.tokenizers),
-            retry_after_seconds=self.retry_after_seconds,
-            tenancy=self.tenancy,
-        )
-
-    def limits(self) -> Limits:
-        return Limits(
-            self.max_upstream_head_bytes, self.max_upstream_headers, self.max_response_bytes
-        )
-
-    def timeouts(self, target: ModelTarget, stream: bool) -> tuple[float, Deadlines]:
-        """The connect timeout and stage deadlines for one request to `target`."""
-        t = target.routing.timeouts
-        total = t.total_seconds or self.total_timeout
-        first = (
-            t.first_byte_seconds
-            or self.first_byte_timeout
-            or max(10.0, 5 * target.slo.ttft_seconds)
-        )
-        if not stream:  # a non-streamed answer arrives whole: its first byte is its end
-            first = total
-        idle = t.idle_seconds or self.idle_timeout
-        return t.connect_seconds or self.connect_timeout, Deadlines(first, idle, total)
-
-
 class Gateway:
     """The HTTP front end of one process, over its routing core (`scheduler`)."""
 
@@ -141,7 +70,7 @@ class Gateway:
     ) -> None:
         self.discovery = discovery
         self.settings = s = settings or GatewaySettings()
-        self.scheduler = Scheduler(discovery, s.scheduling(), metrics)
+        self.scheduler = Scheduler(discovery, s.scheduler, metrics)
         self.metrics = self.scheduler.metrics
         self._client = client  # https replicas', the fallback API's and scraping's client
         self._replicas: upstream.Pool | None = None  # the plain-http replicas' client
@@ -181,13 +110,15 @@ class Gateway:
 
     # ---------------------------------------------------------------- checks
 
-    def authenticate(self, authorization: str | None, priority: str | None = None) -> Caller | None:
+    def authenticate(
+        self, authorization: str | None, headers: dict[str, str] | None = None
+    ) -> Caller | None:
         """Check the `Authorization` header's value (None: absent) against the key hashes,
-        or find its tenant when tenants are declared (`priority`: x-kubellm-priority)."""
+        or find its tenant from the request's `headers` when tenants are declared."""
         if self.scheduler.tenancy is not None:
-            return self.scheduler.identify(authorization, priority)
+            return self.scheduler.identify(headers or {"authorization": authorization or ""})
         if not self.settings.api_key_hashes:
-            return
+            return None
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or hash_key(key.strip()) not in self.settings.api_key_hashes:
             raise errors.unauthorized()
@@ -238,7 +169,7 @@ class Gateway:
         call = _Call(path, headers, send)
         try:
             try:
-                caller = self.authenticate(headers.get("authorization"), headers.get(PRIORITY))
+                caller = self.authenticate(headers.get("authorization"), headers)
                 raw = await self.read_body(receive, headers.get("content-length"))
                 body = parse_body(raw, path)
             except GatewayError as error:
@@ -478,7 +409,7 @@ _WANTED = frozenset(
         b"authorization",
         b"content-length",
         b"x-session-id",
-        PRIORITY.encode(),
+        *(h.encode() for h in TENANT_HEADERS),
         *(h.encode() for h in FORWARDED),
     )
 )

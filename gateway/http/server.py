@@ -25,10 +25,10 @@ import resource
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+from kubellm.gateway.http.settings import ClientLimits
 from kubellm.gateway.protocol.errors import headers_too_large, server_busy
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -42,16 +42,6 @@ def default_max_connections() -> int:
     if soft == resource.RLIM_INFINITY:
         return 16_384
     return max(64, min(16_384, soft // 2))
-
-
-@dataclass(frozen=True)
-class ClientLimits:
-    """What a client connection may hold (docs/operations.md, "Timeouts and limits")."""
-
-    header_timeout: float = 10.0
-    keep_alive_timeout: float = 5.0
-    max_connections: int = 0  # 0: `default_max_connections()`
-    max_head_bytes: int = 64 * 1024  # a request's line and headers (llhttp's incomplete event)
 
 
 def guarded_protocol(limits: ClientLimits, on_refused: Callable[[], None]) -> type[Any]:

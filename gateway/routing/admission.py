@@ -37,6 +37,9 @@ from dataclasses import dataclass
 
 from kubellm.gateway.discovery.base import FallbackTarget
 from kubellm.gateway.routing.scorers.base import Candidate
+from kubellm.gateway.routing.settings import Thresholds
+
+__all__ = ["CompletionRate", "Decision", "Route", "Thresholds", "decide", "saturated"]
 
 
 class Route(enum.Enum):
@@ -44,13 +47,6 @@ class Route(enum.Enum):
     FALLBACK = "fallback"
     QUEUE = "queue"
     REJECT = "reject"
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    max_waiting: float = 4.0
-    max_kv_usage: float = 0.95
-    max_in_flight: int | None = None
 
 
 @dataclass(frozen=True)

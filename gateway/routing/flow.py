@@ -34,6 +34,7 @@ from typing import Any
 from kubellm.gateway.routing.scorers.base import Candidate
 
 DROP_HEADER = "x-kubellm-drop-reason"
+MAX_FLOWS = 10_000  # fair-share counters kept per model (idle flows forgotten past it)
 # the VTC measure: an output token costs this many prompt tokens
 OUTPUT_WEIGHT = 2.0
 
@@ -52,7 +53,7 @@ class FlowSettings:
 class Waiter:
     """One request waiting for its turn."""
 
-    tenant: str
+    tenant: str  # its flow: the tenant, or one of its fairness ids (tenants.flow_id)
     band: int
     weight: float
     cost: float  # its estimated prompt tokens (charged to the VTC when it dispatches)
@@ -95,6 +96,8 @@ class Flow:
             self.leave(victim)
             shed.append(victim)
         backlogged = self.backlogged()
+        if len(self.vtc) > MAX_FLOWS:  # flows named by fairness ids: forget the idle ones
+            self.vtc = {t: v for t, v in self.vtc.items() if t in backlogged}
         if waiter.tenant not in backlogged:  # VTC's lift: no credit for idle time
             floor = min((self.vtc.get(t, 0.0) for t in backlogged), default=None)
             if floor is not None:

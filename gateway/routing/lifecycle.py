@@ -116,9 +116,29 @@ class Ticket:
     """One request, from admission to its end; see the module."""
 
     __slots__ = (
-        "_attempt", "_body", "_carry", "_core", "_fallback", "_recorded", "_usage",
-        "arrived", "caller", "done", "good", "order", "reason", "record", "refusal", "route",
-        "routing", "served", "status", "stream", "target", "timing",
+        "_attempt",
+        "_body",
+        "_carry",
+        "_core",
+        "_fallback",
+        "_recorded",
+        "_size",
+        "_usage",
+        "arrived",
+        "caller",
+        "done",
+        "good",
+        "order",
+        "reason",
+        "record",
+        "refusal",
+        "route",
+        "routing",
+        "served",
+        "status",
+        "stream",
+        "target",
+        "timing",
     )  # fmt: skip
 
     def __init__(
@@ -146,7 +166,8 @@ class Ticket:
         self._attempt: Attempt | None = None
         self._fallback: Callable[[], None] | None = None
         self._recorded = False
-        self._body: bytearray | None = None if stream else bytearray()
+        self._body: list[bytes] | None = None if stream else []  # kept, not copied
+        self._size = 0
         self._carry = b""
         self._usage: dict[str, int] | None = None
         self.caller: Caller | None = None  # its tenant (tenancy.py), when tenants are declared
@@ -200,10 +221,11 @@ class Ticket:
         body = self._body
         if body is not None:  # non-streamed: the whole answer is its first token
             self.timing.last = now
-            if len(body) + len(data) <= USAGE_BYTES:
-                body += data
+            self._size += len(data)
+            if self._size <= USAGE_BYTES:
+                body.append(data)
             else:
-                self._body = None
+                body.clear()  # too large to read its usage: counts no tokens
             return
         carry = self._carry
         if not carry and data.endswith(b"\n\n"):
@@ -275,7 +297,7 @@ class Ticket:
         """The answer's prompt and completion tokens: its `usage` where it had one, else
         the events that carried text (a stream without a usage event)."""
         if self._body is not None:
-            return _usage(bytes(self._body))
+            return _usage(b"".join(self._body))
         if self._usage:
             return self._usage
         return {"completion": self.timing.chunks}
@@ -286,15 +308,18 @@ class Ticket:
         series = self.record.series
         slo = self.target.slo
         timing = self.timing
-        usage = self._usage
+        usage = self._usage or {}
         if self._body is not None:  # non-streamed
             if status != 200 or timing.last is None:
                 return
             ttft = timing.last - self.arrived
             series.ttft.observe(ttft)
-            usage = _usage(bytes(self._body))
-            tokens = usage.get("completion", 0)
-            if whole and ttft <= slo.ttft_seconds + slo.itl_seconds * max(tokens - 1, 0):
+            # within the TTFT target the answer met its SLO whatever its token count: the
+            # body is parsed only past it, or for a fallback answer's tokens
+            if self.route == "fallback" or ttft > slo.ttft_seconds:
+                usage = _usage(b"".join(self._body))
+            budget = slo.ttft_seconds + slo.itl_seconds * max(usage.get("completion", 0) - 1, 0)
+            if whole and ttft <= max(slo.ttft_seconds, budget):
                 series.goodput.inc()
                 self.good = True
         else:

@@ -177,18 +177,21 @@ class Limiter:
         self, tenant: str, estimate: int, rpm: int | None, tpm: int | None
     ) -> tuple[Verdict, int]:
         """Check and charge one request; returns the verdict and the window it was charged
-        in (pass it to `settle`). Nothing is charged when refused."""
+        in (pass it to `settle`). Charged first and taken back when refused, so gateways
+        sharing a store never admit past the quota between a read and a write (a request
+        racing a refused one may see the count high for that moment: refused, not over)."""
         now = self.clock()
         index, _ = window(now)
         req_key, tok_key = self._keys(tenant, index)
-        requests = await self.store.get(req_key) if rpm is not None else 0
-        tokens = await self.store.get(tok_key) if tpm is not None else 0
-        v = verdict(now, requests, tokens, estimate, rpm, tpm)
-        if v.allowed:
+        ttl = 2 * MINUTE
+        requests = await self.store.add(req_key, 1, ttl) if rpm is not None else 1
+        tokens = await self.store.add(tok_key, estimate, ttl) if tpm is not None else estimate
+        v = verdict(now, requests - 1, tokens - estimate, estimate, rpm, tpm)
+        if not v.allowed:
             if rpm is not None:
-                await self.store.add(req_key, 1, 2 * MINUTE)
+                await self.store.add(req_key, -1, ttl)
             if tpm is not None and estimate:
-                await self.store.add(tok_key, estimate, 2 * MINUTE)
+                await self.store.add(tok_key, -estimate, ttl)
         return v, index
 
     async def settle(self, tenant: str, index: int, correction: int) -> None:

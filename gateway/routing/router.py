@@ -2,14 +2,14 @@
 
 Holds what scorers read (prefix index, session table, load view, outlier
 record) and turns a model's endpoints into ordered candidates: health filters
-first (not draining, not ejected), then the policy's filters and scorers.
+first (not draining, not ejected), then the request's profile (`routing/profiles.py`,
+where each policy's filters and weighted scorers are declared).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from kubellm.gateway.discovery.base import ModelTarget
@@ -17,17 +17,13 @@ from kubellm.gateway.routing.adapters import AdapterScorer
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.precise import PreciseRouting
+from kubellm.gateway.routing.profiles import HOLDER_SHARE, HOLDER_SLACK, Profiles, Shared
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
-from kubellm.gateway.routing.scorers.bounded_load import (
-    Filter,
-    within_bound,
-    within_bound_or_holding,
-)
 from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight
-from kubellm.gateway.routing.scorers.picker import Profile, pick, profiles
-from kubellm.gateway.routing.scorers.precise import PrecisePrefixScorer
 from kubellm.gateway.routing.scorers.session import SessionTable
+
+__all__ = ["HOLDER_SHARE", "HOLDER_SLACK", "Router", "home", "routing_request"]
 
 
 def routing_request(
@@ -51,26 +47,6 @@ def routing_request(
     )
 
 
-# The LoRA affinity scorer's weight. Its tiers are 0.25 apart (resident at its planned
-# home 1, resident elsewhere 0.75, its planned home 0.5); x 20 = 5 per tier, more than
-# the load scorers' whole range (4 in least-load, 1 in prefix-aware) and a full prefix
-# match plus the prompt's home (4 + 2 = 6 less one tier): a request goes where its adapter
-# is in a slot unless the bounded-load filter says that replica is full, as a prefix goes
-# home (an adapter swap costs more than a prefix miss: tens of ms of disk reads, and a
-# request past the batch's max_loras adapters waits for a slot).
-ADAPTER_WEIGHT = 20.0
-
-# Prefix holders and the load bound (bounded_load.within_bound_or_holding): a candidate
-# holding at least HOLDER_SHARE of the prompt's prefix may take the request up to
-# HOLDER_SLACK x spec.routing.loadBound x the mean load, not loadBound x the mean. Under
-# cache pressure (bench/gateway_routing.py --workloads pressure, seed 7) this raised the
-# hit rate from 49.2% to 65.7% (approximate index) and from 58.2% to 66.5% (precise), the
-# fleet's pool as one LRU being 68.6%, with TTFT p95 unchanged (0.086-0.087 s); see
-# docs/operations.md.
-HOLDER_SHARE = 0.5
-HOLDER_SLACK = 2.0
-
-
 class Router:
     def __init__(
         self,
@@ -86,9 +62,18 @@ class Router:
         self.index = prefix.PrefixIndex(index_capacity)
         self.sessions = SessionTable()
         self.sharing = prefix.Sharing()
-        self.profiles = profiles(self.index, self.sessions)
         self.precise = precise
-        self.adapter_scorer: AdapterScorer | None = None  # None: adapter-blind routing
+        self.shared = Shared(self.index, self.sessions, precise)
+        self.profiles = Profiles(self.shared, self.unshared)
+
+    @property
+    def adapter_scorer(self) -> AdapterScorer | None:
+        """LoRA affinity's view of the adapters (None: adapter-blind routing)."""
+        return self.shared.adapters
+
+    @adapter_scorer.setter
+    def adapter_scorer(self, scorer: AdapterScorer | None) -> None:
+        self.shared.adapters = scorer
 
     def candidates(self, target: ModelTarget) -> list[Candidate]:
         """Endpoints that may take a new request: routable, not ejected, and not down (the
@@ -113,32 +98,9 @@ class Router:
     def order(
         self, target: ModelTarget, request: RoutingRequest, candidates: Sequence[Candidate]
     ) -> list[Candidate]:
-        policy = target.routing.policy
-        if policy == "prefix-aware" and self.unshared(request):
-            policy = "least-load"
-        profile = self.profiles[policy]
-        bound: Filter = within_bound
-        if policy == "prefix-aware":
-            if target.routing.prefix_index == "precise" and self.precise:
-                request = replace(request, kv_hashes=self.precise.kv_hashes(target, request.body))
-                profile = precise_profile(profile, self.precise, self.index, target.served_name)
-            profile, held = prefix_held(profile, request, candidates)
-            bound = within_bound_or_holding(held, HOLDER_SLACK)
-        if request.adapter is not None and self.adapter_scorer is not None and profile.filters:
-            # LoRA affinity first (no adapter swap), then the policy's own scorers; the
-            # placement plan covers all the model's replicas, not just these candidates
-            urls = [e.url for e in target.routable]
-            scorer = self.adapter_scorer.for_replicas(urls, target.routing.load_bound)
-            bound = either(bound, scorer.bound_filter(request.adapter))
-            profile = Profile(profile.filters, [(scorer, ADAPTER_WEIGHT), *profile.scorers])
-        filters = [bound if f is within_bound else f for f in profile.filters]
-        return pick(
-            Profile(filters, profile.scorers),
-            request,
-            candidates,
-            target.routing.load_bound,
-            self.rng,
-        )
+        """The candidates best first for `request`: its profile's (`routing/profiles.py`,
+        the one place that answers which replica gets a request)."""
+        return self.profiles.order(target, request, candidates, self.rng)
 
     def unshared(self, request: RoutingRequest) -> bool:
         """A cold prompt (this gateway never routed its first chunk) of a model whose
@@ -163,57 +125,6 @@ class Router:
         if request.session:
             self.sessions.record(request.session, url)
         return ratio
-
-
-def prefix_held(
-    profile: Profile, request: RoutingRequest, candidates: Sequence[Candidate]
-) -> tuple[Profile, set[str]]:
-    """Score the prompt's prefix match on every candidate once, before the load filter:
-    returns `profile` with its prefix scorer replaced by those scores, and the candidates
-    that hold at least `HOLDER_SHARE` of the prompt (the load filter widens for them)."""
-    scorers = []
-    held: set[str] = set()
-    for scorer, weight in profile.scorers:
-        if isinstance(scorer, prefix.PrefixScorer | PrecisePrefixScorer):
-            scores = scorer.score(request, candidates)
-            shares = {c.url: share for c, share in zip(candidates, scores, strict=True)}
-            held = {url for url, share in shares.items() if share >= HOLDER_SHARE}
-            scorer = Scored(scorer.name, shares)
-        scorers.append((scorer, weight))
-    return Profile(profile.filters, scorers), held
-
-
-def either(a: Filter, b: Filter) -> Filter:
-    """The candidates that either filter keeps."""
-
-    def keep(candidates: Sequence[Candidate], load_bound: float) -> list[Candidate]:
-        urls = {c.url for c in a(candidates, load_bound)} | {
-            c.url for c in b(candidates, load_bound)
-        }
-        return [c for c in candidates if c.url in urls]
-
-    return keep
-
-
-class Scored:
-    """A scorer whose scores, by candidate URL, were computed before the filters ran."""
-
-    def __init__(self, name: str, by_url: dict[str, float]) -> None:
-        self.name = name
-        self.by_url = by_url
-
-    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
-        return [self.by_url.get(c.url, 0.0) for c in candidates]
-
-
-def precise_profile(
-    profile: Profile, precise: PreciseRouting, index: prefix.PrefixIndex, model: str
-) -> Profile:
-    """`profile` with its approximate prefix scorer replaced by the precise one (same
-    weight), which falls back to `index` per replica whose KV events are not fresh."""
-    scorer = PrecisePrefixScorer(precise.index, precise.fresh, index, precise.fallback(model))
-    scorers = [(scorer if isinstance(s, prefix.PrefixScorer) else s, w) for s, w in profile.scorers]
-    return Profile(filters=profile.filters, scorers=scorers)
 
 
 def home(request: RoutingRequest, urls: Sequence[str]) -> str | None:

@@ -18,8 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import aiohttp
@@ -30,7 +29,6 @@ from kubellm.gateway.routing.admission import (
     CompletionRate,
     Decision,
     Route,
-    Thresholds,
     decide,
     predicted_wait,
     saturated,
@@ -41,33 +39,12 @@ from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.precise import PreciseRouting
 from kubellm.gateway.routing.router import Router
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
-from kubellm.gateway.routing.tenancy import Caller, Tenancy, TenancySettings
+from kubellm.gateway.routing.settings import SchedulerSettings
+from kubellm.gateway.routing.tenancy import Caller, Tenancy
+
+__all__ = ["Scheduler", "SchedulerSettings", "labels"]
 
 from kubellm.metrics import parse_lora_info
-
-
-@dataclass
-class SchedulerSettings:
-    """Admission and health knobs shared by every model of one process."""
-
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    max_queue: int = 256  # waiting requests per model
-    zero_replica_wait_seconds: float = 60.0  # queue budget while a model has no replica
-    scrape_interval: float = 1.0
-    stale_after: float = 5.0
-    eject_after_failures: int = 3
-    eject_base_seconds: float = 5.0
-    # LoRA (routing/adapters.py): prefer replicas with the adapter in a slot (False:
-    # adapter-blind, for comparison), and how many adapter loads may run at once
-    adapter_affinity: bool = True
-    max_adapter_loads: int = 2
-    # spec.routing.prefixIndex precise: each model's tokenizer (served name -> a local
-    # directory or a Hugging Face id), to hash prompts as its engines do (routing/precise.py)
-    tokenizers: dict[str, str] = field(default_factory=dict)
-    # the Retry-After of a refusal (429 saturated, 503 no replica), both front ends
-    retry_after_seconds: int = 1
-    # tenants, flow control and quotas (routing/tenancy.py); None: every request alike
-    tenancy: TenancySettings | None = None
 
 
 class Scheduler:
@@ -224,12 +201,12 @@ class Scheduler:
             self.tenancy.dropped(caller, reason, ticket.refusal)
         return ticket
 
-    def identify(self, authorization: str | None, priority: str | None) -> Caller | None:
-        """The tenant of a request from its headers (None: no tenants declared); raises
-        the 401 or 400 to answer (`tenancy.Tenancy.identify`)."""
+    def identify(self, headers: Mapping[str, str]) -> Caller | None:
+        """The tenant of a request from its headers, names in lower case (None: no tenants
+        declared); raises the 401 or 400 to answer (`tenancy.Tenancy.identify`)."""
         if self.tenancy is None:
             return None
-        return self.tenancy.identify(authorization, priority)
+        return self.tenancy.identify(headers)
 
     def ended(self, ticket: Ticket) -> None:
         """A ticket finished: its tenant's usage and counters (the ticket calls this)."""

@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.routing import flow as flows
 from kubellm.gateway.routing import quota
-from kubellm.gateway.routing.tenants import Tenant, Tenants, effective_priority
+from kubellm.gateway.routing.tenants import (
+    FAIRNESS_HEADER,
+    OBJECTIVE_HEADER,
+    PRIORITY_HEADER,
+    Tenant,
+    Tenants,
+    effective_priority,
+    flow_id,
+)
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kubellm import metrics
@@ -45,6 +54,7 @@ class Caller:
 
     tenant: Tenant
     priority: int
+    flow: str = ""  # its fair-share flow: the tenant, or one of its fairness ids
     estimate: int = 0  # estimated prompt tokens
     window: int | None = None  # the quota minute it was charged in
     fallback_ok: bool = True  # its tenant's rule lets it reach the fallback now
@@ -120,12 +130,18 @@ class Tenancy:
 
     # ------------------------------------------------------------ admission
 
-    def identify(self, authorization: str | None, priority: str | None) -> Caller:
-        """The caller of a request from its `Authorization` and `x-kubellm-priority`
-        headers (401: an unknown key, or none without a default tenant; 400: a bad
-        priority)."""
-        tenant = self.tenants.identify(authorization)
-        return Caller(tenant, effective_priority(tenant, priority))
+    def identify(self, headers: Mapping[str, str]) -> Caller:
+        """The caller of a request from its headers (lower-case names): `authorization`,
+        `x-kubellm-priority`, and the Inference Extension's objective and fairness id
+        (401: an unknown key, or none without a default tenant; 400: a bad priority)."""
+        tenant = self.tenants.identify(headers.get("authorization"))
+        priority = effective_priority(
+            tenant,
+            headers.get(PRIORITY_HEADER),
+            headers.get(OBJECTIVE_HEADER),
+            self.tenants.objectives,
+        )
+        return Caller(tenant, priority, flow_id(tenant, headers.get(FAIRNESS_HEADER)))
 
     async def admit(self, caller: Caller, body: object) -> GatewayError | None:
         """The quota check (and charge) and the fallback rule; a refusal, or None."""
@@ -158,16 +174,14 @@ class Tenancy:
         return found
 
     def waiter(self, caller: Caller) -> flows.Waiter:
-        return flows.Waiter(
-            caller.tenant.name, caller.priority, caller.tenant.weight, caller.estimate
-        )
+        return flows.Waiter(caller.flow, caller.priority, caller.tenant.weight, caller.estimate)
 
     def dispatched(self, model: str, caller: Caller, waited: float, replica: bool) -> None:
         """The request left its queue (to a replica when `replica`)."""
         self.metrics.queue.labels(caller.tenant.name).observe(waited)
         if replica:
             caller.charged = caller.estimate
-            self.flow(model).charge(caller.tenant.name, caller.estimate, caller.tenant.weight)
+            self.flow(model).charge(caller.flow, caller.estimate, caller.tenant.weight)
 
     def dropped(self, caller: Caller, reason: str, error: GatewayError | None) -> None:
         self.metrics.dropped.labels(caller.tenant.name, reason).inc()
@@ -195,7 +209,7 @@ class Tenancy:
         m.tokens.labels(name, ticket.route, "completion").inc(completion)
         if ticket.route == "replica":
             served = prompt + flows.OUTPUT_WEIGHT * completion - caller.charged
-            self.flow(ticket.target.served_name).charge(name, served, caller.tenant.weight)
+            self.flow(ticket.target.served_name).charge(caller.flow, served, caller.tenant.weight)
         elif caller.tenant.fallback.kind == "budget":
             self._later(self.limiter.fallback_spent(name, prompt + completion))
         if caller.window is not None:

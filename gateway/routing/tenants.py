@@ -35,9 +35,16 @@ from typing import Any
 import yaml
 from kubellm.gateway.protocol import errors
 
-# The header a request lowers its priority with; the Inference Extension's objective header
-# (epp) names an InferenceObjective instead, which the endpoint picker maps to a priority.
+# The header a request lowers its priority with.
 PRIORITY_HEADER = "x-kubellm-priority"
+# The Inference Extension's headers (both front ends honour them): the objective names an
+# entry of the file's `objectives` (name -> priority), which may lower the request's
+# priority as the header above does; the fairness id splits a tenant's fair share among
+# its own flows (each flow its own counter; never across tenants, whatever it says).
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+TENANT_HEADERS = (PRIORITY_HEADER, OBJECTIVE_HEADER, FAIRNESS_HEADER)
+_FAIRNESS_ID = re.compile(r"[A-Za-z0-9._:@/-]{1,64}")
 # The names tenants may have: they become metric label values, so keep them plain.
 _NAME = re.compile(r"[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -87,6 +94,7 @@ class Tenants:
 
     tenants: tuple[Tenant, ...]
     default: str | None = None
+    objectives: Mapping[str, int] = field(default_factory=dict)  # name -> priority
 
     def __post_init__(self) -> None:
         by_digest: dict[str, Tenant] = {}
@@ -128,18 +136,36 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def effective_priority(tenant: Tenant, requested: str | None) -> int:
+def effective_priority(
+    tenant: Tenant,
+    requested: str | None,
+    objective: str | None = None,
+    objectives: Mapping[str, int] | None = None,
+) -> int:
     """The request's priority: its tenant's, or lower when the request asks for a lower one
-    by `x-kubellm-priority` (never higher). A value that is not an integer: 400."""
+    by `x-kubellm-priority` or names a lower objective (`x-gateway-inference-objective`,
+    looked up in `objectives`; an unknown one changes nothing); never higher. A priority
+    that is not an integer: 400."""
+    priority = tenant.priority
+    if objective and objectives and objective in objectives:
+        priority = min(priority, objectives[objective])
     if requested is None or requested == "":
-        return tenant.priority
+        return priority
     value = requested.strip()
     if not re.fullmatch(r"[+-]?[0-9]{1,9}", value):
         raise errors.bad_request(
             f"Header {PRIORITY_HEADER} must be an integer, not {requested[:40]!r}.",
             PRIORITY_HEADER,
         )
-    return min(tenant.priority, int(value))
+    return min(priority, int(value))
+
+
+def flow_id(tenant: Tenant, fairness_id: str | None) -> str:
+    """The flow a request's fair share is counted in: its tenant, or one of the tenant's
+    own flows when it carries a plain fairness id (anything else is ignored)."""
+    if fairness_id and _FAIRNESS_ID.fullmatch(fairness_id):
+        return f"{tenant.name}/{fairness_id}"
+    return tenant.name
 
 
 # ---------------------------------------------------------------------- the file
@@ -161,7 +187,7 @@ def parse(data: Any, source: str = "tenants") -> Tenants:
     """Tenants from the parsed document (see the module)."""
     if not isinstance(data, Mapping) or not isinstance(data.get("tenants"), list):
         raise TenantsError(f"{source}: expected a mapping with a `tenants` list")
-    unknown = sorted(set(data) - {"tenants", "default"})
+    unknown = sorted(set(data) - {"tenants", "default", "objectives"})
     if unknown:
         raise TenantsError(f"{source}: unknown field `{unknown[0]}`")
     items = data["tenants"]
@@ -185,7 +211,13 @@ def parse(data: Any, source: str = "tenants") -> Tenants:
     default = data.get("default")
     if default is not None and (not isinstance(default, str) or default not in seen):
         raise TenantsError(f"{source}: default: `{default}` is not a declared tenant")
-    return Tenants(tuple(tenants), default)
+    objectives = data.get("objectives") or {}
+    if not isinstance(objectives, Mapping):
+        raise TenantsError(f"{source}: objectives: a mapping of objective name -> priority")
+    for name, priority in objectives.items():
+        if not isinstance(name, str) or type(priority) is not int:
+            raise TenantsError(f"{source}: objectives.{name}: an integer priority")
+    return Tenants(tuple(tenants), default, dict(objectives))
 
 
 def _tenant(item: Any, where: str) -> Tenant:

@@ -24,6 +24,7 @@ from kubellm.gateway.cli import tune_gc
 from kubellm.gateway.discovery.base import FixedDiscovery
 from kubellm.gateway.http import server as gateway_server
 from kubellm.gateway.http.app import Gateway, GatewaySettings, create_app
+from kubellm.gateway.routing.settings import SchedulerSettings
 
 STATE_FILE = "fleet.json"
 
@@ -69,7 +70,8 @@ async def serve(args: argparse.Namespace, deployments: list) -> int:
 
     discovery = FixedDiscovery()
     # precise deployments: the gateway hashes prompts as their engines do (runtime.tokenizers)
-    gateway = Gateway(discovery, GatewaySettings(tokenizers=runtime.tokenizers()))
+    core = SchedulerSettings(tokenizers=runtime.tokenizers())
+    gateway = Gateway(discovery, GatewaySettings(scheduler=core))
     limits = gateway_server.ClientLimits()  # the same client bounds as `kubellm gateway`
     server = _Server(
         gateway_server.config(

@@ -24,6 +24,7 @@ import pytest
 import yaml
 from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget
 from kubellm.gateway.http.app import Gateway, GatewaySettings, create_app
+from kubellm.gateway.routing.scheduler import SchedulerSettings
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubellm import metrics
@@ -155,7 +156,7 @@ def http_gateway() -> Iterator[Callable[[dict[str, ModelTarget]], tuple[Gateway,
     def start(models: dict[str, ModelTarget]) -> tuple[Gateway, str]:
         gateway = Gateway(
             FixedDiscovery(models),
-            GatewaySettings(scrape_interval=0.2, zero_replica_wait_seconds=0.0),
+            GatewaySettings(SchedulerSettings(scrape_interval=0.2, zero_replica_wait_seconds=0)),
         )
         server = ServerThread(create_app(gateway)).start()
         servers.append(server)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -9,9 +10,12 @@ import openai
 import pytest
 from kubellm.gateway.discovery.base import Endpoint, FallbackTarget, FixedDiscovery, ModelTarget
 from kubellm.gateway.http.app import Gateway, GatewaySettings, create_app
+from kubellm.gateway.routing.scheduler import SchedulerSettings
 
 from kubellm.api import SLO, Routing
 from tests.gateway.upstream import FakeEngine, ServerThread
+
+_CORE_FIELDS = frozenset(f.name for f in dataclasses.fields(SchedulerSettings))
 
 
 class GatewayHandle:
@@ -78,9 +82,11 @@ def gateway() -> Iterator[Callable[..., GatewayHandle]]:
     started: list[ServerThread] = []
 
     def start(models: dict[str, ModelTarget], **settings: Any) -> GatewayHandle:
+        """`settings`: the gateway's and the routing core's fields, by name."""
         settings.setdefault("scrape_interval", 0.05)
+        core = {k: settings.pop(k) for k in list(settings) if k in _CORE_FIELDS}
         discovery = FixedDiscovery(models)
-        gw = Gateway(discovery, GatewaySettings(**settings))
+        gw = Gateway(discovery, GatewaySettings(scheduler=SchedulerSettings(**core), **settings))
         server = ServerThread(create_app(gw)).start()
         started.append(server)
         return GatewayHandle(gw, discovery, server)

@@ -266,7 +266,7 @@ def test_the_gateway_cli_hands_its_tokenizers_to_the_routing_core():
     parser = argparse.ArgumentParser()
     cli.configure(parser)
     args = parser.parse_args(["--tokenizer", "tiny=/models/tiny"])
-    assert cli.settings_from(args).scheduling().tokenizers == {"tiny": "/models/tiny"}
+    assert cli.settings_from(args).scheduler.tokenizers == {"tiny": "/models/tiny"}
 
 
 def test_the_load_bound_widens_for_the_replica_the_events_say_holds_the_prefix(

@@ -7,7 +7,7 @@ import random
 import tracemalloc
 
 import pytest
-from kubellm.gateway.discovery.base import FallbackTarget
+from kubellm.gateway.discovery.base import FallbackTarget, ModelTarget
 from kubellm.gateway.routing.admission import (
     CompletionRate,
     Route,
@@ -16,6 +16,7 @@ from kubellm.gateway.routing.admission import (
     predicted_wait,
     saturated,
 )
+from kubellm.gateway.routing.profiles import Profiles, Shared
 from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
@@ -25,8 +26,9 @@ from kubellm.gateway.routing.scorers.bounded_load import (
     within_bound_or_holding,
 )
 from kubellm.gateway.routing.scorers.consistent_hash import ConsistentHashScorer, rendezvous_weight
-from kubellm.gateway.routing.scorers.picker import pick, profiles
 from kubellm.gateway.routing.scorers.session import SessionTable
+
+from kubellm.api import Routing
 
 
 def test_chat_rendering_is_prefix_preserving_and_canonical():
@@ -134,22 +136,39 @@ def test_the_bound_widens_for_prefix_holders_only_and_only_by_the_slack():
     assert within_bound_or_holding({"a"}, 1.0)(candidates, 1.25) == within_bound(candidates, 1.25)
 
 
-def _profiles():
-    return profiles(prefix.PrefixIndex(), SessionTable())
+class _Declared:
+    """A declared profile (`routing/profiles.py`), bound per request as the router binds it
+    (the cold-prompt choice off)."""
+
+    def __init__(self, name: str, index: prefix.PrefixIndex | None = None) -> None:
+        self.name = name
+        shared = Shared(index or prefix.PrefixIndex(), SessionTable())
+        self.profiles = Profiles(shared, cold=lambda request: False)
+
+
+def _pick(
+    profile: _Declared,
+    request: RoutingRequest,
+    candidates: list[Candidate],
+    load_bound: float,
+    rng: random.Random | None = None,
+) -> list[Candidate]:
+    target = ModelTarget("m", "m", routing=Routing(load_bound=load_bound))
+    return profile.profiles.order(target, request, candidates, rng or random.Random(), profile.name)
 
 
 def test_prefix_aware_prefers_home_until_it_is_over_the_bound():
-    profile = _profiles()["prefix-aware"]
+    profile = _Declared("prefix-aware")
     request = routing_request("m", {"messages": [{"role": "user", "content": "p" * 600}]}, None)
     idle = [Candidate(f"u{i}") for i in range(4)]
-    home = pick(profile, request, idle, 1.25, random.Random(1))[0].url
+    home = _pick(profile, request, idle, 1.25, random.Random(1))[0].url
     assert all(
-        pick(profile, request, idle, 1.25, random.Random(s))[0].url == home for s in range(5)
+        _pick(profile, request, idle, 1.25, random.Random(s))[0].url == home for s in range(5)
     )
     busy = [Candidate(c.url, load=4 if c.url == home else 1) for c in idle]
-    assert pick(profile, request, busy, 1.25, random.Random(0))[0].url != home
+    assert _pick(profile, request, busy, 1.25, random.Random(0))[0].url != home
     # the filtered-out home is still offered last, for retries
-    assert {c.url for c in pick(profile, request, busy, 1.25)} == {c.url for c in idle}
+    assert {c.url for c in _pick(profile, request, busy, 1.25)} == {c.url for c in idle}
 
 
 def _rendezvous_order(request: RoutingRequest, urls: list[str]) -> list[str]:
@@ -161,7 +180,7 @@ def _rendezvous_order(request: RoutingRequest, urls: list[str]) -> list[str]:
 def test_cold_prompt_goes_home_despite_lighter_replicas_and_spills_in_rendezvous_order():
     """Where a new prefix starts depends on the prompt and the bound, not on load ranks."""
     index = prefix.PrefixIndex()
-    profile = profiles(index, SessionTable())["prefix-aware"]
+    profile = _Declared("prefix-aware", index)
     system = {"role": "system", "content": "tenant policy text " * 40}
     first = routing_request("m", {"messages": [system, {"role": "user", "content": "a"}]}, None)
     later = routing_request("m", {"messages": [system, {"role": "user", "content": "b"}]}, None)
@@ -169,37 +188,38 @@ def test_cold_prompt_goes_home_despite_lighter_replicas_and_spills_in_rendezvous
     home, second, third, _ = _rendezvous_order(first, urls)
     # the home busier than every other replica but within the bound (cap 4): still home
     lighter = [Candidate(u, load={home: 3}.get(u, 2)) for u in urls]
-    assert pick(profile, first, lighter, 1.25)[0].url == home
+    assert _pick(profile, first, lighter, 1.25)[0].url == home
     # the home past the bound (cap 3): the next replica in rendezvous order, though busier
     over = [Candidate(u, load={home: 5, second: 1}.get(u, 0)) for u in urls]
-    assert pick(profile, first, over, 1.25)[0].url == second
+    assert _pick(profile, first, over, 1.25)[0].url == second
     both_over = [Candidate(u, load={home: 5, second: 5}.get(u, 1)) for u in urls]  # cap 5
-    assert pick(profile, first, both_over, 1.25)[0].url == third
+    assert _pick(profile, first, both_over, 1.25)[0].url == third
     # once the prefix is held somewhere, a new question on it goes there
     index.record(second, first.chunk_hashes)
     idle = [Candidate(u) for u in urls]
-    assert pick(profile, later, idle, 1.25)[0].url == second
-    # and the bounded-load guard still moves it off an overloaded holder
-    hot = [Candidate(u, load=6 if u == second else 1) for u in urls]
-    assert pick(profile, later, hot, 1.25)[0].url != second
+    assert _pick(profile, later, idle, 1.25)[0].url == second
+    # and the bounded-load guard still moves it off an overloaded holder (past the
+    # holders' bound: HOLDER_SLACK x loadBound, ceil(2.5 x 12 / 4) = 8)
+    hot = [Candidate(u, load=8 if u == second else 1) for u in urls]
+    assert _pick(profile, later, hot, 1.25)[0].url != second
 
 
 def test_least_load_picks_the_emptiest_engine():
-    profile = _profiles()["least-load"]
+    profile = _Declared("least-load")
     candidates = [
         Candidate("a", load=3, in_flight=3, waiting=2, kv_usage=0.7),
         Candidate("b", load=1, in_flight=1, waiting=0, kv_usage=0.2),
         Candidate("c", load=2, in_flight=2, waiting=None, kv_usage=None),
     ]
-    assert pick(profile, RoutingRequest("m"), candidates, 1.25)[0].url == "b"
+    assert _pick(profile, RoutingRequest("m"), candidates, 1.25)[0].url == "b"
 
 
 def test_two_routers_with_different_histories_and_load_views_agree():
     """Several gateway replicas: each sees its own in-flight counts and has routed other
     prompts, yet both send each new prefix to the same replica."""
     index_a, index_b = prefix.PrefixIndex(), prefix.PrefixIndex()
-    a = profiles(index_a, SessionTable())["prefix-aware"]
-    b = profiles(index_b, SessionTable())["prefix-aware"]
+    a = _Declared("prefix-aware", index_a)
+    b = _Declared("prefix-aware", index_b)
     urls = [f"http://e{i}" for i in range(4)]
     for k in range(30):  # only gateway a has seen these
         other = routing_request(
@@ -220,7 +240,7 @@ def test_two_routers_with_different_histories_and_load_views_agree():
     for k in range(50):
         body = {"messages": [{"role": "system", "content": f"tenant {k} " * 80}]}
         request = routing_request("m", body, None)
-        assert pick(a, request, view_a, 1.25)[0].url == pick(b, request, view_b, 1.25)[0].url
+        assert _pick(a, request, view_a, 1.25)[0].url == _pick(b, request, view_b, 1.25)[0].url
 
 
 @pytest.mark.parametrize(
@@ -402,3 +422,34 @@ def test_a_request_stays_on_its_prefix_holder_past_the_bound_but_not_past_the_sl
     fresh_home = _rendezvous_order(fresh, urls)[0]
     busy = [Candidate(u, load=5 if u == fresh_home else 1) for u in urls]
     assert router.order(target, fresh, busy)[0].url != fresh_home
+
+
+def test_a_filter_registered_for_every_profile_applies_in_each(monkeypatch):
+    """Adding a filter is one registration (a canary's revision filter would be one)."""
+    from kubellm.gateway.routing import profiles
+
+    monkeypatch.setattr(profiles, "REGISTRY", dict(profiles.REGISTRY))
+    monkeypatch.setattr(profiles, "EVERY_PROFILE", [])
+
+    class OnlyB:
+        def bind(self, cycle: profiles.Cycle):  # type: ignore[no-untyped-def]
+            return lambda candidates, bound: [c for c in candidates if c.url == "b"]
+
+    profiles.register("only-b", every_profile=True)(lambda shared: OnlyB())
+    built = Profiles(Shared(prefix.PrefixIndex(), SessionTable()), cold=lambda request: False)
+    request = routing_request("m", {"prompt": "p" * 600}, None)
+    candidates = [Candidate(u, load=n) for u, n in (("a", 0), ("b", 3), ("c", 0))]
+    for name in profiles.PROFILES:
+        target = ModelTarget("m", "m", routing=Routing(policy=name))
+        ordered = built.order(target, request, candidates, random.Random(0))
+        assert ordered[0].url == "b", name
+        assert {c.url for c in ordered} == {"a", "b", "c"}  # the rest offered after, for retries
+
+
+def test_every_declared_member_is_registered():
+    from kubellm.gateway.routing import profiles
+
+    for name, spec in profiles.PROFILES.items():
+        for member in (*spec.filters, *(m for m, _ in spec.scorers)):
+            assert member in profiles.REGISTRY, (name, member)
+        assert spec.cold is None or spec.cold in profiles.PROFILES

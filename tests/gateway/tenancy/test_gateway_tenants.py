@@ -11,8 +11,8 @@ import openai
 import pytest
 from kubellm.gateway.discovery.base import FallbackTarget
 from kubellm.gateway.routing import tenants
-from kubellm.gateway.routing.admission import Thresholds
 from kubellm.gateway.routing.flow import FlowSettings
+from kubellm.gateway.routing.settings import Thresholds
 from kubellm.gateway.routing.tenancy import TenancySettings
 
 from kubellm.api import SLO
@@ -169,7 +169,7 @@ def test_sheddable_work_stays_below_the_headroom_line(engines, gateway):
         assert interactive.result(timeout=20) == 200
         assert [f.result(timeout=30) for f in batch] == [200, 200, 200]
     contents = [b["messages"][0]["content"] for b in engine.bodies]
-    assert contents.index("chat") < contents.index("batch 2")
+    assert contents[2] == "chat" and contents[3].startswith("batch")  # it went past
 
 
 def test_usage_is_counted_per_tenant(engines, gateway):

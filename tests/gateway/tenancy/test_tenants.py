@@ -140,3 +140,23 @@ def test_load_reads_a_file_and_names_it(tmp_path):
         tenants.load(str(path))
     with pytest.raises(tenants.TenantsError, match=r"missing\.yaml"):
         tenants.load(str(tmp_path / "missing.yaml"))
+
+
+def test_an_objective_may_lower_the_priority_never_raise_it():
+    declared = tenants.parse({**DOC, "objectives": {"batch": -3, "urgent": 100}})
+    chat = declared.tenants[0]
+    lower = effective_priority(chat, None, "batch", declared.objectives)
+    assert lower == -3
+    assert effective_priority(chat, None, "urgent", declared.objectives) == 10
+    assert effective_priority(chat, None, "unknown", declared.objectives) == 10
+    assert effective_priority(chat, "-5", "batch", declared.objectives) == -5
+    with pytest.raises(tenants.TenantsError, match="objectives"):
+        tenants.parse({**DOC, "objectives": {"batch": "low"}})
+
+
+def test_a_fairness_id_splits_the_tenants_flow_only_when_plain():
+    chat = tenants.parse(DOC).tenants[0]
+    assert tenants.flow_id(chat, None) == "chat-app"
+    assert tenants.flow_id(chat, "user-7") == "chat-app/user-7"
+    assert tenants.flow_id(chat, "x" * 65) == "chat-app"
+    assert tenants.flow_id(chat, "a b") == "chat-app"

@@ -1,0 +1,70 @@
+"""The HTTP front end's settings: the routing core's (`scheduler`, one type for both
+front ends) and the knobs that are this front end's own; each default stated here once
+(the CLI reads them). docs/operations.md, "Timeouts and limits", says what each bounds
+and how to tune it. Light to import: no server or client library."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kubellm.gateway.routing.settings import SchedulerSettings
+
+if TYPE_CHECKING:
+    from kubellm.gateway.discovery.base import ModelTarget
+    from kubellm.gateway.http.upstream import Deadlines, Limits
+
+
+@dataclass
+class GatewaySettings:
+    """Knobs of the HTTP front end (per-model settings come from discovery)."""
+
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    max_body_bytes: int = 8 * 1024 * 1024
+    api_key_hashes: frozenset[str] = frozenset()  # sha256 hex; empty: no authentication
+    attempts: int = 3  # replicas tried before the first byte
+    # Toward replicas and the fallback API; a model's spec.routing.timeouts overrides each.
+    connect_timeout: float = 2.0
+    first_byte_timeout: float | None = None  # None: 5 x the model's TTFT target, >= 10 s
+    idle_timeout: float = 60.0  # the longest silence between two chunks of a stream
+    total_timeout: float = 600.0  # the whole request (bounds non-streamed answers)
+    # What an upstream answer may be.
+    max_upstream_head_bytes: int = 64 * 1024
+    max_upstream_headers: int = 100
+    max_response_bytes: int = 32 * 1024 * 1024  # a non-streamed answer, held whole
+    # From clients (header timeout, keep-alive and the connection cap: `http.server`).
+    body_timeout: float = 30.0  # reading a request body, from its headers to its end
+
+    def limits(self) -> Limits:
+        from kubellm.gateway.http.upstream import Limits
+
+        return Limits(
+            self.max_upstream_head_bytes, self.max_upstream_headers, self.max_response_bytes
+        )
+
+    def timeouts(self, target: ModelTarget, stream: bool) -> tuple[float, Deadlines]:
+        """The connect timeout and stage deadlines for one request to `target`."""
+        from kubellm.gateway.http.upstream import Deadlines
+
+        t = target.routing.timeouts
+        total = t.total_seconds or self.total_timeout
+        first = (
+            t.first_byte_seconds
+            or self.first_byte_timeout
+            or max(10.0, 5 * target.slo.ttft_seconds)
+        )
+        if not stream:  # a non-streamed answer arrives whole: its first byte is its end
+            first = total
+        idle = t.idle_seconds or self.idle_timeout
+        return t.connect_seconds or self.connect_timeout, Deadlines(first, idle, total)
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    """What a client connection may hold (docs/operations.md, "Timeouts and limits");
+    `http.server` applies them."""
+
+    header_timeout: float = 10.0
+    keep_alive_timeout: float = 5.0
+    max_connections: int = 0  # 0: `default_max_connections()`
+    max_head_bytes: int = 64 * 1024  # a request's line and headers (llhttp's incomplete event)

@@ -1,0 +1,46 @@
+"""The routing core's settings: one type for both front ends, built once (from the
+command line: `routing/flags.py`; embedded: the local fleet), each default stated here
+once. Per-model settings (policy, load bound, SLO, timeouts) come from discovery, not
+from here. Light to import: the CLI reads these defaults before any component loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kubellm.gateway.routing.tenancy import TenancySettings
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a replica counts as saturated (admission.saturated)."""
+
+    # engine queue depth (the autoscaler's default targetQueueDepth, so overflow reaches
+    # the fallback before the queue asks for a replica; docs/autoscaling.md)
+    max_waiting: float = 4.0
+    max_kv_usage: float = 0.95  # KV-cache usage
+    max_in_flight: int | None = None  # requests this gateway has on it (None: no cap)
+
+
+@dataclass
+class SchedulerSettings:
+    """Admission, health and routing knobs shared by every model of one process."""
+
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    max_queue: int = 256  # waiting requests per model
+    zero_replica_wait_seconds: float = 60.0  # queue budget while a model has no replica
+    retry_after_seconds: int = 1  # the Retry-After of a refusal (429 saturated, 503 none)
+    scrape_interval: float = 1.0  # seconds between engine scrapes
+    stale_after: float = 5.0  # scraped figures older than this count as unknown
+    eject_after_failures: int = 3
+    eject_base_seconds: float = 5.0
+    # LoRA (routing/adapters.py): prefer replicas with the adapter in a slot (False:
+    # adapter-blind, for comparison), and how many adapter loads may run at once
+    adapter_affinity: bool = True
+    max_adapter_loads: int = 2
+    # spec.routing.prefixIndex precise: each model's tokenizer (served name -> a local
+    # directory or a Hugging Face id), to hash prompts as its engines do (routing/precise.py)
+    tokenizers: dict[str, str] = field(default_factory=dict)
+    # tenants, flow control and quotas (routing/tenancy.py); None: every request alike
+    tenancy: TenancySettings | None = None
