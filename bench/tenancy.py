@@ -19,6 +19,10 @@ S times slower than real time, so this 2-core machine keeps up; figures are divi
   of the total, and Jain's index (target: >= 0.98, each share within 10% of a third). Both
   contenders keep at most 16 requests per replica at the gateway (--max-in-flight 16), so
   the rest waits there: FIFO today, by virtual token counter with tenants.
+- **quota** (`--scenarios quota`): a tenant offering 3x its tokensPerMinute through two
+  gateways that share one Redis (redis-server on loopback) for --quota-seconds of wall time
+  (quotas count real minutes): the tokens it is served per minute against its quota
+  (target: within 5%), and another tenant's TTFT without and with that load.
 
     python bench/tenancy.py                       # both scenarios, both contenders
     python bench/tenancy.py --scenarios fairness --seconds 60
@@ -181,7 +185,11 @@ async def one(client: httpx.AsyncClient, url: str, tenant: str, text: str, max_t
             if response.status_code != 200:
                 return {"ok": False, "status": response.status_code, "tenant": tenant}
             first = time.monotonic()
-            tokens = int(response.json().get("usage", {}).get("completion_tokens") or 0)
+            usage = response.json().get("usage", {})
+            tokens = int(usage.get("completion_tokens") or 0)
+            total = int(usage.get("total_tokens") or 0)
+            return {"ok": True, "tenant": tenant, "ttft": first - start, "tokens": tokens,
+                    "total": total, "end": first}  # fmt: skip
     except httpx.HTTPError as error:
         return {"ok": False, "status": type(error).__name__, "tenant": tenant}
     if first is None:
@@ -310,6 +318,98 @@ def fairness(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
+def start_redis(tmp: str) -> tuple[subprocess.Popen, str]:
+    import shutil
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("the quota scenario needs redis-server (apt-get install redis-server)")
+    port = free_port()
+    process = subprocess.Popen(
+        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+         "--dir", tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return process, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit("redis-server did not answer")
+
+
+def quota(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """A metered tenant offers 3x its tokensPerMinute through two gateways sharing one
+    Redis, for --quota-seconds of wall time (quotas count real minutes); another tenant's
+    TTFT with and without that load. Served: the tokens of its 200 answers (usage)."""
+    tpm = args.quota_tpm
+    tenants = [{"name": "metered", "priority": 0, "tokensPerMinute": tpm},
+               {"name": "other", "priority": 0}]  # fmt: skip
+    per_request = 400 + 100  # ~400 prompt tokens + 100 output
+    offered_rps = 3 * tpm / 60 / per_request
+    with tempfile.TemporaryDirectory() as tmp:
+        redis, url = start_redis(tmp)
+        try:
+            extra = ["--quota-redis", url]
+            with Fleet(args, [dict(t) for t in tenants], extra, args.ttft_slo) as fleet:
+                port = free_port()
+                second = subprocess.Popen(
+                    [sys.executable, "-m", "kubellm.gateway.cli", "--port", str(port),
+                     "--static", str(Path(fleet.tmp.name) / "static.yaml"),
+                     "--tenants", str(Path(fleet.tmp.name) / "tenants.yaml"), *extra],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+                fleet.processes.append(second)
+                urls = [fleet.gateway, f"http://127.0.0.1:{port}"]
+                wait_healthy(urls[1], second)
+
+                async def run(metered: bool, seconds: float) -> dict[str, Any]:
+                    rng = random.Random(seed)
+                    out: list[dict] = []
+                    other: list[dict] = []
+                    until = time.monotonic() + seconds
+                    async with client(args) as c:
+
+                        async def offer() -> None:
+                            tasks, i = [], 0
+                            while time.monotonic() < until:
+                                text = prompt(rng, 400, f"metered {i} {rng.random()}")
+                                tasks.append(
+                                    asyncio.create_task(
+                                        one(c, urls[i % 2], "metered", text, 100, False)
+                                    )
+                                )
+                                i += 1
+                                await asyncio.sleep(rng.expovariate(offered_rps))
+                            out.extend(await asyncio.gather(*tasks))
+
+                        work = [poisson(c, urls[0], "other", args.rate / 4 / args.time_scale,
+                                        until, rng, 450, 100, other)]  # fmt: skip
+                        if metered:
+                            work.append(offer())
+                        await asyncio.gather(*work)
+                    served = sum(r.get("total", 0) for r in out if r["ok"])
+                    ttfts = [r["ttft"] / args.time_scale for r in other if r["ok"]]
+                    return {"served_per_minute": served / (seconds / 60),
+                            "refused_429": sum(r.get("status") == 429 for r in out),
+                            "metered": len(out),
+                            "other_p50": percentile(ttfts, 50),
+                            "other_p99": percentile(ttfts, 99)}  # fmt: skip
+
+                base = asyncio.run(run(False, args.quota_seconds / 2))
+                # start on a minute's boundary, so the run covers whole quota windows
+                time.sleep(60 - time.time() % 60)
+                loaded = asyncio.run(run(True, args.quota_seconds))
+        finally:
+            redis.terminate()
+            redis.wait(10)
+    return {"seed": seed, "tpm": tpm, "offered_per_minute": 3 * tpm, "alone": base,
+            "loaded": loaded}  # fmt: skip
+
+
 def fmt(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -333,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--itl-slo", type=float, default=0.05, help="simulated s")
     parser.add_argument("--timeout", type=float, default=120.0, help="per request, sim s")
     parser.add_argument("--order", default="tenants,today", help="contenders, in order")
+    parser.add_argument("--quota-tpm", type=int, default=30000, help="tokens per minute")
+    parser.add_argument("--quota-seconds", type=float, default=120.0, help="wall s")
     parser.add_argument("--seeds", default="1")
     parser.add_argument("--out", default="bench/results/tenancy.json")
     args = parser.parse_args(argv)
@@ -380,6 +482,22 @@ def main(argv: list[str] | None = None) -> int:
                     f"{sh['large']:>7.1%} {r['jain']:>6.3f} {r['refused']:>7}",
                     flush=True,
                 )
+        if "quota" in scenarios:
+            row = quota(args, seed)
+            out.setdefault("quota", []).append(row)
+            lo, al = row["loaded"], row["alone"]
+            print(
+                f"quota, seed {seed}: tokensPerMinute {row['tpm']}, offered 3x through two "
+                f"gateways sharing Redis, {args.quota_seconds:g} wall s"
+            )
+            print(
+                f"served/min {lo['served_per_minute']:.0f} = "
+                f"{lo['served_per_minute'] / row['tpm']:.1%} of the quota "
+                f"({lo['refused_429']}/{lo['metered']} refused 429); the other tenant's TTFT "
+                f"p50/p99 {fmt(al['other_p50'])}/{fmt(al['other_p99'])} s alone, "
+                f"{fmt(lo['other_p50'])}/{fmt(lo['other_p99'])} s beside it",
+                flush=True,
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
