@@ -266,7 +266,10 @@ class Scheduler:
                     if flow.head() is not waiter:  # not its turn: wait (no fallback either)
                         open_, fallback = [], None
                     elif waiter.band < flow_settings.headroom_below:
-                        open_ = [c for c in open_ if flows.below_line(c, flow_settings)]
+                        below = [c for c in open_ if flows.below_line(c, flow_settings)]
+                        if open_ and not below:  # room kept for high bands: wait for it,
+                            fallback = None  # the paid API is not for sheddable overflow
+                        open_ = below
                 waiting = self.queued.get(model, 0)
                 room = queued or waiting < self.settings.max_queue
                 position = waiting if queued else waiting + 1

@@ -144,15 +144,17 @@ def _stream(gw, tenant: str, text: str) -> int:
 
 
 def test_sheddable_work_stays_below_the_headroom_line(engines, gateway):
-    """headroomLoad 2 of a replica's 4 slots: two batch streams run, the third waits; a
-    chat request takes a free slot at once, past the waiting batch request."""
-    ((engine, server),) = engines(1)
+    """headroomLoad 2 of a replica's 4 slots: two batch streams run, the third waits (not
+    at the fallback, which the batch tenant may use: the replica is not saturated, its room
+    is kept); a chat request takes a free slot at once, past the waiting batch request."""
+    (engine, server), (api, api_server) = engines(2)
+    fallback = FallbackTarget(url=f"{api_server.url}/v1", model="ext", api_key="sk-fb")
     engine.behaviour.tokens = 40
     engine.behaviour.token_delay = 0.05  # each stream holds its slot about 2 s
     settings = declared(**{"nightly-eval": {"fallback": "allowed"}})
     settings = TenancySettings(settings.tenants, FlowSettings(ttl_seconds=30, headroom_load=2))
     gw = gateway(
-        {"tiny": model("tiny", [server], slo=SLO(ttft_seconds=5))},
+        {"tiny": model("tiny", [server], fallback=fallback, slo=SLO(ttft_seconds=5))},
         tenancy=settings,
         thresholds=Thresholds(max_in_flight=4),
     )
@@ -170,6 +172,7 @@ def test_sheddable_work_stays_below_the_headroom_line(engines, gateway):
         assert [f.result(timeout=30) for f in batch] == [200, 200, 200]
     contents = [b["messages"][0]["content"] for b in engine.bodies]
     assert contents[2] == "chat" and contents[3].startswith("batch")  # it went past
+    assert api.bodies == []
 
 
 def test_usage_is_counted_per_tenant(engines, gateway):
