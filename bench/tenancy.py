@@ -17,8 +17,9 @@ S times slower than real time, so this 2-core machine keeps up; figures are divi
   outstanding, with 200-, 2,000- and 8,000-token prompts and 100-token answers; each
   tenant's service (prompt tokens + 2 x output tokens, the VTC paper's measure) as a share
   of the total, and Jain's index (target: >= 0.98, each share within 10% of a third). Both
-  contenders keep at most 16 requests per replica at the gateway (--max-in-flight 16), so
-  the rest waits there: FIFO today, by virtual token counter with tenants.
+  contenders keep at most 16 requests per replica at the gateway (--max-in-flight 16; set by
+  --fair-in-flight), so the rest waits there: FIFO today, by virtual token counter with
+  tenants.
 - **quota** (`--scenarios quota`): a tenant offering 3x its tokensPerMinute through two
   gateways that share one Redis (redis-server on loopback) for --quota-seconds of wall time
   (quotas count real minutes): the tokens it is served per minute against its quota
@@ -308,7 +309,7 @@ async def fair_phase(args: argparse.Namespace, url: str, seed: int) -> dict[str,
 def fairness(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
     rows = []
     tenants = [{"name": n, "priority": 0} for n in ("small", "medium", "large")]
-    extra = ["--max-in-flight", str(args.max_num_seqs)]
+    extra = ["--max-in-flight", str(args.fair_in_flight or args.max_num_seqs)]
     for name in args.order.split(","):
         declared = {"today": None, "tenants": tenants}[name]
         with Fleet(args, [dict(t) for t in declared] if declared else None, extra,
@@ -427,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=8.0, help="interactive requests/sim s")
     parser.add_argument("--batch-outstanding", type=int, default=64)
     parser.add_argument("--fair-outstanding", type=int, default=32)
+    parser.add_argument(
+        "--fair-in-flight",
+        type=int,
+        default=None,
+        help="fairness: requests per replica the gateway keeps in flight (default maxNumSeqs)",
+    )
     parser.add_argument("--headroom-load", type=float, default=12.0)
     parser.add_argument("--band-ttl", type=float, default=60.0, help="simulated s")
     parser.add_argument("--ttft-slo", type=float, default=0.5, help="simulated s")
