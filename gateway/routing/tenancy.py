@@ -150,10 +150,10 @@ class Tenancy:
         rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
         try:
             if rpm is not None or tpm is not None:
-                verdict, caller.window = await self.limiter.admit(
-                    tenant.name, caller.estimate, rpm, tpm
-                )
-                if not verdict.allowed:
+                verdict, window = await self.limiter.admit(tenant.name, caller.estimate, rpm, tpm)
+                if verdict.allowed:  # charged: settled at its end
+                    caller.window = window
+                else:  # nothing charged (taken back): nothing to settle
                     self.metrics.throttled.labels(tenant.name, verdict.which).inc()
                     return quota.refusal(tenant.name, verdict)
             rule = tenant.fallback

@@ -5,6 +5,7 @@ fallback however saturated the pool, the headroom kept for high bands, usage per
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import httpx
 import openai
@@ -18,6 +19,12 @@ from kubellm.gateway.routing.tenancy import TenancySettings
 from kubellm.api import SLO
 from tests.gateway.conftest import model
 from tests.gateway.upstream import wait_until
+
+
+def within_one_minute() -> None:
+    """Quotas count UTC minutes: start a quota test early in one, so it ends in it too."""
+    wait_until(lambda: time.time() % 60 < 45, 20, "the start of a minute")
+
 
 KEYS = {"chat-app": "sk-chat", "nightly-eval": "sk-eval", "resident": "sk-res", "meter": "sk-m"}
 
@@ -72,6 +79,7 @@ def test_keys_name_the_tenant_keyless_is_the_default_or_401(engines, gateway):
 def test_a_tenant_over_its_requests_per_minute_gets_429_with_openai_headers(engines, gateway):
     ((engine, server),) = engines(1)
     gw = gateway({"tiny": model("tiny", [server])}, tenancy=declared())
+    within_one_minute()
     assert [chat(gw, "meter").status_code for _ in range(2)] == [200, 200]
     refused = chat(gw, "meter")
     assert refused.status_code == 429
@@ -235,3 +243,24 @@ def test_waiting_requests_dispatch_by_band_and_a_header_only_lowers(engines, gat
         assert [f.result(timeout=30) for f in (held, first, second, third)] == [200] * 4
     assert [b["messages"][0]["content"] for b in engine.bodies] == ["held", "ten", "zero",
                                                                     "lowered"]  # fmt: skip
+
+
+def test_a_token_quota_settles_to_usage_and_a_refusal_frees_nothing(engines, gateway):
+    """tokensPerMinute 50: the first request (estimated at 100 tokens, the first of a
+    minute always fits) is settled to its usage (3 + 4); the next two (100 each) do not
+    fit, and a refused one gives back nothing it was not charged."""
+    ((_engine, server),) = engines(1)
+    gw = gateway(
+        {"tiny": model("tiny", [server])},
+        tenancy=declared(meter={"requestsPerMinute": 100, "tokensPerMinute": 50}),
+    )
+    text = "x" * 400  # ~100 tokens by the estimate
+    within_one_minute()
+    assert chat(gw, "meter", text).status_code == 200
+    second = chat(gw, "meter", text)
+    assert second.status_code == 429
+    assert second.headers["x-ratelimit-limit-tokens"] == "50"
+    assert second.headers["x-ratelimit-remaining-tokens"] in {"43", "0"}  # settled or not yet
+    assert chat(gw, "meter", text).status_code == 429
+    assert chat(gw, "meter", "short").status_code == 200  # 7 + 2 fits within 50
+    assert gw.metric("kubellm_gateway_tenant_throttled_total", tenant="meter", limit="tokens") == 2
