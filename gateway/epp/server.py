@@ -1,15 +1,20 @@
 """The endpoint picker's servers: ext_proc over gRPC (with the gRPC health services the
 protocol names) and `/metrics` over HTTP.
 
-One ext_proc stream carries one HTTP exchange. `Exchange` follows it:
+One ext_proc stream carries one HTTP exchange. `Exchange` follows it and translates its
+messages into calls on the request's ticket (`routing.lifecycle`), which holds every
+routing state and the SLO outcome (the same calls the HTTP gateway makes):
 
 - request headers, then the body (full-duplex: buffered here until the end; buffered
-  mode: one message) -> parse the OpenAI request, admit it through the routing core,
-  answer with the picked endpoints (or an OpenAI-format error as an immediate response:
-  400 bad body, 404 unknown model, 413 too large, 429 shed, 503 nothing to send it to);
-- response headers and body chunks -> outlier feedback (5xx before any byte), TTFT and
-  ITL into the gateway's metric names, and the in-flight count released at the end,
-  or when the stream closes early (client gone, replica died mid-stream).
+  mode: one message) -> parse the OpenAI request, `admit` it through the routing core,
+  `ticket.attempt` the first replica and answer with the picked endpoints (or an
+  OpenAI-format error as an immediate response: 400 bad body, 404 unknown model, 413 too
+  large, the core's 429/503 with Retry-After);
+- response headers -> `attempt.started` / `attempt.failed` (a replica's 5xx is answered
+  with the core's 502), `ticket.respond`; body chunks -> `ticket.chunk`; the response's
+  end, or the stream closing early (client gone, replica died mid-stream) -> `finish`;
+- messages out of the protocol's order close the stream with INVALID_ARGUMENT, and every
+  slot the exchange held is released.
 
 The fallback API in this mode: when admission says FALLBACK the request goes to the
 fallback forwarder (`--fallback-forwarder`, a `kubellm gateway` serving the models'
@@ -142,6 +147,7 @@ class EndpointPicker:
         finally:
             exchange.close()
         if violation is not None:
+            log.warning("ext_proc stream closed: %s", violation)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(violation))
 
 

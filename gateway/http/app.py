@@ -1,13 +1,15 @@
 """The HTTP front end: one OpenAI-compatible endpoint in front of a fleet.
 
 Per request: authenticate, read the body within its size and time limits, parse and
-check it (`protocol.openai`), find the model, then the routing core
-(`routing.scheduler`) decides before any byte is sent: replica, fallback, queue or
-refusal. Replica requests are forwarded best candidate first with retries until a
-replica gives its first byte (`relay.open_upstream`), then relayed (streams chunk
-by chunk) and timed for the SLO metrics. Every outcome is counted once in
-`kubellm_gateway_requests_total`; anything unexpected is a 500 in OpenAI's envelope
-with a request id, logged once.
+check it (`protocol.openai`), find the model, then the routing core decides before any
+byte is sent (`Scheduler.admit`, which returns the request's ticket,
+`routing.lifecycle`): replica, fallback, queue or the core's refusal. Replica requests
+are forwarded best candidate first with retries until a replica gives its first byte
+(`relay.open_upstream`, each try a `ticket.attempt`), then relayed (streams chunk by
+chunk, each through `ticket.chunk`); `ticket.finish` counts the outcome once, whatever
+ends the request. What this module keeps is HTTP: ASGI messages, headers, bodies, the
+envelopes the core's errors are rendered in; anything unexpected is a 500 in OpenAI's
+envelope with a request id, logged once.
 """
 
 from __future__ import annotations

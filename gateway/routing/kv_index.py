@@ -18,7 +18,7 @@ start, then (empty, empty, seq -1, empty).
 
 Memory: one entry is a dict slot from a 64-bit hash to a small int bitmask of replica
 slots (replicas are numbered per index, at most `MAX_REPLICAS`); measured with
-tracemalloc in tests/gateway/test_kv_index.py and printed by bench/kv_index_memory.py
+tracemalloc in tests/gateway/routing/test_kv_index.py and printed by bench/kv_index_memory.py
 (about 100 bytes an entry). The map is bounded by `capacity` entries (default 4 M,
 about 400 MB at worst): a store past it is dropped and counted, and the replica that
 lost it is no longer fresh until its cache is cleared or it restarts.

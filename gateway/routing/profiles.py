@@ -268,6 +268,16 @@ declare(
 declare("round-robin", ProfileSpec(filters=(), scorers=(("round-robin", 1.0),)))
 
 
+_Entry = tuple["Scorer | Filter | None", float, "Member | None"]
+
+
+def _entry(member: Member, weight: float) -> _Entry:
+    """(the member bound once, weight, None) for a fixed member, else (None, weight, it)."""
+    if isinstance(member, _Fixed):
+        return member.member, weight, None
+    return None, weight, member
+
+
 class Profiles:
     """The declared profiles with their members built once for one router's state."""
 
@@ -281,11 +291,12 @@ class Profiles:
                     if name not in REGISTRY:
                         raise ValueError(f"routing profile member {name!r} is not registered")
                     self.members[name] = REGISTRY[name](shared)
-        # per profile, its members in binding order (looked up once, not per request)
-        self._bound: dict[str, tuple[list[tuple[Member, float]], list[Member]]] = {
+        # per profile, its members in binding order, looked up once; a member that is the
+        # same for every request is bound now, not per request
+        self._bound: dict[str, tuple[list[_Entry], list[_Entry]]] = {
             name: (
-                [(self.members[m], w) for m, w in spec.scorers],
-                [self.members[m] for m in (*EVERY_PROFILE, *spec.filters)],
+                [_entry(self.members[m], w) for m, w in spec.scorers],
+                [_entry(self.members[m], 0.0) for m in (*EVERY_PROFILE, *spec.filters)],
             )
             for name, spec in PROFILES.items()
         }
@@ -305,16 +316,16 @@ class Profiles:
     ) -> tuple[Profile, RoutingRequest]:
         """Profile `name`'s members bound to one request (scorers first: they may tell
         the filters what they found), and the request as the members completed it."""
-        members, filter_members = self._bound[name]
+        scorer_entries, filter_entries = self._bound[name]
         cycle = Cycle(target, request, candidates)
         scorers = []
-        for member, weight in members:
-            scorer = member.bind(cycle)
+        for fixed, weight, member in scorer_entries:
+            scorer = fixed if member is None else member.bind(cycle)
             if scorer is not None:
                 scorers.append((scorer, weight))
         filters = []
-        for member in filter_members:
-            bound = member.bind(cycle)
+        for fixed, _, member in filter_entries:
+            bound = fixed if member is None else member.bind(cycle)
             if bound is not None:
                 filters.append(bound)
         return Profile(filters, scorers), cycle.request  # type: ignore[arg-type]

@@ -5,11 +5,8 @@ through stores and evictions."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -22,17 +19,10 @@ from kubellm.gateway.routing.kv_index import KVEventsSubscriber, KVIndex, event_
 
 from kubellm import kv_blocks
 from tests.fixtures.engines import free_port
+from tests.fixtures.polling import eventually
 
 URL = "http://127.0.0.1:8000"  # the events are looked for on its host
 BLOCK = 16
-
-
-async def _until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def _cached(app: Any) -> set[int]:
@@ -107,13 +97,15 @@ async def test_the_subscribers_index_equals_the_sims_cache_through_evictions() -
             body = {"model": "m", "prompt": _prompt(0), "max_tokens": 4}
             assert (await client.post("/v1/completions", json=body)).status_code == 200
             subscriber.sync({URL: event_address(URL, port)})
-            await _until(lambda: index.entries(URL) == len(_cached(app)), "the replay")
-            await _until(lambda: subscriber.fresh(URL), "the replica to be fresh")
+            await eventually(lambda: index.entries(URL) == len(_cached(app)), 10, "the replay")
+            await eventually(lambda: subscriber.fresh(URL), 10, "the replica to be fresh")
             publisher = app.state.simulator.publisher
             for i in range(1, 7):  # 6 x ~5 blocks through a 14-block pool: evictions
                 body = {"model": "m", "prompt": _prompt(i), "max_tokens": 4}
                 assert (await client.post("/v1/completions", json=body)).status_code == 200
-                await _until(lambda: index.next_seq(URL) == publisher.published, "the batches")
+                await eventually(
+                    lambda: index.next_seq(URL) == publisher.published, 10, "the batches"
+                )
                 assert index.hashes(URL) == _cached(app)
                 token_ids = tokenizer.token_ids(body)
                 assert token_ids == app.state.simulator.tokenizer.encode(_prompt(i))
@@ -123,11 +115,13 @@ async def test_the_subscribers_index_equals_the_sims_cache_through_evictions() -
             assert index.matched(URL, first) == 0  # evicted, and the index knows it
             chat = {"model": "m", "messages": [{"role": "user", "content": _prompt(9)}]}
             assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
-            await _until(lambda: index.next_seq(URL) == publisher.published, "the chat batch")
+            await eventually(
+                lambda: index.next_seq(URL) == publisher.published, 10, "the chat batch"
+            )
             chat_blocks = hasher.block_hashes(tokenizer.token_ids(chat) or [])
             assert index.matched(URL, chat_blocks) == len(chat_blocks) > 0
             assert (await client.post("/reset_prefix_cache")).status_code == 200
-            await _until(lambda: index.entries(URL) == 0, "the cleared cache")
+            await eventually(lambda: index.entries(URL) == 0, 10, "the cleared cache")
             assert not _cached(app)
     finally:
         await subscriber.close()

@@ -151,7 +151,11 @@ async def test_the_response_releases_and_5xx_answers_eject_the_replica():
         answer = ext.ProcessingRequest(
             response_headers=ext.HttpHeaders(headers=status, end_of_stream=True)
         )
-        await exchange.handle(answer)
+        (replaced,) = await exchange.handle(answer)
+        # the core's answer in place of the replica's 503, as the HTTP gateway gives it
+        assert replaced.immediate_response.status.code == 502
+        error = json.loads(replaced.immediate_response.body)["error"]
+        assert error["code"] == "upstream_error"
         assert picker.scheduler.load.in_flight.get(REPLICAS[0], 0) == 0
     assert picker.scheduler.outliers.ejected(REPLICAS[0])
 

@@ -17,7 +17,7 @@ from kubellm.gateway.discovery.kubernetes import KubernetesDiscovery
 from kubellm import api, kube
 from tests.fixtures import rbac
 
-RBAC_FILE = Path(__file__).resolve().parents[2] / "gateway" / "rbac-requests.yaml"
+RBAC_FILE = Path(__file__).resolve().parents[3] / "gateway" / "rbac-requests.yaml"
 LLMD = f"{api.GROUP}/{api.VERSION}/{api.PLURAL}"
 SLICES = "discovery.k8s.io/v1/endpointslices"
 SECRETS = "v1/secrets"

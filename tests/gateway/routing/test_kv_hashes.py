@@ -68,7 +68,8 @@ def test_unreproducible_algorithms_are_refused_by_name() -> None:
         BlockHasher(0)
 
 
-# The same against a real vLLM CPU engine's BlockStored events: tests/gateway/test_precise_e2e.py
+# The same against a real vLLM CPU engine's BlockStored events:
+# tests/gateway/routing/test_precise_e2e.py
 
 
 @needs_vllm_module

@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kubellm import metrics
 from kubellm.api import Routing
 from tests.fixtures.engines import running_vllm, tiny_spec, wait_until
+from tests.fixtures.polling import eventually
 
 pytestmark = pytest.mark.vllm
 
@@ -172,14 +173,6 @@ def _counter(url: str, name: str) -> float:
     )
 
 
-async def _until(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 async def test_evicting_a_prefix_moves_its_next_request_in_precise_mode_only(
     engines: list[tuple[str, int]], tiny_model_dir: Path
 ) -> None:
@@ -215,7 +208,7 @@ async def test_evicting_a_prefix_moves_its_next_request_in_precise_mode_only(
     precise.prepare({"tiny": target("precise")})
     subscriber.sync(precise.wanted({"tiny": target("precise")}))
     try:
-        await _until(lambda: subscriber.fresh(a) and subscriber.fresh(b), 30, "fresh events")
+        await eventually(lambda: subscriber.fresh(a) and subscriber.fresh(b), 30, "fresh events")
         # The gateway sends the prefix to A (its approximate index records that); another
         # gateway sent it to B as well. A is the prompt's home (rendezvous order of the two
         # URLs, whose ports are random): a first-seen prompt is indexed only there.
@@ -225,7 +218,7 @@ async def test_evicting_a_prefix_moves_its_next_request_in_precise_mode_only(
         await asyncio.to_thread(_complete, a, body)
         router.routed(request, a, [a, b])
         await asyncio.to_thread(_complete, b, body)
-        await _until(lambda: index.matched(a, hashes) == full == index.matched(b, hashes),
+        await eventually(lambda: index.matched(a, hashes) == full == index.matched(b, hashes),
                      30, "both replicas' events to show the prefix")  # fmt: skip
         assert first("approximate", body) == a
         # Other tenants' long prompts fill A's small pool: vLLM evicts the prefix there.
@@ -238,7 +231,7 @@ async def test_evicting_a_prefix_moves_its_next_request_in_precise_mode_only(
             theirs = hasher.block_hashes(tokenizer.token_ids(other) or [])
             await asyncio.to_thread(_complete, a, other)
             # vLLM publishes an eviction before the store that needed the room
-            await _until(lambda t=theirs: index.matched(a, t) == len(t), 30, "A's new blocks")
+            await eventually(lambda t=theirs: index.matched(a, t) == len(t), 30, "A's new blocks")
         assert first("approximate", body) == a  # still trusts what it sent
         chosen = first("precise", body)
         assert chosen == b  # where the prefix still is

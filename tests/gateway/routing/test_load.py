@@ -95,8 +95,10 @@ def test_ejection_period_grows_and_expires():
 
 
 async def test_stream_timing_starts_at_the_first_generated_text():
+    from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget
     from kubellm.gateway.http.relay import relay
-    from kubellm.gateway.routing.slo import StreamTiming
+    from kubellm.gateway.routing.scheduler import Scheduler
+    from kubellm.gateway.routing.scorers.base import RoutingRequest
 
     role = b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
     token = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
@@ -113,11 +115,15 @@ async def test_stream_timing_starts_at_the_first_generated_text():
     async def send(message: dict) -> None:
         sent.append(message["body"])
 
-    timing = StreamTiming(start=0.0)  # the role chunk was read first, by open_upstream
-    await relay(Body(), role, send, timing)  # type: ignore[arg-type]
+    target = ModelTarget("m", "m", endpoints=(Endpoint("http://a"),))
+    scheduler = Scheduler(FixedDiscovery({"m": target}))
+    ticket = await scheduler.admit(target, RoutingRequest("m"), arrived=0.0, stream=True)
+    # the role chunk was read first, by open_upstream
+    broken = await relay(Body(), role, send, ticket)  # type: ignore[arg-type]
     assert b"".join(sent) == role + token + token + b"data: [DONE]\n\n"  # unchanged
     assert sent[-1] == b""  # the end of the body
-    assert timing.chunks == 2 and len(timing.gaps) == 1 and timing.error is None
+    timing = ticket.timing
+    assert broken is None and timing.chunks == 2 and len(timing.gaps) == 1
 
 
 def test_a_fatal_failure_ejects_at_once():

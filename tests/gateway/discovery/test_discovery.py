@@ -18,7 +18,7 @@ from kubellm.gateway.discovery.static import StaticConfigError, StaticDiscovery,
 
 from kubellm import kube
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "gateway-static.yaml"
+EXAMPLE = Path(__file__).parents[3] / "examples" / "gateway-static.yaml"
 
 
 def test_example_file_parses():
