@@ -57,6 +57,7 @@ class Waiter:
     band: int
     weight: float
     cost: float  # its estimated prompt tokens (charged to the VTC when it dispatches)
+    fallback: bool = True  # its tenant may use the fallback API now
     seq: int = 0
     dropped: str | None = None  # why it was shed while waiting
 
@@ -133,19 +134,26 @@ class Flow:
             if not band:
                 del self.queues[waiter.band]
 
-    def head(self) -> Waiter | None:
+    def head(self, fallback: bool = False) -> Waiter | None:
         """The waiter that dispatches next: the highest band, the lowest counter in it
-        (ties: the earlier arrival), its tenant's oldest request."""
-        if not self.queues:
-            return None
-        band = self.queues[max(self.queues)]
-        best: Waiter | None = None
-        best_key: tuple[float, int] | None = None
-        for tenant, queue in band.items():
-            key = (self.vtc.get(tenant, 0.0), queue[0].seq)
-            if best_key is None or key < best_key:
-                best, best_key = queue[0], key
-        return best
+        (ties: the earlier arrival), its tenant's oldest request. `fallback`: among those
+        whose tenant may use the fallback API (who goes there next: a `never` tenant's
+        request waiting for a replica does not hold the fallback from lower bands)."""
+        for band in sorted(self.queues, reverse=True):
+            best: Waiter | None = None
+            best_key: tuple[float, int] | None = None
+            for tenant, queue in self.queues[band].items():
+                first = queue[0]
+                if fallback:
+                    first = next((w for w in queue if w.fallback), None)
+                    if first is None:
+                        continue
+                key = (self.vtc.get(tenant, 0.0), first.seq)
+                if best_key is None or key < best_key:
+                    best, best_key = first, key
+            if best is not None:
+                return best
+        return None
 
     def charge(self, tenant: str, tokens: float, weight: float) -> None:
         """Add served tokens (prompt + 2 x output, or a correction) to `tenant`'s counter."""

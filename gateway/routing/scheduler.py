@@ -263,8 +263,10 @@ class Scheduler:
                 if tenancy is not None:
                     if waiter.dropped:  # shed while waiting
                         return Route.REJECT, waiter.dropped, [], target
-                    if flow.head() is not waiter:  # not its turn: wait (no fallback either)
-                        open_, fallback = [], None
+                    if flow.head() is not waiter:  # not its turn for a replica: wait,
+                        open_ = []  # and the fallback only when it is next in line for it
+                        if flow.head(fallback=True) is not waiter:
+                            fallback = None
                     elif waiter.band < flow_settings.headroom_below:
                         below = [c for c in open_ if flows.below_line(c, flow_settings)]
                         if open_ and not below:  # room kept for high bands: wait for it,

@@ -174,7 +174,10 @@ class Tenancy:
         return found
 
     def waiter(self, caller: Caller) -> flows.Waiter:
-        return flows.Waiter(caller.flow, caller.priority, caller.tenant.weight, caller.estimate)
+        tenant = caller.tenant
+        return flows.Waiter(
+            caller.flow, caller.priority, tenant.weight, caller.estimate, caller.fallback_ok
+        )
 
     def dispatched(self, model: str, caller: Caller, waited: float, replica: bool) -> None:
         """The request left its queue (to a replica when `replica`)."""

@@ -264,3 +264,37 @@ def test_a_token_quota_settles_to_usage_and_a_refusal_frees_nothing(engines, gat
     assert chat(gw, "meter", text).status_code == 429
     assert chat(gw, "meter", "short").status_code == 200  # 7 + 2 fits within 50
     assert gw.metric("kubellm_gateway_tenant_throttled_total", tenant="meter", limit="tokens") == 2
+
+
+def test_fallback_capacity_under_contention_goes_by_band(engines, gateway):
+    """The pool is saturated and the fallback takes one request at a time. A `never`
+    tenant's request (priority 5) waits for a replica; a priority-0 request waits for the
+    fallback, then a chat request (10); when the slot frees, the chat request takes it,
+    then the priority-0 one (the never tenant holds neither back from the fallback)."""
+    (engine, server), (api, api_server) = engines(2)
+    engine.behaviour.waiting = 50
+    api.behaviour.tokens = 20
+    api.behaviour.token_delay = 0.1  # each fallback answer holds the slot ~2 s
+    fallback = FallbackTarget(
+        url=f"{api_server.url}/v1", model="ext", api_key="sk-fb", max_concurrency=1
+    )
+    gw = gateway(
+        {"tiny": model("tiny", [server], fallback=fallback, slo=SLO(ttft_seconds=8))},
+        tenancy=TenancySettings(declared().tenants, FlowSettings(ttl_seconds=30)),
+    )
+    wait_until(lambda: gw.gateway.load.stats(server.url) is not None, 5, "a scrape")
+    flow = gw.gateway.scheduler.tenancy.flow("tiny")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        held = pool.submit(_stream, gw, "resident", "held")  # never: it waits, then 429
+        wait_until(lambda: len(flow) == 1, 5, "the never tenant waiting")
+        first = pool.submit(_stream, gw, "chat-app", "first")
+        wait_until(lambda: api.active == 1, 5, "the fallback busy")
+        zero = pool.submit(_stream, gw, "meter", "zero")
+        wait_until(lambda: len(flow) == 2, 5, "the priority-0 request waiting")
+        ten = pool.submit(_stream, gw, "chat-app", "ten")
+        wait_until(lambda: len(flow) == 3, 5, "the chat request waiting")
+        wait_until(lambda: len(api.bodies) == 3, 10, "the third fallback request")
+        assert not held.done()  # the never tenant still waits: it held nobody back
+        assert [f.result(timeout=30) for f in (first, zero, ten)] == [200, 200, 200]
+        assert held.result(timeout=60) == 429
+    assert [b["messages"][0]["content"] for b in api.bodies] == ["first", "ten", "zero"]

@@ -171,3 +171,16 @@ def test_prompt_estimate():
     chat = {"messages": [{"role": "user", "content": "x" * 80}, {"role": "user", "content": parts}]}
     assert estimate_prompt_tokens(chat) == 30
     assert estimate_prompt_tokens(None) == 0
+
+
+def test_the_fallback_goes_to_the_first_waiter_that_may_use_it():
+    flow = Flow()
+    resident = Waiter("resident", 5, 1.0, 100, fallback=False)
+    zero = Waiter("zero", 0, 1.0, 100)
+    ten = Waiter("ten", 10, 1.0, 100, fallback=False)
+    for w in (resident, zero, ten):
+        flow.join(w)
+    assert flow.head() is ten
+    assert flow.head(fallback=True) is zero
+    flow.leave(zero)
+    assert flow.head(fallback=True) is None

@@ -8,7 +8,7 @@ import pytest
 from kubellm import usage
 from kubellm.cli import main
 from tests.gateway.conftest import model
-from tests.gateway.tenancy.test_gateway_tenants import _stream, chat, declared
+from tests.gateway.http.test_tenancy import _stream, chat, declared
 
 TEXT = """\
 # TYPE kubellm_gateway_tenant_requests_total counter
