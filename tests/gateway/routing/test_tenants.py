@@ -160,3 +160,33 @@ def test_a_fairness_id_splits_the_tenants_flow_only_when_plain():
     assert tenants.flow_id(chat, "user-7") == "chat-app/user-7"
     assert tenants.flow_id(chat, "x" * 65) == "chat-app"
     assert tenants.flow_id(chat, "a b") == "chat-app"
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--band-ttl", "0"], "--band-ttl"),
+        (["--max-band-queue", "0"], "--max-band-queue"),
+        (["--headroom-load", "-1"], "--headroom-load"),
+        (["--headroom-kv-usage", "1.5"], "--headroom-kv-usage"),
+    ],
+)
+def test_tenancy_flags_name_a_bad_value(tmp_path, argv, named):
+    import argparse
+
+    from kubellm.gateway.routing import tenant_flags
+
+    path = tmp_path / "t.yaml"
+    path.write_text("tenants:\n  - name: a\n")
+    parser = argparse.ArgumentParser()
+    tenant_flags.add_arguments(parser)
+    assert tenant_flags.settings_from(parser.parse_args([])) is None  # no --tenants: off
+    good = tenant_flags.settings_from(
+        parser.parse_args(["--tenants", str(path), "--headroom-load", "12"])
+    )
+    assert good.tenants.names() == ["a"] and good.flow.headroom_load == 12
+    with pytest.raises(ValueError, match=named):
+        tenant_flags.settings_from(parser.parse_args(["--tenants", str(path), *argv]))
+    path.write_text("tenants:\n  - name: Bad Name\n")
+    with pytest.raises(ValueError, match=r"--tenants: .*tenants\[0\]\.name"):
+        tenant_flags.settings_from(parser.parse_args(["--tenants", str(path)]))
