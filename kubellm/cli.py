@@ -40,6 +40,7 @@ COMPONENT_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": ("kubellm.bench", "Load-test an OpenAI-compatible endpoint."),
     "diagnose": ("kubellm.diagnose", "Explain what is slow in a fleet from its metrics."),
+    "usage": ("kubellm.usage", "Print each tenant's usage and cost from a gateway's metrics."),
 }
 
 

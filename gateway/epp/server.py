@@ -337,6 +337,10 @@ class Exchange:
         if match is None:
             return [self.refuse(errors.model_not_found(model))]
         target, adapter = match
+        try:  # the tenant, from the headers Envoy passes (tenancy.py), when declared
+            caller = self.sched.identify(self.headers)
+        except GatewayError as error:
+            return [self.refuse(error)]
         session = self.headers.get(SESSION_HEADER)
         routing = routing_request(target.served_name, parsed, session, adapter)
         settings = self.picker.settings
@@ -346,6 +350,7 @@ class Exchange:
             arrived=self.arrived,
             stream=parsed.get("stream") is True,
             fallback=settings.fallback_forwarder is not None,
+            caller=caller,
         )
         if ticket.refusal is not None:
             return [self._immediate(ticket.refusal)]

@@ -40,6 +40,8 @@ from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Ticket
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scheduler import Scheduler
+from kubellm.gateway.routing.tenancy import Caller
+from kubellm.gateway.routing.tenants import TENANT_HEADERS
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -110,13 +112,19 @@ class Gateway:
 
     # ---------------------------------------------------------------- checks
 
-    def authenticate(self, authorization: str | None) -> None:
-        """Check the `Authorization` header's value (None: absent) against the key hashes."""
+    def authenticate(
+        self, authorization: str | None, headers: dict[str, str] | None = None
+    ) -> Caller | None:
+        """Check the `Authorization` header's value (None: absent) against the key hashes,
+        or find its tenant from the request's `headers` when tenants are declared."""
+        if self.scheduler.tenancy is not None:
+            return self.scheduler.identify(headers or {"authorization": authorization or ""})
         if not self.settings.api_key_hashes:
-            return
+            return None
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or hash_key(key.strip()) not in self.settings.api_key_hashes:
             raise errors.unauthorized()
+        return None
 
     async def read_body(self, receive: Receive, declared: str | None) -> bytes:
         """The request body, refused once it exceeds the size limit (`declared`: its
@@ -163,7 +171,7 @@ class Gateway:
         call = _Call(path, headers, send)
         try:
             try:
-                self.authenticate(headers.get("authorization"))
+                caller = self.authenticate(headers.get("authorization"), headers)
                 raw = await self.read_body(receive, headers.get("content-length"))
                 body = parse_body(raw, path)
             except GatewayError as error:
@@ -179,7 +187,7 @@ class Gateway:
             # stops working for a client that left, queued, waiting or mid-stream.
             try:
                 async with relay.DisconnectWatch(receive) as watch:
-                    await self._route(call, found[0], found[1], raw, body, arrived)
+                    await self._route(call, found[0], found[1], raw, body, arrived, caller)
             finally:
                 if call.ticket is not None:
                     call.ticket.finish()  # once: a no-op after a normal end; else 499
@@ -205,13 +213,16 @@ class Gateway:
         raw: bytes,
         body: dict[str, Any],
         arrived: float,
+        caller: Caller | None = None,
     ) -> None:
         """Admission, then forwarding to a replica or the fallback, or the core's refusal."""
         routing = routing_request(
             target.served_name, body, call.headers.get("x-session-id"), adapter
         )
         stream = body.get("stream") is True
-        ticket = await self.scheduler.admit(target, routing, arrived=arrived, stream=stream)
+        ticket = await self.scheduler.admit(
+            target, routing, arrived=arrived, stream=stream, caller=caller
+        )
         call.ticket = ticket
         if ticket.refusal is not None:
             return await call.error(ticket.refusal)
@@ -396,7 +407,13 @@ async def _no_receive() -> Message:
 
 # The request headers the gateway reads (ASGI servers send names in lower case).
 _WANTED = frozenset(
-    (b"authorization", b"content-length", b"x-session-id", *(h.encode() for h in FORWARDED))
+    (
+        b"authorization",
+        b"content-length",
+        b"x-session-id",
+        *(h.encode() for h in TENANT_HEADERS),
+        *(h.encode() for h in FORWARDED),
+    )
 )
 
 

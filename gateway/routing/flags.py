@@ -8,6 +8,7 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kubellm.gateway.routing import tenant_flags
 from kubellm.gateway.routing.settings import SchedulerSettings, Thresholds
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "without one, precise mode scores approximately "
         "(kubellm_gateway_prefix_index_fallbacks_total)",
     )
+    tenant_flags.add_arguments(parser)
     add_discovery_arguments(parser)
 
 
@@ -135,4 +137,5 @@ def settings_from(args: argparse.Namespace) -> SchedulerSettings:
         tokenizers=tokenizer_pairs(args.tokenizer),
         adapter_affinity=args.adapter_routing == "affinity",
         max_adapter_loads=args.max_adapter_loads,
+        tenancy=tenant_flags.settings_from(args),
     )

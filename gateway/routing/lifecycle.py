@@ -51,6 +51,7 @@ from kubellm.gateway.routing.slo import TOKEN, RequestRecord, StreamTiming
 
 if TYPE_CHECKING:
     from kubellm.gateway.routing.scheduler import Scheduler
+    from kubellm.gateway.routing.tenancy import Caller
 
 # The response header both front ends set: which route answered (replica, fallback).
 ROUTE_HEADER = "x-kubellm-route"
@@ -126,7 +127,9 @@ class Ticket:
         "_size",
         "_usage",
         "arrived",
+        "caller",
         "done",
+        "good",
         "order",
         "reason",
         "record",
@@ -171,6 +174,8 @@ class Ticket:
         self._usage: dict[str, int] | None = None
         # latency prediction: (url, features at dispatch, when sent, streaming yet)
         self._dispatch: list[Any] | None = None
+        self.caller: Caller | None = None  # its tenant (tenancy.py), when tenants are declared
+        self.good = False  # the answer met the SLO (goodput)
 
     # ------------------------------------------------------------ admission (the core's)
 
@@ -192,8 +197,8 @@ class Ticket:
             self.route = "fallback"
             self._fallback = core.fallback_slot(target.served_name)
             core.metrics.fallback.labels(*self.record.series.labels, reason).inc()
-        else:  # saturated: 429, come back soon; no replica at all: 503 until one is up
-            status = 429 if reason == "saturated" else 503
+        else:  # saturated (or shed by flow control): 429, come back soon; no replica: 503
+            status = 503 if reason == "no-ready-replicas" else 429
             retry = core.settings.retry_after_seconds
             self.fail(errors.overloaded(target.served_name, retry, status, loading))
 
@@ -290,6 +295,7 @@ class Ticket:
         if not status:  # nothing reached the client: it left
             self._end_dispatch()
             self.record.finish("none", 499)
+            self._core.ended(self)
             return
         if broken is not None:
             self.timing.failed(broken)
@@ -303,6 +309,16 @@ class Ticket:
         if broken is not None and status < 400:
             status = 502  # the answer started and broke: a server-side failure
         self.record.finish(self.route, status)
+        self._core.ended(self)
+
+    def tokens(self) -> dict[str, int]:
+        """The answer's prompt and completion tokens: its `usage` where it had one, else
+        the events that carried text (a stream without a usage event)."""
+        if self._body is not None:
+            return _usage(b"".join(self._body))
+        if self._usage:
+            return self._usage
+        return {"completion": self.timing.chunks}
 
     # ------------------------------------------------------------ latency prediction
 
@@ -346,6 +362,7 @@ class Ticket:
             if met:
                 series.goodput.inc()
             self.record.revision_observed(ttft, (), met)
+            self.good = met
         else:
             if timing.ttft is not None:
                 series.ttft.observe(timing.ttft)
@@ -358,6 +375,7 @@ class Ticket:
             if met:
                 series.goodput.inc()
             self.record.revision_observed(timing.ttft, timing.gaps, met)
+            self.good = met
         if self.route == "fallback" and status == 200 and usage:
             metric = self._core.metrics.fallback_tokens
             for kind, count in usage.items():

@@ -18,14 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import aiohttp
 from kubellm.gateway.discovery.base import Discovery, Endpoint, ModelTarget
 from kubellm.gateway.routing import adapters, engine_api, slo
+from kubellm.gateway.routing import flow as flows
 from kubellm.gateway.routing.admission import (
     CompletionRate,
+    Decision,
     Route,
     decide,
     predicted_wait,
@@ -40,6 +42,7 @@ from kubellm.gateway.routing.revisions import revisions_failed
 from kubellm.gateway.routing.router import Router
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.settings import SchedulerSettings
+from kubellm.gateway.routing.tenancy import Caller, Tenancy
 
 __all__ = ["Scheduler", "SchedulerSettings", "labels"]
 
@@ -84,6 +87,7 @@ class Scheduler:
         self.completions = CompletionRate()  # replica answers finished: predicts queue waits
         self._changed = asyncio.Event()
         self.load.on_release(self.wake)
+        self.tenancy = Tenancy(s.tenancy, self.metrics.registry) if s.tenancy else None
         self._tasks: list[asyncio.Task[None]] = []
 
     # ---------------------------------------------------------------- lifecycle
@@ -108,6 +112,8 @@ class Scheduler:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self.tenancy is not None:
+            await self.tenancy.close()
 
     def tasks(self, client: aiohttp.ClientSession) -> list[Coroutine[Any, Any, None]]:
         """The background work: discovery, and scraping every engine with `client`."""
@@ -176,6 +182,7 @@ class Scheduler:
         arrived: float | None = None,
         stream: bool = False,
         fallback: bool = True,
+        caller: Caller | None = None,
     ) -> Ticket:
         """Wait (bounded by the TTFT target, or the scale-from-zero wait while the model
         has no replica) until the request can go somewhere (see `admission.decide`), and
@@ -183,24 +190,65 @@ class Scheduler:
         `stream`: it asked for a stream; `fallback` False: this front end cannot reach
         the fallback API (the model is admitted as if it had none). A refused ticket is
         finished already and carries the error in `refusal`; a caller cancelled while
-        waiting (its client left) gets its ticket finished as 499."""
+        waiting (its client left) gets its ticket finished as 499. `caller`: its tenant
+        (`identify`), when tenants are declared: quotas, fallback rule, flow control."""
         start = time.monotonic()
         ticket = Ticket(self, target, routing, start if arrived is None else arrived, stream)
+        ticket.caller = caller
         try:
-            route, reason, order, target, loading = await self._decide(target, routing, fallback)
+            if caller is not None and self.tenancy is not None:
+                refusal = await self.tenancy.admit(caller, routing.body)
+                if refusal is not None:
+                    ticket.fail(refusal)
+                    return ticket
+                fallback = fallback and caller.fallback_ok
+            route, reason, order, target, loading = await self._decide(
+                target, routing, fallback, caller
+            )
         except BaseException:
             ticket.finish()
             raise
         ticket._admitted(route, reason, order, target, loading)
+        if caller is not None and self.tenancy is not None and route is Route.REJECT:
+            self.tenancy.dropped(caller, reason, ticket.refusal)
         return ticket
 
+    def identify(self, headers: Mapping[str, str]) -> Caller | None:
+        """The tenant of a request from its headers, names in lower case (None: no tenants
+        declared); raises the 401 or 400 to answer (`tenancy.Tenancy.identify`)."""
+        if self.tenancy is None:
+            return None
+        return self.tenancy.identify(headers)
+
+    def ended(self, ticket: Ticket) -> None:
+        """A ticket finished: its tenant's usage and counters (the ticket calls this)."""
+        if ticket.caller is not None and self.tenancy is not None:
+            self.tenancy.ended(ticket, ticket.caller)
+
     async def _decide(
-        self, target: ModelTarget, routing: RoutingRequest, fallback_allowed: bool
+        self,
+        target: ModelTarget,
+        routing: RoutingRequest,
+        fallback_allowed: bool,
+        caller: Caller | None = None,
     ) -> tuple[Route, str, list[Candidate], ModelTarget, str | None]:
         model = target.served_name
         start = time.monotonic()
         ready_now = bool(self.router.candidates(target))
         budget = target.slo.ttft_seconds if ready_now else self.settings.zero_replica_wait_seconds
+        tenancy = self.tenancy if caller is not None else None
+        if tenancy is not None:  # flow control: queues per band x tenant (flow.py)
+            assert caller is not None
+            flow_settings = tenancy.settings.flow
+            flow = tenancy.flow(model)
+            waiter = tenancy.waiter(caller)
+            shed = flow.join(waiter)
+            if shed:
+                self.wake()  # shed waiters look again, and go
+            if waiter.dropped:
+                return Route.REJECT, waiter.dropped, [], target
+            ttl = flow_settings.ttl_seconds  # sheddable: may wait its band's TTL
+            budget = ttl if caller.priority < 0 else min(budget, ttl)
         deadline = start + budget
         queued = False
         loaded = False  # an adapter was loaded for this request
@@ -223,6 +271,19 @@ class Scheduler:
                 thresholds = self.settings.thresholds
                 open_ = [c for c in candidates if not saturated(c, thresholds)]
                 now = time.monotonic()
+                fallback = target.fallback if fallback_allowed else None
+                if tenancy is not None:
+                    if waiter.dropped:  # shed while waiting
+                        return Route.REJECT, waiter.dropped, [], target
+                    if flow.head() is not waiter:  # not its turn for a replica: wait,
+                        open_ = []  # and the fallback only when it is next in line for it
+                        if flow.head(fallback=True) is not waiter:
+                            fallback = None
+                    elif waiter.band < flow_settings.headroom_below:
+                        below = [c for c in open_ if flows.below_line(c, flow_settings)]
+                        if open_ and not below:  # room kept for high bands: wait for it,
+                            fallback = None  # the paid API is not for sheddable overflow
+                        open_ = below
                 waiting = self.queued.get(model, 0)
                 room = queued or waiting < self.settings.max_queue
                 position = waiting if queued else waiting + 1
@@ -233,7 +294,7 @@ class Scheduler:
                 decision = decide(
                     ready=len(candidates),
                     unsaturated=len(open_),
-                    fallback=target.fallback if fallback_allowed else None,
+                    fallback=fallback,
                     fallback_in_flight=self.fallback_in_flight.get(model, 0),
                     may_wait=room and now < deadline,
                     wait=predicted_wait(position, rate),
@@ -248,6 +309,12 @@ class Scheduler:
                     waited = now - start
                     self.metrics.target(labels(target)).queue_wait.observe(waited)
                     pending = None
+                    if tenancy is not None:
+                        assert caller is not None
+                        if decision == Decision(Route.REJECT, "saturated") and now >= deadline:
+                            decision = Decision(Route.REJECT, "ttl")
+                        is_replica = decision.route is Route.REPLICA
+                        tenancy.dispatched(model, caller, waited, is_replica)
                     if routing.adapter is not None:
                         self.adapter_placed(target, routing.adapter, decision.route, order, loaded)
                         if decision.route is Route.REJECT and self.adapter_loads.pending(
@@ -263,6 +330,10 @@ class Scheduler:
         finally:
             if queued:
                 self.queued[model] -= 1
+            if tenancy is not None:
+                flow.leave(waiter)
+                if len(flow):
+                    self.wake()  # the next in line looks now
 
     async def adapter_holders(
         self, target: ModelTarget, name: str, candidates: list[Candidate], deadline: float

@@ -6,6 +6,10 @@ from here. Light to import: the CLI reads these defaults before any component lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kubellm.gateway.routing.tenancy import TenancySettings
 
 
 @dataclass(frozen=True)
@@ -38,3 +42,5 @@ class SchedulerSettings:
     # spec.routing.prefixIndex precise: each model's tokenizer (served name -> a local
     # directory or a Hugging Face id), to hash prompts as its engines do (routing/precise.py)
     tokenizers: dict[str, str] = field(default_factory=dict)
+    # tenants, flow control and quotas (routing/tenancy.py); None: every request alike
+    tenancy: TenancySettings | None = None

@@ -274,14 +274,20 @@ def test_dashboard_is_well_formed() -> None:
     assert len(ids) == len(set(ids))
     variables = {v["name"] for v in dashboard["templating"]["list"]}
     assert {"datasource", "namespace", "deployment"} <= variables
+    rows = [p for p in dashboard["panels"] if p["type"] == "row"]
+    assert [r.get("repeat") for r in rows] == ["tenant"]  # a row per tenant
     for panel in dashboard["panels"]:
         grid = panel["gridPos"]
         assert grid["x"] + grid["w"] <= 24, panel["title"]
+        if panel["type"] == "row":
+            continue
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         assert panel["targets"], panel["title"]
+        tenant_row = "(tenant $tenant)" in panel["title"]
+        # every query is scoped to the selected deployment, or to the row's tenant
+        scope = 'tenant="$tenant"' if tenant_row else 'deployment="$deployment"'
         for target in panel["targets"]:
-            # every query is scoped to the selected deployment
-            assert 'deployment="$deployment"' in target["expr"], (panel["title"], target["expr"])
+            assert scope in target["expr"], (panel["title"], target["expr"])
 
 
 def test_httproute_without_parents_is_refused() -> None:

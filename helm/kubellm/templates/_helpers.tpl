@@ -86,7 +86,8 @@ app.kubernetes.io/component: {{ .component }}
 {{/*
 The pod template shared by the three components: restricted security context, the one image,
 the downward-API namespace. Call with (dict "ctx" $ "component" "gateway" "args" (list ...)
-"ports" (list ...) "probes" dict).
+"ports" (list ...) "probes" dict), optionally "volumes" and "mounts" (lists) and "checksum"
+(a pod annotation that rolls the pods when a mounted file changes).
 */}}
 {{- define "kubellm.podTemplate" -}}
 {{- $ctx := .ctx }}
@@ -97,9 +98,14 @@ metadata:
     {{- with $values.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-  {{- with $values.podAnnotations }}
+  {{- if or $values.podAnnotations .checksum }}
   annotations:
+    {{- with $values.podAnnotations }}
     {{- toYaml . | nindent 4 }}
+    {{- end }}
+    {{- with .checksum }}
+    checksum/tenants: {{ . }}
+    {{- end }}
   {{- end }}
 spec:
   serviceAccountName: {{ include "kubellm.serviceAccountName" . }}
@@ -161,8 +167,14 @@ spec:
         # The root file system is read-only; scratch space (temp files, client certs) goes here.
         - name: tmp
           mountPath: /tmp
+        {{- with .mounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
   volumes:
     - name: tmp
       emptyDir:
         sizeLimit: 64Mi
+    {{- with .volumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
 {{- end }}

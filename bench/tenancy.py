@@ -1,0 +1,514 @@
+"""Tenancy: batch interference and fair shares, with tenants (flow control) and without
+(today's gateway), in the same run on the same simulated fleet.
+
+Four simulated replicas (kubellm.engine's simulator, profile llama-3.1-8b-h100, spec
+`maxNumSeqs: 16`: 64 slots in all) behind one gateway process; each contender gets fresh
+replicas. Figures are in simulated seconds (--time-scale S: the simulator and the load run
+S times slower than real time, so this 2-core machine keeps up; figures are divided by S).
+
+- **interference**: an interactive tenant (priority 10) sends streamed chats (~450-token
+  prompts, 100-token answers) at a Poisson --rate; a batch tenant (priority -1) keeps
+  --batch-outstanding long requests (1,000-token prompts, 300-token answers, not streamed)
+  outstanding. Three phases per contender: interactive alone, batch alone, both. Printed:
+  the interactive TTFT p50/p99 alone and with the batch load (target: at most 2x), the
+  requests refused or failed (target: none), and the output tokens/s with both over the
+  batch tenant's alone (target: >= 90%).
+- **fairness**: three tenants of equal weight, each keeping --fair-outstanding requests
+  outstanding, with 200-, 2,000- and 8,000-token prompts and 100-token answers; each
+  tenant's service (prompt tokens + 2 x output tokens, the VTC paper's measure) as a share
+  of the total, and Jain's index (target: >= 0.98, each share within 10% of a third). Both
+  contenders keep at most 16 requests per replica at the gateway (--max-in-flight 16; set by
+  --fair-in-flight), so the rest waits there: FIFO today, by virtual token counter with
+  tenants.
+- **quota** (`--scenarios quota`): a tenant offering 3x its tokensPerMinute through two
+  gateways that share one Redis (redis-server on loopback) for --quota-seconds of wall time
+  (quotas count real minutes): the tokens it is served per minute against its quota
+  (target: within 5%), and another tenant's TTFT without and with that load.
+
+    python bench/tenancy.py                       # both scenarios, both contenders
+    python bench/tenancy.py --scenarios fairness --seconds 60
+
+Prints the tables and writes JSON (--out, default bench/results/tenancy.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from kubellm.bench.stats import percentile
+
+WORDS = ["tenant", "batch", "chat", "fleet", "prompt", "answer", "team", "quota", "share",
+         "support", "ticket", "query", "summary", "contract", "invoice", "report"]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"{url}: process exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"{url}: not healthy after {timeout} s")
+
+
+def key(name: str) -> str:
+    return f"sk-bench-{name}"
+
+
+def prompt(rng: random.Random, tokens: int, tag: str) -> str:
+    """About `tokens` tokens (the simulator counts ~4 characters a token), unique."""
+    words: list[str] = [tag]
+    chars = len(tag)
+    while chars < 4 * tokens:
+        word = rng.choice(WORDS)
+        words.append(word)
+        chars += len(word) + 1
+    return " ".join(words)
+
+
+class Fleet:
+    """Simulated replicas and one gateway, in processes; stopped on exit."""
+
+    def __init__(self, args: argparse.Namespace, tenants: list[dict] | None, extra: list[str],
+                 ttft: float) -> None:  # fmt: skip
+        self.args, self.tenants, self.extra, self.ttft = args, tenants, extra, ttft
+        self.processes: list[subprocess.Popen] = []
+        self.engines: list[str] = []
+        self.gateway = ""
+        self.tmp = tempfile.TemporaryDirectory()
+
+    def _spawn(self, command: list[str]) -> subprocess.Popen:
+        log = open(Path(self.tmp.name) / f"p{len(self.processes)}.log", "w")  # noqa: SIM115
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        self.processes.append(process)
+        return process
+
+    def __enter__(self) -> Fleet:
+        a, tmp = self.args, Path(self.tmp.name)
+        spec = {
+            "apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
+            "metadata": {"name": "m"},
+            "spec": {"model": {"source": "hf://org/base", "servedName": "m"},
+                     "engine": {"maxNumSeqs": a.max_num_seqs},
+                     "resources": {"gpu": {"count": 1}}},
+        }  # fmt: skip
+        (tmp / "spec.json").write_text(json.dumps(spec))
+        for _ in range(a.replicas):
+            port = free_port()
+            process = self._spawn([
+                sys.executable, "-m", "kubellm.engine", "--backend", "sim", "--port", str(port),
+                "--spec", str(tmp / "spec.json"), "--profile", a.profile,
+                "--time-scale", str(a.time_scale),
+            ])  # fmt: skip
+            self.engines.append(f"http://127.0.0.1:{port}")
+            wait_healthy(self.engines[-1], process)
+        (tmp / "static.yaml").write_text(yaml.safe_dump({"models": [{
+            "name": "m", "endpoints": self.engines, "routing": {"policy": "least-load"},
+            "slo": {"ttftSeconds": self.ttft * a.time_scale,
+                    "itlSeconds": a.itl_slo * a.time_scale},
+        }]}))  # fmt: skip
+        port = free_port()
+        command = [
+            sys.executable, "-m", "kubellm.gateway.cli", "--port", str(port),
+            "--static", str(tmp / "static.yaml"), "--scrape-interval", "0.25", *self.extra,
+        ]  # fmt: skip
+        if self.tenants is not None:
+            for t in self.tenants:
+                t["apiKeys"] = [f"sha256:{hashlib.sha256(key(t['name']).encode()).hexdigest()}"]
+            (tmp / "tenants.yaml").write_text(yaml.safe_dump({"tenants": self.tenants}))
+            command += ["--tenants", str(tmp / "tenants.yaml"),
+                        "--band-ttl", str(a.band_ttl * a.time_scale)]  # fmt: skip
+        process = self._spawn(command)
+        self.gateway = f"http://127.0.0.1:{port}"
+        wait_healthy(self.gateway, process)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self.tmp.cleanup()
+
+
+async def one(client: httpx.AsyncClient, url: str, tenant: str, text: str, max_tokens: int,
+              stream: bool) -> dict[str, Any]:  # fmt: skip
+    """One chat request; TTFT (first content event, or the whole answer) and tokens."""
+    body = {"model": "m", "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens, "stream": stream}  # fmt: skip
+    headers = {"authorization": f"Bearer {key(tenant)}"}
+    start = time.monotonic()
+    first = None
+    tokens = 0
+    try:
+        if stream:
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
+                                     headers=headers) as response:  # fmt: skip
+                if response.status_code != 200:
+                    await response.aread()
+                    return {"ok": False, "status": response.status_code, "tenant": tenant}
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {") and '"content": "' in line \
+                            and '"content": ""' not in line:  # fmt: skip
+                        first = first or time.monotonic()
+                        tokens += 1
+        else:
+            response = await client.post(f"{url}/v1/chat/completions", json=body,
+                                         headers=headers)  # fmt: skip
+            if response.status_code != 200:
+                return {"ok": False, "status": response.status_code, "tenant": tenant}
+            first = time.monotonic()
+            usage = response.json().get("usage", {})
+            tokens = int(usage.get("completion_tokens") or 0)
+            total = int(usage.get("total_tokens") or 0)
+            return {"ok": True, "tenant": tenant, "ttft": first - start, "tokens": tokens,
+                    "total": total, "end": first}  # fmt: skip
+    except httpx.HTTPError as error:
+        return {"ok": False, "status": type(error).__name__, "tenant": tenant}
+    if first is None:
+        return {"ok": False, "status": "empty", "tenant": tenant}
+    return {"ok": True, "tenant": tenant, "ttft": first - start, "tokens": tokens,
+            "end": time.monotonic()}  # fmt: skip
+
+
+async def poisson(client, url, tenant, rate, until, rng, tokens, answer, results):  # type: ignore[no-untyped-def]
+    tasks = []
+    i = 0
+    while time.monotonic() < until:
+        text = prompt(rng, tokens, f"{tenant} {i} {rng.random()}")
+        tasks.append(asyncio.create_task(one(client, url, tenant, text, answer, True)))
+        i += 1
+        await asyncio.sleep(rng.expovariate(rate))
+    results.extend(await asyncio.gather(*tasks))
+
+
+async def closed(client, url, tenant, outstanding, until, rng, tokens, answer, stream, results):  # type: ignore[no-untyped-def]
+    async def worker(w: int) -> None:
+        i = 0
+        while time.monotonic() < until:
+            text = prompt(rng, tokens, f"{tenant} {w} {i} {rng.random()}")
+            results.append(await one(client, url, tenant, text, answer, stream))
+            i += 1
+
+    await asyncio.gather(*(worker(w) for w in range(outstanding)))
+
+
+def client(args: argparse.Namespace) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=400)
+    return httpx.AsyncClient(timeout=args.timeout * args.time_scale, limits=limits)
+
+
+async def phase(args: argparse.Namespace, url: str, interactive: bool, batch: bool,
+                seed: int) -> dict[str, Any]:  # fmt: skip
+    s = args.time_scale
+    rng = random.Random(seed)
+    chat: list[dict] = []
+    bulk: list[dict] = []
+    start = time.monotonic()
+    until = start + args.seconds * s
+    async with client(args) as c:
+        work = []
+        if interactive:
+            work.append(poisson(c, url, "interactive", args.rate / s, until, rng, 450, 100, chat))
+        if batch:
+            work.append(closed(c, url, "batch", args.batch_outstanding, until, rng, 1000, 300,
+                               False, bulk))  # fmt: skip
+        await asyncio.gather(*work)
+    wall = (time.monotonic() - start) / s
+    ttfts = [r["ttft"] / s for r in chat if r["ok"]]
+    served = [r for r in chat + bulk if r["ok"] and r["end"] <= until]
+    return {
+        "ttft_p50": percentile(ttfts, 50) if ttfts else None,
+        "ttft_p99": percentile(ttfts, 99) if ttfts else None,
+        "interactive": len(chat), "interactive_refused": sum(not r["ok"] for r in chat),
+        "batch": len(bulk), "batch_refused": sum(not r["ok"] for r in bulk),
+        "refusals": sorted({str(r["status"]) for r in chat + bulk if not r["ok"]}),
+        "output_tokens_per_s": sum(r["tokens"] for r in served) / (args.seconds),
+        "seconds": wall,
+    }  # fmt: skip
+
+
+async def warm_up(args: argparse.Namespace, url: str) -> None:
+    """A few uncounted requests per replica first (connections, the first uses)."""
+    rng = random.Random(0)
+    async with client(args) as c:
+        await asyncio.gather(*(
+            one(c, url, "interactive", prompt(rng, 450, f"warm {i}"), 20, True)
+            for i in range(4 * args.replicas)
+        ))  # fmt: skip
+
+
+def interference(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
+    rows = []
+    tenants = [{"name": "interactive", "priority": 10}, {"name": "batch", "priority": -1}]
+    contenders = {"today": (None, []),
+                  "tenants": (tenants, ["--headroom-load", str(args.headroom_load)])}  # fmt: skip
+    for name in args.order.split(","):
+        declared, extra = contenders[name]
+        with Fleet(args, [dict(t) for t in declared] if declared else None, extra,
+                   args.ttft_slo) as fleet:  # fmt: skip
+            asyncio.run(warm_up(args, fleet.gateway))
+            alone = asyncio.run(phase(args, fleet.gateway, True, False, seed))
+            batch = asyncio.run(phase(args, fleet.gateway, False, True, seed + 1))
+            both = asyncio.run(phase(args, fleet.gateway, True, True, seed + 2))
+        rows.append({"contender": name, "seed": seed, "alone": alone, "batch_alone": batch,
+                     "both": both})  # fmt: skip
+    return rows
+
+
+async def fair_phase(args: argparse.Namespace, url: str, seed: int) -> dict[str, Any]:
+    s = args.time_scale
+    rng = random.Random(seed)
+    sizes = {"small": 200, "medium": 2000, "large": 8000}
+    results: dict[str, list[dict]] = {t: [] for t in sizes}
+    start = time.monotonic()
+    until = start + args.seconds * s
+    async with client(args) as c:
+        await asyncio.gather(*(
+            closed(c, url, t, args.fair_outstanding, until, rng, n, 100, False, results[t])
+            for t, n in sizes.items()
+        ))  # fmt: skip
+    service = {t: sum(sizes[t] + 2 * r["tokens"] for r in rs if r["ok"] and r["end"] <= until)
+               for t, rs in results.items()}  # fmt: skip
+    total = sum(service.values()) or 1
+    shares = {t: v / total for t, v in service.items()}
+    values = list(shares.values())
+    jain = sum(values) ** 2 / (len(values) * sum(v * v for v in values)) if any(values) else 0
+    refused = sum(not r["ok"] for rs in results.values() for r in rs)
+    return {"shares": shares, "jain": jain, "refused": refused}
+
+
+def fairness(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
+    rows = []
+    tenants = [{"name": n, "priority": 0} for n in ("small", "medium", "large")]
+    extra = ["--max-in-flight", str(args.fair_in_flight or args.max_num_seqs)]
+    for name in args.order.split(","):
+        declared = {"today": None, "tenants": tenants}[name]
+        with Fleet(args, [dict(t) for t in declared] if declared else None, extra,
+                   args.seconds * 2) as fleet:  # fmt: skip
+            row = asyncio.run(fair_phase(args, fleet.gateway, seed))
+        rows.append({"contender": name, "seed": seed, **row})
+    return rows
+
+
+def start_redis(tmp: str) -> tuple[subprocess.Popen, str]:
+    import shutil
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("the quota scenario needs redis-server (apt-get install redis-server)")
+    port = free_port()
+    process = subprocess.Popen(
+        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+         "--dir", tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return process, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit("redis-server did not answer")
+
+
+def quota(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """A metered tenant offers 3x its tokensPerMinute through two gateways sharing one
+    Redis, for --quota-seconds of wall time (quotas count real minutes); another tenant's
+    TTFT with and without that load. Served: the tokens of its 200 answers (usage)."""
+    tpm = args.quota_tpm
+    tenants = [{"name": "metered", "priority": 0, "tokensPerMinute": tpm},
+               {"name": "other", "priority": 0}]  # fmt: skip
+    per_request = 400 + 100  # ~400 prompt tokens + 100 output
+    offered_rps = 3 * tpm / 60 / per_request
+    with tempfile.TemporaryDirectory() as tmp:
+        redis, url = start_redis(tmp)
+        try:
+            extra = ["--quota-redis", url]
+            with Fleet(args, [dict(t) for t in tenants], extra, args.ttft_slo) as fleet:
+                port = free_port()
+                second = subprocess.Popen(
+                    [sys.executable, "-m", "kubellm.gateway.cli", "--port", str(port),
+                     "--static", str(Path(fleet.tmp.name) / "static.yaml"),
+                     "--tenants", str(Path(fleet.tmp.name) / "tenants.yaml"), *extra],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+                fleet.processes.append(second)
+                urls = [fleet.gateway, f"http://127.0.0.1:{port}"]
+                wait_healthy(urls[1], second)
+
+                async def run(metered: bool, seconds: float) -> dict[str, Any]:
+                    rng = random.Random(seed)
+                    out: list[dict] = []
+                    other: list[dict] = []
+                    until = time.monotonic() + seconds
+                    async with client(args) as c:
+
+                        async def offer() -> None:
+                            tasks, i = [], 0
+                            while time.monotonic() < until:
+                                text = prompt(rng, 400, f"metered {i} {rng.random()}")
+                                tasks.append(
+                                    asyncio.create_task(
+                                        one(c, urls[i % 2], "metered", text, 100, False)
+                                    )
+                                )
+                                i += 1
+                                await asyncio.sleep(rng.expovariate(offered_rps))
+                            out.extend(await asyncio.gather(*tasks))
+
+                        work = [poisson(c, urls[0], "other", args.rate / 4 / args.time_scale,
+                                        until, rng, 450, 100, other)]  # fmt: skip
+                        if metered:
+                            work.append(offer())
+                        await asyncio.gather(*work)
+                    served = sum(r.get("total", 0) for r in out if r["ok"])
+                    ttfts = [r["ttft"] / args.time_scale for r in other if r["ok"]]
+                    return {"served_per_minute": served / (seconds / 60),
+                            "refused_429": sum(r.get("status") == 429 for r in out),
+                            "metered": len(out),
+                            "other_p50": percentile(ttfts, 50),
+                            "other_p99": percentile(ttfts, 99)}  # fmt: skip
+
+                base = asyncio.run(run(False, args.quota_seconds / 2))
+                # start on a minute's boundary, so the run covers whole quota windows
+                time.sleep(60 - time.time() % 60)
+                loaded = asyncio.run(run(True, args.quota_seconds))
+        finally:
+            redis.terminate()
+            redis.wait(10)
+    return {"seed": seed, "tpm": tpm, "offered_per_minute": 3 * tpm, "alone": base,
+            "loaded": loaded}  # fmt: skip
+
+
+def fmt(value: Any, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--scenarios", default="interference,fairness")
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--profile", default="llama-3.1-8b-h100")
+    parser.add_argument("--time-scale", type=float, default=4.0)
+    parser.add_argument("--seconds", type=float, default=20.0, help="simulated s per phase")
+    parser.add_argument("--rate", type=float, default=8.0, help="interactive requests/sim s")
+    parser.add_argument("--batch-outstanding", type=int, default=64)
+    parser.add_argument("--fair-outstanding", type=int, default=32)
+    parser.add_argument(
+        "--fair-in-flight",
+        type=int,
+        default=None,
+        help="fairness: requests per replica the gateway keeps in flight (default maxNumSeqs)",
+    )
+    parser.add_argument("--headroom-load", type=float, default=12.0)
+    parser.add_argument("--band-ttl", type=float, default=60.0, help="simulated s")
+    parser.add_argument("--ttft-slo", type=float, default=0.5, help="simulated s")
+    parser.add_argument("--itl-slo", type=float, default=0.05, help="simulated s")
+    parser.add_argument("--timeout", type=float, default=120.0, help="per request, sim s")
+    parser.add_argument("--order", default="tenants,today", help="contenders, in order")
+    parser.add_argument("--quota-tpm", type=int, default=30000, help="tokens per minute")
+    parser.add_argument("--quota-seconds", type=float, default=120.0, help="wall s")
+    parser.add_argument("--seeds", default="1")
+    parser.add_argument("--out", default="bench/results/tenancy.json")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    scenarios = args.scenarios.split(",")
+    out: dict[str, Any] = {"args": vars(args)}
+    for seed in [int(x) for x in args.seeds.split(",")]:
+        if "interference" in scenarios:
+            rows = interference(args, seed)
+            out.setdefault("interference", []).extend(rows)
+            print(f"interference, seed {seed}: {args.replicas} replicas x maxNumSeqs "
+                  f"{args.max_num_seqs}; interactive {args.rate:g}/s (450 -> 100 tokens, "
+                  f"streamed), batch {args.batch_outstanding} outstanding (1000 -> 300); "
+                  f"{args.seconds:g} simulated s per phase")  # fmt: skip
+            print(f"{'contender':9} {'p50 alone':>9} {'p99 alone':>9} {'p50 both':>9} "
+                  f"{'p99 both':>9} {'p99 x':>6} {'refused i/b':>14} {'tok/s batch':>11} "
+                  f"{'tok/s both':>10} {'both/batch':>10}")  # fmt: skip
+            for r in rows:
+                a, b, both = r["alone"], r["batch_alone"], r["both"]
+                ratio = (both["ttft_p99"] / a["ttft_p99"]
+                         if a["ttft_p99"] and both["ttft_p99"] else None)  # fmt: skip
+                refused = (f"{both['interactive_refused']}/{both['interactive']} "
+                           f"{both['batch_refused']}/{both['batch']}")  # fmt: skip
+                work = both["output_tokens_per_s"] / b["output_tokens_per_s"] \
+                    if b["output_tokens_per_s"] else None  # fmt: skip
+                print(f"{r['contender']:9} {fmt(a['ttft_p50']):>9} {fmt(a['ttft_p99']):>9} "
+                      f"{fmt(both['ttft_p50']):>9} {fmt(both['ttft_p99']):>9} "
+                      f"{fmt(ratio, '.1f'):>6} {refused:>14} "
+                      f"{fmt(b['output_tokens_per_s'], '.0f'):>11} "
+                      f"{fmt(both['output_tokens_per_s'], '.0f'):>10} "
+                      f"{fmt(work, '.0%'):>10}", flush=True)  # fmt: skip
+        if "fairness" in scenarios:
+            rows = fairness(args, seed)
+            out.setdefault("fairness", []).extend(rows)
+            print(
+                f"fairness, seed {seed}: 3 tenants x {args.fair_outstanding} outstanding, "
+                f"200/2000/8000-token prompts, 100-token answers, {args.seconds:g} sim s"
+            )
+            print(f"{'contender':9} {'small':>7} {'medium':>7} {'large':>7} {'jain':>6} "
+                  f"{'refused':>7}")  # fmt: skip
+            for r in rows:
+                sh = r["shares"]
+                print(
+                    f"{r['contender']:9} {sh['small']:>7.1%} {sh['medium']:>7.1%} "
+                    f"{sh['large']:>7.1%} {r['jain']:>6.3f} {r['refused']:>7}",
+                    flush=True,
+                )
+        if "quota" in scenarios:
+            row = quota(args, seed)
+            out.setdefault("quota", []).append(row)
+            lo, al = row["loaded"], row["alone"]
+            print(
+                f"quota, seed {seed}: tokensPerMinute {row['tpm']}, offered 3x through two "
+                f"gateways sharing Redis, {args.quota_seconds:g} wall s"
+            )
+            print(
+                f"served/min {lo['served_per_minute']:.0f} = "
+                f"{lo['served_per_minute'] / row['tpm']:.1%} of the quota "
+                f"({lo['refused_429']}/{lo['metered']} refused 429); the other tenant's TTFT "
+                f"p50/p99 {fmt(al['other_p50'])}/{fmt(al['other_p99'])} s alone, "
+                f"{fmt(lo['other_p50'])}/{fmt(lo['other_p99'])} s beside it",
+                flush=True,
+            )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Flow control: which waiting request dispatches next, and which is shed.
+
+Requests of one model that cannot be dispatched at once wait in queues per priority band x
+tenant. The decisions are pure (the caller passes the clock's reading):
+
+- **Order.** Strict by band (the request's priority, higher first). Inside a band, fair by
+  service: each tenant has a virtual token counter (VTC; Sheng et al., "Fairness in Serving
+  Large Language Models", OSDI 2024) that grows by the tokens the pool served it, divided
+  by its weight (prompt tokens + 2 x output tokens, the paper's measure); the backlogged
+  tenant with the lowest counter goes next, FIFO within a tenant. A tenant that was not
+  backlogged has its counter lifted to the lowest counter of those that are when it joins
+  (the paper's rule), so idling earns no credit to flood the pool with later.
+- **Bounds.** A band holds at most `max_band` waiters (a request past it is dropped,
+  `band-full`), the model at most `max_total` (a request past it sheds the newest waiter of
+  the lowest sheddable band below its own, `shed`, or is dropped itself, `queue-full`);
+  each waiter waits at most its band's TTL (`ttl`). The reason goes back in the
+  `x-kubellm-drop-reason` header and `kubellm_gateway_tenant_dropped_total`.
+- **Headroom.** Requests of bands below `headroom_below` (default 0: the sheddable ones)
+  dispatch only to replicas below a lower saturation line (`below_line`): no engine queue,
+  KV usage under `headroom_kv`, and load under `headroom_load` when set. The rest of each
+  replica stays free for the high bands, so a chat request finds a slot at once instead of
+  waiting inside the engine behind batch work; low bands still use every replica while the
+  high ones are idle (work-conserving up to the line).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubellm.gateway.routing.scorers.base import Candidate
+
+DROP_HEADER = "x-kubellm-drop-reason"
+MAX_FLOWS = 10_000  # fair-share counters kept per model (idle flows forgotten past it)
+# the VTC measure: an output token costs this many prompt tokens
+OUTPUT_WEIGHT = 2.0
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    max_band: int = 5000  # waiters per band and model (llm-d's default)
+    max_total: int = 5000  # waiters per model, all bands
+    ttl_seconds: float = 60.0  # the longest wait of a sheddable request (llm-d's default)
+    headroom_below: int = 0  # bands below this dispatch only under the lower line
+    headroom_kv: float = 0.8
+    headroom_load: float | None = None  # requests per replica; None: no bound by count
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One request waiting for its turn."""
+
+    tenant: str  # its flow: the tenant, or one of its fairness ids (tenants.flow_id)
+    band: int
+    weight: float
+    cost: float  # its estimated prompt tokens (charged to the VTC when it dispatches)
+    fallback: bool = True  # its tenant may use the fallback API now
+    seq: int = 0
+    dropped: str | None = None  # why it was shed while waiting
+
+
+@dataclass
+class Flow:
+    """The queues of one model."""
+
+    settings: FlowSettings = field(default_factory=FlowSettings)
+    queues: dict[int, dict[str, deque[Waiter]]] = field(default_factory=dict)
+    vtc: dict[str, float] = field(default_factory=dict)
+    _seq: Any = field(default_factory=itertools.count)
+
+    def __len__(self) -> int:
+        return sum(len(q) for band in self.queues.values() for q in band.values())
+
+    def band_length(self, band: int) -> int:
+        return sum(len(q) for q in self.queues.get(band, {}).values())
+
+    def backlogged(self) -> set[str]:
+        return {t for band in self.queues.values() for t, q in band.items() if q}
+
+    def join(self, waiter: Waiter) -> list[Waiter]:
+        """Queue `waiter`; returns the waiters dropped to bound the queues (`waiter` itself
+        when it cannot be kept), each with its `dropped` reason set."""
+        s = self.settings
+        if self.band_length(waiter.band) >= s.max_band:
+            waiter.dropped = "band-full"
+            return [waiter]
+        shed: list[Waiter] = []
+        if len(self) >= s.max_total:
+            victim = self._victim(waiter.band)
+            if victim is None:
+                waiter.dropped = "queue-full"
+                return [waiter]
+            victim.dropped = "shed"
+            self.leave(victim)
+            shed.append(victim)
+        backlogged = self.backlogged()
+        if len(self.vtc) > MAX_FLOWS:  # flows named by fairness ids: forget the idle ones
+            self.vtc = {t: v for t, v in self.vtc.items() if t in backlogged}
+        if waiter.tenant not in backlogged:  # VTC's lift: no credit for idle time
+            floor = min((self.vtc.get(t, 0.0) for t in backlogged), default=None)
+            if floor is not None:
+                self.vtc[waiter.tenant] = max(self.vtc.get(waiter.tenant, 0.0), floor)
+        waiter.seq = next(self._seq)
+        self.queues.setdefault(waiter.band, {}).setdefault(waiter.tenant, deque()).append(waiter)
+        return shed
+
+    def _victim(self, band: int) -> Waiter | None:
+        """The newest waiter of the lowest sheddable band below `band`."""
+        for low in sorted(self.queues):
+            if low >= band or low >= 0:
+                return None
+            newest = [q[-1] for q in self.queues[low].values() if q]
+            if newest:
+                return max(newest, key=lambda w: w.seq)
+        return None
+
+    def leave(self, waiter: Waiter) -> None:
+        """Take `waiter` out (it dispatched, was refused, or left)."""
+        band = self.queues.get(waiter.band)
+        if band is None:
+            return
+        queue = band.get(waiter.tenant)
+        if queue is None:
+            return
+        try:
+            queue.remove(waiter)
+        except ValueError:
+            return
+        if not queue:
+            del band[waiter.tenant]
+            if not band:
+                del self.queues[waiter.band]
+
+    def head(self, fallback: bool = False) -> Waiter | None:
+        """The waiter that dispatches next: the highest band, the lowest counter in it
+        (ties: the earlier arrival), its tenant's oldest request. `fallback`: among those
+        whose tenant may use the fallback API (who goes there next: a `never` tenant's
+        request waiting for a replica does not hold the fallback from lower bands)."""
+        for band in sorted(self.queues, reverse=True):
+            best: Waiter | None = None
+            best_key: tuple[float, int] | None = None
+            for tenant, queue in self.queues[band].items():
+                first = queue[0]
+                if fallback:
+                    first = next((w for w in queue if w.fallback), None)
+                    if first is None:
+                        continue
+                key = (self.vtc.get(tenant, 0.0), first.seq)
+                if best_key is None or key < best_key:
+                    best, best_key = first, key
+            if best is not None:
+                return best
+        return None
+
+    def charge(self, tenant: str, tokens: float, weight: float) -> None:
+        """Add served tokens (prompt + 2 x output, or a correction) to `tenant`'s counter."""
+        self.vtc[tenant] = self.vtc.get(tenant, 0.0) + tokens / weight
+
+
+def below_line(candidate: Candidate, settings: FlowSettings) -> bool:
+    """Whether a low band may dispatch to `candidate`: no engine queue, KV usage under the
+    lower line, and load under `headroom_load` when set (unknown figures count as below)."""
+    if candidate.waiting is not None and candidate.waiting >= 1:
+        return False
+    if candidate.kv_usage is not None and candidate.kv_usage >= settings.headroom_kv:
+        return False
+    limit = settings.headroom_load
+    return limit is None or candidate.load < limit
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any] | None) -> int:
+    """About how many tokens a request's prompt has (4 characters a token): charged to its
+    tenant's counter when it dispatches, corrected by the answer's `usage` at its end."""
+    if not body:
+        return 0
+    chars = 0
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        chars += len(prompt)
+    elif isinstance(prompt, list):
+        chars += sum(len(p) if isinstance(p, str) else 4 for p in prompt)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            content = message.get("content") if isinstance(message, Mapping) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(
+                    len(part.get("text") or "") for part in content if isinstance(part, Mapping)
+                )
+    return max(1, chars // 4)

@@ -1,0 +1,244 @@
+"""Tenancy in the routing core: the one place both front ends' requests meet the tenants'
+rules (`tenants.py`), flow control (`flow.py`) and quotas (`quota.py`).
+
+The scheduler calls it at admission (`identify` from the front end's headers, `admit` for
+the quota and the fallback rule, `flow` for the queues) and the ticket at the end (`ended`:
+usage metrics, the tenant's fair-share counter, the quota's correction, the fallback
+budget). With no tenants configured the scheduler has no `Tenancy` and nothing changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kubellm.gateway.protocol.errors import GatewayError
+from kubellm.gateway.routing import flow as flows
+from kubellm.gateway.routing import quota
+from kubellm.gateway.routing.tenants import (
+    FAIRNESS_HEADER,
+    OBJECTIVE_HEADER,
+    PRIORITY_HEADER,
+    Tenant,
+    Tenants,
+    effective_priority,
+    flow_id,
+)
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from kubellm import metrics
+
+if TYPE_CHECKING:
+    from kubellm.gateway.routing.lifecycle import Ticket
+
+log = logging.getLogger("kubellm.gateway.tenancy")
+
+_QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+@dataclass(frozen=True)
+class TenancySettings:
+    """What `--tenants FILE` and its companion flags configure."""
+
+    tenants: Tenants
+    flow: flows.FlowSettings = field(default_factory=flows.FlowSettings)
+    redis_url: str | None = None  # quotas shared by every gateway replica naming it
+
+
+@dataclass(eq=False)
+class Caller:
+    """Who sent one request, at which priority, and its tenancy state until it ends."""
+
+    tenant: Tenant
+    priority: int
+    flow: str = ""  # its fair-share flow: the tenant, or one of its fairness ids
+    estimate: int = 0  # estimated prompt tokens
+    window: int | None = None  # the quota minute it was charged in
+    fallback_ok: bool = True  # its tenant's rule lets it reach the fallback now
+    charged: float = 0.0  # tokens charged to its fair-share counter at dispatch
+
+
+class TenantMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.requests = Counter(
+            metrics.GATEWAY_TENANT_REQUESTS.removesuffix("_total"),
+            "Requests answered per tenant, by route (replica|fallback|none) and HTTP status.",
+            ["tenant", "target", "code"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            metrics.GATEWAY_TENANT_TOKENS.removesuffix("_total"),
+            "Tokens served per tenant, by route (replica|fallback) and kind.",
+            ["tenant", "target", "kind"],
+            registry=r,
+        )
+        self.queue = Histogram(
+            metrics.GATEWAY_TENANT_QUEUE,
+            "Seconds a tenant's requests waited for admission.",
+            ["tenant"],
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.goodput = Counter(
+            metrics.GATEWAY_TENANT_GOODPUT.removesuffix("_total"),
+            "A tenant's answers meeting the model's TTFT and ITL targets.",
+            ["tenant"],
+            registry=r,
+        )
+        self.dropped = Counter(
+            metrics.GATEWAY_TENANT_DROPPED.removesuffix("_total"),
+            "Requests flow control dropped (band-full, queue-full, shed, ttl).",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.throttled = Counter(
+            metrics.GATEWAY_TENANT_THROTTLED.removesuffix("_total"),
+            "Requests refused by a tenant's quota (limit: requests or tokens per minute).",
+            ["tenant", "limit"],
+            registry=r,
+        )
+
+
+class Tenancy:
+    """Tenants, their queues and quotas, for one gateway process."""
+
+    def __init__(
+        self,
+        settings: TenancySettings,
+        registry: CollectorRegistry,
+        store: quota.Store | None = None,
+    ) -> None:
+        self.settings = settings
+        self.tenants = settings.tenants
+        if store is None:
+            store = (
+                quota.RedisStore(settings.redis_url) if settings.redis_url else quota.MemoryStore()
+            )
+        self.store = store
+        self.limiter = quota.Limiter(store)
+        self.metrics = TenantMetrics(registry)
+        self.flows: dict[str, flows.Flow] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        for tenant in self.tenants.tenants:  # every declared tenant shows, even at 0
+            for code_route in ("replica", "fallback"):
+                for kind in ("prompt", "completion"):
+                    self.metrics.tokens.labels(tenant.name, code_route, kind)
+
+    # ------------------------------------------------------------ admission
+
+    def identify(self, headers: Mapping[str, str]) -> Caller:
+        """The caller of a request from its headers (lower-case names): `authorization`,
+        `x-kubellm-priority`, and the Inference Extension's objective and fairness id
+        (401: an unknown key, or none without a default tenant; 400: a bad priority)."""
+        tenant = self.tenants.identify(headers.get("authorization"))
+        priority = effective_priority(
+            tenant,
+            headers.get(PRIORITY_HEADER),
+            headers.get(OBJECTIVE_HEADER),
+            self.tenants.objectives,
+        )
+        return Caller(tenant, priority, flow_id(tenant, headers.get(FAIRNESS_HEADER)))
+
+    async def admit(self, caller: Caller, body: object) -> GatewayError | None:
+        """The quota check (and charge) and the fallback rule; a refusal, or None."""
+        tenant = caller.tenant
+        caller.estimate = flows.estimate_prompt_tokens(body if isinstance(body, dict) else None)
+        rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
+        try:
+            if rpm is not None or tpm is not None:
+                verdict, window = await self.limiter.admit(tenant.name, caller.estimate, rpm, tpm)
+                if verdict.allowed:  # charged: settled at its end
+                    caller.window = window
+                else:  # nothing charged (taken back): nothing to settle
+                    self.metrics.throttled.labels(tenant.name, verdict.which).inc()
+                    return quota.refusal(tenant.name, verdict)
+            rule = tenant.fallback
+            if rule.kind == "never":
+                caller.fallback_ok = False
+            elif rule.kind == "budget":
+                left = await self.limiter.fallback_left(tenant.name, rule.tokens_per_day)
+                caller.fallback_ok = left > 0
+        except Exception as error:  # the store is down: never a traceback for the client
+            log.warning("quota store failed (%s); admitting without a quota check", error)
+            caller.fallback_ok = caller.fallback_ok and tenant.fallback.kind == "allowed"
+        return None
+
+    def flow(self, model: str) -> flows.Flow:
+        found = self.flows.get(model)
+        if found is None:
+            found = self.flows[model] = flows.Flow(self.settings.flow)
+        return found
+
+    def waiter(self, caller: Caller) -> flows.Waiter:
+        tenant = caller.tenant
+        return flows.Waiter(
+            caller.flow, caller.priority, tenant.weight, caller.estimate, caller.fallback_ok
+        )
+
+    def dispatched(self, model: str, caller: Caller, waited: float, replica: bool) -> None:
+        """The request left its queue (to a replica when `replica`)."""
+        self.metrics.queue.labels(caller.tenant.name).observe(waited)
+        if replica:
+            caller.charged = caller.estimate
+            self.flow(model).charge(caller.flow, caller.estimate, caller.tenant.weight)
+
+    def dropped(self, caller: Caller, reason: str, error: GatewayError | None) -> None:
+        self.metrics.dropped.labels(caller.tenant.name, reason).inc()
+        if error is not None:
+            error.headers[flows.DROP_HEADER] = reason
+
+    # ------------------------------------------------------------ the end
+
+    def ended(self, ticket: Ticket, caller: Caller) -> None:
+        """Count the request's outcome and tokens for its tenant; correct its counters."""
+        name = caller.tenant.name
+        m = self.metrics
+        status = ticket.status or 499
+        m.requests.labels(name, ticket.route, str(status)).inc()
+        if ticket.good:
+            m.goodput.labels(name).inc()
+        if ticket.route not in ("replica", "fallback") or status != 200:
+            if caller.window is not None and caller.estimate:  # nothing served: refund
+                self._later(self.limiter.settle(name, caller.window, -caller.estimate))
+            return
+        tokens = ticket.tokens()
+        prompt = tokens.get("prompt") or caller.estimate
+        completion = tokens.get("completion", 0)
+        m.tokens.labels(name, ticket.route, "prompt").inc(prompt)
+        m.tokens.labels(name, ticket.route, "completion").inc(completion)
+        if ticket.route == "replica":
+            served = prompt + flows.OUTPUT_WEIGHT * completion - caller.charged
+            self.flow(ticket.target.served_name).charge(caller.flow, served, caller.tenant.weight)
+        elif caller.tenant.fallback.kind == "budget":
+            self._later(self.limiter.fallback_spent(name, prompt + completion))
+        if caller.window is not None:
+            correction = prompt + completion - caller.estimate
+            self._later(self.limiter.settle(name, caller.window, correction))
+
+    def _later(self, work: object) -> None:
+        """Run a store update without holding the request's end on it."""
+        try:
+            task = asyncio.get_running_loop().create_task(_quietly(work))  # type: ignore[arg-type]
+        except RuntimeError:  # no loop (a synchronous test): drop it
+            work.close()  # type: ignore[attr-defined]
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        close = getattr(self.store, "close", None)
+        if close is not None:
+            await close()
+
+
+async def _quietly(work: object) -> None:
+    try:
+        await work  # type: ignore[misc]
+    except Exception as error:
+        log.warning("quota store update failed: %s", error)

@@ -1,0 +1,86 @@
+"""The tenancy flags of both front ends (`--tenants FILE` and its companions). Light to
+import, like `flags.py`: the models load in `settings_from`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kubellm.gateway.routing.tenancy import TenancySettings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "tenants: priorities, fair shares, quotas (docs/operations.md, 'Onboarding a tenant')"
+    )
+    group.add_argument(
+        "--tenants",
+        metavar="FILE",
+        help="the declared tenants (YAML: name, apiKeys as sha256 digests, priority, weight, "
+        "tokensPerMinute, requestsPerMinute, fallback); replaces --api-keys-file",
+    )
+    group.add_argument(
+        "--quota-redis",
+        metavar="URL",
+        help="keep quota counts in this Redis (redis://host:6379/0), shared by every gateway "
+        "replica naming it (default: in this process)",
+    )
+    group.add_argument(
+        "--band-ttl",
+        type=float,
+        default=60.0,
+        help="seconds a sheddable request (priority < 0) may wait for a replica",
+    )
+    group.add_argument(
+        "--max-band-queue",
+        type=int,
+        default=5000,
+        help="requests waiting per priority band and model",
+    )
+    group.add_argument(
+        "--headroom-load",
+        type=float,
+        default=None,
+        help="sheddable requests dispatch only to replicas with fewer requests than this "
+        "(keep it a few under maxNumSeqs, so high bands find a free slot; default: only the "
+        "engine queue and KV usage bound them)",
+    )
+    group.add_argument(
+        "--headroom-kv-usage",
+        type=float,
+        default=0.8,
+        help="sheddable requests dispatch only to replicas under this KV-cache usage",
+    )
+
+
+def settings_from(args: argparse.Namespace) -> TenancySettings | None:
+    """The tenancy settings of the flags above (None without --tenants); ValueError names
+    the flag and the field of anything wrong."""
+    path = getattr(args, "tenants", None)
+    if not path:
+        return None
+    from kubellm.gateway.routing import tenants
+    from kubellm.gateway.routing.flow import FlowSettings
+    from kubellm.gateway.routing.tenancy import TenancySettings
+
+    if args.band_ttl <= 0:
+        raise ValueError("--band-ttl: more than 0 seconds")
+    if args.max_band_queue < 1:
+        raise ValueError("--max-band-queue: at least 1")
+    if args.headroom_load is not None and args.headroom_load <= 0:
+        raise ValueError("--headroom-load: more than 0")
+    if not 0 < args.headroom_kv_usage <= 1:
+        raise ValueError("--headroom-kv-usage: above 0, at most 1")
+    try:
+        declared = tenants.load(path)
+    except tenants.TenantsError as error:
+        raise ValueError(f"--tenants: {error}") from None
+    flow = FlowSettings(
+        max_band=args.max_band_queue,
+        max_total=max(args.max_band_queue, 5000),
+        ttl_seconds=args.band_ttl,
+        headroom_kv=args.headroom_kv_usage,
+        headroom_load=args.headroom_load,
+    )
+    return TenancySettings(declared, flow, args.quota_redis)

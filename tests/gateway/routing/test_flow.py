@@ -1,0 +1,186 @@
+"""Flow control's pure decisions: strict bands, weighted VTC fairness inside a band, the
+lift of a joining tenant, bounds with drop reasons, sheddable first, the headroom line."""
+
+from __future__ import annotations
+
+import pytest
+from kubellm.gateway.routing.flow import (
+    Flow,
+    FlowSettings,
+    Waiter,
+    below_line,
+    estimate_prompt_tokens,
+)
+from kubellm.gateway.routing.scorers.base import Candidate
+
+
+def waiter(tenant: str, band: int = 0, weight: float = 1.0, cost: float = 100) -> Waiter:
+    return Waiter(tenant, band, weight, cost)
+
+
+def drain(flow: Flow, serve: dict[str, float] | None = None, n: int = 100) -> list[str]:
+    """Dispatch up to `n` waiters in flow order, charging each its cost (x `serve`)."""
+    order = []
+    for _ in range(n):
+        head = flow.head()
+        if head is None:
+            break
+        flow.leave(head)
+        flow.charge(head.tenant, head.cost * (serve or {}).get(head.tenant, 1), head.weight)
+        order.append(head.tenant)
+    return order
+
+
+def test_bands_are_strict():
+    flow = Flow()
+    for w in (waiter("batch", -1), waiter("chat", 10), waiter("tool", 0), waiter("chat", 10)):
+        flow.join(w)
+    assert drain(flow) == ["chat", "chat", "tool", "batch"]
+
+
+def test_inside_a_band_the_least_served_tenant_goes_first():
+    flow = Flow()
+    for tenant in ("a", "a", "b"):
+        flow.join(waiter(tenant))
+    flow.vtc.update({"a": 500.0, "b": 0.0})
+    assert flow.head().tenant == "b"
+    flow.vtc.update({"a": 0.0, "b": 500.0})
+    assert flow.head().tenant == "a"
+
+
+def test_equal_weights_share_tokens_equally_whatever_the_request_sizes():
+    """Three backlogged tenants whose requests cost 200, 2,000 and 8,000 tokens: served by
+    VTC, each gets about a third of the tokens (first come first served would give the
+    largest most); Jain's index >= 0.98."""
+    flow = Flow()
+    cost = {"small": 200, "medium": 2000, "large": 8000}
+    served = dict.fromkeys(cost, 0.0)
+    for tenant in cost:
+        for _ in range(32):
+            flow.join(waiter(tenant, cost=cost[tenant]))
+    for _ in range(900):
+        head = flow.head()
+        flow.leave(head)
+        flow.charge(head.tenant, head.cost, head.weight)
+        served[head.tenant] += head.cost
+        flow.join(waiter(head.tenant, cost=head.cost))  # always backlogged
+    total = sum(served.values())
+    shares = [v / total for v in served.values()]
+    jain = sum(shares) ** 2 / (len(shares) * sum(s * s for s in shares))
+    assert jain >= 0.98, shares
+    assert all(abs(s - 1 / 3) < 0.1 for s in shares), shares
+
+
+def test_weights_2_1_1_give_50_25_25():
+    flow = Flow()
+    weights = {"a": 2.0, "b": 1.0, "c": 1.0}
+    served = dict.fromkeys(weights, 0.0)
+    for tenant, weight in weights.items():
+        for _ in range(8):
+            flow.join(waiter(tenant, weight=weight))
+    for _ in range(400):
+        head = flow.head()
+        flow.leave(head)
+        flow.charge(head.tenant, head.cost, head.weight)
+        served[head.tenant] += head.cost
+        flow.join(waiter(head.tenant, weight=head.weight))
+    total = sum(served.values())
+    assert served["a"] / total == pytest.approx(0.5, abs=0.02)
+    assert served["b"] / total == pytest.approx(0.25, abs=0.02)
+
+
+def test_a_tenant_joining_late_gets_no_credit_for_its_idle_time():
+    """VTC's lift: the newcomer starts at the lowest counter of the backlogged tenants, so
+    it shares from now on instead of taking every slot until it caught up."""
+    flow = Flow()
+    flow.join(waiter("old"))
+    flow.vtc["old"] = 10_000.0
+    flow.join(waiter("new"))
+    assert flow.vtc["new"] == 10_000.0
+    for _ in range(5):
+        flow.join(waiter("old"))
+        flow.join(waiter("new"))
+    order = drain(flow, n=8)
+    assert order.count("new") == 4 and order.count("old") == 4
+
+
+def test_fifo_within_a_tenant():
+    flow = Flow()
+    first, second = waiter("a", cost=1), waiter("a", cost=2)
+    flow.join(first)
+    flow.join(second)
+    assert flow.head() is first
+
+
+@pytest.mark.parametrize(
+    ("queued", "new_band", "dropped", "reason"),
+    [
+        # the band is full: the newcomer is dropped
+        ([(0, "x")] * 2, 0, "new", "band-full"),
+        # the model's queue is full: the newest sheddable waiter below goes
+        ([(-1, "batch"), (-1, "batch2"), (5, "x")], 10, "batch2", "shed"),
+        # nothing below the newcomer is sheddable: the newcomer is dropped
+        ([(0, "x"), (3, "y"), (5, "z")], 10, "new", "queue-full"),
+        # a sheddable newcomer does not shed its own band
+        ([(-1, "batch"), (0, "y"), (5, "z")], -1, "new", "queue-full"),
+        # the lowest sheddable band goes first
+        ([(-1, "b1"), (-5, "b5"), (4, "z")], 10, "b5", "shed"),
+    ],
+)
+def test_bounds_drop_with_a_reason_sheddable_first(queued, new_band, dropped, reason):
+    flow = Flow(FlowSettings(max_band=2, max_total=3))
+    waiters = {}
+    for band, tenant in queued:
+        waiters[tenant] = w = waiter(tenant, band)
+        flow.join(w)
+    new = waiters["new"] = waiter("new", new_band)
+    out = flow.join(new)
+    assert [w.tenant for w in out] == [dropped]
+    assert waiters[dropped].dropped == reason
+    if dropped != "new":
+        assert new.dropped is None and len(flow) == 3
+
+
+def test_leave_is_idempotent_and_empties_the_queues():
+    flow = Flow()
+    w = waiter("a")
+    flow.join(w)
+    flow.leave(w)
+    flow.leave(w)
+    assert len(flow) == 0 and flow.head() is None and flow.queues == {}
+
+
+@pytest.mark.parametrize(
+    ("candidate", "settings", "below"),
+    [
+        (Candidate("u", load=3, waiting=0, kv_usage=0.5), FlowSettings(), True),
+        (Candidate("u", load=3, waiting=1, kv_usage=0.5), FlowSettings(), False),
+        (Candidate("u", load=3, waiting=0, kv_usage=0.85), FlowSettings(), False),
+        (Candidate("u", load=3), FlowSettings(), True),  # unknown figures: below
+        (Candidate("u", load=12, waiting=0), FlowSettings(headroom_load=12), False),
+        (Candidate("u", load=11, waiting=0), FlowSettings(headroom_load=12), True),
+    ],
+)
+def test_the_lower_saturation_line(candidate, settings, below):
+    assert below_line(candidate, settings) is below
+
+
+def test_prompt_estimate():
+    assert estimate_prompt_tokens({"prompt": "x" * 400}) == 100
+    parts = [{"type": "text", "text": "y" * 40}]
+    chat = {"messages": [{"role": "user", "content": "x" * 80}, {"role": "user", "content": parts}]}
+    assert estimate_prompt_tokens(chat) == 30
+    assert estimate_prompt_tokens(None) == 0
+
+
+def test_the_fallback_goes_to_the_first_waiter_that_may_use_it():
+    flow = Flow()
+    resident = Waiter("resident", 5, 1.0, 100, fallback=False)
+    zero = Waiter("zero", 0, 1.0, 100)
+    ten = Waiter("ten", 10, 1.0, 100, fallback=False)
+    for w in (resident, zero, ten):
+        flow.join(w)
+    assert flow.head() is ten
+    assert flow.head(fallback=True) is zero
+    flow.leave(zero)
+    assert flow.head(fallback=True) is None
