@@ -24,7 +24,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -57,6 +57,14 @@ ROUTE_HEADER = "x-kubellm-route"
 @dataclass
 class PickerSettings:
     max_body_bytes: int = 8 * 1024 * 1024
+    # Bounds against ext_proc peers that never finish (the port has no authentication):
+    # a stream's request must be whole within `body_timeout` seconds of the stream's start
+    # (else a 408), at most `max_streams` streams at once (more are refused with
+    # RESOURCE_EXHAUSTED, which Envoy handles as its failure mode says), and at most
+    # `max_buffered_bytes` of request bodies held across all streams (else a 503).
+    body_timeout: float = 30.0
+    max_streams: int = 4096
+    max_buffered_bytes: int = 256 * 1024 * 1024
     destination_header: str = m.DESTINATION
     metadata_namespace: str = m.METADATA_NAMESPACE
     # host:port of the fallback forwarder Service (a name is resolved to its address, since
@@ -81,6 +89,8 @@ class EndpointPicker:
         self.scheduler = Scheduler(discovery, self.settings.scheduler)
         self._client: aiohttp.ClientSession | None = None
         self._forwarder: tuple[str, float] | None = None  # (ip:port, resolved at)
+        self.streams = 0  # ext_proc streams open
+        self.buffered = 0  # request-body bytes held by streams not yet routed
 
     async def forwarder(self) -> str | None:
         """The fallback forwarder as `ip:port`; a host name is resolved (every 30 s at
@@ -118,24 +128,79 @@ class EndpointPicker:
         if self._client is not None:
             await self._client.close()
 
-    async def process(
-        self, requests: AsyncIterator[m.ProcessingRequest], context: Any
-    ) -> AsyncIterator[m.ProcessingResponse | bytes]:
-        """One ext_proc stream: one HTTP exchange."""
+    async def process(self, requests: Any, context: Any) -> None:
+        """One ext_proc stream: one HTTP exchange. Read and written with the call's
+        `read` / `write` (cheaper per message than an async generator's iteration)."""
+        settings = self.settings
+        if self.streams >= settings.max_streams:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the endpoint picker holds {self.streams} ext_proc streams (--max-streams)",
+            )
+            return
+        self.streams += 1
         exchange = Exchange(self)
+        deadline = asyncio.get_running_loop().time() + settings.body_timeout
+        held = 0  # request-body bytes this stream holds, counted in self.buffered
         try:
-            async for request in requests:
-                try:
-                    answers = await exchange.handle(request)
-                except Exception:  # a bug here must not hang the client's request
-                    log.exception("ext_proc message failed")
-                    answers = [exchange.refuse(
-                        errors.GatewayError(500, "The endpoint picker failed.", "server_error")
-                    )]  # fmt: skip
+            while True:
+                request = (
+                    await context.read() if exchange.routed else await _read_by(context, deadline)
+                )
+                if request is None:  # the request did not arrive whole in time
+                    await context.write(exchange.refuse(errors.body_timeout(settings.body_timeout)))
+                    return
+                if request is grpc.aio.EOF:
+                    return
+                if (
+                    not exchange.routed
+                    and request.HasField("request_body")
+                    and self.buffered + len(request.request_body.body) > settings.max_buffered_bytes
+                ):
+                    answers: list[Any] = [exchange.refuse(buffer_full(settings.max_buffered_bytes))]
+                else:
+                    try:
+                        answers = await exchange.handle(request)
+                    except Exception:  # a bug here must not hang the client's request
+                        log.exception("ext_proc message failed")
+                        answers = [exchange.refuse(
+                            errors.GatewayError(500, "The endpoint picker failed.", "server_error")
+                        )]  # fmt: skip
+                size = 0 if exchange.routed else len(exchange.body)
+                if exchange.routed and exchange.body:
+                    exchange.body = bytearray()  # routed or refused: the body is not needed
+                self.buffered += size - held
+                held = size
                 for answer in answers:
-                    yield answer
+                    await context.write(answer)
         finally:
+            self.buffered -= held
+            self.streams -= 1
             exchange.close()
+
+
+async def _read_by(context: Any, deadline: float) -> Any:
+    """The stream's next message, or None once `deadline` (loop time) has passed."""
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining <= 0:
+        return None
+    read = asyncio.ensure_future(context.read())
+    done, _ = await asyncio.wait((read,), timeout=remaining)
+    if not done:
+        read.cancel()
+        return None
+    return read.result()
+
+
+def buffer_full(limit: int) -> GatewayError:
+    return GatewayError(
+        503,
+        f"The endpoint picker holds its limit of request bodies ({limit} bytes, "
+        "--max-buffered-bytes); retry after 1 s.",
+        "server_error",
+        "service_unavailable",
+        headers={"Retry-After": "1"},
+    )
 
 
 class Exchange:
