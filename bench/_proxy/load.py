@@ -157,7 +157,7 @@ async def drive(
         state["next"] += 1
         try:
             r = await conn.request(data)
-        except ConnectionError:
+        except (ConnectionError, RuntimeError):  # closed by the proxy (uvloop: RuntimeError)
             errors += 1
             return False
         if state["record"]:
