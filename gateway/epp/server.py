@@ -470,7 +470,7 @@ class Exchange:
 
 
 def ext_proc_handler(picker: EndpointPicker) -> grpc.GenericRpcHandler:
-    """The ExternalProcessor service, (de)serialised with envoy-data-plane's messages."""
+    """The ExternalProcessor service, (de)serialised with messages.py's protobuf classes."""
     return grpc.method_handlers_generic_handler(
         m.SERVICE,
         {
