@@ -204,5 +204,6 @@ async def test_forty_streams_buffering_seven_mib_each_leave_memory_bounded(picke
         for call, answer in filled:
             answer.cancel()
             call.cancel()
+    print(f"40 streams x 7 MiB, --max-buffered-bytes 16 MiB: peak RSS grew {grown:.0f} MiB")
     assert grown < 120, f"the picker's peak memory grew by {grown:.0f} MiB"
     assert epp.process.alive(), epp.process.tail()
