@@ -23,50 +23,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 from kubellm.gateway.epp import envoy
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _pinned(core: int | None) -> Callable[[], None] | None:
-    if core is None:
-        return None
-    return lambda: os.sched_setaffinity(0, {core})
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def _wait(condition: Callable[[], bool], process: subprocess.Popen[bytes], what: str) -> None:
-    deadline = time.monotonic() + 60
-    while not condition():
-        if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with {process.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not start within 60 s")
-        time.sleep(0.05)
+try:  # run as a script, or imported with bench/ on sys.path
+    from _fleet import free_port, wait_healthy
+    from _fleet import pinned as _pinned
+except ImportError:  # imported as bench._envoy
+    from bench._fleet import free_port, wait_healthy
+    from bench._fleet import pinned as _pinned
 
 
 @dataclass
@@ -108,10 +81,12 @@ def start(
     log_level: str = "error",
     settings: dict | None = None,
     response_body_mode: str = "FULL_DUPLEX_STREAMED",
+    python: str = sys.executable,
 ) -> EnvoyPath:
     """Envoy asking `kubellm epp` where each request for `model` goes among `replicas`
     (base URLs, `http://ip:port`). `settings`: more of the model's static entry (e.g.
-    `{"slo": {...}}`). Returns once both serve."""
+    `{"slo": {...}}`). `python`: the interpreter that runs the EPP (another checkout's
+    environment, to measure landed code beside this one). Returns once both serve."""
     static = tmp / "epp-models.yaml"
     entry = {"name": model, "endpoints": list(replicas), "routing": {"policy": policy}}
     static.write_text(yaml.safe_dump({"models": [{**entry, **(settings or {})}]}))
@@ -119,13 +94,13 @@ def start(
     epp_log = tmp / "epp.log"
     with open(epp_log, "wb") as log:
         epp = subprocess.Popen(
-            [sys.executable, "-m", "kubellm.cli", "epp", "--static", str(static),
+            [python, "-m", "kubellm.cli", "epp", "--static", str(static),
              "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", "0",
              "--metrics-port", str(metrics_port), "--log-level", log_level, *epp_args],
             stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pinned(epp_core),
         )  # fmt: skip
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    _wait(lambda: _answers(metrics_url.replace("/metrics", "/health")), epp, "kubellm epp")
+    wait_healthy(metrics_url.removesuffix("/metrics"), epp, timeout=60)
     pool = [r.removeprefix("http://") for r in replicas]
     config = envoy.bootstrap(
         f"127.0.0.1:{listen}",
@@ -172,7 +147,7 @@ def _start_envoy(
             envoy.command(str(config_file), log_level=log_level),
             stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pinned(core),
         )  # fmt: skip
-    _wait(lambda: _answers(f"http://127.0.0.1:{admin}/ready"), process, "Envoy")
+    wait_healthy(f"http://127.0.0.1:{admin}", process, timeout=60, path="/ready")
     return EnvoyPath(f"http://127.0.0.1:{listen}", process, logs=[log_path])
 
 

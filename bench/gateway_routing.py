@@ -69,12 +69,9 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +80,12 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubellm import kv_blocks, metrics
+from kubellm.bench.stats import percentile
 from kubellm.fleet.processes import free_port_pair
 from kubellm.sim_text import ApproxTokens, render_chat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _fleet import Processes, free_port, wait_healthy
 
 WORDS = [
     "kube", "cluster", "replica", "prefix", "cache", "token", "decode", "prefill",
@@ -94,12 +95,6 @@ WORDS = [
 
 
 _TOKEN = re.compile(r'"content":\s*"[^"]')  # a chunk with text, not the empty role chunk
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def text_of_tokens(rng: random.Random, tokens: int) -> str:
@@ -198,39 +193,18 @@ def ideal_hit_rate(prompts: list[list[dict[str, str]]], blocks: int | None = Non
     return hits / queries if queries else 0.0
 
 
-def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            log = getattr(process, "log_path", None)
-            tail = Path(log).read_text()[-2000:] if log else ""
-            raise RuntimeError(f"{url} exited with {process.returncode}\n{tail}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not become healthy")
-
-
-class Fleet:
-    """Simulator and gateway processes for one run; stopped on exit."""
+class Fleet(Processes):
+    """Simulator and gateway processes for one run (bench/_fleet.py starts, logs and
+    stops them); stopped on exit."""
 
     def __init__(self, args: argparse.Namespace, policy: str) -> None:
+        super().__init__()
         self.args, self.policy = args, policy
-        self.processes: list[subprocess.Popen] = []
         self.engines: list[str] = []
         self.gateways: list[str] = []
-        self.stoppers: list[Callable[[], None]] = []
-        self.tmp = tempfile.TemporaryDirectory()
 
     def _spawn(self, command: list[str]) -> subprocess.Popen:
-        log = open(Path(self.tmp.name) / f"p{len(self.processes)}.log", "w")  # noqa: SIM115
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        process.log_path = log.name  # type: ignore[attr-defined]
-        self.processes.append(process)
-        return process
+        return self.spawn(command)
 
     def __enter__(self) -> Fleet:
         a = self.args
@@ -319,18 +293,6 @@ class Fleet:
             ])  # fmt: skip
             self.gateways.append(f"http://127.0.0.1:{port}")
             wait_healthy(self.gateways[-1], process)
-
-    def __exit__(self, *exc: object) -> None:
-        for stop in self.stoppers:
-            stop()
-        for process in self.processes:
-            process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        self.tmp.cleanup()
 
 
 FALLBACKS = "kubellm_gateway_prefix_index_fallbacks_total"
@@ -449,10 +411,9 @@ async def drive_sessions(
 
 
 def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    """The `q` quantile (0-1) as `kubellm.bench.stats.percentile` defines it (interpolated,
+    numpy's default: the one definition of every figure the benchmarks print)."""
+    return percentile(values, 100 * q)
 
 
 def run_one(args: argparse.Namespace, kind: str, policy: str, rate: float) -> dict[str, Any]:

@@ -44,10 +44,8 @@ import itertools
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,29 +55,14 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from kubellm.bench.stats import percentile
+
 SIM_LORA_LOADS = "kubellm_sim_lora_loads_total"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _fleet import Processes, free_port, wait_healthy  # noqa: E402  (bench/: shared start-up helpers)
+
 WORDS = ["adapter", "tenant", "lora", "slot", "rank", "weight", "prompt", "answer", "team",
          "support", "ticket", "query", "summary", "contract", "invoice", "report"]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"{url}: process exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url}: not healthy after {timeout} s")
 
 
 def zipf_weights(n: int, exponent: float) -> list[float]:
@@ -210,21 +193,18 @@ def workload(args: argparse.Namespace, seed: int) -> list[tuple[str, str]]:
     return out
 
 
-class Fleet:
-    """Simulated replicas and one gateway, in processes; stopped on exit."""
+class Fleet(Processes):
+    """Simulated replicas and one gateway, in processes (bench/_fleet.py starts, logs and
+    stops them); stopped on exit."""
 
     def __init__(self, args: argparse.Namespace, routing: str) -> None:
+        super().__init__()
         self.args, self.routing = args, routing
-        self.processes: list[subprocess.Popen] = []
         self.engines: list[str] = []
         self.gateway = ""
-        self.tmp = tempfile.TemporaryDirectory()
 
     def _spawn(self, command: list[str]) -> subprocess.Popen:
-        log = open(Path(self.tmp.name) / f"p{len(self.processes)}.log", "w")  # noqa: SIM115
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        self.processes.append(process)
-        return process
+        return self.spawn(command)
 
     def __enter__(self) -> Fleet:
         a = self.args
@@ -267,16 +247,6 @@ class Fleet:
         self.gateway = f"http://127.0.0.1:{port}"
         wait_healthy(self.gateway, process)
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        for process in self.processes:
-            process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        self.tmp.cleanup()
 
 
 def lora_loads(urls: list[str]) -> list[float]:
@@ -334,10 +304,9 @@ async def drive(url: str, requests: list[tuple[str, str]], args: argparse.Namesp
 
 
 def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    """The `q` quantile (0-1) as `kubellm.bench.stats.percentile` defines it (interpolated,
+    numpy's default: the one definition of every figure the benchmarks print)."""
+    return percentile(values, 100 * q)
 
 
 def run_one(args: argparse.Namespace, routing: str, seed: int) -> dict[str, Any]:

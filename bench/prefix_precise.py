@@ -53,6 +53,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubellm import metrics
+from kubellm.bench.stats import percentile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _fleet import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / ".kubellm" / "models" / "tiny"
@@ -78,26 +82,6 @@ def _port_pair(rng: random.Random) -> int:
     raise RuntimeError("no free pair of ports")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(url: str, process: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"{url} exited; log tail:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} not healthy after {timeout:g}s")
-
-
 @contextlib.contextmanager
 def engines(count: int, pool_blocks: int, workdir: Path) -> Iterator[list[tuple[str, int]]]:
     """`count` vLLM engines with KV events on: [(URL, events port)]."""
@@ -108,7 +92,7 @@ def engines(count: int, pool_blocks: int, workdir: Path) -> Iterator[list[tuple[
     out = []
     try:
         for i in range(count):
-            port, events = _free_port(), _port_pair(rng)
+            port, events = free_port(), _port_pair(rng)
             spec = {
                 "model": {"source": f"file://{TINY}", "servedName": "tiny"},
                 "engine": {"dtype": "float32", "maxModelLen": 1024, "maxNumSeqs": 8,
@@ -127,9 +111,10 @@ def engines(count: int, pool_blocks: int, workdir: Path) -> Iterator[list[tuple[
                     [sys.executable, "-m", "kubellm.engine", "--spec", str(spec_file),
                      "--port", str(port), "--host", "127.0.0.1"],
                     stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=REPO))  # fmt: skip
+            processes[-1].log_path = str(log)  # type: ignore[attr-defined]
             out.append((f"http://127.0.0.1:{port}", events))
-        for (url, _), process, i in zip(out, processes, range(count), strict=True):
-            _wait(url, process, 300, workdir / f"engine{i}.log")
+        for (url, _), process in zip(out, processes, strict=True):
+            wait_healthy(url, process, timeout=300)
         yield out
     finally:
         for process in processes:
@@ -207,10 +192,10 @@ class Contender:
                 binary = shutil.which("vllm-router") or ""
             if not binary:
                 raise SystemExit("vllm-router not found: pip install -e '.[bench-peers]'")
-            port = _free_port()
+            port = free_port()
             self.process = subprocess.Popen(
                 [binary, "--port", str(port), "--policy", self.name.split(":", 1)[1],
-                 "--worker-urls", *self.urls, "--prometheus-port", str(_free_port()),
+                 "--worker-urls", *self.urls, "--prometheus-port", str(free_port()),
                  "--log-level", "warning"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
             self.proxy = f"http://127.0.0.1:{port}"
@@ -380,10 +365,10 @@ async def run_policy(
         for family in contender.registry.collect():
             fallbacks += sum(s.value for s in family.samples if s.name.endswith("_total"))
     await contender.stop()
-    ttfts.sort()
 
     def pct(p: float) -> float:
-        return ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))] if ttfts else float("nan")
+        value = percentile(ttfts, 100 * p)  # the one definition (kubellm.bench.stats)
+        return float("nan") if value is None else value
 
     return {
         "workload": workload, "policy": name, "requests": len(ttfts), "errors": errors,

@@ -70,6 +70,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the dynamic-metadata namespace of the picked endpoints",
     )
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds from an ext_proc stream's start to its whole request (else a 408)",
+    )
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        default=4096,
+        help="ext_proc streams at once; more are refused with RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--max-buffered-bytes",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="request bodies held across all streams until routed; more get a 503",
+    )
     flags.add_arguments(parser)  # admission, scraping, tokenizers, LoRA, discovery: as the gateway
     parser.add_argument("--log-level", default="warning")
 
@@ -82,10 +100,16 @@ def run(args: argparse.Namespace) -> int:
     from kubellm.gateway.epp.server import EndpointPicker, PickerSettings, serve
 
     logging.basicConfig(level=args.log_level.upper())
-    for flag in ("max_body_bytes", "max_queue", "endpoints_per_answer"):
+    for flag in (
+        "max_body_bytes", "max_queue", "endpoints_per_answer", "max_streams",
+        "max_buffered_bytes",
+    ):  # fmt: skip
         if getattr(args, flag) < 1:
             print(f"kubellm epp: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 1
+    if not args.body_timeout > 0:
+        print("kubellm epp: --body-timeout must be more than 0", file=sys.stderr)
+        return 1
     try:
         from kubellm.gateway.discovery.static import StaticConfigError
 
@@ -102,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
             )
         settings = PickerSettings(
             max_body_bytes=args.max_body_bytes,
+            body_timeout=args.body_timeout,
+            max_streams=args.max_streams,
+            max_buffered_bytes=args.max_buffered_bytes,
             destination_header=args.destination_header,
             metadata_namespace=args.metadata_namespace,
             fallback_forwarder=args.fallback_forwarder,

@@ -29,7 +29,6 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -61,6 +60,14 @@ DONE = b"data: [DONE]"
 @dataclass
 class PickerSettings:
     max_body_bytes: int = 8 * 1024 * 1024
+    # Bounds against ext_proc peers that never finish (the port has no authentication):
+    # a stream's request must be whole within `body_timeout` seconds of the stream's start
+    # (else a 408), at most `max_streams` streams at once (more are refused with
+    # RESOURCE_EXHAUSTED, which Envoy handles as its failure mode says), and at most
+    # `max_buffered_bytes` of request bodies held across all streams (else a 503).
+    body_timeout: float = 30.0
+    max_streams: int = 4096
+    max_buffered_bytes: int = 256 * 1024 * 1024
     destination_header: str = m.DESTINATION
     metadata_namespace: str = m.METADATA_NAMESPACE
     # host:port of the fallback forwarder Service (a name is resolved to its address, since
@@ -85,6 +92,8 @@ class EndpointPicker:
         self.scheduler = Scheduler(discovery, self.settings.scheduler)
         self._client: aiohttp.ClientSession | None = None
         self._forwarder: tuple[str, float] | None = None  # (ip:port, resolved at)
+        self.streams = 0  # ext_proc streams open
+        self.buffered = 0  # request-body bytes held by streams not yet routed
 
     async def forwarder(self) -> str | None:
         """The fallback forwarder as `ip:port`; a host name is resolved (every 30 s at
@@ -122,29 +131,63 @@ class EndpointPicker:
         if self._client is not None:
             await self._client.close()
 
-    async def process(
-        self, requests: AsyncIterator[m.ProcessingRequest], context: Any
-    ) -> AsyncIterator[m.ProcessingResponse | bytes]:
-        """One ext_proc stream: one HTTP exchange. Messages out of the protocol's order
-        close the stream with INVALID_ARGUMENT; whatever ends it, every slot the exchange
-        acquired is released (`Exchange.close`)."""
+    async def process(self, requests: Any, context: Any) -> None:
+        """One ext_proc stream: one HTTP exchange, read and written with the call's
+        `read` / `write` (cheaper per message than an async generator's iteration).
+        Messages out of the protocol's order close the stream with INVALID_ARGUMENT;
+        whatever ends it, every slot the exchange acquired is released (`Exchange.close`)."""
+        settings = self.settings
+        if self.streams >= settings.max_streams:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the endpoint picker holds {self.streams} ext_proc streams (--max-streams)",
+            )
+            return
+        self.streams += 1
         exchange = Exchange(self)
         violation: OutOfOrder | None = None
+        deadline = asyncio.get_running_loop().time() + settings.body_timeout
+        held = 0  # request-body bytes this stream holds, counted in self.buffered
         try:
-            async for request in requests:
-                try:
-                    answers = await exchange.handle(request)
-                except OutOfOrder as error:
-                    violation = error
-                    break
-                except Exception:  # a bug here must not hang the client's request
-                    log.exception("ext_proc message failed")
-                    answers = [exchange.refuse(
-                        errors.GatewayError(500, "The endpoint picker failed.", "server_error")
-                    )]  # fmt: skip
+            while True:
+                request = (
+                    await context.read() if exchange.routed else await _read_by(context, deadline)
+                )
+                if request is None:  # the request did not arrive whole in time
+                    await context.write(exchange.refuse(errors.body_timeout(settings.body_timeout)))
+                    return
+                if request is grpc.aio.EOF:
+                    return
+                if (
+                    not exchange.routed
+                    and request.HasField("request_body")
+                    and self.buffered + len(request.request_body.body) > settings.max_buffered_bytes
+                ):
+                    full = buffer_full(
+                        settings.max_buffered_bytes, self.scheduler.settings.retry_after_seconds
+                    )
+                    answers: list[Any] = [exchange.refuse(full)]
+                else:
+                    try:
+                        answers = await exchange.handle(request)
+                    except OutOfOrder as error:
+                        violation = error
+                        break
+                    except Exception:  # a bug here must not hang the client's request
+                        log.exception("ext_proc message failed")
+                        answers = [exchange.refuse(
+                            errors.GatewayError(500, "The endpoint picker failed.", "server_error")
+                        )]  # fmt: skip
+                size = 0 if exchange.routed else len(exchange.body)
+                if exchange.routed and exchange.body:
+                    exchange.body = bytearray()  # routed or refused: the body is not needed
+                self.buffered += size - held
+                held = size
                 for answer in answers:
-                    yield answer
+                    await context.write(answer)
         finally:
+            self.buffered -= held
+            self.streams -= 1
             exchange.close()
         if violation is not None:
             log.warning("ext_proc stream closed: %s", violation)
@@ -169,6 +212,30 @@ _ALLOWED = {
 }
 
 
+async def _read_by(context: Any, deadline: float) -> Any:
+    """The stream's next message, or None once `deadline` (loop time) has passed."""
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining <= 0:
+        return None
+    read = asyncio.ensure_future(context.read())
+    done, _ = await asyncio.wait((read,), timeout=remaining)
+    if not done:
+        read.cancel()
+        return None
+    return read.result()
+
+
+def buffer_full(limit: int, retry_after: int) -> GatewayError:
+    return GatewayError(
+        503,
+        f"The endpoint picker holds its limit of request bodies ({limit} bytes, "
+        f"--max-buffered-bytes); retry after {retry_after} s.",
+        "server_error",
+        "service_unavailable",
+        headers={"Retry-After": str(retry_after)},
+    )
+
+
 class Exchange:
     """One HTTP exchange while Envoy streams it through: ext_proc messages translated into
     calls on the request's ticket (`routing.lifecycle`), which holds every routing state."""
@@ -187,6 +254,12 @@ class Exchange:
         self.attempt: Attempt | None = None  # the replica the request was sent to
         self.slot: Attempt | None = None  # a request naming no model: its in-flight slot
         self.done_seen = False  # the stream's `data: [DONE]` went by: the answer is whole
+
+    @property
+    def routed(self) -> bool:
+        """The request was routed or refused: its body is no longer needed, and the
+        stream's body deadline no longer applies."""
+        return self.phase not in ("start", "body")
 
     @property
     def url(self) -> str | None:
@@ -447,7 +520,7 @@ _KINDS = frozenset(kind for kinds in _ALLOWED.values() for kind in kinds)
 
 
 def ext_proc_handler(picker: EndpointPicker) -> grpc.GenericRpcHandler:
-    """The ExternalProcessor service, (de)serialised with envoy-data-plane's messages."""
+    """The ExternalProcessor service, (de)serialised with messages.py's protobuf classes."""
     return grpc.method_handlers_generic_handler(
         m.SERVICE,
         {
@@ -485,6 +558,11 @@ async def serve(
         options=[
             ("grpc.max_receive_message_length", picker.settings.max_body_bytes + (1 << 20)),
             ("grpc.max_send_message_length", picker.settings.max_body_bytes + (1 << 20)),
+            # HTTP/2 flow control bounds what gRPC itself buffers for a stream the picker
+            # has not read yet: without BDP probing the window stays at its initial size
+            # instead of growing to megabytes per stream (40 streams sending 7 MiB each grew
+            # the process by ~200 MiB with it, --max-buffered-bytes notwithstanding).
+            ("grpc.http2.bdp_probe", 0),
         ]
     )
     server.add_generic_rpc_handlers((ext_proc_handler(picker),))

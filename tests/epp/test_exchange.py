@@ -5,11 +5,8 @@ body modes, oversized bodies, requests naming no model)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
-import envoy_data_plane.envoy.config.core.v3 as core
-import envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 as mode
-import envoy_data_plane.envoy.service.ext_proc.v3 as ext
-import envoy_data_plane.google.protobuf as pb
 import pytest
 from kubellm.gateway.discovery.base import AdapterRef, Endpoint, FixedDiscovery, ModelTarget
 from kubellm.gateway.epp import messages as m
@@ -17,7 +14,22 @@ from kubellm.gateway.epp.server import EndpointPicker, Exchange, PickerSettings
 
 REPLICAS = ("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
 BODY = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2}).encode()
-Mode = mode.ProcessingModeBodySendMode
+ProcessingRequest = m.ProcessingRequest
+HttpHeaders = m.message("envoy.service.ext_proc.v3.HttpHeaders")
+HttpBody = m.message("envoy.service.ext_proc.v3.HttpBody")
+ProtocolConfiguration = m.message("envoy.service.ext_proc.v3.ProtocolConfiguration")
+HeaderMap = m.message("envoy.config.core.v3.HeaderMap")
+HeaderValue = m.message("envoy.config.core.v3.HeaderValue")
+Metadata = m.message("envoy.config.core.v3.Metadata")
+Struct = m.message("google.protobuf.Struct")
+Value = m.message("google.protobuf.Value")
+ListValue = m.message("google.protobuf.ListValue")
+
+
+class Mode:
+    FULL_DUPLEX_STREAMED = m.FULL_DUPLEX
+    BUFFERED = m.BUFFERED
+    STREAMED = m.STREAMED
 
 
 def _picker(**settings: object) -> EndpointPicker:
@@ -25,14 +37,16 @@ def _picker(**settings: object) -> EndpointPicker:
     return EndpointPicker(FixedDiscovery({"tiny": target}), PickerSettings(**settings))
 
 
-def _headers(
-    path: str = "/v1/completions", end: bool = False, **kw: object
-) -> ext.ProcessingRequest:
+def _status(code: bytes) -> Any:
+    return HeaderMap(headers=[HeaderValue(key=":status", raw_value=code)])
+
+
+def _headers(path: str = "/v1/completions", end: bool = False, **kw: object) -> Any:
     values = [(":method", "POST"), (":path", path), ("content-type", "application/json")]
-    return ext.ProcessingRequest(
-        request_headers=ext.HttpHeaders(
-            headers=core.HeaderMap(
-                headers=[core.HeaderValue(key=k, raw_value=v.encode()) for k, v in values]
+    return ProcessingRequest(
+        request_headers=HttpHeaders(
+            headers=HeaderMap(
+                headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in values]
             ),
             end_of_stream=end,
         ),
@@ -40,24 +54,25 @@ def _headers(
     )
 
 
-def _config(request: Mode, response: Mode = Mode.FULL_DUPLEX_STREAMED) -> ext.ProtocolConfiguration:
-    return ext.ProtocolConfiguration(request_body_mode=request, response_body_mode=response)
+def _config(request: int, response: int = Mode.FULL_DUPLEX_STREAMED) -> Any:
+    return ProtocolConfiguration(request_body_mode=request, response_body_mode=response)
 
 
-def _subset(*endpoints: str) -> core.Metadata:
-    values = pb.ListValue(values=[pb.Value(string_value=e) for e in endpoints])
-    hint = pb.Struct(fields={m.SUBSET: pb.Value(list_value=values)})
-    return core.Metadata(filter_metadata={m.SUBSET_NAMESPACE: hint})
+def _subset(*endpoints: str) -> Any:
+    values = ListValue(values=[Value(string_value=e) for e in endpoints])
+    hint = Struct(fields={m.SUBSET: Value(list_value=values)})
+    return Metadata(filter_metadata={m.SUBSET_NAMESPACE: hint})
 
 
-def _body(data: bytes = BODY, end: bool = True) -> ext.ProcessingRequest:
-    return ext.ProcessingRequest(request_body=ext.HttpBody(body=data, end_of_stream=end))
+def _body(data: bytes = BODY, end: bool = True) -> Any:
+    return ProcessingRequest(request_body=HttpBody(body=data, end_of_stream=end))
 
 
-def _destination(answer: ext.ProcessingResponse) -> tuple[str, str]:
+def _destination(answer: Any) -> tuple[str, str]:
     """(header value, metadata value) of a routing answer."""
-    phase = answer.request_headers or answer.request_body
-    assert phase is not None and phase.response is not None
+    which = answer.WhichOneof("response")
+    assert which in ("request_headers", "request_body")
+    phase = getattr(answer, which)
     header = {h.header.key: h.header.raw_value.decode()
               for h in phase.response.header_mutation.set_headers}[m.DESTINATION]  # fmt: skip
     inner = answer.dynamic_metadata.fields[m.METADATA_NAMESPACE].struct_value
@@ -101,7 +116,8 @@ async def test_buffered_mode_answers_headers_at_once_and_routes_on_the_body():
     (first,) = await exchange.handle(_headers(protocol_config=_config(Mode.BUFFERED)))
     assert first == m.CONTINUE_REQUEST_HEADERS
     (answer,) = await exchange.handle(_body())
-    assert answer.request_body is not None and answer.request_body.response.clear_route_cache
+    assert answer.WhichOneof("response") == "request_body"
+    assert answer.request_body.response.clear_route_cache
     header, metadata = _destination(answer)
     assert header == metadata
 
@@ -143,14 +159,12 @@ async def test_a_request_without_a_body_goes_to_the_least_loaded_endpoint():
 async def test_the_response_releases_and_5xx_answers_eject_the_replica():
     target = ModelTarget("tiny", "tiny", endpoints=(Endpoint(REPLICAS[0]),))
     picker = EndpointPicker(FixedDiscovery({"tiny": target}), PickerSettings())
-    status = core.HeaderMap(headers=[core.HeaderValue(key=":status", raw_value=b"503")])
+    status = _status(b"503")
     for _ in range(picker.scheduler.outliers.threshold):
         exchange = Exchange(picker)
         await exchange.handle(_headers(protocol_config=_config(Mode.FULL_DUPLEX_STREAMED)))
         await exchange.handle(_body())
-        answer = ext.ProcessingRequest(
-            response_headers=ext.HttpHeaders(headers=status, end_of_stream=True)
-        )
+        answer = ProcessingRequest(response_headers=HttpHeaders(headers=status, end_of_stream=True))
         (replaced,) = await exchange.handle(answer)
         # the core's answer in place of the replica's 503, as the HTTP gateway gives it
         assert replaced.immediate_response.status.code == 502
@@ -165,10 +179,10 @@ async def test_a_client_hanging_up_after_done_is_a_complete_answer():
     exchange = Exchange(picker)
     await exchange.handle(_headers(protocol_config=_config(Mode.FULL_DUPLEX_STREAMED)))
     await exchange.handle(_body())
-    status = core.HeaderMap(headers=[core.HeaderValue(key=":status", raw_value=b"200")])
-    await exchange.handle(ext.ProcessingRequest(response_headers=ext.HttpHeaders(headers=status)))
+    status = _status(b"200")
+    await exchange.handle(ProcessingRequest(response_headers=HttpHeaders(headers=status)))
     last = b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n'
-    await exchange.handle(ext.ProcessingRequest(response_body=ext.HttpBody(body=last)))
+    await exchange.handle(ProcessingRequest(response_body=HttpBody(body=last)))
     exchange.close()  # the client left before Envoy passed on the body's end
     labels = {"model": "tiny", "deployment": "tiny", "namespace": "default",
               "target": "replica", "code": "200"}  # fmt: skip

@@ -10,9 +10,9 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
 
-import envoy_data_plane.envoy.config.core.v3 as core
-import envoy_data_plane.envoy.service.ext_proc.v3 as ext
 import grpc
 import pytest
 from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget
@@ -23,11 +23,25 @@ from kubellm.gateway.routing.scheduler import SchedulerSettings
 
 from tests.fixtures.polling import eventually
 
+# Envoy's messages as the picker's protobuf runtime builds them (gateway/epp/messages.py).
+core = SimpleNamespace(
+    HeaderMap=m.message("envoy.config.core.v3.HeaderMap"),
+    HeaderValue=m.message("envoy.config.core.v3.HeaderValue"),
+)
+ext = SimpleNamespace(
+    ProcessingRequest=m.ProcessingRequest,
+    ProcessingResponse=m.ProcessingResponse,
+    HttpHeaders=m.message("envoy.service.ext_proc.v3.HttpHeaders"),
+    HttpBody=m.message("envoy.service.ext_proc.v3.HttpBody"),
+    ProtocolConfiguration=m.message("envoy.service.ext_proc.v3.ProtocolConfiguration"),
+)
+
+
 REPLICA = "http://10.0.0.1:8000"
 METHOD = f"/{m.SERVICE}/{m.METHOD}"
 
 
-def _headers(path: str, end: bool) -> ext.ProcessingRequest:
+def _headers(path: str, end: bool) -> Any:
     values = [(":method", "POST"), (":path", path), ("content-type", "application/json")]
     return ext.ProcessingRequest(
         request_headers=ext.HttpHeaders(
@@ -39,12 +53,12 @@ def _headers(path: str, end: bool) -> ext.ProcessingRequest:
     )
 
 
-def _response_headers(status: int) -> ext.ProcessingRequest:
+def _response_headers(status: int) -> Any:
     values = core.HeaderMap(headers=[core.HeaderValue(key=":status", raw_value=b"%d" % status)])
     return ext.ProcessingRequest(response_headers=ext.HttpHeaders(headers=values))
 
 
-def _body(model: str = "tiny") -> ext.ProcessingRequest:
+def _body(model: str = "tiny") -> Any:
     data = json.dumps({"model": model, "prompt": "hi", "max_tokens": 2}).encode()
     return ext.ProcessingRequest(request_body=ext.HttpBody(body=data, end_of_stream=True))
 
@@ -61,18 +75,18 @@ async def picker_server() -> AsyncIterator[tuple[EndpointPicker, str]]:
         await servers.stop(0)
 
 
-async def _exchange(
-    address: str, messages: list[ext.ProcessingRequest]
-) -> tuple[list[ext.ProcessingResponse], grpc.StatusCode]:
+async def _exchange(address: str, messages: list[Any]) -> tuple[list[Any], grpc.StatusCode]:
     """Send `messages` on one stream as Envoy does, each after the picker answered the one
     before; the answers and the stream's final status as the picker set it. Once the picker
     has closed the stream nothing more is written (a write racing the close would fail on
     the client's side and hide the picker's status behind the client's own INTERNAL)."""
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.stream_stream(
-            METHOD, request_serializer=bytes, response_deserializer=ext.ProcessingResponse.parse
+            METHOD,
+            request_serializer=m.serialize,
+            response_deserializer=ext.ProcessingResponse.FromString,
         )(timeout=10)
-        answers: list[ext.ProcessingResponse] = []
+        answers: list[Any] = []
         arrived: asyncio.Queue[bool] = asyncio.Queue()
 
         async def read() -> None:
@@ -102,12 +116,12 @@ async def test_repeated_request_headers_close_the_stream_and_leak_no_slot(picker
     answers, code = await _exchange(address, [_headers("/v1/models", end=True)] * 6)
     await eventually(lambda: _in_flight(picker) == 0, 5, "the slots to be released")
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert len(answers) == 1 and answers[0].request_headers is not None  # the first routed
+    assert len(answers) == 1 and answers[0].HasField("request_headers")  # the first routed
     # with --max-in-flight 1 the next client is routed, not shed
     answers, code = await _exchange(address, [_headers("/v1/completions", end=False), _body()])
     assert code == grpc.StatusCode.OK
-    assert answers[0].immediate_response is None, answers[0]
-    assert answers[0].request_body is not None or answers[0].request_headers is not None
+    assert not answers[0].HasField("immediate_response"), answers[0]
+    assert answers[0].HasField("request_body") or answers[0].HasField("request_headers")
 
 
 async def test_a_local_reply_before_any_request_is_passed_on_and_acquires_nothing(
@@ -118,7 +132,7 @@ async def test_a_local_reply_before_any_request_is_passed_on_and_acquires_nothin
     picker, address = picker_server
     answers, code = await _exchange(address, [_response_headers(413)])
     assert code == grpc.StatusCode.OK
-    assert len(answers) == 1 and answers[0].response_headers is not None
+    assert len(answers) == 1 and answers[0].HasField("response_headers")
     assert _in_flight(picker) == 0
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
+from typing import Any
 
-import envoy_data_plane.envoy.config.core.v3 as core
-import envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 as mode
-import envoy_data_plane.envoy.service.ext_proc.v3 as ext
 from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget
+from kubellm.gateway.epp import messages as m
 from kubellm.gateway.epp.server import EndpointPicker, Exchange, PickerSettings
 from kubellm.gateway.routing import tenants
 from kubellm.gateway.routing.settings import SchedulerSettings
@@ -18,9 +18,22 @@ from kubellm.gateway.routing.tenancy import TenancySettings
 
 from tests.fixtures.polling import eventually
 
+# Envoy's messages as the picker's protobuf runtime builds them (gateway/epp/messages.py).
+core = SimpleNamespace(
+    HeaderMap=m.message("envoy.config.core.v3.HeaderMap"),
+    HeaderValue=m.message("envoy.config.core.v3.HeaderValue"),
+)
+ext = SimpleNamespace(
+    ProcessingRequest=m.ProcessingRequest,
+    ProcessingResponse=m.ProcessingResponse,
+    HttpHeaders=m.message("envoy.service.ext_proc.v3.HttpHeaders"),
+    HttpBody=m.message("envoy.service.ext_proc.v3.HttpBody"),
+    ProtocolConfiguration=m.message("envoy.service.ext_proc.v3.ProtocolConfiguration"),
+)
+
+
 REPLICAS = ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
 BODY = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2}).encode()
-Mode = mode.ProcessingModeBodySendMode
 DOC = {
     "tenants": [
         {"name": "chat-app", "priority": 10, "apiKeys": [f"sha256:{tenants.digest('sk-chat')}"]},
@@ -39,11 +52,11 @@ def _picker() -> EndpointPicker:
     )
 
 
-def _headers(**extra: str) -> ext.ProcessingRequest:
+def _headers(**extra: str) -> Any:
     values = [(":method", "POST"), (":path", "/v1/completions"),
               ("content-type", "application/json"), *extra.items()]  # fmt: skip
     config = ext.ProtocolConfiguration(
-        request_body_mode=Mode.FULL_DUPLEX_STREAMED, response_body_mode=Mode.FULL_DUPLEX_STREAMED
+        request_body_mode=m.FULL_DUPLEX, response_body_mode=m.FULL_DUPLEX
     )
     return ext.ProcessingRequest(
         request_headers=ext.HttpHeaders(
@@ -80,7 +93,7 @@ async def test_the_key_names_the_tenant_the_objective_and_fairness_id_are_honour
         **{"x-gateway-inference-objective": "batch",
            "x-gateway-inference-fairness-id": "user-7"},
     )  # fmt: skip
-    assert answers[0].immediate_response is None  # routed
+    assert not answers[0].HasField("immediate_response")  # routed
     caller = exchange.ticket.caller
     assert (caller.tenant.name, caller.priority, caller.flow) == ("chat-app", -2, "chat-app/user-7")
     exchange.close()
