@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -21,21 +20,8 @@ from kubellm.gateway.epp.server import EndpointPicker, PickerSettings, serve
 from kubellm.gateway.routing.admission import Thresholds
 from kubellm.gateway.routing.scheduler import SchedulerSettings
 
+from tests.epp.protos import core, ext
 from tests.fixtures.polling import eventually
-
-# Envoy's messages as the picker's protobuf runtime builds them (gateway/epp/messages.py).
-core = SimpleNamespace(
-    HeaderMap=m.message("envoy.config.core.v3.HeaderMap"),
-    HeaderValue=m.message("envoy.config.core.v3.HeaderValue"),
-)
-ext = SimpleNamespace(
-    ProcessingRequest=m.ProcessingRequest,
-    ProcessingResponse=m.ProcessingResponse,
-    HttpHeaders=m.message("envoy.service.ext_proc.v3.HttpHeaders"),
-    HttpBody=m.message("envoy.service.ext_proc.v3.HttpBody"),
-    ProtocolConfiguration=m.message("envoy.service.ext_proc.v3.ProtocolConfiguration"),
-)
-
 
 REPLICA = "http://10.0.0.1:8000"
 METHOD = f"/{m.SERVICE}/{m.METHOD}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from types import SimpleNamespace
 from typing import Any
 
 from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget
@@ -16,21 +15,8 @@ from kubellm.gateway.routing import tenants
 from kubellm.gateway.routing.settings import SchedulerSettings
 from kubellm.gateway.routing.tenancy import TenancySettings
 
+from tests.epp.protos import core, ext
 from tests.fixtures.polling import eventually
-
-# Envoy's messages as the picker's protobuf runtime builds them (gateway/epp/messages.py).
-core = SimpleNamespace(
-    HeaderMap=m.message("envoy.config.core.v3.HeaderMap"),
-    HeaderValue=m.message("envoy.config.core.v3.HeaderValue"),
-)
-ext = SimpleNamespace(
-    ProcessingRequest=m.ProcessingRequest,
-    ProcessingResponse=m.ProcessingResponse,
-    HttpHeaders=m.message("envoy.service.ext_proc.v3.HttpHeaders"),
-    HttpBody=m.message("envoy.service.ext_proc.v3.HttpBody"),
-    ProtocolConfiguration=m.message("envoy.service.ext_proc.v3.ProtocolConfiguration"),
-)
-
 
 REPLICAS = ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
 BODY = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2}).encode()
