@@ -68,6 +68,12 @@ a time, its upstream the same raw backend; this process's CPU time per request m
 that of a bare ASGI app (before the upstream client became aiohttp this figure used
 httpx.MockTransport and wall time: the two are not strictly comparable).
 
+`--instructions [--requests 300]`: the gateway server's machine instructions per
+request and per stream under valgrind's callgrind (bench/_proxy/instructions.py), with
+`--baseline-python` the landed checkout's beside it. On a shared machine the socket rows
+move by 20% between two runs of the same code; this figure repeats to about 1%, so it is
+the one that decides "within 5% of the landed gateway".
+
 Prints a table (with the CPU of each process of a two-process path), the verdicts, and
 issue 28's ratios between the paths of the same run; writes JSON (--out, default
 bench/results/gateway_proxy.json). The pieces are in bench/_proxy/.
@@ -86,10 +92,10 @@ from typing import Any
 
 try:  # run as a script, bench/ is on sys.path
     import _fleet
-    from _proxy import inprocess, load, paths, report
+    from _proxy import inprocess, instructions, load, paths, report
 except ImportError:  # imported as bench.gateway_proxy
     from bench import _fleet
-    from bench._proxy import inprocess, load, paths, report
+    from bench._proxy import inprocess, instructions, load, paths, report
 
 PHASES = (("json-max", False), ("stream", True), ("stream-closed", True))
 
@@ -220,7 +226,16 @@ def main(argv: list[str] | None = None) -> int:
         "(its environment's kubellm is the landed checkout)",
     )
     p.add_argument("--in-process", action="store_true", help="only the in-process CPU figure")
-    p.add_argument("--requests", type=int, default=3000, help="--in-process: requests timed")
+    p.add_argument(
+        "--instructions",
+        action="store_true",
+        help="only the gateway's instructions per request under callgrind (with "
+        "--baseline-python: the landed one's beside it); repeatable on a noisy machine",
+    )
+    p.add_argument(
+        "--requests", type=int, default=3000,
+        help="--in-process: requests timed (--instructions: pass e.g. 300)",
+    )  # fmt: skip
     p.add_argument("--out", default="bench/results/gateway_proxy.json")
     args = p.parse_args(argv)
     if args.in_process:
@@ -228,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"in-process (CPU time): gateway {r['gateway_ms']:.3f} ms/request, bare app "
               f"{r['bare_ms']:.3f} ms; the gateway's own CPU {r['gateway_cpu_ms']:.3f} ms/request "
               f"-> ceiling ~{r['ceiling_rps_per_core']:.0f} req/s per core")  # fmt: skip
+        return 0
+    if args.instructions:
+        instructions.instructions_mode(sys.executable, args.baseline_python, args.requests)
         return 0
     print(
         f"gateway: 1 process on core {args.gateway_core} (uvicorn; uvloop "
