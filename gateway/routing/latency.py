@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 # Weight of each answer in the speed factors' moving mean (half-life ln 0.5 / ln(1 -
 # RATE) ~ 14 answers).
@@ -112,9 +113,10 @@ class Prior:
         return step / (1.0 - min(max(busy, 0.0), BUSY_MAX)) + spread
 
 
-@dataclass(frozen=True)
-class Dispatch:
-    """A replica's state when a request was (or would be) sent there, and the request."""
+class Dispatch(NamedTuple):
+    """A replica's state when a request was (or would be) sent there, and the request.
+    (A tuple, not a frozen dataclass: one is built per attempt, and a frozen dataclass
+    costs four times as much to build.)"""
 
     prompt_tokens: int
     cached_tokens: int = 0  # the part of the prompt the replica holds (prefix index)
@@ -200,12 +202,25 @@ class ReplicaModel:
     def observe(self, dispatch: Dispatch, ttft: float | None, itl: float | None) -> None:
         """Learn from one answer (either figure None, not finite or not positive: that
         part is skipped)."""
+        self.learn(dispatch, ttft, itl)
+
+    def learn(
+        self, dispatch: Dispatch, ttft: float | None, itl: float | None
+    ) -> tuple[float, float]:
+        """What `predict` said of `dispatch` before this answer, then learn from it as
+        `observe` does (one pass over the physics for both: the ticket calls this once
+        per streamed answer)."""
+        k_ttft, k_itl = self.speed
+        prior = self.prior
+        physics_ttft = prior.ttft(dispatch)
+        physics_itl = prior.itl(dispatch, k_ttft * prior.prefill_token_s * dispatch.prefill_rate)
+        predicted = max(k_ttft * physics_ttft, FLOOR_S), max(k_itl * physics_itl, FLOOR_S)
         if ttft is not None and math.isfinite(ttft) and ttft > 0:
-            self.log_ttft += self.rate * _step(ttft / self.prior.ttft(dispatch), self.log_ttft)
+            self.log_ttft += self.rate * _step(ttft / physics_ttft, self.log_ttft)
         if itl is not None and math.isfinite(itl) and itl > 0:
-            physics = self.prior.itl(dispatch, self.busy(dispatch.prefill_rate))
-            self.log_itl += self.rate * _step(itl / physics, self.log_itl)
+            self.log_itl += self.rate * _step(itl / physics_itl, self.log_itl)
         self.samples += 1
+        return predicted
 
 
 def _step(ratio: float, current: float) -> float:

@@ -229,36 +229,42 @@ class Ticket:
         """A piece of the answer's body passed to the client at `now`."""
         if not data:
             return
-        now = time.monotonic() if now is None else now
-        body = self._body
-        if body is not None:  # non-streamed: the whole answer is its first token
-            self.timing.last = now
-            self._size += len(data)
-            if self._size <= USAGE_BYTES:
-                body.append(data)
-            else:
-                body.clear()  # too large to read its usage: counts no tokens
+        if self._body is not None:  # non-streamed: the whole answer is its first token
+            self._body_piece(data, time.monotonic() if now is None else now)
             return
-        carry = self._carry
-        if not carry and data.endswith(b"\n\n"):
-            events = data  # the usual case: whole events
-        else:
-            carry += data
-            events, sep, carry = carry.rpartition(b"\n\n")
-            self._carry = carry if len(carry) <= EVENT_CARRY_BYTES else b""
-            if not sep:
+        if self._carry or not data.endswith(b"\n\n"):  # an event spans pieces
+            data = self._whole_events(data)
+            if not data:
                 return
-        tokens = len(TOKEN.findall(events))
-        if tokens:
+        # (the usual piece is one whole event: one search, no list of matches)
+        if TOKEN.search(data) is not None:
+            now = time.monotonic() if now is None else now
             timing = self.timing
             if timing.first is None and self._dispatch is not None:
                 self._dispatch[3] = True  # its prefill is done
                 self._core.predictions.started(self._dispatch[0], self._dispatch[1])
-            timing.token(now)
-            for _ in range(tokens - 1):
+            if data.count(b"\n\n") == 1:
                 timing.token(now)
-        if b'"usage"' in events:
-            self._stream_usage(events)
+            else:  # ITL per event: the events of one piece arrived together
+                for _ in range(len(TOKEN.findall(data))):
+                    timing.token(now)
+        if b'"usage"' in data:
+            self._stream_usage(data)
+
+    def _body_piece(self, data: bytes, now: float) -> None:
+        self.timing.last = now
+        self._size += len(data)
+        if self._size <= USAGE_BYTES:
+            self._body.append(data)  # type: ignore[union-attr]
+        else:
+            self._body.clear()  # type: ignore[union-attr]  # too large to read its usage
+
+    def _whole_events(self, data: bytes) -> bytes:
+        """The whole events that `data` completes (the rest is carried to the next piece,
+        up to EVENT_CARRY_BYTES)."""
+        events, sep, carry = (self._carry + data).rpartition(b"\n\n")
+        self._carry = carry if len(carry) <= EVENT_CARRY_BYTES else b""
+        return events + sep if sep else b""
 
     def fail(self, error: GatewayError) -> GatewayError:
         """The answer is `error` (the core's words, rendered by the front end): counted

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kubellm.gateway.routing.latency import (
     PREFILL_RATE_WINDOW_S,
@@ -67,6 +68,7 @@ class Predictions:
         # url -> [prefill tokens, requests] sent there that have not begun to stream
         self.ahead: dict[str, list[int]] = {}
         r = registry or CollectorRegistry()
+        self._ratios: dict[tuple[tuple[str, str, str], str], tuple[Any, Any]] = {}
         self.ratio = Histogram(
             metrics.GATEWAY_PREDICTION_RATIO,
             "Predicted over observed latency of each streamed answer (kind=ttft|itl), per "
@@ -85,9 +87,11 @@ class Predictions:
 
     # ---------------------------------------------------------------- features
 
-    def dispatch(self, url: str, request: RoutingRequest, candidate: Candidate) -> Dispatch:
+    def dispatch(
+        self, url: str, request: RoutingRequest, candidate: Candidate, now: float | None = None
+    ) -> Dispatch:
         """The replica's state for this request now."""
-        tokens = prompt_tokens(request)
+        tokens = request.prompt_chars // CHARS_PER_TOKEN
         hashes = request.chunk_hashes
         ahead = self.ahead.get(url, _NONE)
         cached = 0
@@ -95,22 +99,20 @@ class Predictions:
             matched = self.index.matched(url, hashes)
             cached = min(tokens, matched * CHUNK_CHARS // CHARS_PER_TOKEN)
         return Dispatch(
-            prompt_tokens=tokens,
-            cached_tokens=cached,
-            ahead_tokens=ahead[0],
-            ahead_requests=ahead[1],
-            in_flight=candidate.in_flight,
-            prefill_rate=self.prefill_rate(url),
-            running=candidate.running,
-            waiting=candidate.waiting,
-        )
+            tokens, cached, ahead[0], ahead[1], self.prefill_rate(url, now=now),
+            candidate.in_flight, candidate.running, candidate.waiting,
+        )  # fmt: skip
 
-    def prefill_rate(self, url: str, add: int = 0) -> float:
+    def prefill_rate(self, url: str, add: int = 0, now: float | None = None) -> float:
         """Uncached prompt tokens per second sent to `url` lately (decayed over the
         window), after adding `add` tokens sent now."""
-        now = self.clock()
-        rate, then = self.rates.get(url, (0.0, now))
-        rate *= math.exp(-(now - then) / PREFILL_RATE_WINDOW_S)
+        last = self.rates.get(url)
+        if last is None and not add:
+            return 0.0
+        now = self.clock() if now is None else now
+        rate, then = last or (0.0, now)
+        if now != then:
+            rate *= math.exp(-(now - then) / PREFILL_RATE_WINDOW_S)
         if add:
             rate += add / PREFILL_RATE_WINDOW_S
             self.rates[url] = (rate, now)
@@ -147,11 +149,18 @@ class Predictions:
 
     def sent(self, url: str, request: RoutingRequest, candidate: Candidate) -> Dispatch:
         """An attempt starts on `url`: its features, and its prefill counted as ahead."""
-        dispatch = self.dispatch(url, request, candidate)
-        ahead = self.ahead.setdefault(url, [0, 0])
-        ahead[0] += dispatch.uncached
-        ahead[1] += 1
-        self.prefill_rate(url, add=dispatch.uncached)
+        now = self.clock()
+        dispatch = self.dispatch(url, request, candidate, now)
+        uncached = dispatch.uncached
+        ahead = self.ahead.get(url)
+        if ahead is None:
+            self.ahead[url] = [uncached, 1]
+        else:
+            ahead[0] += uncached
+            ahead[1] += 1
+        if uncached:
+            rate = dispatch.prefill_rate + uncached / PREFILL_RATE_WINDOW_S
+            self.rates[url] = (rate, now)
         if request.chunk_hashes:
             self.index.record(url, request.chunk_hashes)
         return dispatch
@@ -177,12 +186,16 @@ class Predictions:
         itl: float | None,
     ) -> None:
         """A whole streamed answer: the error of what was predicted, then learn from it."""
-        predicted_ttft, predicted_itl = self.model.predict(url, dispatch)
+        predicted_ttft, predicted_itl = self.model.replica(url).learn(dispatch, ttft, itl)
+        ratios = self._ratios.get((labels, url))
+        if ratios is None:  # the histogram's children, looked up once per model and replica
+            ratios = self._ratios[labels, url] = (
+                self.ratio.labels(*labels, url, "ttft"), self.ratio.labels(*labels, url, "itl"),
+            )  # fmt: skip
         if ttft is not None and ttft > 0:
-            self.ratio.labels(*labels, url, "ttft").observe(predicted_ttft / ttft)
+            ratios[0].observe(predicted_ttft / ttft)
         if itl is not None and itl > 0:
-            self.ratio.labels(*labels, url, "itl").observe(predicted_itl / itl)
-        self.model.observe(url, dispatch, ttft, itl)
+            ratios[1].observe(predicted_itl / itl)
         self.answered_at[url] = self.clock()
 
     def forget(self, keep: Sequence[str]) -> None:
@@ -193,6 +206,8 @@ class Predictions:
         for table in (self.ahead, self.rates, self.answered_at):
             for url in [u for u in table if u not in wanted]:
                 del table[url]
+        for key in [k for k in self._ratios if k[1] not in wanted]:
+            del self._ratios[key]
 
     def publish_speed(self, labels: tuple[str, str, str], urls: Sequence[str]) -> None:
         """Set the speed-factor gauge of one model's replicas (those with enough answers)."""

@@ -234,7 +234,8 @@ class Scheduler:
     ) -> tuple[Route, str, list[Candidate], ModelTarget, str | None]:
         model = target.served_name
         start = time.monotonic()
-        ready_now = bool(self.router.candidates(target))
+        candidates = self.router.candidates(target)
+        ready_now = bool(candidates)
         budget = target.slo.ttft_seconds if ready_now else self.settings.zero_replica_wait_seconds
         tenancy = self.tenancy if caller is not None else None
         if tenancy is not None:  # flow control: queues per band x tenant (flow.py)
@@ -255,9 +256,9 @@ class Scheduler:
         try:
             while True:
                 changed = self._changed
-                # re-read: endpoints may have appeared (scale from zero) or gone meanwhile
-                target = self.discovery.snapshot().get(model, target)
-                candidates = self.router.candidates(target)
+                if queued:  # re-read: endpoints may have appeared (scale from zero) or gone
+                    target = self.discovery.snapshot().get(model, target)
+                    candidates = self.router.candidates(target)
                 if routing.adapter is not None and candidates:
                     candidates, loading = await self.adapter_holders(
                         target, routing.adapter, candidates, deadline
