@@ -69,6 +69,9 @@ GATEWAY_REVISION_ITL = "kubellm_gateway_revision_inter_token_latency_seconds"
 # One series per engine endpoint the gateway knows: state=ready|draining|ejected|down, value 1
 # (diagnose and dashboards find a gateway's engines here, without being told their ports).
 GATEWAY_ENDPOINT_INFO = "kubellm_gateway_endpoint_info"
+# gauge per endpoint url: this front end's requests there now (read when scraped: no cost
+# per request); an endpoint with none has no series
+GATEWAY_ENDPOINT_IN_FLIGHT = "kubellm_gateway_endpoint_in_flight"
 GATEWAY_CONNECTIONS_REFUSED = "kubellm_gateway_connections_refused_total"  # over the cap
 GATEWAY_CONFIG_RELOAD_ERRORS = "kubellm_gateway_config_reload_errors_total"  # static file
 # Per tenant (issue 26; tenants are declared, so the label is bounded): requests by route

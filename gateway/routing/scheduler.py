@@ -46,7 +46,9 @@ from kubellm.gateway.routing.tenancy import Caller, Tenancy
 
 __all__ = ["Scheduler", "SchedulerSettings", "labels"]
 
-from kubellm.metrics import parse_lora_info
+from prometheus_client.core import GaugeMetricFamily
+
+from kubellm.metrics import GATEWAY_ENDPOINT_IN_FLIGHT, parse_lora_info
 
 # How often (answers) the replicas' speed factors are recomputed for /metrics.
 SPEED_EVERY = 16
@@ -89,6 +91,11 @@ class Scheduler:
         self.load.on_release(self.wake)
         self.tenancy = Tenancy(s.tenancy, self.metrics.registry) if s.tenancy else None
         self._tasks: list[asyncio.Task[None]] = []
+        self.metrics.registry.register(_InFlightCollector(self.load))
+
+    def in_flight(self) -> dict[str, int]:
+        """This front end's requests in flight per replica URL (those with any)."""
+        return {url: n for url, n in list(self.load.in_flight.items()) if n > 0}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -452,3 +459,24 @@ class Scheduler:
                 self.wake()
 
         return release
+
+
+class _InFlightCollector:
+    """`kubellm_gateway_endpoint_in_flight{url}`, read from the load view when scraped."""
+
+    def __init__(self, load: LoadView) -> None:
+        self.load = load
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            GATEWAY_ENDPOINT_IN_FLIGHT,
+            "This front end's requests in flight on each engine endpoint (slots held).",
+            labels=["url"],
+        )
+        for url, count in sorted(list(self.load.in_flight.items())):
+            if count > 0:
+                family.add_metric([slo.without_credentials(url)], count)
+        return [family]

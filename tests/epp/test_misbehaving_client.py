@@ -94,7 +94,7 @@ async def _exchange(address: str, messages: list[Any]) -> tuple[list[Any], grpc.
 
 
 def _in_flight(picker: EndpointPicker) -> int:
-    return sum(picker.scheduler.load.in_flight.values())
+    return sum(picker.scheduler.in_flight().values())
 
 
 async def test_repeated_request_headers_close_the_stream_and_leak_no_slot(picker_server):

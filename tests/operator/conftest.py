@@ -25,7 +25,6 @@ import kmock
 import kopf
 import pytest
 import yaml
-from kmock._internal import enums
 from kubellm.operator import handlers
 
 from kubellm import api, kube
@@ -52,20 +51,20 @@ class Emulator(kmock.KubernetesEmulator):
     def _stamp(self, request: Any) -> None:
         version = str(next(self.versions))
         data = request.data
-        if request.action == enums.action.CREATE and isinstance(data, dict):
+        if request.action == kmock.action.CREATE and isinstance(data, dict):
             meta = data.setdefault("metadata", {})
             meta["resourceVersion"] = version
             if "generateName" in meta and "name" not in meta:
                 meta["name"] = f"{meta['generateName']}{version}"
             data["metadata"].setdefault("generation", 1)
-        elif request.action == enums.action.UPDATE and isinstance(data, dict):
+        elif request.action == kmock.action.UPDATE and isinstance(data, dict):
             meta = data.setdefault("metadata", {})
             meta["resourceVersion"] = version
             key = (request.resource, request.namespace, request.name)
             live = self.objects[key] if key in self.objects else None  # noqa: SIM401 (no .get)
             if "spec" in data and request.subresource != "status" and live and not live.deleted:
                 meta["generation"] = int(live.get("metadata", {}).get("generation") or 1) + 1
-        elif request.action == enums.action.UPDATE and isinstance(data, list):
+        elif request.action == kmock.action.UPDATE and isinstance(data, list):
             data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
 
     async def _render_error(self, exc: Exception) -> Any:
@@ -76,7 +75,7 @@ class Emulator(kmock.KubernetesEmulator):
     async def _handle(self, request: Any) -> Any:
         content_type = request.headers.get("Content-Type", "")
         if (
-            request.action == enums.action.UPDATE
+            request.action == kmock.action.UPDATE
             and content_type.startswith("application/apply-patch")
             and request.name is not None
             and not request.subresource

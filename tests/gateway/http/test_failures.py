@@ -88,12 +88,13 @@ def test_client_disconnect_cancels_the_upstream_stream(engines, gateway):
     ):
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
+        assert gw.metric("kubellm_gateway_endpoint_in_flight", url=server.url) == 1
     # leaving the block closed the client's connection mid-stream
     wait_until(lambda: engine.cancelled == 1, 10, "the engine to see the cancellation")
     assert engine.completed == 0
     labels = {"model": "tiny", "deployment": "tiny", "namespace": "default"}
     wait_until(lambda: gw.metric("kubellm_gateway_pending_requests", **labels) == 0, 5)
-    assert gw.gateway.load.in_flight == {}
+    assert gw.metric("kubellm_gateway_endpoint_in_flight", url=server.url) == 0
 
 
 def test_client_leaving_a_non_streamed_request_frees_the_replica(engines, gateway):
@@ -103,7 +104,7 @@ def test_client_leaving_a_non_streamed_request_frees_the_replica(engines, gatewa
     with pytest.raises(openai.APITimeoutError):
         gw.client(timeout=0.5).chat.completions.create(model="tiny", messages=CHAT)
     labels = {"model": "tiny", "deployment": "tiny", "namespace": "default"}
-    wait_until(lambda: gw.gateway.load.in_flight == {}, 3, "the upstream request to close")
+    wait_until(lambda: gw.gateway.scheduler.in_flight() == {}, 3, "the upstream request to close")
     assert gw.metric("kubellm_gateway_pending_requests", **labels) == 0
     assert gw.metric("kubellm_gateway_requests_total", **labels, target="none", code="499") == 1
 

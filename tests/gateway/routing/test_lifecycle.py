@@ -120,14 +120,27 @@ async def test_one_attempt_holds_a_slot_at_a_time_and_finish_releases_it():
     scheduler = _scheduler(A, B)
     ticket = await _ticket(scheduler, stream=True)
     first = ticket.attempt(A)
-    assert scheduler.load.in_flight == {A: 1}
+    assert scheduler.in_flight() == {A: 1}
+    assert (
+        scheduler.metrics.registry.get_sample_value(
+            "kubellm_gateway_endpoint_in_flight", {"url": A}
+        )
+        == 1
+    )
     first.failed()
     ticket.attempt(B)
     ticket.attempt(A)  # moved again: B's slot is freed
-    assert {u: n for u, n in scheduler.load.in_flight.items() if n} == {A: 1}
+    assert scheduler.in_flight() == {A: 1}
     ticket.finish()  # nothing reached the client: it left
     ticket.finish()
-    assert sum(scheduler.load.in_flight.values()) == 0
+    assert scheduler.in_flight() == {}
+    # an endpoint with nothing in flight has no series
+    assert (
+        scheduler.metrics.registry.get_sample_value(
+            "kubellm_gateway_endpoint_in_flight", {"url": A}
+        )
+        is None
+    )
     assert _value(scheduler, "kubellm_gateway_requests_total", target="none", code="499") == 1
     assert _value(scheduler, "kubellm_gateway_pending_requests") == 0
 
