@@ -44,6 +44,10 @@ from typing import Any
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS
 
 _WHOLE_ONLY = ("return_token_ids", "kv_transfer_params", "ec_transfer_params")
+_FIRST = frozenset(("id", "created", "model"))  # the answer's, from its first event
+_SKIPPED = frozenset(("choices", "object"))
+_CHOICE_OWN = frozenset(("index", "text", "delta"))  # a choice's, never a field of the answer
+_decode = json.JSONDecoder().raw_decode  # str in: json.loads's bytes sniffing skipped
 
 
 def assembles(body: dict[str, Any], path: str) -> bool:
@@ -116,6 +120,15 @@ class Assembler:
         """Take the next piece of the body: lines end with LF (a CR before it is dropped),
         an event with an empty line; `data:` lines are kept, comments and other fields
         ignored, as the SSE format says. An event cut off by the end is no event."""
+        if (  # the usual piece: one HTTP chunk holding one whole one-line event
+            not self._pending
+            and not self._data
+            and data.endswith(b"\n\n")
+            and data.startswith(b"data: ")
+            and data.count(b"\n") == 2
+        ):
+            self._event(data[6:-2])
+            return
         if b"\n" not in data:  # part of a line: kept until its end (linear, however cut)
             self._pending.append(data)
             self._pending_size += len(data)
@@ -154,8 +167,11 @@ class Assembler:
             self.done = True
             return
         try:
-            event = json.loads(data)
-        except (ValueError, RecursionError):
+            text = data.decode().strip()
+            event, end = _decode(text)
+            if end != len(text):
+                raise ValueError("data after the JSON value")
+        except (ValueError, RecursionError):  # UnicodeDecodeError too
             raise AssemblyError("the replica sent an event that is not JSON") from None
         if not isinstance(event, dict):
             raise AssemblyError("the replica sent an event that is not a JSON object")
@@ -171,15 +187,18 @@ class Assembler:
                 if not isinstance(choice, dict):
                     raise AssemblyError("the replica sent a choice that is not an object")
                 self._choice(choice, position)
+        top = self._top
         for key, value in event.items():
-            if key == "usage":
+            if key in _SKIPPED:
+                continue
+            if key in _FIRST:
+                if key not in top:
+                    top[key], self._retained = value, True
+            elif key == "usage":
                 if value is not None:
                     self._usage, self._retained = value, True
-            elif key in ("id", "created", "model"):
-                if key not in self._top:
-                    self._top[key], self._retained = value, True
-            elif key not in ("choices", "object"):
-                self._set(self._top, key, value)
+            else:
+                self._set(top, key, value)
         if self._retained:  # what it left is at most its own size
             self._keep(len(data))
 
@@ -198,10 +217,14 @@ class Assembler:
         if choice is None:
             choice = self._choices[index] = _Choice()
             self._retained = True
+        fields = choice.fields
         for key, value in given.items():
-            if key == "index":
+            if value is None:  # most fields of most events: a null never replaces a value
+                if key not in fields and key not in _CHOICE_OWN:
+                    fields[key], self._retained = None, True
+            elif key == "index":
                 continue
-            if key == "text" and not self.chat:
+            elif key == "text" and not self.chat:
                 if isinstance(value, str):
                     self._keep(len(value))
                     choice.text.append(value)
@@ -212,10 +235,8 @@ class Assembler:
                 if isinstance(value, dict):
                     choice.logprobs = _merge_lists(choice.logprobs, value)
                     self._retained = True
-                elif choice.logprobs is None:
-                    self._set(choice.fields, "logprobs", None)
             else:
-                self._set(choice.fields, key, value)
+                fields[key], self._retained = value, True
 
     def _delta(self, choice: _Choice, delta: dict[str, Any]) -> None:
         for key, value in delta.items():
