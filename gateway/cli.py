@@ -48,8 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--first-byte-timeout",
         type=float,
         default=_D.first_byte_timeout,
-        help="a stream's first body byte; past it, retry on another replica and eject this "
-        "one (default: 5 x the model's TTFT target, at least 10 s)",
+        help="a stream's first body byte (non-streamed requests go to replicas as streams); "
+        "past it, retry on another replica and eject this one (default: 5 x the model's TTFT "
+        "target, at least 10 s)",
     )
     up.add_argument(
         "--idle-timeout",
@@ -61,13 +62,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--total-timeout",
         type=float,
         default=_D.total_timeout,
-        help="a whole request (bounds non-streamed answers, which arrive in one piece)",
+        help="a whole request, retries included",
     )
     up.add_argument(
         "--max-response-bytes",
         type=int,
         default=_D.max_response_bytes,
-        help="a non-streamed answer, held whole before it is sent on",
+        help="a non-streamed answer, held whole (or assembled) before it is sent on",
     )
     up.add_argument(
         "--max-upstream-head-bytes",

@@ -6,10 +6,12 @@ byte is sent (`Scheduler.admit`, which returns the request's ticket,
 `routing.lifecycle`): replica, fallback, queue or the core's refusal. Replica requests
 are forwarded best candidate first with retries until a replica gives its first byte
 (`relay.open_upstream`, each try a `ticket.attempt`), then relayed (streams chunk by
-chunk, each through `ticket.chunk`); `ticket.finish` counts the outcome once, whatever
-ends the request. What this module keeps is HTTP: ASGI messages, headers, bodies, the
-envelopes the core's errors are rendered in; anything unexpected is a 500 in OpenAI's
-envelope with a request id, logged once.
+chunk, each through `ticket.chunk`); a non-streamed request goes to the replica as a
+stream and its answer is assembled here (`protocol.assemble`), so the same timeouts
+bound it; `ticket.finish` counts the outcome once, whatever ends the request. What this
+module keeps is HTTP: ASGI messages, headers, bodies, the envelopes the core's errors are
+rendered in; anything unexpected is a 500 in OpenAI's envelope with a request id, logged
+once.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from kubellm.gateway.discovery.base import Discovery, FallbackTarget, ModelTarge
 from kubellm.gateway.http import relay, upstream
 from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
 from kubellm.gateway.http.settings import GatewaySettings
-from kubellm.gateway.protocol import errors
+from kubellm.gateway.protocol import assemble, errors
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
 from kubellm.gateway.routing import slo
@@ -230,18 +232,61 @@ class Gateway:
         if ticket.route == "fallback":
             assert target.fallback is not None
             return await self._forward_fallback(call, ticket, target.fallback, body, stream)
-        connect, deadlines = self.settings.timeouts(target, stream)
+        # A non-streamed request goes to the replica as a stream, so the first-byte and
+        # idle timeouts (and the retry before the first byte) bound it too; its answer is
+        # assembled here (`protocol.assemble`, which says which requests cannot be).
+        whole = not stream and assemble.assembles(body, call.path)
+        if whole:
+            raw = assemble.streamed_body(body)
+        connect, deadlines = self.settings.timeouts(target, stream or whole)
         headers = _forward_headers(call.headers)
         headers["x-request-id"] = _attempt_id(headers.get("x-request-id"))
         forward = Forward(
-            call.path, raw, headers, stream, deadlines, connect,
+            call.path, raw, headers, stream or whole, deadlines, connect,
             self.settings.attempts,
         )  # fmt: skip
         try:
             opened = await relay.open_upstream(forward, ticket, self.replicas, self.client)
         except relay.AllUpstreamsFailed as failed:
             return await call.error(ticket.attempts_failed(len(failed.failures)))
+        if whole and opened.body is None:
+            return await self._assemble(call, ticket, opened.response, opened.first)
         await self._answer(call, ticket, opened.response, opened.first, opened.body, None)
+
+    async def _assemble(
+        self, call: _Call, ticket: Ticket, response: AnyResponse, first: bytes
+    ) -> None:
+        """Answer a non-streamed request from the replica's stream (a 200; `first`: its
+        first piece): read it whole into an `Assembler`, then send the answer as a
+        non-streamed one is sent. A stream that breaks, stalls past the idle timeout,
+        reports an error or outgrows `max_response_bytes` is a 502 envelope (nothing was
+        sent yet); the ticket counts the answer when it is whole, as a non-streamed one.
+        A replica that answered whole after all (not an event stream) is relayed so."""
+        limit = self.settings.max_response_bytes
+        try:
+            if not _content_type(response.headers, "").startswith("text/event-stream"):
+                try:
+                    content = first + await response.read()
+                except relay.UPSTREAM_ERRORS as error:
+                    failure = f"The model replica's answer failed: {error}."
+                    return await call.error(ticket.fail(errors.upstream_failed(failure)))
+                return await self._answer(call, ticket, response, b"", content, None)
+            assembler = assemble.Assembler(call.path == CHAT, limit)
+            try:
+                broken = await relay.collect(response, first, assembler.feed)
+                content = assembler.answer() if broken is None else None
+            except assemble.AssemblyError as error:
+                broken, content = str(error), None
+            if content is None:
+                log.warning("a replica's stream for a non-streamed answer failed: %s", broken)
+                failure = (
+                    "The model replica's answer broke off before its end "
+                    f"({broken}); nothing of it was sent."
+                )
+                return await call.error(ticket.fail(errors.upstream_failed(failure)))
+        finally:
+            response.close()
+        await self._send_whole(call, ticket, 200, "application/json", content, None)
 
     async def _forward_fallback(
         self,
@@ -311,25 +356,12 @@ class Gateway:
         stream from `first` on; each piece goes through the ticket, which ends with it."""
         status = response.status
         route = ticket.route
-        ticket.respond(status)
         if content is not None:
             response.close()
-            ticket.chunk(content)
-            ticket.finish()
-            if rename and status == 200:
-                content = _rename_json(content, rename)
-            call.started = True
             content_type = _content_type(response.headers, "application/json")
-            await call.send(
-                {
-                    "type": "http.response.start",
-                    "status": status,
-                    "headers": _response_headers(route, content_type, status, len(content)),
-                }
-            )
-            await call.send({"type": "http.response.body", "body": content})
-            return
+            return await self._send_whole(call, ticket, status, content_type, content, rename)
 
+        ticket.respond(status)
         call.started = True
         broken: str | None = None
         gone = False
@@ -352,6 +384,31 @@ class Gateway:
         finally:  # however the stream ended
             response.close()
             ticket.finish(broken, client_gone=gone)
+
+    async def _send_whole(
+        self,
+        call: _Call,
+        ticket: Ticket,
+        status: int,
+        content_type: str,
+        content: bytes,
+        rename: str | None,
+    ) -> None:
+        """Send a whole answer (the ticket counts it, and ends, as it goes out)."""
+        ticket.respond(status)
+        ticket.chunk(content)
+        ticket.finish()
+        if rename and status == 200:
+            content = _rename_json(content, rename)
+        call.started = True
+        await call.send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": _response_headers(ticket.route, content_type, status, len(content)),
+            }
+        )
+        await call.send({"type": "http.response.body", "body": content})
 
     def _refused(self, error: GatewayError) -> Response:
         """Count a request refused before it had a model (labels empty: no cardinality)."""

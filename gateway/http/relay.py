@@ -6,11 +6,15 @@
   and the request's total budget) and counts against the replica's health; a refused
   connection or a frozen replica is ejected at once. A 4xx is the client's problem
   and passes through. Nothing is sent to the client until a replica gave its first
-  body byte (streams) or its whole answer (non-streamed), so retries stay invisible.
+  body byte (streams, and the non-streamed requests sent as streams) or its whole
+  answer (non-streamed), so retries stay invisible.
 - `relay` sends a stream to the client as raw ASGI messages, one per upstream HTTP
   chunk, timing TTFT and ITL; if the replica dies, stalls or breaks the framing
   mid-stream, the client's stream ends at once with an SSE error event, never a hang
   and never the bytes that could not be parsed.
+- `collect` reads a stream whole for a client that asked for a whole answer (the
+  gateway sends such requests to replicas as streams, `protocol.assemble`), so the same
+  first-byte and idle timeouts bound it.
 - `DisconnectWatch` cancels the request's work (and so closes the upstream request)
   as soon as the client disconnects, mid-stream included.
 """
@@ -21,6 +25,7 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -266,6 +271,23 @@ async def relay(
         await send({"type": "http.response.body", "body": tail, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
     return broken
+
+
+async def collect(response: AnyResponse, first: bytes, feed: Callable[[bytes], None]) -> str | None:
+    """Read a stream to its end into `feed` (`first`: the piece already read), for a
+    client that asked for a whole answer (`protocol.assemble`): the same reads as `relay`,
+    under the same first-byte, idle and total deadlines. Returns why the upstream broke
+    mid-stream, or None; whatever `feed` raises propagates. The caller closes the
+    upstream response."""
+    read = response.readchunk
+    data = first
+    while data:
+        feed(data)
+        try:
+            data = await read()
+        except UPSTREAM_ERRORS as error:
+            return f"upstream stream failed: {type(error).__name__}"
+    return None
 
 
 class DisconnectWatch:

@@ -27,11 +27,11 @@ class GatewaySettings:
     connect_timeout: float = 2.0
     first_byte_timeout: float | None = None  # None: 5 x the model's TTFT target, >= 10 s
     idle_timeout: float = 60.0  # the longest silence between two chunks of a stream
-    total_timeout: float = 600.0  # the whole request (bounds non-streamed answers)
+    total_timeout: float = 600.0  # the whole request, retries included
     # What an upstream answer may be.
     max_upstream_head_bytes: int = 64 * 1024
     max_upstream_headers: int = 100
-    max_response_bytes: int = 32 * 1024 * 1024  # a non-streamed answer, held whole
+    max_response_bytes: int = 32 * 1024 * 1024  # a non-streamed answer, held or assembled
     # From clients (header timeout, keep-alive and the connection cap: `http.server`).
     body_timeout: float = 30.0  # reading a request body, from its headers to its end
 
@@ -53,8 +53,8 @@ class GatewaySettings:
             or self.first_byte_timeout
             or max(10.0, 5 * target.slo.ttft_seconds)
         )
-        if not stream:  # a non-streamed answer arrives whole: its first byte is its end
-            first = total
+        if not stream:  # an answer read whole (the requests `protocol.assemble` keeps
+            first = total  # non-streamed): its first byte is its end
         idle = t.idle_seconds or self.idle_timeout
         return t.connect_seconds or self.connect_timeout, Deadlines(first, idle, total)
 

@@ -19,10 +19,12 @@ replica attempt at a time) and the fallback concurrency slot, outlier feedback, 
 adapter recording, the completion rate that predicts queue waits, and the SLO outcome:
 
 - TTFT: arrival to the first event carrying generated text (streams), or to the whole
-  answer (non-streamed: its first byte is its end), on every route;
+  answer (non-streamed: what the client sees; the HTTP front end assembles it from the
+  replica's stream and passes it here as one piece, the endpoint picker's Envoy relays
+  it whole), on every route;
 - ITL: the gaps between events carrying text, per event, not per network chunk (events
   that arrive in one chunk are 0 s apart), so the count does not depend on how a proxy
-  cuts the bytes; a non-streamed answer has none;
+  cuts the bytes; a non-streamed answer has none (the client got no events);
 - goodput: a 200 answer that ended whole, its TTFT within the target, and its mean ITL
   within the target; for a non-streamed answer of n completion tokens the gateway sees
   only the end, so it counts when it arrived within TTFT target + ITL target x (n - 1):

@@ -101,9 +101,14 @@ class FakeEngine:
         if not body.get("stream"):
             self.completed += 1
             return JSONResponse(_completion(model, chat, self.name, b.tokens))
-        return StreamingResponse(self._stream(model, chat, b), media_type="text/event-stream")
+        options = body.get("stream_options") or {}
+        usage = bool(options.get("include_usage"))
+        events = self._stream(model, chat, b, usage)
+        return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _stream(self, model: str, chat: bool, b: Behaviour):  # type: ignore[no-untyped-def]
+    async def _stream(self, model: str, chat: bool, b: Behaviour, usage: bool):  # type: ignore[no-untyped-def]
+        """As vLLM streams: the last token's event carries the finish reason, and a usage
+        event (the whole answer's usage) follows when `stream_options.include_usage`."""
         self.active += 1
         done = False
         try:
@@ -112,7 +117,15 @@ class FakeEngine:
                     raise RuntimeError("engine died mid-stream")
                 if b.token_delay and i:
                     await asyncio.sleep(b.token_delay)
-                yield "data: " + json.dumps(_chunk(model, chat, f"{self.name}-t{i} ")) + "\n\n"
+                event = _chunk(model, chat, f"{self.name}-t{i} ")
+                if i == b.tokens - 1:
+                    event["choices"][0]["finish_reason"] = "stop"
+                yield "data: " + json.dumps(event) + "\n\n"
+            if usage:
+                whole = _completion(model, chat, self.name, b.tokens)
+                event = {k: whole[k] for k in ("id", "created", "model", "usage")}
+                event.update(object=_chunk(model, chat, "")["object"], choices=[])
+                yield "data: " + json.dumps(event) + "\n\n"
             yield "data: [DONE]\n\n"
             done = True
             self.completed += 1

@@ -73,29 +73,83 @@ def test_an_extra_answer_behind_a_valid_one_never_reaches_another_client(
     assert len(sent) == len(engine.requests)  # every attempt had its own id
 
 
+def sse_head(request: Request) -> bytes:
+    """The status line and headers of a streamed answer (chunked), and nothing more."""
+    return (
+        chunked([])
+        .partition(b"\r\n\r\n")[0]
+        .replace(b"\r\n", f"\r\n{echo_id(request)}".encode(), 1)
+        + b"\r\n\r\n"
+    )
+
+
+def first_event(text: str) -> bytes:
+    event = b"data: " + json.dumps({"choices": [{"index": 0, "text": text}]}).encode() + b"\n\n"
+    return b"%x\r\n" % len(event) + event + b"\r\n"
+
+
+# Replicas that freeze under a request: `None` reads it and never answers; a `Later`
+# answers in part, then holds the rest far past any timeout of these tests.
+FREEZES = {
+    "never answers": lambda r: None,
+    "silent after its headers": lambda r: Later(sse_head(r), 60, b"0\r\n\r\n"),
+}
+
+
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_frozen_replica_is_retried_elsewhere_and_ejected(raw_engine, engines, gateway, stream):
-    """A stream's first byte is due within its timeout: past it, another replica takes the
-    request. A non-streamed answer comes whole, so its one bound is the total timeout:
-    the request that met the frozen replica gets a 502 envelope at that bound (never a
-    hang), and the replica's ejection spares the next ones."""
-    frozen = raw_engine(lambda r: None)  # reads each request, never answers (metrics do)
+@pytest.mark.parametrize("freeze", list(FREEZES))
+def test_a_frozen_replica_is_retried_elsewhere_and_ejected(
+    raw_engine, engines, gateway, stream, freeze
+):
+    """A first byte is due within its timeout, streamed or not (a non-streamed request
+    goes to the replica as a stream, its answer assembled by the gateway): past it,
+    another replica takes the request, unseen by the client, and the frozen one is
+    ejected. Issue 27: non-streamed requests hung until the total timeout."""
+    frozen = raw_engine(FREEZES[freeze])
     ((good, good_server),) = engines(1)
     gw = gateway(
         {"m": model("m", [frozen.url, good_server], policy="round-robin")},
         first_byte_timeout=0.3,
-        total_timeout=1.0,
+        total_timeout=30.0,
     )
-    answers = [ask(gw.url, f"p{i}", stream) for i in range(6)]
-    failed = [a for a in answers if a.status_code != 200]
-    if stream:
-        assert failed == []
-    else:
-        assert len(failed) <= 1 and all(
-            a.json()["error"]["code"] == "upstream_error" for a in failed
-        )
-    assert all(texts(a)[0].startswith(good.name) for a in answers if a.status_code == 200)
+    answers = [ask(gw.url, f"p{i}", stream, timeout=10) for i in range(6)]
+    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+    assert all(texts(a)[0].startswith(good.name) for a in answers)
+    assert frozen.requests, "the frozen replica was never tried"
     wait_until(lambda: gw.metric("kubellm_gateway_ready_endpoints", **LABELS) == 1, 5, "ejection")
+
+
+@pytest.mark.parametrize(
+    "freeze",
+    [
+        *FREEZES,
+        "silent after its first event",
+    ],
+)
+def test_a_non_streamed_request_on_a_frozen_replica_fails_within_the_stream_timeouts(
+    raw_engine, gateway, freeze
+):
+    """The only replica freezes (as a SIGSTOPped engine) under a non-streamed request: the
+    client gets a 502 envelope at the first-byte or idle timeout, not at the total timeout
+    (60 s here, past the client's own 10 s), and nothing of a half answer."""
+    respond = FREEZES.get(freeze) or (
+        lambda r: Later(sse_head(r) + first_event("half"), 60, b"0\r\n\r\n")
+    )
+    frozen = raw_engine(respond)
+    gw = gateway(
+        {"m": model("m", [frozen.url])},
+        first_byte_timeout=0.3,
+        idle_timeout=0.3,
+        total_timeout=60.0,
+    )
+    answer = ask(gw.url, "p", timeout=10)
+    assert answer.status_code == 502, answer.text
+    assert answer.json()["error"]["code"] == "upstream_error"
+    assert b"half" not in answer.content
+    assert frozen.requests[0].json()["stream"] is True
+    labels = {**LABELS, "target": "replica", "code": "502"}
+    wait_until(lambda: gw.metric("kubellm_gateway_requests_total", **labels) == 1, 5, "the 502")
+    assert gw.gateway.load.in_flight == {}
 
 
 def test_a_dead_replica_whose_last_figures_said_saturated_never_gets_a_502(engines, gateway):

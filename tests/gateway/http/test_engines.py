@@ -40,12 +40,48 @@ def test_prefix_aware_routing_hits_the_simulators_prefix_cache(sim_server, gatew
     assert sum(hits) / sum(queries) > 0.5  # and its cache served most of the prompts
 
 
+def test_a_non_streamed_answer_through_the_gateway_is_the_simulators_whole_answer(
+    sim_server, gateway
+):
+    """The gateway sends a non-streamed request to the replica as a stream and assembles
+    the answer (tests/gateway/http/test_assembled.py): what the client gets is what the
+    simulator answers whole (its text depends on the prompt only)."""
+    url = sim_server(served_model_name="tiny", profile="tiny-cpu")
+    gw = gateway({"tiny": model("tiny", [url])})
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+    completion = {"model": "tiny", "prompt": "the cat sat on", "max_tokens": 5}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        whole = httpx.post(f"{url}{path}", json=body, timeout=10).json()
+        answer = httpx.post(f"{gw.url}{path}", json=body, timeout=10).json()
+        assert answer["choices"] == whole["choices"]
+        assert answer["usage"] == whole["usage"] and answer["object"] == whole["object"]
+        assert answer["model"] == whole["model"]
+
+
 @pytest.mark.vllm
 def test_gateway_in_front_of_real_vllm(vllm_server, gateway):
     gw = gateway({"tiny": model("tiny", [vllm_server])})
     client = gw.client(timeout=120)
     answer = client.completions.create(model="tiny", prompt="the cat sat on", max_tokens=4)
     assert answer.usage.completion_tokens >= 1
+    # assembled from vLLM's stream: the answer vLLM gives whole (greedy: the same tokens)
+    for path, body in (
+        ("/v1/completions", {"prompt": "the cat sat on", "logprobs": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the dog"}]}),
+    ):
+        body = {**body, "model": "tiny", "max_tokens": 6, "temperature": 0}
+        whole = httpx.post(f"{vllm_server}{path}", json=body, timeout=120).json()
+        assembled = httpx.post(f"{gw.url}{path}", json=body, timeout=120).json()
+        # the stream's usage event leaves out the null details the whole answer carries
+        assert assembled["usage"] == {k: v for k, v in whole["usage"].items() if v is not None}
+        for mine, theirs in zip(assembled["choices"], whole["choices"], strict=True):
+            assert mine["finish_reason"] == theirs["finish_reason"]
+            if "text" in theirs:
+                assert mine["text"] == theirs["text"]
+                assert mine["logprobs"]["tokens"] == theirs["logprobs"]["tokens"]
+                assert mine["logprobs"]["text_offset"] == theirs["logprobs"]["text_offset"]
+            else:
+                assert mine["message"]["content"] == theirs["message"]["content"]
     stream = client.completions.create(
         model="tiny", prompt="the dog ran", max_tokens=4, stream=True
     )
