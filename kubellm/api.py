@@ -405,7 +405,9 @@ class Timeouts(_Model):
         default=None,
         gt=0,
         le=86400,
-        description="The whole request; bounds non-streamed answers, which arrive in one piece.",
+        description="The whole request; bounds non-streamed answers, which arrive in one piece. "
+        "Also the `timeouts.request` of the HTTPRoute the operator creates for "
+        "spec.routing.inferencePool (unset there: 600 s, the gateway's default).",
     )
 
 
@@ -414,15 +416,28 @@ _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])
 
 
 class EndpointPicker(_Model):
-    """The endpoint picker (EPP) Service a Gateway calls for the pool's requests: `kubellm
-    epp` from the chart (`epp.enabled`), in the LLMDeployment's namespace (the Inference
-    Extension's `endpointPickerRef` names a Service of the pool's own namespace)."""
+    """The endpoint picker (EPP) a Gateway calls for the pool's requests. By default the
+    operator runs one for this pool alone (`kubellm epp --pool-name <name>-engine`: a
+    Deployment and Service `<name>-epp` in the LLMDeployment's namespace, with a Role that
+    reads only that namespace), as the Inference Extension's picker serves one pool; `name`
+    points the pool at an existing picker Service of the pool's namespace instead (the
+    Inference Extension's `endpointPickerRef` names a Service of the pool's own namespace)."""
 
-    name: str = Field(
-        default="kubellm-epp", min_length=1, max_length=63, pattern=_DNS_LABEL,
-        description="The EPP Service's name.",
+    name: str | None = Field(
+        default=None, min_length=1, max_length=63, pattern=_DNS_LABEL,
+        description="An existing EPP Service to use (e.g. the chart's shared `kubellm-epp`, "
+        "or one started with --pool-name); the operator then runs no picker for this pool. "
+        "Unset: the operator's own picker for this pool, `<name>-epp` (or the shared picker "
+        "the operator is configured with: the chart's operator.endpointPicker.mode shared).",
     )  # fmt: skip
     port: int = Field(default=9002, ge=1, le=65535, description="The EPP Service's gRPC port.")
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=16,
+        description="Replicas of the operator's own picker (name unset); each keeps its own "
+        "load view, as gateway replicas do.",
+    )
     failure_mode: Literal["FailOpen", "FailClose"] = Field(
         default="FailClose",
         description="What the Gateway does when the EPP does not answer: FailClose refuses "
@@ -448,9 +463,11 @@ class InferencePoolRouting(_Model):
     """Serve this deployment through a Gateway API implementation (Istio, kgateway, Envoy
     Gateway, GKE, ...) with the Gateway API Inference Extension: the operator creates an
     `InferencePool` (inference.networking.k8s.io/v1) selecting the engine pods, whose
-    endpoint picker is kubellm's (`kubellm epp`), and, with `parentRefs`, an `HTTPRoute`
-    from those Gateways to the pool. Without the Inference Extension's CRDs nothing is
-    created and the `InferencePool` condition says why."""
+    endpoint picker is kubellm's (`kubellm epp`, by default one the operator runs for this
+    pool alone), and, with `parentRefs`, an `HTTPRoute` from those Gateways to the pool
+    whose request timeout is spec.routing.timeouts.totalSeconds (default 600 s). Without
+    the Inference Extension's CRDs nothing is created and the `InferencePool` condition
+    says why."""
 
     endpoint_picker: EndpointPicker = Field(default_factory=EndpointPicker)
     parent_refs: list[GatewayParentRef] = Field(

@@ -65,6 +65,17 @@ def inference_pool_name(deployment: str) -> str:
     return f"{deployment}-engine"
 
 
+def endpoint_picker_name(deployment: str) -> str:
+    """The endpoint picker the operator runs for LLMDeployment `deployment`'s InferencePool
+    (Deployment, Service, ServiceAccount, Role and RoleBinding, in the same namespace)."""
+    return f"{deployment}-epp"
+
+
+# The whole request's bound when spec.routing.timeouts.totalSeconds is unset: the kubellm
+# gateway's --total-timeout default, and the `timeouts.request` of the operator's HTTPRoute.
+DEFAULT_TOTAL_SECONDS = 600.0
+
+
 def engine_labels(name: str) -> dict[str, str]:
     """Labels on every child of deployment `name`; the Service's reach its EndpointSlices."""
     return {

@@ -11,15 +11,23 @@ Children of an `LLMDeployment` named N (all in its namespace, all owned by it):
 - PodDisruptionBudget `N-engine`: at most one engine pod evicted at a time, when
   the deployment can run more than one replica.
 - PodMonitor `N-engine`: only when the Prometheus Operator's CRD is installed.
+- InferencePool `N-engine` and HTTPRoute `N-engine`: spec.routing.inferencePool, where the
+  Inference Extension's (and Gateway API's) CRDs are installed; with them, unless the spec
+  names a picker Service or the operator is told of a shared one, the pool's own endpoint
+  picker: Deployment and Service `N-epp` (`kubellm epp --pool-name N-engine`), and the
+  ServiceAccount, Role and RoleBinding `N-epp` that let it read this namespace's
+  LLMDeployments and EndpointSlices, nothing else.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from kubellm import api, contracts, sources
+from kubellm import __version__, api, contracts, sources
 from kubellm.contracts import DEPLOYMENT_LABEL, PORT_NAME, engine_spec_json
 
 FIELD_MANAGER = "kubellm-operator"
@@ -46,6 +54,27 @@ class SpecError(ValueError):
         self.reason = reason
 
 
+def _default_picker_resources() -> dict[str, Any]:
+    return {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+
+
+@dataclass(frozen=True)
+class PickerOptions:
+    """How the operator runs the endpoint picker of a pool whose spec names none
+    (`kubellm operator --epp-*`; the chart's operator.endpointPicker)."""
+
+    # A shared picker Service (in each pool's namespace) that pools naming none use; the
+    # operator then runs no picker of its own (the chart's operator.endpointPicker.mode
+    # shared). None: one picker per pool.
+    shared: str | None = None
+    image: str = f"ghcr.io/kubellm/kubellm:{__version__}"
+    image_pull_policy: str = "IfNotPresent"
+    # Where the picker sends overflow (the chart's gateway Service, which holds the
+    # fallback API keys): `kubellm epp --fallback-forwarder`. None: overflow is refused.
+    fallback_forwarder: str | None = None
+    resources: Mapping[str, Any] = field(default_factory=_default_picker_resources)
+
+
 @dataclass(frozen=True)
 class Options:
     """What the builders need beyond the spec."""
@@ -56,6 +85,7 @@ class Options:
     # are installed (`kubellm render` assumes both).
     inference_pool: bool = False
     http_route: bool = False
+    picker: PickerOptions = field(default_factory=PickerOptions)
 
 
 # --------------------------------------------------------------------------- names and labels
@@ -490,6 +520,242 @@ HTTPROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
 MODEL_NAME_HEADER = "X-Gateway-Model-Name"  # set by the Inference Extension's body-based router
 
 
+RBAC_API_VERSION = "rbac.authorization.k8s.io/v1"
+PICKER_CONTAINER = "epp"
+PICKER_USER = 65532  # the kubellm image's non-root user, as the chart runs it
+# What a pool's own picker may read, in its namespace only: the LLMDeployments (routing,
+# fallback and SLO settings) and the engines' EndpointSlices. No Secret: overflow goes
+# through the fallback forwarder, which holds the API keys.
+PICKER_RULES: tuple[dict[str, Any], ...] = (
+    {"apiGroups": [api.GROUP], "resources": [api.PLURAL], "verbs": ["list", "watch"]},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+     "verbs": ["list", "watch"]},
+)  # fmt: skip
+
+
+def picker_name(llmd: api.LLMDeployment) -> str:
+    return contracts.endpoint_picker_name(llmd.metadata.name)
+
+
+def runs_own_picker(llmd: api.LLMDeployment, options: Options = Options()) -> bool:
+    """Whether the operator runs this pool's picker: a pool is wanted, the spec names no
+    picker Service and the operator was told of no shared one."""
+    wanted = llmd.spec.routing.inference_pool
+    return (
+        wanted is not None and wanted.endpoint_picker.name is None and options.picker.shared is None
+    )
+
+
+def picker_service_name(llmd: api.LLMDeployment, options: Options = Options()) -> str:
+    """The Service the pool's endpointPickerRef names: the spec's, else the shared one the
+    operator was told of, else the pool's own (`N-epp`)."""
+    wanted = llmd.spec.routing.inference_pool
+    assert wanted is not None
+    return wanted.endpoint_picker.name or options.picker.shared or picker_name(llmd)
+
+
+def picker_selector(llmd: api.LLMDeployment) -> dict[str, str]:
+    """The pool's own picker pods: not the engine selector (nor the deployment label, so no
+    engine Service, PDB or pod check ever counts them)."""
+    return {
+        "app.kubernetes.io/name": "kubellm-epp",
+        "app.kubernetes.io/instance": llmd.metadata.name,
+    }
+
+
+def _picker_metadata(llmd: api.LLMDeployment, options: Options) -> dict[str, Any]:
+    meta = _metadata(llmd, picker_name(llmd), options)
+    # The deployment label stays (the operator's watch maps a child to its owner by it); a
+    # picker Service's EndpointSlices carry it but have no `http` port, so no component
+    # reads them as engines.
+    meta["labels"].update({**picker_selector(llmd), "app.kubernetes.io/component": "epp"})
+    return meta
+
+
+def _picker_ports(port: int) -> tuple[int, int]:
+    """The picker's gRPC health and metrics ports, clear of its ext_proc port."""
+    health = 9003 if port != 9003 else 9004
+    metrics = 9090 if port != 9090 else 9091
+    return health, metrics
+
+
+def picker_command(llmd: api.LLMDeployment, options: Options = Options()) -> list[str]:
+    """`kubellm epp` for this pool alone, reading this namespace alone."""
+    wanted = llmd.spec.routing.inference_pool
+    assert wanted is not None
+    port = wanted.endpoint_picker.port
+    health, metrics = _picker_ports(port)
+    ns = llmd.metadata.namespace
+    command = [
+        "kubellm", "epp", "--host=0.0.0.0", f"--grpc-port={port}",
+        f"--grpc-health-port={health}", f"--metrics-port={metrics}", f"--namespace={ns}",
+        f"--pool-name={engine_name(llmd)}", f"--pool-namespace={ns}",
+    ]  # fmt: skip
+    if options.picker.fallback_forwarder:
+        command.append(f"--fallback-forwarder={options.picker.fallback_forwarder}")
+    return command
+
+
+def picker_service_account(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _picker_metadata(llmd, options),
+    }
+
+
+def picker_role(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+    """What the pool's picker reads, in this namespace only. The operator holds these
+    permissions itself (Kubernetes lets no one grant what it does not hold)."""
+    return {
+        "apiVersion": RBAC_API_VERSION,
+        "kind": "Role",
+        "metadata": _picker_metadata(llmd, options),
+        "rules": [dict(rule) for rule in PICKER_RULES],
+    }
+
+
+def picker_role_binding(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+    name = picker_name(llmd)
+    return {
+        "apiVersion": RBAC_API_VERSION,
+        "kind": "RoleBinding",
+        "metadata": _picker_metadata(llmd, options),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [
+            {"kind": "ServiceAccount", "name": name, "namespace": llmd.metadata.namespace}
+        ],
+    }
+
+
+def picker_deployment(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+    """The pool's own picker: `kubellm epp --pool-name N-engine`, restricted pods."""
+    wanted = llmd.spec.routing.inference_pool
+    assert wanted is not None
+    port = wanted.endpoint_picker.port
+    health, metrics = _picker_ports(port)
+
+    def grpc_probe(service: str, period: int, timeout: int, failures: int) -> dict[str, Any]:
+        return {"grpc": {"port": health, "service": service}, "periodSeconds": period,
+                "timeoutSeconds": timeout, "failureThreshold": failures}  # fmt: skip
+
+    container: dict[str, Any] = {
+        "name": PICKER_CONTAINER,
+        "image": options.picker.image,
+        "imagePullPolicy": options.picker.image_pull_policy,
+        "command": picker_command(llmd, options),
+        "ports": [
+            {"name": "grpc", "containerPort": port, "protocol": "TCP"},
+            {"name": "grpc-health", "containerPort": health, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": metrics, "protocol": "TCP"},
+        ],
+        "env": [
+            {
+                "name": "POD_NAMESPACE",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+            }
+        ],
+        "readinessProbe": grpc_probe("readiness", 5, 3, 2),
+        "livenessProbe": grpc_probe("liveness", 20, 5, 3),
+        "resources": {k: dict(v) for k, v in options.picker.resources.items()},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [{"name": "tmp", "mountPath": TMP_DIR}],
+    }
+    metadata = _picker_metadata(llmd, options)
+    pod_labels = {**metadata["labels"]}
+    pod_labels.pop(DEPLOYMENT_LABEL)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata,
+        "spec": {
+            "replicas": wanted.endpoint_picker.replicas,
+            "selector": {"matchLabels": picker_selector(llmd)},
+            # A new picker is ready before an old one goes: under FailClose no gap.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {
+                    "labels": pod_labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(metrics),
+                        "prometheus.io/path": METRICS_PATH,
+                    },
+                },
+                "spec": {
+                    "serviceAccountName": picker_name(llmd),
+                    "automountServiceAccountToken": True,  # it watches the API
+                    "enableServiceLinks": False,
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": PICKER_USER,
+                        "runAsGroup": PICKER_USER,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                },
+            },
+        },
+    }
+
+
+def picker_service(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+    """The Service the pool's endpointPickerRef names (its port: the ext_proc gRPC port)."""
+    wanted = llmd.spec.routing.inference_pool
+    assert wanted is not None
+    port = wanted.endpoint_picker.port
+    health, metrics = _picker_ports(port)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _picker_metadata(llmd, options),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": picker_selector(llmd),
+            "ports": [
+                {
+                    "name": "grpc",
+                    "port": port,
+                    "targetPort": "grpc",
+                    "protocol": "TCP",
+                    "appProtocol": "http2",
+                },
+                {
+                    "name": "grpc-health",
+                    "port": health,
+                    "targetPort": "grpc-health",
+                    "protocol": "TCP",
+                    "appProtocol": "http2",
+                },
+                {"name": "metrics", "port": metrics, "targetPort": "metrics", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def build_picker(llmd: api.LLMDeployment, options: Options = Options()) -> list[dict[str, Any]]:
+    """The pool's own picker and what lets it read its namespace, in apply order (the
+    account and its grant before the pods that use them)."""
+    return [
+        picker_service_account(llmd, options),
+        picker_role(llmd, options),
+        picker_role_binding(llmd, options),
+        picker_deployment(llmd, options),
+        picker_service(llmd, options),
+    ]
+
+
 def inference_pool(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
     """The InferencePool of the engine pods, with kubellm's EPP as its endpoint picker.
     Its status belongs to the Gateway controllers; the operator writes only the spec."""
@@ -506,12 +772,33 @@ def inference_pool(llmd: api.LLMDeployment, options: Options = Options()) -> dic
             "endpointPickerRef": {
                 "group": "",
                 "kind": "Service",
-                "name": picker.name,
+                "name": picker_service_name(llmd, options),
                 "port": {"number": picker.port},
                 "failureMode": picker.failure_mode,
             },
         },
     }
+
+
+def gateway_duration(seconds: float) -> str:
+    """`seconds` as a Gateway API Duration (GEP-2257, `^([0-9]{1,5}(h|m|s|ms)){1,4}$`),
+    to the millisecond, rounded up: 600 -> "10m", 2.5 -> "2s500ms", 86400 -> "24h"."""
+    ms = max(1, math.ceil(seconds * 1000 - 1e-6))
+    hours, ms = divmod(ms, 3_600_000)
+    minutes, ms = divmod(ms, 60_000)
+    secs, ms = divmod(ms, 1000)
+    parts = ((hours, "h"), (minutes, "m"), (secs, "s"), (ms, "ms"))
+    return "".join(f"{value}{unit}" for value, unit in parts if value)
+
+
+def route_timeouts(llmd: api.LLMDeployment) -> dict[str, str]:
+    """The HTTPRoute rule's `timeouts`: `request` is the whole request's bound the kubellm
+    gateway applies (spec.routing.timeouts.totalSeconds, else its 600 s default), so a
+    frozen picker or replica cannot hold a client longer through the Gateway than through
+    the gateway. No `backendRequest`: it covers a whole backend answer too, and the route
+    sets no retries, so anything shorter than `request` would cut long streams."""
+    total = llmd.spec.routing.timeouts.total_seconds or contracts.DEFAULT_TOTAL_SECONDS
+    return {"request": gateway_duration(total)}
 
 
 def http_route(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
@@ -547,6 +834,7 @@ def http_route(llmd: api.LLMDeployment, options: Options = Options()) -> dict[st
                             "name": engine_name(llmd),
                         }
                     ],
+                    "timeouts": route_timeouts(llmd),
                 }
             ],
         },
@@ -556,7 +844,7 @@ def http_route(llmd: api.LLMDeployment, options: Options = Options()) -> dict[st
 # --------------------------------------------------------------------------- all children
 
 
-# Every kind of child the operator may create: (apiVersion, kind, name function).
+# Every kind of child the operator may create: (apiVersion, kind).
 CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("v1", "ConfigMap"),
     ("apps/v1", "Deployment"),
@@ -565,6 +853,15 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
     (PODMONITOR_API_VERSION, "PodMonitor"),
     (INFERENCE_POOL_API_VERSION, "InferencePool"),
     (HTTPROUTE_API_VERSION, "HTTPRoute"),
+)
+# The kinds of a pool's own picker (named `N-epp`; its Deployment and Service beside the
+# engine's).
+PICKER_KINDS: tuple[tuple[str, str], ...] = (
+    ("v1", "ServiceAccount"),
+    (RBAC_API_VERSION, "Role"),
+    (RBAC_API_VERSION, "RoleBinding"),
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
 )
 
 
@@ -611,6 +908,8 @@ def build(llmd: api.LLMDeployment, options: Options = Options()) -> list[dict[st
         objects.append(pod_monitor(llmd, options))
     wanted = llmd.spec.routing.inference_pool
     if wanted is not None and options.inference_pool:
+        if runs_own_picker(llmd, options):
+            objects += build_picker(llmd, options)
         objects.append(inference_pool(llmd, options))
         if wanted.parent_refs and options.http_route:
             objects.append(http_route(llmd, options))

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
+
+from . import builders
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +59,68 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=5.0,
         help="how often a canary rollout in progress is analysed (default: 5)",
     )
+    picker = parser.add_argument_group(
+        "endpoint pickers", "the picker the operator runs for each InferencePool whose spec "
+        "names none (spec.routing.inferencePool.endpointPicker.name unset)"
+    )  # fmt: skip
+    picker.add_argument(
+        "--shared-endpoint-picker",
+        metavar="SERVICE",
+        default=None,
+        help="point such pools at this shared picker Service (in the pool's namespace) and run "
+        "none per pool; default: one `kubellm epp --pool-name` per pool",
+    )
+    picker.add_argument(
+        "--epp-image",
+        default=builders.PickerOptions.image,
+        help=f"the per-pool pickers' image (default: {builders.PickerOptions.image})",
+    )
+    picker.add_argument(
+        "--epp-image-pull-policy",
+        choices=("Always", "IfNotPresent", "Never"),
+        default=builders.PickerOptions.image_pull_policy,
+    )
+    picker.add_argument(
+        "--epp-fallback-forwarder",
+        metavar="HOST:PORT",
+        default=None,
+        help="the per-pool pickers' --fallback-forwarder (the chart's gateway Service)",
+    )
+    picker.add_argument(
+        "--epp-resources",
+        metavar="JSON",
+        type=_resources,
+        default=None,
+        help='the per-pool pickers\' container resources, e.g. \'{"requests": {"cpu": "250m"}}\' '
+        "(default: 250m CPU and 256Mi requested, 1Gi memory limit)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _resources(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if (
+        not isinstance(parsed, dict)
+        or not set(parsed) <= {"requests", "limits"}
+        or not all(isinstance(v, dict) for v in parsed.values())
+    ):
+        raise argparse.ArgumentTypeError('expected {"requests": {...}, "limits": {...}}')
+    return parsed
+
+
+def picker_options(args: argparse.Namespace) -> builders.PickerOptions:
+    """The per-pool pickers' settings from the command line."""
+    resources = args.epp_resources
+    return builders.PickerOptions(
+        shared=args.shared_endpoint_picker,
+        image=args.epp_image,
+        image_pull_policy=args.epp_image_pull_policy,
+        fallback_forwarder=args.epp_fallback_forwarder,
+        **({"resources": resources} if resources is not None else {}),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         resync_seconds=args.resync_seconds,
         rollout_seconds=args.rollout_seconds,
         figures=figures,
+        picker=picker_options(args),
     )
     asyncio.run(
         kopf.operator(

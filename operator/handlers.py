@@ -6,7 +6,9 @@ same idempotent `reconcile.reconcile`:
 - LLMDeployment created, updated (spec, including /scale writes) or resumed;
 - a periodic resync timer (catches pod-level problems and missed events);
 - any event on a child (Deployment, Service, ConfigMap, PDB) labelled as
-  managed by the operator: a hand edit is put back, a rollout updates status.
+  managed by the operator: a hand edit is put back, a rollout updates status
+  (a pool picker's ServiceAccount, Role and RoleBinding are not watched: the
+  resync timer puts them back).
 
 Reconciles of one LLMDeployment never overlap, and a burst of triggers
 collapses into one queued reconcile, which reads the latest state anyway.
@@ -57,6 +59,8 @@ class Runtime:
     gateway_crds_checked: float = float("-inf")
     # The gateway's per-revision counters, for the canary analysis (None: not configured).
     figures: Figures | None = None
+    # How a pool's own endpoint picker runs (or the shared one pools use).
+    picker: builders.PickerOptions = field(default_factory=builders.PickerOptions)
 
     async def podmonitor_installed(self) -> bool:
         if time.monotonic() - self.podmonitor_checked > PODMONITOR_CHECK_SECONDS:
@@ -92,6 +96,7 @@ class Runtime:
                     podmonitor=await self.podmonitor_installed(),
                     inference_pool=pools,
                     http_route=routes,
+                    picker=self.picker,
                     emit=_emit,
                     figures=self.figures,
                 )
@@ -127,9 +132,11 @@ def register(
     retry_seconds: float = 5.0,
     rollout_seconds: float = 5.0,
     figures: Callable[[], Figures | None] = lambda: None,
+    picker: builders.PickerOptions | None = None,
 ) -> None:
     """Add the operator's handlers to `registry`; `connect` says where the API server is;
-    `figures` makes the canary analysis' source of per-revision counters (at startup)."""
+    `figures` makes the canary analysis' source of per-revision counters (at startup);
+    `picker` says how a pool's own endpoint picker runs."""
     resource = (api.GROUP, api.VERSION, api.PLURAL)
 
     @kopf.on.login(registry=registry)
@@ -141,7 +148,12 @@ def register(
         settings.posting.level = logging.INFO  # Events for explicit kopf.event() calls
         settings.persistence.finalizer = f"{api.GROUP}/finalizer"
         client = Client(kube.async_client(connect()))
-        memo.runtime = Runtime(client, retry_seconds=retry_seconds, figures=figures())
+        memo.runtime = Runtime(
+            client,
+            retry_seconds=retry_seconds,
+            figures=figures(),
+            picker=picker or builders.PickerOptions(),
+        )
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:

@@ -75,6 +75,11 @@ async def _observe(
             continue
         name = builders.child_name(llmd, kind)
         observed[Ref(api_version, kind, ns, name)] = await client.get(api_version, kind, ns, name)
+    if options.inference_pool:  # a pool's own picker: read where one may exist, to delete it
+        name = builders.picker_name(llmd)
+        for api_version, kind in builders.PICKER_KINDS:
+            ref = Ref(api_version, kind, ns, name)
+            observed[ref] = await client.get(api_version, kind, ns, name)
     return observed
 
 
@@ -203,6 +208,7 @@ async def reconcile(
     podmonitor: bool = False,
     inference_pool: bool = False,
     http_route: bool = False,
+    picker: builders.PickerOptions | None = None,
     emit: Emit = _no_events,
     now: Callable[[], str] = utc_now,
     figures: Figures | None = None,
@@ -241,6 +247,7 @@ async def reconcile(
             podmonitor=podmonitor,
             inference_pool=inference_pool,
             http_route=http_route,
+            picker=picker or builders.PickerOptions(),
         )
         try:
             desired = builders.build(llmd, options)

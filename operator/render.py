@@ -2,8 +2,10 @@
 
 For GitOps users and reviews: the same pure builders the operator runs, with
 no cluster. Owner references are left out (they need the live object's uid). The
-InferencePool and HTTPRoute of `spec.routing.inferencePool` are shown as the operator
-creates them where the Gateway API Inference Extension's CRDs are installed.
+InferencePool, HTTPRoute and the pool's own endpoint picker of `spec.routing.inferencePool`
+are shown as the operator creates them by default where the Gateway API Inference
+Extension's CRDs are installed (one picker per pool; the operator's
+`--shared-endpoint-picker` would replace the picker with that Service's name).
 """
 
 from __future__ import annotations

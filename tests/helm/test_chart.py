@@ -113,7 +113,8 @@ def test_every_object_passes_kubernetes_schemas(value_set: str, kube_version: st
             checked_builtin += 1
     assert checked_builtin >= 1
     if value_set == "full-values":
-        assert checked_crd_kinds == 5  # 2 ServiceMonitors, PodMonitor, PrometheusRule, HTTPRoute
+        # 2 ServiceMonitors, 2 PodMonitors (engines, per-pool pickers), PrometheusRule, HTTPRoute
+        assert checked_crd_kinds == 6
 
 
 def test_crd_kind_schemas_reject_a_misspelt_field() -> None:

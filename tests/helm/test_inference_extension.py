@@ -5,6 +5,7 @@ Deployment, Service and RBAC against Kubernetes' own schemas."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,13 +83,46 @@ def test_kubellm_render_shows_the_pool_and_route_valid_against_the_crds() -> Non
          str(ROOT / "examples" / "inference-gateway.yaml")],
         capture_output=True, text=True, check=True, cwd=ROOT,
     )  # fmt: skip
-    objects = {o["kind"]: o for o in yaml.safe_load_all(result.stdout)}
-    assert {"InferencePool", "HTTPRoute"} <= set(objects)
-    for kind in ("InferencePool", "HTTPRoute"):
-        assert _errors(objects[kind]) == [], kind
-    engine = objects["Service"]
-    selector = objects["InferencePool"]["spec"]["selector"]["matchLabels"]
+    rendered = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(result.stdout)}
+    pool, route = (
+        rendered["InferencePool", "tiny-gw-engine"],
+        rendered["HTTPRoute", "tiny-gw-engine"],
+    )
+    assert _errors(pool) == [] and _errors(route) == []
+    engine = rendered["Service", "tiny-gw-engine"]
+    selector = pool["spec"]["selector"]["matchLabels"]
     assert selector == engine["spec"]["selector"]  # the pool holds exactly the engine pods
+    # The pool's own picker, shown as the operator creates it by default.
+    picker = rendered["Service", "tiny-gw-epp"]
+    assert pool["spec"]["endpointPickerRef"]["name"] == picker["metadata"]["name"]
+    assert route["spec"]["rules"][0]["timeouts"] == {"request": "10m"}
+    for kind in ("ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"):
+        kubernetes_validate.validate(rendered[kind, "tiny-gw-epp"], "1.33", strict=True)
+
+
+@pytest.mark.parametrize("total", [None, 0.001, 2.5, 90, 600, 3661.5, 86400])
+def test_the_operators_route_timeouts_are_valid_against_the_crd(total: float | None) -> None:
+    """Every totalSeconds the LLMDeployment CRD accepts gives a request timeout the HTTPRoute
+    CRD accepts (pattern and CEL rule), as a Duration of the same length, rounded up to 1 ms."""
+    from kubellm.operator import builders
+
+    from kubellm import manifests
+
+    spec: dict[str, Any] = {
+        "model": {"source": "hf://org/m"},
+        "routing": {"inferencePool": {"parentRefs": [{"name": "gw"}]}},
+    }
+    if total is not None:
+        spec["routing"]["timeouts"] = {"totalSeconds": total}
+    document = {"apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
+                "metadata": {"name": "m", "namespace": "ns"}, "spec": spec}  # fmt: skip
+    llmd = manifests.parse(document)
+    route = builders.http_route(llmd, builders.Options(inference_pool=True, http_route=True))
+    assert _errors(route) == []
+    request = route["spec"]["rules"][0]["timeouts"]["request"]
+    seconds = sum(int(n) * {"h": 3600, "m": 60, "s": 1, "ms": 0.001}[unit]
+                  for n, unit in re.findall(r"([0-9]+)(h|ms|m|s)", request))  # fmt: skip
+    assert seconds == pytest.approx(max(0.001, total or 600.0), abs=0.001)
 
 
 def test_the_crd_schemas_reject_what_a_gateway_would_refuse() -> None:
@@ -104,3 +138,12 @@ def test_the_crd_schemas_reject_what_a_gateway_would_refuse() -> None:
     bad = yaml.safe_load(yaml.safe_dump(pool))
     bad["spec"]["targetPortNumber"] = 8000  # the pre-v1 field name
     assert any("targetPortNumber: unknown field" in e for e in _errors(bad))
+    route = next(o for o in _chart_objects() if o["kind"] == "HTTPRoute")
+    for timeouts, error in [
+        ({"request": "1.5s"}, "timeouts.request: '1.5s' does not match"),  # no fractions
+        ({"request": "600"}, "timeouts.request: '600' does not match"),  # a unit is required
+        ({"request": "1s", "backendRequest": "2s"}, "cannot be longer than request timeout"),
+    ]:
+        bad = yaml.safe_load(yaml.safe_dump(route))
+        bad["spec"]["rules"][0]["timeouts"] = timeouts
+        assert any(error in e for e in _errors(bad)), (timeouts, _errors(bad))

@@ -45,6 +45,12 @@ CONTRACT: dict[str, set[Grant]] = {
         ("monitoring.coreos.com", "podmonitors", ("get", "patch", "delete")),
         ("inference.networking.k8s.io", "inferencepools", ("get", "patch", "delete")),
         ("gateway.networking.k8s.io", "httproutes", ("get", "patch", "delete")),
+        # Each pool's own endpoint picker: its account and Role; the EndpointSlice reads are
+        # what that Role grants (no one may grant what it does not hold).
+        ("", "serviceaccounts", ("get", "patch", "delete")),
+        ("rbac.authorization.k8s.io", "roles", ("get", "patch", "delete")),
+        ("rbac.authorization.k8s.io", "rolebindings", ("get", "patch", "delete")),
+        ("discovery.k8s.io", "endpointslices", ("list", "watch")),
         ("", "pods", ("list",)),
         ("", "secrets", ("get",)),
         ("", "events", ("create",)),

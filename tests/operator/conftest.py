@@ -165,6 +165,7 @@ async def running_operator(
     retry_seconds: float = 0.05,
     figures: Any = None,
     rollout_seconds: float = 5.0,
+    picker: Any = None,
 ) -> AsyncIterator[None]:
     """kopf's real operator, in its own thread and event loop.
 
@@ -180,6 +181,7 @@ async def running_operator(
         retry_seconds=retry_seconds,
         rollout_seconds=rollout_seconds,
         figures=lambda: figures,
+        **({"picker": picker} if picker is not None else {}),
     )
     settings = kopf.OperatorSettings()
     settings.watching.reconnect_backoff = 0.1

@@ -6,6 +6,7 @@ import argparse
 import subprocess
 import sys
 
+import pytest
 from kubellm.operator import cli, render
 
 
@@ -32,3 +33,26 @@ def test_cli_modules_import_no_kopf():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split()[0] == "False"
+
+
+def test_endpoint_picker_arguments(capsys):
+    from kubellm.operator import builders
+
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    assert cli.picker_options(parser.parse_args([])) == builders.PickerOptions()
+    args = parser.parse_args([
+        "--epp-image", "reg/kubellm:2", "--epp-fallback-forwarder", "gw.sys.svc:80",
+        "--epp-resources", '{"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}}',
+    ])  # fmt: skip
+    options = cli.picker_options(args)
+    assert (options.shared, options.image, options.fallback_forwarder) == (
+        None, "reg/kubellm:2", "gw.sys.svc:80",
+    )  # fmt: skip
+    assert options.resources == {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}}
+    shared = cli.picker_options(parser.parse_args(["--shared-endpoint-picker", "kubellm-epp"]))
+    assert shared.shared == "kubellm-epp"
+    for bad in ("[1]", "{", '{"request": {}}'):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--epp-resources", bad])
+    assert "--epp-resources" in capsys.readouterr().err

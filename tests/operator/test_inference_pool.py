@@ -1,5 +1,6 @@
-"""spec.routing.inferencePool: the operator creates and owns an InferencePool and an
-HTTPRoute, reports the Gateways' verdict as the InferencePool condition, and skips both,
+"""spec.routing.inferencePool: the operator creates and owns an InferencePool, the pool's
+own endpoint picker (`kubellm epp --pool-name`, with a Role reading its namespace only) and an
+HTTPRoute, reports the Gateways' verdict as the InferencePool condition, and skips them all,
 saying why, where the Inference Extension's CRDs are not installed."""
 
 from __future__ import annotations
@@ -8,15 +9,26 @@ import json
 from typing import Any
 
 import kmock
+from kubellm.operator import builders
 
-from .conftest import ROOT, create, manifest, running_operator, wait_for
+from .conftest import ROOT, create, manifest, patch, running_operator, wait_for
 
 NS = "llm"
 NAME = "tiny"
 ENGINE = "tiny-engine"
+PICKER = "tiny-epp"
 POOLS = "inference.networking.k8s.io/v1/inferencepools"
 ROUTES = "gateway.networking.k8s.io/v1/httproutes"
 LLMD = "kubellm.io/v1alpha1/llmdeployments"
+LLMD_PATH = f"/apis/kubellm.io/v1alpha1/namespaces/{NS}/llmdeployments/{NAME}"
+# The pool's own picker: every object, by resource.
+PICKER_RESOURCES = (
+    "v1/serviceaccounts",
+    "rbac.authorization.k8s.io/v1/roles",
+    "rbac.authorization.k8s.io/v1/rolebindings",
+    "apps/v1/deployments",
+    "v1/services",
+)
 
 
 def _current(emulator, resource: str, name: str) -> dict[str, Any] | None:
@@ -61,7 +73,7 @@ async def test_pool_and_route_are_created_and_the_gateways_verdict_is_reported(
         pool = await wait_for(lambda: _current(emulator, POOLS, ENGINE), what="InferencePool")
         route = await wait_for(lambda: _current(emulator, ROUTES, ENGINE), what="HTTPRoute")
         assert pool["spec"]["endpointPickerRef"] == {
-            "group": "", "kind": "Service", "name": "kubellm-epp",
+            "group": "", "kind": "Service", "name": PICKER,
             "port": {"number": 9002}, "failureMode": "FailOpen",
         }  # fmt: skip
         assert pool["spec"]["selector"]["matchLabels"]["kubellm.io/deployment"] == NAME
@@ -70,6 +82,8 @@ async def test_pool_and_route_are_created_and_the_gateways_verdict_is_reported(
         assert route["spec"]["parentRefs"][0]["name"] == "inference-gateway"
         backend = route["spec"]["rules"][0]["backendRefs"][0]
         assert (backend["kind"], backend["name"]) == ("InferencePool", ENGINE)
+        # The whole request's bound, as the gateway's (totalSeconds unset: 600 s).
+        assert route["spec"]["rules"][0]["timeouts"] == {"request": "10m"}
         assert await wait_for(lambda: _condition(emulator, "InferencePool")) == (
             "Unknown", "WaitingForGateway",
         )  # fmt: skip
@@ -80,7 +94,7 @@ async def test_pool_and_route_are_created_and_the_gateways_verdict_is_reported(
                 {"type": "Accepted", "status": "True", "reason": "Accepted", "message": "",
                  "lastTransitionTime": "2026-12-01T00:00:00Z"},
                 {"type": "ResolvedRefs", "status": "False", "reason": "InvalidExtensionRef",
-                 "message": "Service kubellm-epp not found",
+                 "message": "Service tiny-epp not found",
                  "lastTransitionTime": "2026-12-01T00:00:00Z"},
             ],
         }]}}  # fmt: skip
@@ -103,3 +117,103 @@ async def test_without_the_crds_nothing_is_created_and_the_condition_says_why(em
         assert reason == ("False", "InferenceExtensionNotInstalled")
         assert _current(emulator, POOLS, ENGINE) is None
         assert _current(emulator, "apps/v1/deployments", ENGINE) is not None
+        assert all(_current(emulator, r, PICKER) is None for r in PICKER_RESOURCES)
+
+
+def _picker_objects(emulator) -> dict[str, dict[str, Any] | None]:
+    return {resource: _current(emulator, resource, PICKER) for resource in PICKER_RESOURCES}
+
+
+async def test_each_pool_gets_its_own_picker_owned_by_the_deployment(emulator, api_client):
+    """The picker serves this pool alone (`--pool-name`), reads this namespace alone (a Role,
+    not a ClusterRole), and goes with the LLMDeployment (owner references)."""
+    _install_gateway_crds(emulator)
+    async with running_operator(emulator, resync_seconds=0.2):
+        await create(api_client, _document())
+        await wait_for(lambda: all(_picker_objects(emulator).values()), what="the picker")
+        objects = _picker_objects(emulator)
+        for resource, obj in objects.items():
+            (owner,) = obj["metadata"]["ownerReferences"]
+            assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+                "LLMDeployment", NAME, "uid-1", True,
+            ), resource  # fmt: skip
+        deployment = objects["apps/v1/deployments"]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        command = container["command"]
+        assert command[:2] == ["kubellm", "epp"]
+        assert {f"--pool-name={ENGINE}", f"--pool-namespace={NS}", f"--namespace={NS}"} <= set(
+            command
+        )
+        assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == PICKER
+        role = objects["rbac.authorization.k8s.io/v1/roles"]
+        assert role["metadata"]["namespace"] == NS
+        assert role["rules"] == [dict(rule) for rule in builders.PICKER_RULES]
+        binding = objects["rbac.authorization.k8s.io/v1/rolebindings"]
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": PICKER,
+        }  # fmt: skip
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": PICKER, "namespace": NS}]
+        service = objects["v1/services"]
+        pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= pod_labels.items()
+        engine_selector = _current(emulator, "v1/services", ENGINE)["spec"]["selector"]
+        assert not engine_selector.items() <= pod_labels.items()  # never an engine endpoint
+        pool = await wait_for(lambda: _current(emulator, POOLS, ENGINE), what="InferencePool")
+        grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+        assert (pool["spec"]["endpointPickerRef"]["name"], grpc["port"]) == (PICKER, 9002)
+
+
+async def test_a_picker_change_updates_it_and_dropping_the_pool_deletes_it(emulator, api_client):
+    _install_gateway_crds(emulator)
+    async with running_operator(emulator, resync_seconds=0.2):
+        await create(api_client, _document())
+        await wait_for(lambda: all(_picker_objects(emulator).values()), what="the picker")
+        await patch(api_client, LLMD_PATH, {"spec": {"routing": {"inferencePool": {
+            "endpointPicker": {"port": 9100, "replicas": 2},
+        }}}})  # fmt: skip
+
+        def moved() -> bool:
+            service = _current(emulator, "v1/services", PICKER)
+            deployment = _current(emulator, "apps/v1/deployments", PICKER)
+            pool = _current(emulator, POOLS, ENGINE)
+            (container,) = deployment["spec"]["template"]["spec"]["containers"]
+            return (
+                any(p["port"] == 9100 for p in service["spec"]["ports"])
+                and "--grpc-port=9100" in container["command"]
+                and deployment["spec"]["replicas"] == 2
+                and pool["spec"]["endpointPickerRef"]["port"] == {"number": 9100}
+            )
+
+        await wait_for(moved, what="the picker, its Service and the pool on port 9100")
+        await patch(api_client, LLMD_PATH, {"spec": {"routing": {"inferencePool": None}}})
+        await wait_for(
+            lambda: (
+                not any(_picker_objects(emulator).values())
+                and _current(emulator, POOLS, ENGINE) is None
+                and _current(emulator, ROUTES, ENGINE) is None
+            ),
+            what="the picker, the pool and the route deleted",
+        )
+        assert _current(emulator, "apps/v1/deployments", ENGINE) is not None
+
+
+async def test_a_named_or_shared_picker_is_used_and_none_is_run(emulator, api_client):
+    """The spec's endpointPicker.name, or the operator's --shared-endpoint-picker, names an
+    existing picker: the pool points there and the operator runs none of its own."""
+    _install_gateway_crds(emulator)
+    shared = builders.PickerOptions(shared="kubellm-epp")
+    async with running_operator(emulator, resync_seconds=0.2, picker=shared):
+        await create(api_client, _document())
+        pool = await wait_for(lambda: _current(emulator, POOLS, ENGINE), what="InferencePool")
+        assert pool["spec"]["endpointPickerRef"]["name"] == "kubellm-epp"
+        await patch(api_client, LLMD_PATH, {"spec": {"routing": {"inferencePool": {
+            "endpointPicker": {"name": "team-a-epp"},
+        }}}})  # fmt: skip
+        await wait_for(
+            lambda: (
+                _current(emulator, POOLS, ENGINE)["spec"]["endpointPickerRef"]["name"]
+                == "team-a-epp"
+            ),
+            what="the pool on the named picker",
+        )
+        assert not any(_picker_objects(emulator).values())
