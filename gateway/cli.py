@@ -71,6 +71,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a non-streamed answer, held whole (or assembled) before it is sent on",
     )
     up.add_argument(
+        "--assemble-non-streamed",
+        action=argparse.BooleanOptionalAction,
+        default=_D.assemble_non_streamed,
+        help="send non-streamed requests to replicas as streams and assemble the answer, so "
+        "the first-byte and idle timeouts bound them (--no-assemble-non-streamed: as they "
+        "came, bounded by --total-timeout only, less CPU per request)",
+    )
+    up.add_argument(
         "--max-upstream-head-bytes",
         type=int,
         default=_D.max_upstream_head_bytes,
@@ -179,6 +187,7 @@ def settings_from(args: argparse.Namespace) -> GatewaySettings:
         idle_timeout=args.idle_timeout,
         total_timeout=args.total_timeout,
         max_response_bytes=args.max_response_bytes,
+        assemble_non_streamed=args.assemble_non_streamed,
         max_upstream_head_bytes=args.max_upstream_head_bytes,
         body_timeout=args.body_timeout,
     )

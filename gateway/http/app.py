@@ -235,7 +235,11 @@ class Gateway:
         # A non-streamed request goes to the replica as a stream, so the first-byte and
         # idle timeouts (and the retry before the first byte) bound it too; its answer is
         # assembled here (`protocol.assemble`, which says which requests cannot be).
-        whole = not stream and assemble.assembles(body, call.path)
+        whole = (
+            not stream
+            and self.settings.assemble_non_streamed
+            and assemble.assembles(body, call.path)
+        )
         if whole:
             raw = assemble.streamed_body(body)
         connect, deadlines = self.settings.timeouts(target, stream or whole)

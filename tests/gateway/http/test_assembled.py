@@ -159,3 +159,18 @@ def test_a_non_streamed_answer_is_the_one_the_replica_gives_whole(gateway):
                         assert mine["message"][key] == theirs["message"][key], key
     finally:
         server.stop()
+
+
+def test_with_assembly_off_a_non_streamed_request_goes_as_it_came(gateway):
+    replica = VllmShaped()
+    server = ServerThread(replica.app()).start()
+    try:
+        gw = gateway({"m": model("m", [server])}, assemble_non_streamed=False)
+        body = {"model": "m", "messages": [{"role": "user", "content": "weather?"}]}
+        answer = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=10)
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == chat_whole()  # the replica's whole answer, relayed
+        assert "stream" not in replica.bodies[-1]
+        assert "stream_options" not in replica.bodies[-1]
+    finally:
+        server.stop()
