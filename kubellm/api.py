@@ -391,9 +391,9 @@ class Timeouts(_Model):
         default=None,
         gt=0,
         le=3600,
-        description="From sending a streamed request to its first body byte; past it the "
-        "request is retried on another replica and this one ejected. Default: 5 x "
-        "slo.ttftSeconds, at least 10 s.",
+        description="From sending a request to its first body byte (non-streamed requests "
+        "go to replicas as streams too); past it the request is retried on another "
+        "replica and this one ejected. Default: 5 x slo.ttftSeconds, at least 10 s.",
     )
     idle_seconds: float | None = Field(
         default=None,
@@ -405,8 +405,9 @@ class Timeouts(_Model):
         default=None,
         gt=0,
         le=86400,
-        description="The whole request; bounds non-streamed answers, which arrive in one piece. "
-        "Also the `timeouts.request` of the HTTPRoute the operator creates for "
+        description="The whole request, retries included (and the only bound of the "
+        "non-streamed requests that cannot go to a replica as a stream). Also the "
+        "`timeouts.request` of the HTTPRoute the operator creates for "
         "spec.routing.inferencePool (unset there: 600 s, the gateway's default).",
     )
 
