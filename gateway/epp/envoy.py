@@ -1,7 +1,15 @@
 """A standalone Envoy bootstrap in front of the endpoint picker, shaped like the
-Inference Extension's reference configuration: an ext_proc filter calling the EPP
-(headers and bodies both ways, FULL_DUPLEX_STREAMED), and an ORIGINAL_DST cluster that
-sends each request to the address in the header the EPP sets.
+Inference Extension's reference configuration: an ext_proc filter calling the EPP, and an
+ORIGINAL_DST cluster that sends each request to the address in the header the EPP sets.
+
+The body modes differ from the reference (FULL_DUPLEX_STREAMED both ways, which the picker
+also serves): the request body is BUFFERED (one message, kept by Envoy) and the response
+body STREAMED (each chunk answered with a constant "continue", not echoed), with
+`allow_mode_override`, so that once the picker has the response's status line it can tell
+Envoy to send nothing more when the routing core needs no more (a non-streamed answer
+within its TTFT target: `Ticket.body_needed`); Envoy honours a mode override only when
+neither body mode is FULL_DUPLEX_STREAMED. `allowed_override_modes` lists the one
+override the picker sends (`messages.skip_mode`).
 
 Used by the end-to-end tests (tests/epp) and the benchmarks (bench/_envoy.py); also a
 starting point for a standalone Envoy in front of `kubellm epp` without a Gateway API
@@ -18,11 +26,11 @@ Two details beyond the reference:
   servers, round robin), as Gateway API implementations fall back to the pool's
   endpoints; under FailClose it is refused by Envoy. One bootstrap serves one pool per
   listener (`bootstrap_pools`: each listener its own picker and its own fallback
-  servers), so neither the picker nor the fallback ever crosses pools. FailOpen
-  buffers request bodies (BUFFERED): in FULL_DUPLEX_STREAMED mode Envoy 1.40 hands body
-  chunks to the processor without keeping them, so a request whose body went to an EPP that is down
-  (or died) ends in a 500 even with `failure_mode_allow`; a buffered body is kept and
-  the request goes on. Requests already routed and streaming are not affected either way.
+  servers), so neither the picker nor the fallback ever crosses pools. FailOpen needs
+  request bodies BUFFERED (the default in both modes): in FULL_DUPLEX_STREAMED mode Envoy
+  1.40 hands body chunks to the processor without keeping them, so a request whose body
+  went to an EPP that is down (or died) ends in a 500 even with `failure_mode_allow`; a
+  buffered body is kept and the request goes on.
 """
 
 from __future__ import annotations
@@ -39,6 +47,17 @@ _T = "type.googleapis.com/envoy."
 # the scale-from-zero wait, --zero-replica-wait, 60 s) so only a frozen picker hits it.
 PICKER_TIMEOUT_SECONDS = 75.0
 MAX_BODY_BYTES = 8 * 1024 * 1024  # the picker's --max-body-bytes
+REQUEST_BODY_MODE = "BUFFERED"
+RESPONSE_BODY_MODE = "STREAMED"
+# The mode the picker's override asks for (messages.skip_mode, by name) but the request's
+# body mode, which is the configured one.
+SKIP_MODE = {
+    "request_header_mode": "SEND",
+    "response_header_mode": "SEND",
+    "response_body_mode": "NONE",
+    "request_trailer_mode": "SKIP",
+    "response_trailer_mode": "SKIP",
+}
 
 
 def _envelope(message: str, kind: str, code: str) -> str:
@@ -135,8 +154,8 @@ def bootstrap(
     pool: Sequence[str] = (),
     failure_mode_allow: bool = False,
     admin: str | None = None,
-    request_body_mode: str | None = None,
-    response_body_mode: str = "FULL_DUPLEX_STREAMED",
+    request_body_mode: str = REQUEST_BODY_MODE,
+    response_body_mode: str = RESPONSE_BODY_MODE,
     epp_timeout_seconds: float = 10.0,
     picker_timeout_seconds: float = PICKER_TIMEOUT_SECONDS,
     max_body_bytes: int = MAX_BODY_BYTES,
@@ -154,8 +173,8 @@ def bootstrap_pools(
     pools: Sequence[Pool],
     failure_mode_allow: bool = False,
     admin: str | None = None,
-    request_body_mode: str | None = None,
-    response_body_mode: str = "FULL_DUPLEX_STREAMED",
+    request_body_mode: str = REQUEST_BODY_MODE,
+    response_body_mode: str = RESPONSE_BODY_MODE,
     epp_timeout_seconds: float = 10.0,
     picker_timeout_seconds: float = PICKER_TIMEOUT_SECONDS,
     max_body_bytes: int = MAX_BODY_BYTES,
@@ -167,8 +186,6 @@ def bootstrap_pools(
     names = [p.name for p in pools]
     if len(set(names)) != len(names):
         raise ValueError(f"pool names must differ: {names}")
-    if request_body_mode is None:
-        request_body_mode = "BUFFERED" if failure_mode_allow else "FULL_DUPLEX_STREAMED"
     clusters: list[dict[str, Any]] = [
         {
             "name": "original_destination_cluster",
@@ -209,15 +226,17 @@ def _pool_listener(
     max_body_bytes: int,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One pool's listener and its own clusters (its picker, its fallback servers)."""
-    streamed = request_body_mode == "FULL_DUPLEX_STREAMED"
+    duplex = "FULL_DUPLEX_STREAMED"
     processing_mode = {
         "request_header_mode": "SEND",
         "response_header_mode": "SEND",
         "request_body_mode": request_body_mode,
         "response_body_mode": response_body_mode,
-        "request_trailer_mode": "SEND" if streamed else "SKIP",
-        "response_trailer_mode": "SEND" if response_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
+        "request_trailer_mode": "SEND" if request_body_mode == duplex else "SKIP",
+        "response_trailer_mode": "SEND" if response_body_mode == duplex else "SKIP",
     }
+    # Envoy ignores mode overrides when either body mode is FULL_DUPLEX_STREAMED
+    overridable = duplex not in (request_body_mode, response_body_mode)
     routes: list[dict[str, Any]] = [
         {
             "match": {"prefix": "/", "headers": [{"name": DESTINATION, "present_match": True}]},
@@ -250,6 +269,18 @@ def _pool_listener(
             }
         )
         clusters.append(_cluster(unpicked, []))
+    # Envoy waits at most `message_timeout` for each answer of the picker (not in
+    # FULL_DUPLEX_STREAMED mode, where it waits without a bound). Under FailOpen that is
+    # the picker's timeout: past it the request goes on without the picker. Under
+    # FailClose it stays just above the picker timeout, so a request the picker has not
+    # routed is answered by the route's idle timeout above (504 in OpenAI's envelope) and
+    # the per-message bound catches a picker frozen mid-response (Envoy holds each
+    # STREAMED chunk for its answer).
+    message_timeout = (
+        epp_timeout_seconds
+        if failure_mode_allow and pool.endpoints
+        else max(epp_timeout_seconds, picker_timeout_seconds + 1.0)
+    )
     http_filters = [
         {  # the same body bound as the picker's, in both modes (FailOpen buffers bodies)
             "name": "envoy.filters.http.buffer",
@@ -270,7 +301,17 @@ def _pool_listener(
                 # accept the EPP's picked endpoints into the request's metadata (envoy.lb)
                 "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
                 "processing_mode": processing_mode,
-                "message_timeout": f"{epp_timeout_seconds}s",
+                "message_timeout": f"{message_timeout}s",
+                **(
+                    {
+                        "allow_mode_override": True,
+                        "allowed_override_modes": [
+                            {**SKIP_MODE, "request_body_mode": request_body_mode}
+                        ],
+                    }
+                    if overridable
+                    else {}
+                ),
             },
         },
         {

@@ -71,6 +71,7 @@ _CommonResponse = message("envoy.service.ext_proc.v3.CommonResponse")
 _ImmediateResponse = message("envoy.service.ext_proc.v3.ImmediateResponse")
 _HeaderValueOption = message("envoy.config.core.v3.HeaderValueOption")
 _Struct = message("google.protobuf.Struct")
+_ProcessingMode = message("envoy.extensions.filters.http.ext_proc.v3.ProcessingMode")
 
 # The body modes (envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.BodySendMode).
 BodyMode = int
@@ -81,6 +82,10 @@ FULL_DUPLEX: BodyMode = _MODES["FULL_DUPLEX_STREAMED"].number
 BUFFERED: BodyMode = _MODES["BUFFERED"].number
 STREAMED: BodyMode = _MODES["STREAMED"].number
 NONE: BodyMode = _MODES["NONE"].number
+_HEADER_MODES = POOL.FindEnumTypeByName(
+    "envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.HeaderSendMode"
+).values_by_name
+SEND, SKIP = _HEADER_MODES["SEND"].number, _HEADER_MODES["SKIP"].number
 
 
 def parse(data: bytes) -> Any:
@@ -216,6 +221,38 @@ def immediate(
             details=details,
         )
     )
+
+
+def skip_mode(request_body_mode: BodyMode) -> dict[str, int]:
+    """The processing mode the picker asks for once it needs no more of an exchange than
+    its response headers: every field explicit (Envoy compares the whole mode with its
+    `allowed_override_modes`), the request's body mode as it was, the response body and
+    trailers not sent."""
+    return {
+        "request_header_mode": SEND,
+        "response_header_mode": SEND,
+        "request_body_mode": request_body_mode,
+        "response_body_mode": NONE,
+        "request_trailer_mode": SKIP,
+        "response_trailer_mode": SKIP,
+    }
+
+
+_SKIP_BODY: dict[BodyMode, bytes] = {}
+
+
+def skip_response_body(request_body_mode: BodyMode) -> bytes:
+    """Continue the response headers and tell Envoy (ext_proc's `mode_override`, honoured
+    when the filter has `allow_mode_override` and neither body mode is
+    FULL_DUPLEX_STREAMED) to send nothing more of this exchange; Envoy closes the stream
+    when the exchange ends (1.40, request body BUFFERED), which is its end for the picker.
+    Serialised once per request mode."""
+    answer = _SKIP_BODY.get(request_body_mode)
+    if answer is None:
+        answer = _SKIP_BODY[request_body_mode] = ProcessingResponse(
+            response_headers={}, mode_override=_ProcessingMode(**skip_mode(request_body_mode))
+        ).SerializeToString()
+    return answer
 
 
 # Answers that never change, serialised once.

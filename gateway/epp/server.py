@@ -11,8 +11,13 @@ routing state and the SLO outcome (the same calls the HTTP gateway makes):
   OpenAI-format error as an immediate response: 400 bad body, 404 unknown model, 413 too
   large, the core's 429/503 with Retry-After);
 - response headers -> `attempt.started` / `attempt.failed` (a replica's 5xx is answered
-  with the core's 502), `ticket.respond`; body chunks -> `ticket.chunk`; the response's
-  end, or the stream closing early (client gone, replica died mid-stream) -> `finish`;
+  with the core's 502), `ticket.respond`; then, where Envoy's modes allow a mode override
+  (neither body mode FULL_DUPLEX_STREAMED) and the core needs no more of the answer
+  (`ticket.body_needed`: a non-streamed answer within its TTFT target, no tenant, not the
+  fallback), the answer asks Envoy to send no response body (`ticket.body_unseen`), and
+  Envoy's close of the stream is the exchange's end; else body chunks -> `ticket.chunk`;
+- the response's end, or the stream closing early (client gone, replica died mid-stream)
+  -> `finish`;
 - messages out of the protocol's order close the stream with INVALID_ARGUMENT, and every
   slot the exchange held is released.
 
@@ -214,15 +219,13 @@ _ALLOWED = {
 
 async def _read_by(context: Any, deadline: float) -> Any:
     """The stream's next message, or None once `deadline` (loop time) has passed."""
-    remaining = deadline - asyncio.get_running_loop().time()
-    if remaining <= 0:
+    if deadline <= asyncio.get_running_loop().time():
         return None
-    read = asyncio.ensure_future(context.read())
-    done, _ = await asyncio.wait((read,), timeout=remaining)
-    if not done:
-        read.cancel()
+    try:  # one timer, no task around the read
+        async with asyncio.timeout_at(deadline):
+            return await context.read()
+    except TimeoutError:
         return None
-    return read.result()
 
 
 def buffer_full(limit: int, retry_after: int) -> GatewayError:
@@ -359,6 +362,16 @@ class Exchange:
             ticket.respond(status)
         if http.end_of_stream:
             self.finish()
+            return [m.CONTINUE_RESPONSE_HEADERS]
+        if self.response_mode in _OVERRIDABLE and self.request_mode in _OVERRIDABLE:
+            now = time.monotonic()
+            if ticket is None or not ticket.body_needed(now):
+                # nothing more to learn from this exchange: Envoy is asked to send no body;
+                # its close of the stream is the end (`close`)
+                if ticket is not None:
+                    ticket.body_unseen(now)
+                self.response_mode = m.NONE
+                return [m.skip_response_body(self.request_mode)]
         return [m.CONTINUE_RESPONSE_HEADERS]
 
     def _response_body(self, request: m.ProcessingRequest) -> list[Any]:
@@ -513,6 +526,9 @@ class Exchange:
             self.slot = None
 
 
+# Body modes under which Envoy honours a mode override (not FULL_DUPLEX_STREAMED in either
+# direction of the filter's configuration; Envoy 1.40, ext_proc.cc).
+_OVERRIDABLE = frozenset({m.BUFFERED, m.STREAMED, m.NONE})
 _KINDS = frozenset(kind for kinds in _ALLOWED.values() for kind in kinds)
 
 

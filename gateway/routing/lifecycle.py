@@ -10,6 +10,8 @@ front ends translate their protocol into a handful of calls on it.
         attempt.started()             # it answers: outlier success, prefix/session recorded
     ticket.respond(status)            # the answer's status line
     ticket.chunk(data)                # each body piece, as it passes to the client
+    ticket.body_needed(now)           # after respond: does the core still need the body?
+    ticket.body_unseen(now)           # the front end will not follow it: the end is now
     ticket.fail(error)                # the answer is an error the core chose (caller renders)
     ticket.finish(broken=...)         # the end: exactly once, whatever happened
 
@@ -226,6 +228,29 @@ class Ticket:
     def respond(self, status: int) -> None:
         """The answer's status line is known (it is being sent to the client)."""
         self.status = status
+
+    def body_needed(self, now: float) -> bool:
+        """Once the status line is known (`respond`): whether the core still needs the
+        answer's body. A stream's events give TTFT, ITL and its usage; a non-streamed 200
+        answer's body is read only for its `usage`: a fallback answer's tokens, a tenant's
+        token counts, and goodput past the TTFT target (its token budget). Otherwise (an
+        error status, or a replica's 200 within the TTFT target, no tenant) the status line
+        is all the core reads, and a front end that can stop following the body (the
+        endpoint picker: Envoy's ext_proc mode override) may."""
+        if self.stream:
+            return True
+        if self.status != 200:
+            return False
+        if self.route == "fallback" or self.caller is not None:
+            return True
+        return now - self.arrived > self.target.slo.ttft_seconds
+
+    def body_unseen(self, now: float) -> None:
+        """The front end will not see the body (`body_needed` said it need not): a
+        non-streamed answer counts as whole at `now`, its status line, for TTFT, goodput
+        and the end-to-end time the front end's `finish` records."""
+        if self._body is not None:
+            self.timing.last = now
 
     def chunk(self, data: bytes, now: float | None = None) -> None:
         """A piece of the answer's body passed to the client at `now`."""

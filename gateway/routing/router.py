@@ -70,7 +70,9 @@ class Router:
         self.precise = precise
         # slo-aware's latency model (learnt under every policy: routing/predicted.py)
         self.predictions = Predictions(registry=registry)
-        self.shared = Shared(self.index, self.sessions, precise, predictions=self.predictions)
+        self.shared = Shared(
+            self.index, self.sessions, precise, predictions=self.predictions, sharing=self.sharing
+        )
         self.profiles = Profiles(self.shared, self.unshared)
 
     @property

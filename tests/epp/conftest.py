@@ -121,8 +121,8 @@ def envoy_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
     def start(
         models: list[dict[str, Any]],
         failure_mode_allow: bool = False,
-        request_body_mode: str | None = None,
-        response_body_mode: str = "FULL_DUPLEX_STREAMED",
+        request_body_mode: str = envoy.REQUEST_BODY_MODE,
+        response_body_mode: str = envoy.RESPONSE_BODY_MODE,
         epp_args: tuple[str, ...] = (),
     ) -> Stack:
         static = tmp_path / "models.yaml"

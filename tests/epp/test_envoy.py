@@ -66,13 +66,18 @@ def test_shared_prefix_requests_stay_on_one_replica(envoy_stack, sims):
     assert stack.metric("kubellm_gateway_prefix_match_ratio_count") == 6
 
 
-@pytest.mark.parametrize("response_body_mode", ["FULL_DUPLEX_STREAMED", "STREAMED"])
-def test_streaming_chat_through_envoy_observes_ttft_and_itl(envoy_stack, sims, response_body_mode):
+@pytest.mark.parametrize(
+    "modes",
+    [("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED"), ("BUFFERED", "STREAMED")],
+    ids=["reference", "bootstrap"],
+)
+def test_streaming_chat_through_envoy_observes_ttft_and_itl(envoy_stack, sims, modes):
     # ~20 ms per token: chunks arrive apart, so the EPP sees gaps between them
     replicas = sims(2, time_scale=10.0)
     stack = envoy_stack(
-        [{"name": "tiny", "endpoints": replicas}], response_body_mode=response_body_mode
-    )
+        [{"name": "tiny", "endpoints": replicas}],
+        request_body_mode=modes[0], response_body_mode=modes[1],
+    )  # fmt: skip
     stream = _client(stack.url).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "count"}], max_tokens=8, stream=True
     )
@@ -297,10 +302,14 @@ def test_overflow_goes_through_the_fallback_forwarder(envoy_stack, scripted, sim
 
 
 def test_without_response_bodies_the_answer_counts_at_its_first_byte(envoy_stack, scripted):
-    """Response body mode NONE (the cheapest): Envoy closes the exchange with the EPP at
-    the response headers, so the request is released and counted there, as an answer
-    (not a broken stream); the in-flight count then covers queueing and prefill only."""
-    stack = envoy_stack([{"name": "tiny", "endpoints": [scripted.url]}], response_body_mode="NONE")
+    """Response body mode NONE (the cheapest) with the reference's request mode: Envoy
+    closes the exchange with the EPP at the response headers, so the request is released
+    and counted there, as an answer (not a broken stream); the in-flight count then covers
+    queueing and prefill only."""
+    stack = envoy_stack(
+        [{"name": "tiny", "endpoints": [scripted.url]}],
+        request_body_mode="FULL_DUPLEX_STREAMED", response_body_mode="NONE",
+    )  # fmt: skip
     with httpx.stream(
         "POST", f"{stack.url}/v1/completions", json={**BODY, "stream": True}, timeout=20
     ) as held:
@@ -313,3 +322,38 @@ def test_without_response_bodies_the_answer_counts_at_its_first_byte(envoy_stack
         with contextlib.suppress(httpx.HTTPError):
             for _ in chunks:
                 pass
+
+
+MESSAGES = "http.inference.ext_proc.stream_msgs_sent"  # Envoy's messages to the picker
+
+
+def test_a_non_streamed_answer_ends_the_exchange_at_its_status_line(envoy_stack, sims):
+    """The bootstrap's modes: for a non-streamed answer within its TTFT target the picker
+    asks Envoy (ext_proc's mode override) to send no response body, so an exchange is
+    three messages (request headers, request body, response headers) and Envoy's close of
+    the stream is its end: counted once, whole, with its TTFT and goodput, the slot
+    released (one request in flight at most: a slot left held would make the next one
+    wait out its TTFT budget and get a 429). A stream is still followed event by event."""
+    stack = envoy_stack(
+        [{"name": "tiny", "endpoints": sims(1), "slo": {"ttftSeconds": 5}}],
+        epp_args=("--max-in-flight", "1"),
+    )
+    for _ in range(3):
+        response = httpx.post(f"{stack.url}/v1/completions", json=BODY, timeout=20)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"]
+    wait_until(lambda: stack.metric("kubellm_gateway_requests_total", target="replica",
+               code="200") == 3, 5, "the EPP to count the answers")  # fmt: skip
+    assert stack.envoy_stat(MESSAGES) == 3 * 3
+    assert stack.metric("kubellm_gateway_time_to_first_token_seconds_count") == 3
+    assert stack.metric("kubellm_gateway_slo_met_requests_total") == 3
+    assert stack.metric("kubellm_gateway_pending_requests") == 0
+    assert stack.metric("kubellm_gateway_request_duration_seconds_count") == 3
+
+    client = _client(stack.url)
+    stream = client.completions.create(model="tiny", prompt="count", max_tokens=6, stream=True)
+    assert len([c for c in stream if c.choices and c.choices[0].text]) >= 2
+    wait_until(lambda: stack.metric("kubellm_gateway_requests_total", target="replica",
+               code="200") == 4, 5, "the EPP to count the stream")  # fmt: skip
+    assert stack.envoy_stat(MESSAGES) > 3 * 3 + 3  # its body chunks went to the picker
+    assert stack.metric("kubellm_gateway_inter_token_latency_seconds_count") >= 1

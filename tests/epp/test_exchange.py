@@ -199,3 +199,63 @@ async def test_a_lora_adapter_name_routes_to_a_replica_that_has_it():
     body = json.dumps({"model": "sql", "prompt": "select", "max_tokens": 2}).encode()
     answers = await exchange.handle(_body(body))
     assert _destination(answers[0])[0] == REPLICAS[2].removeprefix("http://")
+
+
+def _response(status: bytes = b"200") -> Any:
+    return ProcessingRequest(response_headers=HttpHeaders(headers=_status(status)))
+
+
+def _count(picker: EndpointPicker, name: str, **labels: str) -> float:
+    base = {"model": "tiny", "deployment": "tiny", "namespace": "default"}
+    return picker.metrics.registry.get_sample_value(name, {**base, **labels}) or 0.0
+
+
+@pytest.mark.parametrize(
+    ("stream", "response_mode", "skipped"),
+    [
+        (False, Mode.STREAMED, True),  # within its TTFT target: nothing more to learn
+        (True, Mode.STREAMED, False),  # TTFT and ITL come from the events
+        (False, Mode.FULL_DUPLEX_STREAMED, False),  # Envoy ignores overrides in this mode
+    ],
+)
+async def test_the_picker_stops_envoy_sending_what_the_core_does_not_need(
+    stream, response_mode, skipped
+):
+    picker = _picker()
+    exchange = Exchange(picker)
+    request = Mode.FULL_DUPLEX_STREAMED if response_mode == Mode.FULL_DUPLEX_STREAMED else (
+        Mode.BUFFERED
+    )  # fmt: skip
+    await exchange.handle(_headers(protocol_config=_config(request, response_mode)))
+    body = json.dumps({"model": "tiny", "prompt": "hello", "stream": stream}).encode()
+    await exchange.handle(_body(body))
+    (answer,) = await exchange.handle(_response())
+    if not skipped:
+        assert answer == m.CONTINUE_RESPONSE_HEADERS
+        return
+    assert answer == m.skip_response_body(Mode.BUFFERED)
+    parsed = m.ProcessingResponse.FromString(answer)
+    assert parsed.HasField("response_headers")
+    assert parsed.mode_override.response_body_mode == m.NONE
+    assert parsed.mode_override.request_body_mode == Mode.BUFFERED
+    # Envoy then closes the stream: the end, counted once, whole, and the slot freed
+    exchange.close()
+    exchange.close()
+    assert _count(picker, "kubellm_gateway_requests_total", target="replica", code="200") == 1
+    assert _count(picker, "kubellm_gateway_time_to_first_token_seconds_count") == 1
+    assert _count(picker, "kubellm_gateway_slo_met_requests_total") == 1
+    assert all(v == 0 for v in picker.scheduler.load.in_flight.values())
+
+
+async def test_a_body_that_comes_despite_the_override_is_followed():
+    """A gateway without `allow_mode_override` sends the body anyway: counted at its end."""
+    picker = _picker()
+    exchange = Exchange(picker)
+    await exchange.handle(_headers(protocol_config=_config(Mode.BUFFERED, Mode.STREAMED)))
+    await exchange.handle(_body())
+    await exchange.handle(_response())
+    chunk = ProcessingRequest(response_body=HttpBody(body=b'{"choices": []}', end_of_stream=True))
+    assert await exchange.handle(chunk) == [m.CONTINUE_RESPONSE_BODY]
+    exchange.close()
+    assert _count(picker, "kubellm_gateway_requests_total", target="replica", code="200") == 1
+    assert all(v == 0 for v in picker.scheduler.load.in_flight.values())

@@ -1,7 +1,8 @@
 """FailOpen and FailClose through a real Envoy (the shipped standalone bootstrap): a frozen
-picker under FailClose is refused within the bootstrap's picker timeout (Envoy applies no
-message_timeout in FULL_DUPLEX_STREAMED mode), a slow answer after the picker answered is
-not cut by it, and both modes take the same body bound with OpenAI's error envelope."""
+picker under FailClose is refused within the bootstrap's picker timeout (the route's idle
+timeout, in OpenAI's envelope: the bootstrap's per-message timeout is above it), a slow
+answer after the picker answered is not cut by it, and both modes take the same body bound
+with OpenAI's error envelope."""
 
 from __future__ import annotations
 

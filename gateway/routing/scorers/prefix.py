@@ -192,6 +192,14 @@ class Sharing:
         self._samples.setdefault(model, deque(maxlen=self.window)).append(before)
         return before
 
+    def shares(self, model: str) -> bool:
+        """The model's recent traffic shares prompt beginnings: one of its recent samples
+        had been seen before (no samples yet, or none repeated: False). Unique prompts
+        never repeat a beginning, so they never pass; shared traffic passes from its first
+        repeat, which with N front ends comes after about 1/N of one's traffic."""
+        samples = self._samples.get(model)
+        return samples is not None and any(samples)
+
     def low(self, model: str) -> bool:
         samples = self._samples.get(model)
         return samples is not None and len(samples) == self.window and sum(samples) < self.low_below

@@ -95,6 +95,44 @@ async def test_non_streamed_goodput_is_the_end_of_a_stream_meeting_both_targets(
     assert _value(scheduler, "kubellm_gateway_inter_token_latency_seconds_count") == 0
 
 
+@pytest.mark.parametrize(
+    ("stream", "status", "elapsed", "needed"),
+    [
+        (True, 200, 0.1, True),  # a stream's events give TTFT and ITL
+        (False, 200, 0.9, False),  # within the TTFT target: met whatever its tokens
+        (False, 200, 1.1, True),  # past it: its token count decides goodput
+        (False, 400, 5.0, False),  # an error: nothing in its body counts
+    ],
+)
+async def test_the_body_is_needed_only_where_it_counts(stream, status, elapsed, needed):
+    """A front end that can stop following the answer asks the core first; an answer it
+    did not follow counts as whole at its status line, exactly once."""
+    scheduler = _scheduler(A)
+    ticket = await _ticket(scheduler, stream=stream)
+    attempt = ticket.attempt(A)
+    attempt.started()
+    ticket.respond(status)
+    assert ticket.body_needed(100.0 + elapsed) is needed
+    if not needed:
+        ticket.body_unseen(100.0 + elapsed)
+        ticket.finish()
+        ticket.finish()
+        assert scheduler.load.in_flight.get(A, 0) == 0
+        counted = status == 200
+        assert _value(scheduler, "kubellm_gateway_slo_met_requests_total") == counted
+        assert _value(scheduler, "kubellm_gateway_time_to_first_token_seconds_count") == counted
+        assert _value(scheduler, "kubellm_gateway_requests_total", target="replica",
+                      code=str(status)) == 1  # fmt: skip
+
+
+async def test_fallback_answers_need_their_body_for_its_tokens():
+    scheduler = _scheduler(fallback=True, zero_replica_wait_seconds=0.0)
+    ticket = await _ticket(scheduler, stream=False)
+    ticket.respond(200)
+    assert ticket.route == "fallback" and ticket.body_needed(100.1)
+    ticket.finish()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_fallback_answers_count_ttft_goodput_and_tokens(stream):
     scheduler = _scheduler(fallback=True, zero_replica_wait_seconds=0.0)

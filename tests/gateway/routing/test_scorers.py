@@ -424,6 +424,39 @@ def test_a_request_stays_on_its_prefix_holder_past_the_bound_but_not_past_the_sl
     assert router.order(target, fresh, busy)[0].url != fresh_home
 
 
+def test_a_front_end_that_never_saw_a_prefix_keeps_it_on_its_busy_home_as_the_others_do():
+    """Active-active: front end a sent a prefix home; b, behind the same address, never saw
+    it. Once b's traffic shows shared prefixes, b presumes the prompt's home holds it (every
+    front end starts a prefix there) and gives it the holders' bound, as a does, instead of
+    spilling it off its home and prefilling it again elsewhere. Without that evidence a
+    prompt b knows nothing of gets the plain bound, as before."""
+    a, b = _router(), _router()
+    urls = [f"http://e{i}" for i in range(4)]
+    target = _target(urls)
+    system = {"role": "system", "content": "tenant policy text " * 40}
+    first = routing_request("m", {"messages": [system, {"role": "user", "content": "a"}]}, None)
+    later = routing_request("m", {"messages": [system, {"role": "user", "content": "b"}]}, None)
+    home = _rendezvous_order(first, urls)[0]
+    a.routed(first, home, urls)
+    # home at 5, others 1: the plain cap is 3, the holders' 6
+    busy = [Candidate(u, load=5 if u == home else 1) for u in urls]
+    assert a.order(target, later, busy)[0].url == home
+    assert b.order(target, later, busy)[0].url != home  # b has no evidence of sharing yet
+    unique = [routing_request("m", {"messages": [{"role": "user", "content": f"{k} " * 200}]},
+                              None) for k in range(8)]  # fmt: skip
+    for k, other in enumerate(unique):  # b's own traffic: prompts never seen before
+        b.routed(other, urls[k % 4], urls)
+    assert not b.sharing.shares("m")
+    assert b.order(target, later, busy)[0].url != home
+    b.routed(unique[0], urls[0], urls)  # one beginning repeats: b's traffic shares prefixes
+    assert b.sharing.shares("m")
+    assert b.order(target, later, busy)[0].url == home
+    # past the holders' bound it spills, as on a
+    hot = [Candidate(u, load=7 if u == home else 1) for u in urls]
+    assert a.order(target, later, hot)[0].url != home
+    assert b.order(target, later, hot)[0].url != home
+
+
 def test_a_filter_registered_for_every_profile_applies_in_each(monkeypatch):
     """Adding a filter is one registration (a canary's revision filter would be one)."""
     from kubellm.gateway.routing import profiles
