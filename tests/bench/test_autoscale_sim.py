@@ -429,3 +429,23 @@ def test_issue_31s_targets_bound_replica_seconds_by_the_oracles_per_kind_of_trac
     assert met[(experiment.FALLBACK, "bursty-hour: >= 99% of requests meet the SLO")] is False
     assert met[(experiment.FALLBACK, "bursty-hour: replica-s <= 1.15 x the oracle's")] is False
     assert not any(c["policy"] == "fixed" for c in checks)
+
+
+# ---------------------------------------------------------------- replicas decoding in bulk
+
+
+@pytest.mark.parametrize("with_fallback", [False, True])
+def test_replicas_decoding_in_bulk_give_the_same_run(with_fallback: bool) -> None:
+    """`FleetConfig.bulk` (sim_core.BatchEngine, the default) against Engine stepping every
+    request: every figure of the run is the same, to the last float."""
+    from kubellm.simulation import gateway
+
+    config = fleet_config(load=20.0)
+    if with_fallback:
+        config = dataclasses.replace(config, fallback=gateway.ApiModel())
+    trace = step_trace(duration=75.0, high=3.5)
+    bulk = run(trace, config, policies.get("kv-queue"))
+    plain = run(trace, dataclasses.replace(config, bulk=False), policies.get("kv-queue"))
+
+    assert bulk.decisions and bulk.finished  # it scaled and served
+    assert bulk == plain
