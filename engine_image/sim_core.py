@@ -164,6 +164,39 @@ class BlockPool:
             self.cached[block_hash] = block_id
 
 
+class CountingPool:
+    """`BlockPool` without prefix caching, kept as a count (what `BatchEngine` uses in bulk).
+
+    With prefix caching off no block carries a hash and none is shared, so which block a
+    request holds is unobservable: the count of free ones is the pool. Every id is 0."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = range(num_blocks)  # its length: the pool's size
+        self.cached: dict[bytes, int] = {}
+        self.num_free = num_blocks
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / len(self.blocks) if self.blocks else 0.0
+
+    def allocate(self) -> int:
+        if self.num_free <= 0:
+            raise KeyError("no free KV block")
+        self.num_free -= 1
+        return 0
+
+    def allocate_many(self, count: int) -> list[int]:
+        if count > self.num_free:
+            raise KeyError("not enough free KV blocks")
+        self.num_free -= count
+        return [0] * count
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        self.num_free += len(block_ids)
+
+    def reset(self) -> bool:
+        return self.num_free == len(self.blocks)
+
+
 def block_hashes(
     tokens: Sequence[int], block_size: int, start: int = 0, parent: bytes | None = None
 ) -> list[bytes]:
@@ -202,6 +235,7 @@ class Request:
     lora_path: str = ""  # where the engine loaded the adapter from (in its block hashes)
     cache_salt: str | None = None  # in block 0's hash, as vLLM's cache_salt
     _lookup: tuple[int, list[bytes]] | None = None  # the prompt's hashes, by token count
+    _since: int = -1  # BatchEngine: its fields are current as of this bulk step (-1: not bulk)
 
     def __post_init__(self) -> None:
         self.num_tokens = len(self.prompt) + len(self.output)
@@ -223,7 +257,7 @@ class StepResult:
 
     @property
     def idle(self) -> bool:
-        return not self.tokens and self.prefill_tokens == 0
+        return not self.tokens and self.prefill_tokens == 0 and self.decode_tokens == 0
 
 
 def next_token(request: Request, vocab_size: int) -> int:
@@ -499,3 +533,222 @@ class Engine:
 
     def kv_cache_usage(self) -> float:
         return self.pool.usage()
+
+
+class BatchEngine(Engine):
+    """`Engine` with its decode steps in bulk: the same model, for the fleet simulation.
+
+    `Engine.step` does work for every running request every step; a long
+    simulation spends nearly all its time advancing requests that only decode
+    (one token a step, inside a KV block they hold). Here a decoding request
+    is advanced by a step counter instead: its `computed`, `num_tokens` and
+    `output` are brought up to date (the same token ids, from `next_token`'s
+    seed and position) when it takes a KV block, when it finishes, or on
+    `sync()`. A step costs work for the requests prefilling, finishing or
+    taking a block, not for the batch. The schedule, the step durations, the
+    tokens, the requests finished and their order, the waiting and running
+    lists and the KV usage are `Engine`'s, step by step (tests/engine/
+    test_sim_core.py runs both side by side); what differs: `StepResult.tokens`
+    lists the tokens of the requests not decoding in bulk (every first token
+    is there; `decode_tokens` counts all), a running request's fields are
+    stale until `sync()`, and block ids differ (nothing reads them without
+    prefix caching).
+
+    In bulk only where no per-token state is observable and every decoding
+    request fits in every step's token budget: prefix caching off, no KV
+    events, no LoRA, maxNumSeqs <= maxNumBatchedTokens; otherwise it is
+    `Engine`. It relies on `Engine`'s order: requests that decode precede in
+    the running list those that prefill (a prompt finishes only when every
+    request before it got its whole share of the step); where that ever fails
+    it stops working in bulk. A step that may need more KV blocks than are
+    free (a preemption is possible) brings every request up to date and is
+    `Engine.step`.
+    """
+
+    def __init__(
+        self,
+        profile: Profile,
+        vocab_size: int = 50_000,
+        kv_events: bool = False,
+        token_ids: bool = True,
+    ) -> None:
+        super().__init__(profile, vocab_size, kv_events)
+        self.bulk = (
+            not profile.prefix_caching
+            and not kv_events
+            and not profile.max_loras
+            and profile.max_num_seqs <= profile.max_num_batched_tokens
+        )
+        if self.bulk:
+            self.pool = CountingPool(profile.num_blocks)  # type: ignore[assignment]
+        # False: tokens decoded in bulk are 0, not next_token's ids (for a caller that counts
+        # them only, as the fleet simulation does; first tokens are always real)
+        self.token_ids = token_ids
+        self._steps = 0  # steps taken in bulk: a bulk request's fields lag by steps - _since
+        self._prefilling: list[Request] = []  # running, not in bulk (after the bulk ones)
+        self._grows: dict[int, list[Request]] = {}  # step -> bulk requests taking a block then
+        self._ends: dict[int, list[Request]] = {}  # step -> bulk requests finishing then
+
+    # ------------------------------------------------------------------ bulk bookkeeping
+
+    def _end_step(self, request: Request) -> int:
+        return request._since + request.max_tokens - len(request.output)
+
+    def _enter(self, request: Request) -> None:
+        """Decode `request` in bulk from now on (its fields are current)."""
+        request._since = now = self._steps
+        end = now + request.max_tokens - len(request.output)
+        self._ends.setdefault(end, []).append(request)
+        # the step whose decode writes past its last block: computed = blocks x size then
+        grow = now + len(request.blocks) * self.profile.block_size - request.computed + 1
+        if grow <= end:
+            self._grows.setdefault(grow, []).append(request)
+
+    def _catch_up(self, request: Request) -> None:
+        lag = self._steps - request._since
+        if lag > 0:
+            seed, first, vocab = request.seed, request.num_tokens, self.vocab_size
+            if self.token_ids:
+                request.output.extend([hash((seed, n)) % vocab for n in range(first, first + lag)])
+            else:
+                request.output.extend([0] * lag)
+            request.computed += lag
+            request.num_tokens += lag
+        request._since = self._steps
+
+    def sync(self) -> None:
+        """Bring every running request's fields up to date (they stay in bulk)."""
+        for request in self.running:
+            if request._since >= 0:
+                self._catch_up(request)
+
+    def _leave_bulk(self) -> None:
+        """Every request up to date and out of bulk (before `Engine`'s own step)."""
+        for request in self.running:
+            if request._since >= 0:
+                self._catch_up(request)
+                request._since = -1
+        self._grows.clear()
+        self._ends.clear()
+        self._prefilling = []
+
+    def _reenter_bulk(self) -> None:
+        """After `Engine`'s own step: the decoding requests back in bulk."""
+        decoding = [r.output != [] and r.num_tokens - r.computed == 1 for r in self.running]
+        count = sum(decoding)
+        if any(decoding[count:]):  # not the order the bulk steps rely on: stay per request
+            self.bulk = False
+            return
+        for request in self.running[:count]:
+            self._enter(request)
+        self._prefilling = self.running[count:]
+
+    def _in_full(self) -> StepResult:
+        self._leave_bulk()
+        result = super().step()
+        self._reenter_bulk()
+        return result
+
+    def abort(self, request: Request) -> None:
+        if not self.bulk:
+            super().abort(request)
+            return
+        self._leave_bulk()
+        super().abort(request)
+        self._reenter_bulk()
+
+    # ------------------------------------------------------------------ scheduling
+
+    def step(self) -> StepResult:
+        if not self.bulk:
+            return super().step()
+        profile = self.profile
+        pool: CountingPool = self.pool  # type: ignore[assignment]
+        size = profile.block_size
+        step = self._steps + 1
+        decoding = len(self.running) - len(self._prefilling)
+        budget = profile.max_num_batched_tokens - decoding
+        growing = self._grows.get(step, ())
+        # 1. the running requests: the bulk ones take a token each (they come first), then
+        #    the prefilling ones in order while the budget lasts
+        planned: list[tuple[Request, int, int]] = []
+        blocks = len(growing)
+        for request in self._prefilling:
+            if budget <= 0:
+                break
+            want = min(request.num_tokens - request.computed, budget)
+            needed = self._blocks_needed(request, want)
+            planned.append((request, want, needed))
+            blocks += needed
+            budget -= want
+        if blocks > pool.num_free:  # a preemption may come: Engine's own step decides it
+            return self._in_full()
+        self._grows.pop(step, None)
+        for request in growing:
+            request.blocks.append(pool.allocate())
+            if step + size <= self._end_step(request):
+                self._grows.setdefault(step + size, []).append(request)
+        scheduled: list[tuple[Request, int]] = []
+        for request, want, needed in planned:
+            if needed:
+                request.blocks.extend(pool.allocate_many(needed))
+            scheduled.append((request, want))
+        # 2. waiting requests, in order, while budget, seats and blocks last (no prefix
+        #    cache, no LoRA: Engine's loop without the lookups)
+        waiting = self.waiting
+        while waiting and budget > 0 and len(self.running) < profile.max_num_seqs:
+            request = waiting[0]
+            want = request.num_tokens
+            if want > budget and not profile.chunked_prefill:
+                break
+            want = min(want, budget)
+            new_blocks = -(-want // size)
+            if new_blocks > pool.num_free:
+                break
+            waiting.popleft()
+            self._admit(request, [])
+            request.blocks = pool.allocate_many(new_blocks)
+            scheduled.append((request, want))
+            self._prefilling.append(request)
+            budget -= want
+        self._steps = step
+        return self._execute_bulk(scheduled, decoding, step)
+
+    def _execute_bulk(
+        self, scheduled: list[tuple[Request, int]], decoding: int, step: int
+    ) -> StepResult:
+        prefill, decode = 0, decoding
+        tokens: list[tuple[Request, int]] = []
+        ending = self._ends.pop(step, None)
+        for request in ending or ():  # bulk requests on their last token
+            self._catch_up(request)
+            request._since = -1
+            self._finish(request, "length")
+        entered = False
+        for request, count in scheduled:
+            is_decode = count == 1 and request.output
+            decode += 1 if is_decode else 0
+            prefill += 0 if is_decode else count
+            request.computed += count
+            if request.computed < request.num_tokens:
+                continue  # a chunk of a longer prompt; no token yet
+            token = next_token(request, self.vocab_size)
+            request.output.append(token)
+            request.num_tokens += 1
+            tokens.append((request, token))
+            if len(request.output) >= request.max_tokens:
+                self._finish(request, "length")
+                ending = ending or []
+            else:
+                self._enter(request)
+                entered = True
+        if entered or ending is not None:
+            self._prefilling = [r for r in self._prefilling if r._since < 0 and r.status == RUNNING]
+        finished: list[Request] = []
+        if ending is not None:  # out of the running list, in its order (Engine's order)
+            kept: list[Request] = []
+            for request in self.running:
+                (kept if request.status == RUNNING else finished).append(request)
+            self.running = kept
+        duration = self.profile.step_seconds(prefill, decode) if scheduled or decoding else 0.0
+        return StepResult(duration, tokens, finished, prefill, decode)

@@ -293,7 +293,11 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
     if job.policy == ALL_API:
         result = all_api(arrivals, trace.duration, job.api_model, slo, trace.name)
     else:
-        initial = fixed_size_of(trace, capacity) if job.policy == "fixed" else 1
+        initial = (
+            fixed_size_of(trace, capacity)
+            if job.policy == "fixed"
+            else warm_start(arrivals, spec, capacity)
+        )
         fleet = Fleet(
             config(
                 initial,
@@ -336,6 +340,22 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
         ups = [t for t, a, b, _ in result.decisions if b > a and t >= step_at]
         summary["step_to_scale_up_s"] = round(ups[0] - step_at, 3) if ups else None
     return summary, result
+
+
+WARM_START_SECONDS = 60.0
+
+
+def warm_start(arrivals: Sequence[traces.Arrival], spec: api.Autoscaling, capacity: float) -> int:
+    """The fleet a run starts with: what the rate signal asks for the first minute's
+    arrivals (`ceil(rate / targetRequestsPerReplica)`, else the capacity), within
+    min..maxReplicas and at least one. A trace is a cut from traffic that was already
+    flowing: a fleet of one facing five replicas' load at t=0 measures a cold start, not
+    the autoscaler (the step, the ramp and the bursty day start under one replica's worth:
+    one replica, as before)."""
+    per_replica = spec.target_requests_per_replica or capacity
+    first = sum(1 for a in arrivals if a.time < WARM_START_SECONDS) / WARM_START_SECONDS
+    need = math.ceil(first / per_replica - 1e-9)
+    return min(spec.max_replicas, max(spec.min_replicas, 1, need))
 
 
 def cost_ratio(

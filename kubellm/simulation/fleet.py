@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from kubellm import api, metrics
 from kubellm.autoscaler import observe, overflow, rate
 from kubellm.autoscaler import policy as p
-from kubellm.engine.sim_core import Engine, Request, StepResult
+from kubellm.engine.sim_core import BatchEngine, Engine, Request, StepResult
 from kubellm.engine.sim_profiles import Profile
 
 from . import gateway as gw
@@ -135,6 +135,9 @@ class FleetConfig:
     # The gateway's admission and fallback (None: every request goes to the least-loaded
     # ready replica and queues there, no fallback).
     fallback: gw.ApiModel | None = None
+    # Replicas decode in bulk (`sim_core.BatchEngine`: the same figures, a fraction of the
+    # work); False: `Engine`, every request every step (tests compare the two).
+    bulk: bool = True
 
 
 def render_metrics(engine: Engine, model: str = "sim") -> str:
@@ -434,7 +437,9 @@ class Fleet:
         load = 0.0 if ready else self.config.load_seconds
         replica = Replica(
             index=len(self.replicas),
-            engine=Engine(self.config.profile),
+            engine=BatchEngine(self.config.profile, token_ids=False)
+            if self.config.bulk
+            else Engine(self.config.profile),
             state=READY if ready else STARTING,
             born=now,
             ready_at=now + load,

@@ -380,35 +380,79 @@ def test_a_bad_trace_flag_names_the_flag(tmp_path, capsys) -> None:
 
 
 @pytest.fixture(scope="module")
-def cost_rule_runs() -> dict[tuple[str, str], dict]:
+def cost_rule_runs() -> dict[tuple[str, str], tuple[dict, Result, list[traces.Arrival]]]:
     """The cost rule and the share rule on the step and the ramp (full length) and the
-    bursty day at a quarter of its length (90 minutes, spikes of 7-37 s)."""
+    bursty day at a quarter of its length (90 minutes, spikes of 7-37 s): (summary, result,
+    arrivals) per run."""
     runs = {}
-    for trace, scale, policies_ in (
-        ("step", 1.0, (experiment.FALLBACK, experiment.COST)),
-        ("ramp", 1.0, (experiment.COST,)),
-        ("bursty-day", 0.25, (experiment.COST,)),
-    ):
-        for policy in policies_:
-            summary, _ = experiment.run(experiment.Job(trace, policy, scale=scale))
-            runs[(trace, policy)] = summary
+    for trace, scale in (("step", 1.0), ("ramp", 1.0), ("bursty-day", 0.25)):
+        for policy in (experiment.FALLBACK, experiment.COST):
+            job = experiment.Job(trace, policy, scale=scale)
+            summary, result = experiment.run(job)
+            arrivals = experiment.load_trace(job).arrivals(job.seed, MIX)
+            runs[(trace, policy)] = (summary, result, arrivals)
     return runs
 
 
 @pytest.mark.parametrize("trace", ["ramp", "bursty-day"])
 def test_the_cost_rule_keeps_attainment_at_99_percent(cost_rule_runs, trace: str) -> None:
-    summary = cost_rule_runs[(trace, experiment.COST)]
+    summary = cost_rule_runs[(trace, experiment.COST)][0]
     assert summary["fallback_cost_ratio"] > 1  # the rule was on: the API dearer than a replica
     assert summary["slo_attainment"] >= 0.99, summary["slo_attainment"]
+
+
+def after_scale_downs(result: Result, arrivals: list[traces.Arrival], window: float) -> tuple:
+    """(requests, met) among those arriving within `window` after any scale-down decision:
+    the requests a scale-down could have cost their SLO."""
+    downs = [t for t, before, after, _ in result.decisions if after < before]
+    exposed = [a.time for a in arrivals if any(t <= a.time < t + window for t in downs)]
+    missed = sum(1 for t in result.missed if any(d <= t < d + window for d in downs))
+    return len(exposed), len(exposed) - missed
+
+
+@pytest.mark.parametrize("policy", [experiment.FALLBACK, experiment.COST])
+@pytest.mark.parametrize("trace", ["step", "ramp", "bursty-day"])
+def test_the_scale_down_rule_never_lets_attainment_fall_under_99_percent(
+    cost_rule_runs, trace: str, policy: str
+) -> None:
+    """Issue #31's acceptance: of the requests arriving in the scale-down window after any
+    scale-down (its hold, then a model load's time to undo it), 99% meet the SLO, under the
+    share rule and the cost rule. On the step and the ramp no scale-down may come at all: the
+    step's load only rises, and the ramp's descent (144 s) is shorter than the 300 s hold.
+    (The step's misses come before: a 3.5x step overflows the fallback while replicas load;
+    that is the scale-up's reflex, not the scale-down rule.)"""
+    summary, result, arrivals = cost_rule_runs[(trace, policy)]
+    window = summary["scale_down_stabilization_seconds"] + experiment.LOAD_SECONDS
+    downs = [d for d in result.decisions if d[2] < d[1]]
+    exposed, met = after_scale_downs(result, arrivals, window)
+    if trace in ("step", "ramp"):
+        assert downs == [] and exposed == 0
+        return
+    assert downs and exposed > 1000, "the bursty day must exercise the rule"
+    assert met >= 0.99 * exposed, f"{met}/{exposed} after {len(downs)} scale-downs"
 
 
 def test_on_the_step_the_cost_rule_loses_nothing_to_the_share_rule(cost_rule_runs) -> None:
     # a step to 3.5 replicas' worth overflows the fallback (64 at once) while replicas load
     # for 60 s: no rule reaches 99% there; the cost rule must not wait any longer than the
     # share rule (the fallback fills at once, and a full fallback ends the wait)
-    cost, share = (cost_rule_runs[("step", p)] for p in (experiment.COST, experiment.FALLBACK))
+    cost, share = (cost_rule_runs[("step", p)][0] for p in (experiment.COST, experiment.FALLBACK))
     assert cost["slo_attainment"] >= share["slo_attainment"]
     assert cost["step_to_scale_up_s"] <= share["step_to_scale_up_s"]
+
+
+def test_a_run_starts_with_the_fleet_its_first_minute_asks() -> None:
+    spec = experiment.autoscaling(target_requests_per_replica=7.0)
+    flat = traces.Trace("flat", 120.0, lambda t: 35.0, 35.0, "").arrivals(0, MIX)
+    assert experiment.warm_start(flat, spec, 7.0) in (5, 6)  # 35 req/s, Poisson
+    assert experiment.warm_start(flat, spec.model_copy(update={"max_replicas": 3}), 7.0) == 3
+    # the step, the ramp and the bursty day start under one replica's worth: one, as before
+    for name in experiment.TRACES:
+        arrivals = experiment.make_trace(name).arrivals(0, MIX)
+        assert experiment.warm_start(arrivals, spec, 7.0) == 1
+    # the generated smooth hour starts at five replicas' worth: a fleet of one was a cold start
+    smooth = experiment.make_trace("smooth-hour").arrivals(0, MIX)
+    assert experiment.warm_start(smooth, spec, 7.0) >= 4
 
 
 def test_issue_31s_targets_bound_replica_seconds_by_the_oracles_per_kind_of_trace() -> None:
@@ -429,3 +473,23 @@ def test_issue_31s_targets_bound_replica_seconds_by_the_oracles_per_kind_of_trac
     assert met[(experiment.FALLBACK, "bursty-hour: >= 99% of requests meet the SLO")] is False
     assert met[(experiment.FALLBACK, "bursty-hour: replica-s <= 1.15 x the oracle's")] is False
     assert not any(c["policy"] == "fixed" for c in checks)
+
+
+# ---------------------------------------------------------------- replicas decoding in bulk
+
+
+@pytest.mark.parametrize("with_fallback", [False, True])
+def test_replicas_decoding_in_bulk_give_the_same_run(with_fallback: bool) -> None:
+    """`FleetConfig.bulk` (sim_core.BatchEngine, the default) against Engine stepping every
+    request: every figure of the run is the same, to the last float."""
+    from kubellm.simulation import gateway
+
+    config = fleet_config(load=20.0)
+    if with_fallback:
+        config = dataclasses.replace(config, fallback=gateway.ApiModel())
+    trace = step_trace(duration=75.0, high=3.5)
+    bulk = run(trace, config, policies.get("kv-queue"))
+    plain = run(trace, dataclasses.replace(config, bulk=False), policies.get("kv-queue"))
+
+    assert bulk.decisions and bulk.finished  # it scaled and served
+    assert bulk == plain
