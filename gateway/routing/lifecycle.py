@@ -141,6 +141,7 @@ class Ticket:
         "stream",
         "target",
         "timing",
+        "ttft",
     )  # fmt: skip
 
     def __init__(
@@ -176,6 +177,7 @@ class Ticket:
         self._dispatch: list[Any] | None = None
         self.caller: Caller | None = None  # its tenant (tenancy.py), when tenants are declared
         self.good = False  # the answer met the SLO (goodput)
+        self.ttft: float | None = None  # the TTFT counted in the model's series, if any
 
     # ------------------------------------------------------------ admission (the core's)
 
@@ -351,7 +353,7 @@ class Ticket:
         if self._body is not None:  # non-streamed
             if status != 200 or timing.last is None:
                 return
-            ttft = timing.last - self.arrived
+            ttft = self.ttft = timing.last - self.arrived
             series.ttft.observe(ttft)
             # within the TTFT target the answer met its SLO whatever its token count: the
             # body is parsed only past it, or for a fallback answer's tokens
@@ -364,6 +366,7 @@ class Ticket:
             self.record.revision_observed(ttft, (), met)
             self.good = met
         else:
+            self.ttft = timing.ttft
             if timing.ttft is not None:
                 series.ttft.observe(timing.ttft)
             for gap in timing.gaps:

@@ -210,6 +210,40 @@ def test_usage_is_counted_per_tenant(engines, gateway):
     )
 
 
+def test_ttft_and_itl_are_counted_per_tenant_as_the_models_series_count_them(engines, gateway):
+    """Each tenant's TTFT histogram holds the same observations as the model's (a JSON
+    answer's whole time, a stream's first event), its ITL histogram a stream's gaps; a
+    refused request counts in neither; every declared tenant's series shows at 0."""
+    ((engine, server),) = engines(1)
+    engine.behaviour.tokens = 6
+    gw = gateway({"tiny": model("tiny", [server])}, tenancy=declared())
+    assert chat(gw, "chat-app").status_code == 200
+    assert _stream(gw, "resident", "x") == 200
+    assert chat(gw, None).status_code == 401
+    m = gw.metric
+    ttft, itl = (
+        "kubellm_gateway_tenant_time_to_first_token_seconds",
+        ("kubellm_gateway_tenant_inter_token_latency_seconds"),
+    )
+    wait_until(lambda: m(f"{ttft}_count", tenant="resident") == 1, 5, "the stream counted")
+    assert m(f"{ttft}_count", tenant="chat-app") == 1
+    assert m(f"{itl}_count", tenant="chat-app") == 0  # a JSON answer has no gaps
+    assert m(f"{itl}_count", tenant="resident") == 5  # 6 events carrying text: 5 gaps
+    names = {"model": "tiny", "deployment": "tiny", "namespace": "default"}
+    model_ttft = gw.gateway.metrics.registry.get_sample_value(
+        "kubellm_gateway_time_to_first_token_seconds_sum", names
+    )
+    per_tenant = m(f"{ttft}_sum", tenant="chat-app") + m(f"{ttft}_sum", tenant="resident")
+    assert model_ttft is not None and per_tenant == pytest.approx(model_ttft)
+    model_gaps = gw.gateway.metrics.registry.get_sample_value(
+        "kubellm_gateway_inter_token_latency_seconds_sum", names
+    )
+    assert m(f"{itl}_sum", tenant="resident") == pytest.approx(model_gaps)
+    text = httpx.get(f"{gw.url}/metrics").text
+    assert f'{ttft}_count{{tenant="nightly-eval"}} 0.0' in text
+    assert 'tenant=""' not in text  # no series for a caller without a tenant
+
+
 def test_waiting_requests_dispatch_by_band_and_a_header_only_lowers(engines, gateway):
     """One slot, held: a priority-0 request queues first, then a chat request (10), then a
     chat request that lowered itself to -5 with x-kubellm-priority. The slot frees: the
