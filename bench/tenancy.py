@@ -1,5 +1,7 @@
 """Tenancy: batch interference and fair shares, with tenants (flow control) and without
-(today's gateway), in the same run on the same simulated fleet.
+(today's gateway), in the same run on the same simulated fleet. Contenders (--order):
+`tenants` (flow control with the prefill hold and --headroom-prefill-rate), `before` (flow
+control as it was before those two: no hold, no prefill budget), `today` (no tenants).
 
 Four simulated replicas (kubellm.engine's simulator, profile llama-3.1-8b-h100, spec
 `maxNumSeqs: 16`: 64 slots in all) behind one gateway process; each contender gets fresh
@@ -12,7 +14,10 @@ S times slower than real time, so this 2-core machine keeps up; figures are divi
   outstanding. Three phases per contender: interactive alone, batch alone, both. Printed:
   the interactive TTFT p50/p99 alone and with the batch load (target: at most 2x), the
   requests refused or failed (target: none), and the output tokens/s with both over the
-  batch tenant's alone (target: >= 90%).
+  batch tenant's alone (target: >= 90%). Then where the interactive tail was: the
+  gateway's own TTFT and admission-wait p99 for the interactive tenant (its histograms,
+  wall time / S: the client's lag excluded) and the engines' TTFT p99 (every request, on
+  the simulator's clock: no process's lag in it).
 - **fairness**: three tenants of equal weight, each keeping --fair-outstanding requests
   outstanding, with 200-, 2,000- and 8,000-token prompts and 100-token answers; each
   tenant's service (prompt tokens + 2 x output tokens, the VTC paper's measure) as a share
@@ -20,12 +25,16 @@ S times slower than real time, so this 2-core machine keeps up; figures are divi
   contenders keep at most 16 requests per replica at the gateway (--max-in-flight 16; set by
   --fair-in-flight), so the rest waits there: FIFO today, by virtual token counter with
   tenants.
+- **join**: the three fairness tenants backlogged, a fourth (2,000-token prompts, the same
+  weight) joins after --join-after simulated s: how long until its share of the service
+  finished in a --join-window (5 s) reaches 90% of an equal quarter (target: within 10 s),
+  and its share over the rest of the run. Same in-flight cap as the fairness scenario.
 - **quota** (`--scenarios quota`): a tenant offering 3x its tokensPerMinute through two
   gateways that share one Redis (redis-server on loopback) for --quota-seconds of wall time
   (quotas count real minutes): the tokens it is served per minute against its quota
   (target: within 5%), and another tenant's TTFT without and with that load.
 
-    python bench/tenancy.py                       # both scenarios, both contenders
+    python bench/tenancy.py                       # interference, fairness, join; both contenders
     python bench/tenancy.py --scenarios fairness --seconds 60
 
 Prints the tables and writes JSON (--out, default bench/results/tenancy.json).
@@ -266,19 +275,83 @@ async def warm_up(args: argparse.Namespace, url: str) -> None:
         ))  # fmt: skip
 
 
+def snapshot(fleet: Fleet) -> dict[str, dict[tuple, float]]:
+    """Histogram buckets now: the gateway's per-tenant TTFT and admission wait (wall s) and
+    the engines' own TTFT, all requests (simulated s, the simulator's clock: no process's
+    lag in it), summed over the replicas."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"kubellm_gateway_tenant_time_to_first_token_seconds_bucket",
+              "kubellm_gateway_tenant_queue_seconds_bucket",
+              "vllm:time_to_first_token_seconds_bucket"}  # fmt: skip
+    out: dict[str, dict[tuple, float]] = {}
+    for url in [fleet.gateway, *fleet.engines]:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in wanted:
+                    key = (sample.labels.get("tenant", ""), float(sample.labels["le"]))
+                    found = out.setdefault(sample.name, {})
+                    found[key] = found.get(key, 0.0) + sample.value
+    return out
+
+
+def delta_p99(before: dict, after: dict, name: str, tenant: str = "") -> float | None:
+    """The p99 of what a histogram counted between two snapshots."""
+    from kubellm.metrics import histogram_quantile
+
+    a, b = after.get(name, {}), before.get(name, {})
+    buckets = [(le, v - b.get((t, le), 0.0)) for (t, le), v in a.items() if t == tenant]
+    return histogram_quantile(0.99, buckets)
+
+
+def diagnosed(args: argparse.Namespace, fleet: Fleet, work: Any) -> dict[str, Any]:
+    """Run one phase and say where the interactive tail was: the gateway's TTFT and
+    admission wait for the interactive tenant (with tenants), the engines' own TTFT."""
+    before = snapshot(fleet)
+    row = asyncio.run(work)
+    after = snapshot(fleet)
+    s = args.time_scale
+    gw = delta_p99(before, after, "kubellm_gateway_tenant_time_to_first_token_seconds_bucket",
+                   "interactive")  # fmt: skip
+    wait = delta_p99(before, after, "kubellm_gateway_tenant_queue_seconds_bucket", "interactive")
+    row["gateway_ttft_p99"] = None if gw is None else gw / s
+    row["gateway_wait_p99"] = None if wait is None else wait / s
+    row["engine_ttft_p99"] = delta_p99(before, after, "vllm:time_to_first_token_seconds_bucket")
+    return row
+
+
+# The gateways compared: today's (no tenants); with tenants, the prefill hold and the
+# prefill budget (--headroom-prefill-rate); and with tenants as before those two (flow.py).
+CONTENDERS = ("tenants", "before", "today")
+
+
+def contender(name: str, tenants: list[dict],
+              args: argparse.Namespace) -> tuple[list[dict] | None, list[str]]:  # fmt: skip
+    """A contender's tenants (None: today's gateway) and its gateway flags."""
+    if name == "today":
+        return None, []
+    if name == "before":
+        return tenants, ["--no-headroom-hold-prefill"]
+    if name == "tenants":
+        rate = args.headroom_prefill_rate / args.time_scale  # simulated tokens/s to wall
+        return tenants, ["--headroom-prefill-rate", f"{rate:g}"]
+    raise SystemExit(f"--order: {name!r} is not one of {', '.join(CONTENDERS)}")
+
+
 def interference(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
     rows = []
     tenants = [{"name": "interactive", "priority": 10}, {"name": "batch", "priority": -1}]
-    contenders = {"today": (None, []),
-                  "tenants": (tenants, ["--headroom-load", str(args.headroom_load)])}  # fmt: skip
     for name in args.order.split(","):
-        declared, extra = contenders[name]
+        declared, extra = contender(name, tenants, args)
+        if declared is not None:
+            extra = [*extra, "--headroom-load", str(args.headroom_load)]
         with Fleet(args, [dict(t) for t in declared] if declared else None, extra,
                    args.ttft_slo) as fleet:  # fmt: skip
             asyncio.run(warm_up(args, fleet.gateway))
-            alone = asyncio.run(phase(args, fleet.gateway, True, False, seed))
-            batch = asyncio.run(phase(args, fleet.gateway, False, True, seed + 1))
-            both = asyncio.run(phase(args, fleet.gateway, True, True, seed + 2))
+            alone = diagnosed(args, fleet, phase(args, fleet.gateway, True, False, seed))
+            batch = diagnosed(args, fleet, phase(args, fleet.gateway, False, True, seed + 1))
+            both = diagnosed(args, fleet, phase(args, fleet.gateway, True, True, seed + 2))
         rows.append({"contender": name, "seed": seed, "alone": alone, "batch_alone": batch,
                      "both": both})  # fmt: skip
     return rows
@@ -311,10 +384,92 @@ def fairness(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
     tenants = [{"name": n, "priority": 0} for n in ("small", "medium", "large")]
     extra = ["--max-in-flight", str(args.fair_in_flight or args.max_num_seqs)]
     for name in args.order.split(","):
-        declared = {"today": None, "tenants": tenants}[name]
-        with Fleet(args, [dict(t) for t in declared] if declared else None, extra,
+        declared, flags = contender(name, tenants, args)
+        with Fleet(args, [dict(t) for t in declared] if declared else None, [*extra, *flags],
                    args.seconds * 2) as fleet:  # fmt: skip
             row = asyncio.run(fair_phase(args, fleet.gateway, seed))
+            row["waited"] = mean_waits(fleet)
+        rows.append({"contender": name, "seed": seed, **row})
+    return rows
+
+
+def mean_waits(fleet: Fleet) -> dict[str, float]:
+    """Each tenant's mean admission wait at the gateway (simulated s): a tenant that never
+    waits there is not backlogged at the gateway, and no order of the queue serves it more."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    name = "kubellm_gateway_tenant_queue_seconds"
+    for family in text_string_to_metric_families(httpx.get(f"{fleet.gateway}/metrics").text):
+        for sample in family.samples:
+            tenant = sample.labels.get("tenant")
+            if sample.name == f"{name}_sum":
+                sums[tenant] = sample.value
+            elif sample.name == f"{name}_count":
+                counts[tenant] = sample.value
+    scale = fleet.args.time_scale
+    return {t: sums.get(t, 0.0) / counts[t] / scale for t in counts if counts[t]}
+
+
+async def join_phase(args: argparse.Namespace, url: str, seed: int) -> dict[str, Any]:
+    """The three fairness tenants backlogged; a fourth (2,000-token prompts) joins after
+    --join-after simulated s and stays backlogged for --join-seconds. Its share of the
+    service finished in each --join-window (sliding by a tenth of it) against an equal
+    quarter: how long after joining the first window ends at which it holds at least 90%
+    of a quarter, and its share over the rest of the run."""
+    s = args.time_scale
+    rng = random.Random(seed)
+    sizes = {"small": 200, "medium": 2000, "large": 8000, "late": 2000}
+    results: dict[str, list[dict]] = {t: [] for t in sizes}
+    start = time.monotonic()
+    joined = start + args.join_after * s
+    until = joined + args.join_seconds * s
+
+    async def late(c: httpx.AsyncClient) -> None:
+        await asyncio.sleep(joined - time.monotonic())
+        await closed(c, url, "late", args.fair_outstanding, until, rng, sizes["late"], 100,
+                     False, results["late"])  # fmt: skip
+
+    async with client(args) as c:
+        await asyncio.gather(late(c), *(
+            closed(c, url, t, args.fair_outstanding, until, rng, n, 100, False, results[t])
+            for t, n in sizes.items() if t != "late"
+        ))  # fmt: skip
+    done = [(r["end"], t, sizes[t] + 2 * r["tokens"])
+            for t, rs in results.items() for r in rs if r["ok"] and r["end"] <= until]  # fmt: skip
+    window = args.join_window * s
+    reached = None
+    end = joined + window
+    while end <= until:
+        served = {t: 0.0 for t in sizes}
+        for at, t, service in done:
+            if end - window < at <= end:
+                served[t] += service
+        total = sum(served.values())
+        if total and served["late"] / total >= 0.9 / len(sizes):
+            reached = (end - joined) / s
+            break
+        end += window / 10
+    after = joined + min(2 * window, (until - joined) / 2)
+    rest = {t: sum(v for at, u, v in done if u == t and at > after) for t in sizes}
+    total = sum(rest.values()) or 1
+    return {"reached_s": reached, "late_share_after": rest["late"] / total,
+            "shares_after": {t: v / total for t, v in rest.items()},
+            "after_s": (after - joined) / s,
+            "refused": sum(not r["ok"] for rs in results.values() for r in rs)}  # fmt: skip
+
+
+def joining(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
+    rows = []
+    tenants = [{"name": n, "priority": 0} for n in ("small", "medium", "large", "late")]
+    extra = ["--max-in-flight", str(args.fair_in_flight or args.max_num_seqs)]
+    for name in args.order.split(","):
+        declared, flags = contender(name, tenants, args)
+        timeout = (args.join_after + args.join_seconds) * 2
+        with Fleet(args, [dict(t) for t in declared] if declared else None, [*extra, *flags],
+                   timeout) as fleet:  # fmt: skip
+            row = asyncio.run(join_phase(args, fleet.gateway, seed))
         rows.append({"contender": name, "seed": seed, **row})
     return rows
 
@@ -419,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--scenarios", default="interference,fairness")
+    parser.add_argument("--scenarios", default="interference,fairness,join")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--profile", default="llama-3.1-8b-h100")
@@ -434,12 +589,25 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="fairness: requests per replica the gateway keeps in flight (default maxNumSeqs)",
     )
+    parser.add_argument("--join-after", type=float, default=10.0, help="join: sim s")
+    parser.add_argument("--join-seconds", type=float, default=30.0, help="join: sim s after")
+    parser.add_argument("--join-window", type=float, default=5.0, help="join: share window")
     parser.add_argument("--headroom-load", type=float, default=12.0)
+    parser.add_argument(
+        "--headroom-prefill-rate",
+        type=float,
+        default=20000.0,
+        help="tenants: low-band prompt tokens per simulated s per replica (--headroom-prefill-"
+        "rate; a 1,000-token batch prompt every 50 ms, under the 8B/H100 profile's ~31,000 "
+        "tokens/s of prefill)",
+    )
     parser.add_argument("--band-ttl", type=float, default=60.0, help="simulated s")
     parser.add_argument("--ttft-slo", type=float, default=0.5, help="simulated s")
     parser.add_argument("--itl-slo", type=float, default=0.05, help="simulated s")
     parser.add_argument("--timeout", type=float, default=120.0, help="per request, sim s")
-    parser.add_argument("--order", default="tenants,today", help="contenders, in order")
+    parser.add_argument(
+        "--order", default="tenants,before,today", help=f"contenders: {', '.join(CONTENDERS)}"
+    )
     parser.add_argument("--quota-tpm", type=int, default=30000, help="tokens per minute")
     parser.add_argument("--quota-seconds", type=float, default=120.0, help="wall s")
     parser.add_argument("--seeds", default="1")
@@ -473,6 +641,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"{fmt(b['output_tokens_per_s'], '.0f'):>11} "
                       f"{fmt(both['output_tokens_per_s'], '.0f'):>10} "
                       f"{fmt(work, '.0%'):>10}", flush=True)  # fmt: skip
+            print("  where the interactive p99 was (sim s; gateway: the interactive tenant's "
+                  "histograms, engines: every request's own TTFT), alone -> both:")  # fmt: skip
+            for r in rows:
+                a, both = r["alone"], r["both"]
+                print(f"  {r['contender']:9} gateway TTFT {fmt(a['gateway_ttft_p99'])} -> "
+                      f"{fmt(both['gateway_ttft_p99'])}, gateway wait "
+                      f"{fmt(a['gateway_wait_p99'])} -> {fmt(both['gateway_wait_p99'])}, "
+                      f"engine TTFT {fmt(a['engine_ttft_p99'])} -> "
+                      f"{fmt(both['engine_ttft_p99'])}", flush=True)  # fmt: skip
         if "fairness" in scenarios:
             rows = fairness(args, seed)
             out.setdefault("fairness", []).extend(rows)
@@ -481,14 +658,30 @@ def main(argv: list[str] | None = None) -> int:
                 f"200/2000/8000-token prompts, 100-token answers, {args.seconds:g} sim s"
             )
             print(f"{'contender':9} {'small':>7} {'medium':>7} {'large':>7} {'jain':>6} "
-                  f"{'refused':>7}")  # fmt: skip
+                  f"{'refused':>7}  mean wait at the gateway s (small/medium/large)")  # fmt: skip
             for r in rows:
-                sh = r["shares"]
+                sh, w = r["shares"], r["waited"]
+                waits = "/".join(fmt(w.get(t)) for t in ("small", "medium", "large"))
                 print(
                     f"{r['contender']:9} {sh['small']:>7.1%} {sh['medium']:>7.1%} "
-                    f"{sh['large']:>7.1%} {r['jain']:>6.3f} {r['refused']:>7}",
+                    f"{sh['large']:>7.1%} {r['jain']:>6.3f} {r['refused']:>7}  {waits}",
                     flush=True,
                 )
+        if "join" in scenarios:
+            rows = joining(args, seed)
+            out.setdefault("join", []).extend(rows)
+            print(
+                f"late joiner, seed {seed}: the 3 fairness tenants backlogged, a 4th "
+                f"(2000-token prompts, {args.fair_outstanding} outstanding) joins at "
+                f"{args.join_after:g} sim s; share per {args.join_window:g} s window"
+            )
+            print(f"{'contender':9} {'reached 90% of 1/4 after':>25} {'its share later':>15} "
+                  f"{'refused':>7}")  # fmt: skip
+            for r in rows:
+                reached = "never" if r["reached_s"] is None else f"{r['reached_s']:.1f} s"
+                later = f"{r['late_share_after']:.1%} (from {r['after_s']:g} s)"
+                print(f"{r['contender']:9} {reached:>25} {later:>15} {r['refused']:>7}",
+                      flush=True)  # fmt: skip
         if "quota" in scenarios:
             row = quota(args, seed)
             out.setdefault("quota", []).append(row)

@@ -77,13 +77,16 @@ GATEWAY_CONFIG_RELOAD_ERRORS = "kubellm_gateway_config_reload_errors_total"  # s
 # Per tenant (issue 26; tenants are declared, so the label is bounded): requests by route
 # and code, tokens by route (replica|fallback) and kind (prompt|completion), time waiting for
 # admission, answers meeting the SLO, requests dropped by flow control (+ reason) and
-# refused by a quota (+ limit=requests|tokens). `kubellm usage` reads these.
+# refused by a quota (+ limit=requests|tokens), and TTFT / ITL histograms measured as the
+# model's own (GATEWAY_TTFT, GATEWAY_ITL), with their buckets. `kubellm usage` reads these.
 GATEWAY_TENANT_REQUESTS = "kubellm_gateway_tenant_requests_total"
 GATEWAY_TENANT_TOKENS = "kubellm_gateway_tenant_tokens_total"
 GATEWAY_TENANT_QUEUE = "kubellm_gateway_tenant_queue_seconds"  # histogram
 GATEWAY_TENANT_GOODPUT = "kubellm_gateway_tenant_slo_met_requests_total"
 GATEWAY_TENANT_DROPPED = "kubellm_gateway_tenant_dropped_total"
 GATEWAY_TENANT_THROTTLED = "kubellm_gateway_tenant_throttled_total"
+GATEWAY_TENANT_TTFT = "kubellm_gateway_tenant_time_to_first_token_seconds"  # histogram
+GATEWAY_TENANT_ITL = "kubellm_gateway_tenant_inter_token_latency_seconds"  # histogram
 
 # Latency prediction (gateway/routing/predicted.py, spec.routing.policy slo-aware learns it
 # for every policy): predicted over observed TTFT and ITL per replica (kind=ttft|itl), and

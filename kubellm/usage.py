@@ -5,7 +5,8 @@
         --api-price-per-million 0.6
 
 Per tenant: requests (answered 2xx, refused 4xx/5xx), prompt and output tokens served by
-the replicas and by the fallback API, the mean admission wait, SLO attainment (answers
+the replicas and by the fallback API, the mean admission wait, the TTFT p99 (from the
+tenant's histogram, as Prometheus' histogram_quantile reads it), SLO attainment (answers
 meeting the TTFT and ITL targets over 200 answers), dropped (flow control) and throttled
 (quota) counts, and, given prices, cost: the fleet's GPU spend over the period shared by
 replica tokens (prompt + output), plus fallback tokens at the API's price.
@@ -38,6 +39,7 @@ class Usage:
     dropped: float = 0.0
     throttled: float = 0.0
     cost: float | None = None
+    ttft_buckets: dict[float, float] = field(default_factory=dict)  # le -> cumulative count
 
     def token(self, route: str, kind: str) -> float:
         return self.tokens.get((route, kind), 0.0)
@@ -53,6 +55,10 @@ class Usage:
     @property
     def attainment(self) -> float | None:
         return self.slo_met / self.answered if self.answered else None
+
+    @property
+    def ttft_p99(self) -> float | None:
+        return metrics.histogram_quantile(0.99, self.ttft_buckets.items())
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ def rows(text: str, prices: Prices | None = None) -> list[Usage]:
         return found[name]
 
     queue = metrics.GATEWAY_TENANT_QUEUE
+    ttft_bucket = f"{metrics.GATEWAY_TENANT_TTFT}_bucket"
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             tenant = s.labels.get("tenant")
@@ -98,6 +105,10 @@ def rows(text: str, prices: Prices | None = None) -> list[Usage]:
                 of(tenant).dropped += s.value
             elif s.name == metrics.GATEWAY_TENANT_THROTTLED:
                 of(tenant).throttled += s.value
+            elif s.name == ttft_bucket:
+                buckets = of(tenant).ttft_buckets
+                le = float(s.labels.get("le", "+Inf"))
+                buckets[le] = buckets.get(le, 0.0) + s.value
     out = [found[name] for name in sorted(found)]
     if prices is not None:
         price(out, prices)
@@ -121,6 +132,7 @@ def render(usage: list[Usage]) -> str:
     headers = [
         "tenant", "answered", "refused", "replica in", "replica out", "fallback in",
         "fallback out", "mean wait s", "slo met", "dropped", "throttled", "cost",
+        "ttft p99 s",
     ]  # fmt: skip
     table = [headers]
     for u in usage:
@@ -134,6 +146,7 @@ def render(usage: list[Usage]) -> str:
             "-" if attained is None else f"{100 * attained:.1f}%",
             f"{u.dropped:.0f}", f"{u.throttled:.0f}",
             "-" if u.cost is None else f"{u.cost:.2f}",
+            "-" if u.ttft_p99 is None else f"{u.ttft_p99:.3f}",
         ])  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
     lines = [

@@ -21,6 +21,18 @@ tenant. The decisions are pure (the caller passes the clock's reading):
   replica stays free for the high bands, so a chat request finds a slot at once instead of
   waiting inside the engine behind batch work; low bands still use every replica while the
   high ones are idle (work-conserving up to the line).
+- **Prefill hold** (`hold_prefill`, on by default). While a high-band stream sent to a
+  replica awaits its first token, low bands dispatch elsewhere: a long batch prompt sent
+  beside it would share its prefill's engine steps (chunked prefill fills each step's token
+  budget in arrival order) and delay its first token by its own prefill time. The hold
+  lasts one prefill; the replica takes low bands again at the first token.
+- **Prefill budget** (`headroom_prefill_rate`, tokens/s per replica, off by default). Each
+  low-band dispatch adds its estimated prompt tokens to its replica's debt, which drains at
+  that rate; a low band dispatches only to a replica whose debt has drained (a token
+  bucket holding one request). Batch prompts reach a replica one at a time, spaced by their
+  prefill at that rate, instead of several landing in one engine step when a scrape or a
+  few completions free room at once: a chat prompt that arrives then waits for, and
+  shares, one batch prefill at most.
 """
 
 from __future__ import annotations
@@ -47,6 +59,10 @@ class FlowSettings:
     headroom_below: int = 0  # bands below this dispatch only under the lower line
     headroom_kv: float = 0.8
     headroom_load: float | None = None  # requests per replica; None: no bound by count
+    # a replica where a high-band stream awaits its first token takes no low band meanwhile
+    hold_prefill: bool = True
+    # low-band prompt tokens per second a replica is sent at most (None: no bound)
+    headroom_prefill_rate: float | None = None
 
 
 @dataclass(eq=False)
@@ -160,15 +176,28 @@ class Flow:
         self.vtc[tenant] = self.vtc.get(tenant, 0.0) + tokens / weight
 
 
-def below_line(candidate: Candidate, settings: FlowSettings) -> bool:
+def below_line(
+    candidate: Candidate, settings: FlowSettings, prefilling: int = 0, debt: float = 0.0
+) -> bool:
     """Whether a low band may dispatch to `candidate`: no engine queue, KV usage under the
-    lower line, and load under `headroom_load` when set (unknown figures count as below)."""
+    lower line, load under `headroom_load` when set (unknown figures count as below), with
+    `hold_prefill` no high-band stream there awaiting its first token (`prefilling`), and
+    with `headroom_prefill_rate` its low-band prefill debt drained (`debt`, `drained`)."""
+    if prefilling > 0 and settings.hold_prefill:
+        return False
+    if debt > 0 and settings.headroom_prefill_rate:
+        return False
     if candidate.waiting is not None and candidate.waiting >= 1:
         return False
     if candidate.kv_usage is not None and candidate.kv_usage >= settings.headroom_kv:
         return False
     limit = settings.headroom_load
     return limit is None or candidate.load < limit
+
+
+def drained(debt: float, elapsed: float, rate: float) -> float:
+    """A replica's low-band prefill debt (tokens) after `elapsed` seconds at `rate`."""
+    return max(0.0, debt - max(0.0, elapsed) * rate)
 
 
 def estimate_prompt_tokens(body: Mapping[str, Any] | None) -> int:

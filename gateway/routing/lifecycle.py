@@ -127,6 +127,7 @@ class Ticket:
         "_core",
         "_dispatch",
         "_fallback",
+        "_hold",
         "_recorded",
         "_size",
         "_usage",
@@ -145,6 +146,7 @@ class Ticket:
         "stream",
         "target",
         "timing",
+        "ttft",
     )  # fmt: skip
 
     def __init__(
@@ -178,8 +180,11 @@ class Ticket:
         self._usage: dict[str, int] | None = None
         # latency prediction: (url, features at dispatch, when sent, streaming yet)
         self._dispatch: list[Any] | None = None
+        # the replica this request holds low bands off while its prefill runs (tenancy)
+        self._hold: str | None = None
         self.caller: Caller | None = None  # its tenant (tenancy.py), when tenants are declared
         self.good = False  # the answer met the SLO (goodput)
+        self.ttft: float | None = None  # the TTFT counted in the model's series, if any
 
     # ------------------------------------------------------------ admission (the core's)
 
@@ -219,6 +224,9 @@ class Ticket:
             self._attempt.abandon()
         self._end_dispatch()
         self._dispatch = [url, self._core.dispatched(self, url), time.monotonic(), False]
+        if not self.done and self._core.holds_prefill(self):
+            self._hold = url
+            self._core.hold(url)
         attempt = self._attempt = Attempt(self, url, self._core.acquire(url))
         self.record.revision = revision_label(self.target, url)  # canary analysis
         if self.done:  # finished meanwhile: nothing may stay held
@@ -270,6 +278,7 @@ class Ticket:
             if timing.first is None and self._dispatch is not None:
                 self._dispatch[3] = True  # its prefill is done
                 self._core.predictions.started(self._dispatch[0], self._dispatch[1])
+                self._unhold()
             if data.count(b"\n\n") == 1:
                 timing.token(now)
             else:  # ITL per event: the events of one piece arrived together
@@ -355,8 +364,15 @@ class Ticket:
 
     # ------------------------------------------------------------ latency prediction
 
+    def _unhold(self) -> None:
+        """Its prefill is done (or its attempt over): low bands may use its replica again."""
+        url, self._hold = self._hold, None
+        if url is not None:
+            self._core.unhold(url)
+
     def _end_dispatch(self) -> None:
         """The current attempt owes no more prefill (it streamed, failed or ended)."""
+        self._unhold()
         dispatch, self._dispatch = self._dispatch, None
         if dispatch is not None and not dispatch[3]:
             self._core.predictions.abandoned(dispatch[0], dispatch[1])
@@ -384,7 +400,7 @@ class Ticket:
         if self._body is not None:  # non-streamed
             if status != 200 or timing.last is None:
                 return
-            ttft = timing.last - self.arrived
+            ttft = self.ttft = timing.last - self.arrived
             series.ttft.observe(ttft)
             # within the TTFT target the answer met its SLO whatever its token count: the
             # body is parsed only past it, or for a fallback answer's tokens
@@ -397,6 +413,7 @@ class Ticket:
             self.record.revision_observed(ttft, (), met)
             self.good = met
         else:
+            self.ttft = timing.ttft
             if timing.ttft is not None:
                 series.ttft.observe(timing.ttft)
             for gap in timing.gaps:

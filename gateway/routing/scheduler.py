@@ -90,6 +90,11 @@ class Scheduler:
         self._changed = asyncio.Event()
         self.load.on_release(self.wake)
         self.tenancy = Tenancy(s.tenancy, self.metrics.registry) if s.tenancy else None
+        # replica -> high-band streams sent there still awaiting their first token (flow.py,
+        # `hold_prefill`): low bands do not dispatch there meanwhile
+        self.prefilling: dict[str, int] = {}
+        # replica -> (low-band prompt tokens owed, when) under `headroom_prefill_rate`
+        self.low_prefill: dict[str, tuple[float, float]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics.registry.register(_InFlightCollector(self.load))
 
@@ -158,7 +163,9 @@ class Scheduler:
         """Endpoints appeared, left or were ejected."""
         self.wake()
         self.update_ready_gauge()
-        self.predictions.forget(self.engine_urls())
+        urls = self.engine_urls()
+        self.predictions.forget(urls)
+        self.low_prefill = {u: owed for u, owed in self.low_prefill.items() if u in urls}
 
     def update_ready_gauge(self) -> None:
         rows = []
@@ -263,6 +270,7 @@ class Scheduler:
         try:
             while True:
                 changed = self._changed
+                wake_in = 0.5
                 if queued:  # re-read: endpoints may have appeared (scale from zero) or gone
                     target = self.discovery.snapshot().get(model, target)
                     candidates = self.router.candidates(target)
@@ -288,9 +296,17 @@ class Scheduler:
                         if flow.head(fallback=True) is not waiter:
                             fallback = None
                     elif waiter.band < flow_settings.headroom_below:
-                        below = [c for c in open_ if flows.below_line(c, flow_settings)]
+                        held = self.prefilling
+                        below = [
+                            c
+                            for c in open_
+                            if flows.below_line(
+                                c, flow_settings, held.get(c.url, 0), self.debt(c.url, now)
+                            )
+                        ]
                         if open_ and not below:  # room kept for high bands: wait for it,
                             fallback = None  # the paid API is not for sheddable overflow
+                            wake_in = self.drain_in(open_, now)  # or for a debt to drain
                         open_ = below
                 waiting = self.queued.get(model, 0)
                 room = queued or waiting < self.settings.max_queue
@@ -334,7 +350,8 @@ class Scheduler:
                     queued = True
                     self.queued[model] = self.queued.get(model, 0) + 1
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), timeout=min(deadline - now, 0.5))
+                    timeout = min(deadline - now, 0.5, wake_in)
+                    await asyncio.wait_for(changed.wait(), timeout=max(timeout, 0.001))
         finally:
             if queued:
                 self.queued[model] -= 1
@@ -395,8 +412,32 @@ class Scheduler:
 
     # ---------------------------------------------------------------- outcomes
 
+    def debt(self, url: str, now: float) -> float:
+        """The low-band prompt tokens `url` still owes under the prefill budget."""
+        rate = self.tenancy.settings.flow.headroom_prefill_rate if self.tenancy else None
+        owed = self.low_prefill.get(url)
+        if not rate or owed is None:
+            return 0.0
+        return flows.drained(owed[0], now - owed[1], rate)
+
+    def drain_in(self, candidates: list[Candidate], now: float) -> float:
+        """Seconds until the first of `candidates` has drained its low-band debt."""
+        rate = self.tenancy.settings.flow.headroom_prefill_rate if self.tenancy else None
+        if not rate:
+            return 0.5
+        owed = [d for d in (self.debt(c.url, now) for c in candidates) if d > 0]
+        return min(owed) / rate if owed else 0.5
+
     def dispatched(self, ticket: Ticket, url: str) -> Dispatch:
-        """An attempt of `ticket` starts on `url`: the replica's state for its prediction."""
+        """An attempt of `ticket` starts on `url`: the replica's state for its prediction,
+        and a low-band request's prompt charged to the replica's prefill budget."""
+        caller, tenancy = ticket.caller, self.tenancy
+        if caller is not None and tenancy is not None:
+            flow = tenancy.settings.flow
+            if flow.headroom_prefill_rate and caller.priority < flow.headroom_below:
+                now = time.monotonic()
+                owed = self.debt(url, now) + max(1, caller.estimate)
+                self.low_prefill[url] = (owed, now)
         candidate = next((c for c in ticket.order if c.url == url), None)
         if candidate is None:  # a replica the front end chose itself
             candidate = Candidate(url=url, in_flight=self.load.in_flight.get(url, 0))
@@ -412,6 +453,26 @@ class Scheduler:
         self._answers += 1
         if self._answers % SPEED_EVERY == 0:
             self.predictions.publish_speed(names, [e.url for e in target.endpoints])
+
+    def holds_prefill(self, ticket: Ticket) -> bool:
+        """Whether `ticket`'s attempts keep low bands off their replica until its first
+        token: a stream of a band at or above the headroom line, with `hold_prefill` on."""
+        caller, tenancy = ticket.caller, self.tenancy
+        if caller is None or tenancy is None or not ticket.stream:
+            return False
+        flow = tenancy.settings.flow
+        return flow.hold_prefill and caller.priority >= flow.headroom_below
+
+    def hold(self, url: str) -> None:
+        self.prefilling[url] = self.prefilling.get(url, 0) + 1
+
+    def unhold(self, url: str) -> None:
+        left = self.prefilling.get(url, 0) - 1
+        if left > 0:
+            self.prefilling[url] = left
+        else:
+            self.prefilling.pop(url, None)
+            self.wake()  # low bands may go there now
 
     def acquire(self, url: str) -> Callable[[], None]:
         """Count one request on replica `url`; the returned callback releases it (once)."""

@@ -29,6 +29,8 @@ PREFIX_MATCH = metrics.GATEWAY_PREFIX_MATCH
 _LABELS = ("model", "deployment", "namespace")
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 _ITL = (0.001, 0.005, 0.01, 0.02, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 0.75, 1)
+# The same buckets for the per-tenant series (tenancy.py), so the two compare.
+LATENCY_BUCKETS, ITL_BUCKETS = _LATENCY, _ITL
 
 
 def bucket_label(target: float, buckets: Sequence[float]) -> str:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.routing import flow as flows
-from kubellm.gateway.routing import quota
+from kubellm.gateway.routing import quota, slo
 from kubellm.gateway.routing.tenants import (
     FAIRNESS_HEADER,
     OBJECTIVE_HEADER,
@@ -101,6 +101,21 @@ class TenantMetrics:
             ["tenant", "limit"],
             registry=r,
         )
+        self.ttft = Histogram(
+            metrics.GATEWAY_TENANT_TTFT,
+            "Time to first token per tenant, as the model's series counts it (queue wait "
+            "included; a non-streamed answer's whole time).",
+            ["tenant"],
+            buckets=slo.LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            metrics.GATEWAY_TENANT_ITL,
+            "Time between streamed events carrying text, per tenant.",
+            ["tenant"],
+            buckets=slo.ITL_BUCKETS,
+            registry=r,
+        )
 
 
 class Tenancy:
@@ -127,6 +142,8 @@ class Tenancy:
             for code_route in ("replica", "fallback"):
                 for kind in ("prompt", "completion"):
                     self.metrics.tokens.labels(tenant.name, code_route, kind)
+            self.metrics.ttft.labels(tenant.name)
+            self.metrics.itl.labels(tenant.name)
 
     # ------------------------------------------------------------ admission
 
@@ -201,6 +218,12 @@ class Tenancy:
         m.requests.labels(name, ticket.route, str(status)).inc()
         if ticket.good:
             m.goodput.labels(name).inc()
+        if ticket.ttft is not None:  # what the model's TTFT and ITL series counted
+            m.ttft.labels(name).observe(ticket.ttft)
+            if ticket.timing.gaps:
+                itl = m.itl.labels(name)
+                for gap in ticket.timing.gaps:
+                    itl.observe(gap)
         if ticket.route not in ("replica", "fallback") or status != 200:
             if caller.window is not None and caller.estimate:  # nothing served: refund
                 self._later(self.limiter.settle(name, caller.window, -caller.estimate))

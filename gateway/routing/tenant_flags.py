@@ -47,6 +47,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "engine queue and KV usage bound them)",
     )
     group.add_argument(
+        "--headroom-hold-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="while a stream of priority >= 0 awaits its first token on a replica, sheddable "
+        "requests go to other replicas, so its prefill does not share engine steps with a "
+        "long batch prompt (--no-headroom-hold-prefill: they may go there)",
+    )
+    group.add_argument(
+        "--headroom-prefill-rate",
+        type=float,
+        default=None,
+        metavar="TOKENS_PER_S",
+        help="sheddable requests' prompt tokens a replica is sent per second at most, one "
+        "request at a time (about half the replica's prefill speed, e.g. 15000 for an 8B "
+        "model on an H100), so several batch prompts never share one engine step with a "
+        "chat prompt (default: no bound)",
+    )
+    group.add_argument(
         "--headroom-kv-usage",
         type=float,
         default=0.8,
@@ -70,6 +88,8 @@ def settings_from(args: argparse.Namespace) -> TenancySettings | None:
         raise ValueError("--max-band-queue: at least 1")
     if args.headroom_load is not None and args.headroom_load <= 0:
         raise ValueError("--headroom-load: more than 0")
+    if args.headroom_prefill_rate is not None and args.headroom_prefill_rate <= 0:
+        raise ValueError("--headroom-prefill-rate: more than 0 tokens per second")
     if not 0 < args.headroom_kv_usage <= 1:
         raise ValueError("--headroom-kv-usage: above 0, at most 1")
     try:
@@ -82,5 +102,7 @@ def settings_from(args: argparse.Namespace) -> TenancySettings | None:
         ttl_seconds=args.band_ttl,
         headroom_kv=args.headroom_kv_usage,
         headroom_load=args.headroom_load,
+        hold_prefill=args.headroom_hold_prefill,
+        headroom_prefill_rate=args.headroom_prefill_rate,
     )
     return TenancySettings(declared, flow, args.quota_redis)

@@ -27,9 +27,20 @@ import yaml
 from kubellm import metrics
 from tests.helm.chart import DASHBOARD_SOURCE, RULES_SOURCE, objects, of_kind
 
+
+def _tenancy_registry() -> Any:
+    """The per-tenant series (`kubellm.gateway.routing.tenancy.TenantMetrics`)."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    importlib.import_module("kubellm.gateway.routing.tenancy").TenantMetrics(registry)
+    return registry
+
+
 # Builders of each component's registry (no I/O: each builds a fresh CollectorRegistry).
 REGISTRIES: dict[str, Callable[[], Any]] = {
     "gateway": lambda: importlib.import_module("kubellm.gateway.routing.slo").create().registry,
+    "tenancy": _tenancy_registry,
     "autoscaler": lambda: (
         importlib.import_module("kubellm.autoscaler.telemetry").Telemetry().registry
     ),

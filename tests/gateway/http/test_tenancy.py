@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from dataclasses import replace
 
 import httpx
 import openai
@@ -183,6 +184,81 @@ def test_sheddable_work_stays_below_the_headroom_line(engines, gateway):
     assert api.bodies == []
 
 
+def test_sheddable_work_waits_while_a_chat_on_the_replica_awaits_its_first_token(engines, gateway):
+    """The prefill hold: a chat stream sent to the replica holds batch requests off it until
+    its first token (the replica is below the headroom line: only the hold stops them),
+    then the waiting batch request goes there. Off (`hold_prefill=False`), it goes at once."""
+    (engine, server), (other, other_server) = engines(2)
+    engine.behaviour.first_byte_delay = 1.0  # the chat's "prefill"
+    flow_settings = FlowSettings(ttl_seconds=30, headroom_load=2)
+    settings = TenancySettings(declared().tenants, flow_settings)
+    gw = gateway(
+        {"tiny": model("tiny", [server], slo=SLO(ttft_seconds=5))},
+        tenancy=settings,
+        thresholds=Thresholds(max_in_flight=4),
+    )
+    scheduler = gw.gateway.scheduler
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        interactive = pool.submit(_stream, gw, "chat-app", "chat")
+        wait_until(lambda: len(engine.bodies) == 1, 5, "the chat at the engine")
+        assert scheduler.prefilling == {server.url: 1}
+        batch = pool.submit(chat, gw, "nightly-eval", "batch")
+        flow = scheduler.tenancy.flows["tiny"]
+        wait_until(lambda: len(flow) == 1, 5, "the batch request held at the gateway")
+        assert len(engine.bodies) == 1
+        assert interactive.result(timeout=20) == 200  # its first token: the hold ends
+        assert batch.result(timeout=20).status_code == 200
+    assert [b["messages"][0]["content"] for b in engine.bodies] == ["chat", "batch"]
+    assert scheduler.prefilling == {}
+
+    other.behaviour.first_byte_delay = 3.0  # long enough to see the batch go beside it
+    off = TenancySettings(declared().tenants, replace(flow_settings, hold_prefill=False))
+    gw = gateway(
+        {"tiny": model("tiny", [other_server], slo=SLO(ttft_seconds=5))},
+        tenancy=off,
+        thresholds=Thresholds(max_in_flight=4),
+    )
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        interactive = pool.submit(_stream, gw, "chat-app", "chat")
+        wait_until(lambda: len(other.bodies) == 1, 5, "the chat at the engine")
+        batch = pool.submit(chat, gw, "nightly-eval", "batch")
+        wait_until(lambda: len(other.bodies) == 2, 5, "the batch request sent beside it")
+        assert not interactive.done()  # the chat had not begun to answer
+        assert interactive.result(timeout=20) == 200
+        assert batch.result(timeout=20).status_code == 200
+    assert gw.gateway.scheduler.prefilling == {}
+
+
+def test_sheddable_prompts_reach_a_replica_one_at_a_time_under_the_prefill_budget(engines, gateway):
+    """headroomPrefillRate 10 tokens/s: the first batch request (a ~40-token prompt) goes at
+    once and owes the replica 4 s of prefill; the second waits at the gateway though
+    the replica is below the line, and goes when that has drained. A chat request does not
+    wait for it."""
+    (engine, server), *_ = engines(1)
+    engine.behaviour.tokens = 40
+    engine.behaviour.token_delay = 0.05  # each stream holds its slot about 2 s
+    flow_settings = FlowSettings(ttl_seconds=30, headroom_load=3, headroom_prefill_rate=10)
+    gw = gateway(
+        {"tiny": model("tiny", [server], slo=SLO(ttft_seconds=5))},
+        tenancy=TenancySettings(declared().tenants, flow_settings),
+        thresholds=Thresholds(max_in_flight=4),
+    )
+    flow = gw.gateway.scheduler.tenancy.flows
+    prompt = "b" * 160  # 40 tokens by the gateway's estimate
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        first = pool.submit(_stream, gw, "nightly-eval", f"1 {prompt}")
+        wait_until(lambda: len(engine.bodies) == 1, 5, "the first batch request sent")
+        second = pool.submit(_stream, gw, "nightly-eval", f"2 {prompt}")
+        wait_until(lambda: len(flow["tiny"]) == 1, 5, "the second held by the budget")
+        assert len(engine.bodies) == 1  # one in flight of a line of 3: only the debt holds it
+        interactive = pool.submit(_stream, gw, "chat-app", "chat")
+        wait_until(lambda: len(engine.bodies) == 2, 5, "the chat request past it")
+        assert engine.bodies[1]["messages"][0]["content"] == "chat"
+        wait_until(lambda: len(engine.bodies) == 3, 10, "the second batch request, drained")
+        assert [f.result(timeout=30) for f in (first, second, interactive)] == [200] * 3
+    assert engine.bodies[2]["messages"][0]["content"].startswith("2 ")
+
+
 def test_usage_is_counted_per_tenant(engines, gateway):
     ((engine, server),) = engines(1)
     engine.behaviour.tokens = 6
@@ -208,6 +284,40 @@ def test_usage_is_counted_per_tenant(engines, gateway):
         'kubellm_gateway_tenant_tokens_total{kind="prompt",target="fallback",'
         'tenant="nightly-eval"} 0.0' in text
     )
+
+
+def test_ttft_and_itl_are_counted_per_tenant_as_the_models_series_count_them(engines, gateway):
+    """Each tenant's TTFT histogram holds the same observations as the model's (a JSON
+    answer's whole time, a stream's first event), its ITL histogram a stream's gaps; a
+    refused request counts in neither; every declared tenant's series shows at 0."""
+    ((engine, server),) = engines(1)
+    engine.behaviour.tokens = 6
+    gw = gateway({"tiny": model("tiny", [server])}, tenancy=declared())
+    assert chat(gw, "chat-app").status_code == 200
+    assert _stream(gw, "resident", "x") == 200
+    assert chat(gw, None).status_code == 401
+    m = gw.metric
+    ttft, itl = (
+        "kubellm_gateway_tenant_time_to_first_token_seconds",
+        ("kubellm_gateway_tenant_inter_token_latency_seconds"),
+    )
+    wait_until(lambda: m(f"{ttft}_count", tenant="resident") == 1, 5, "the stream counted")
+    assert m(f"{ttft}_count", tenant="chat-app") == 1
+    assert m(f"{itl}_count", tenant="chat-app") == 0  # a JSON answer has no gaps
+    assert m(f"{itl}_count", tenant="resident") == 5  # 6 events carrying text: 5 gaps
+    names = {"model": "tiny", "deployment": "tiny", "namespace": "default"}
+    model_ttft = gw.gateway.metrics.registry.get_sample_value(
+        "kubellm_gateway_time_to_first_token_seconds_sum", names
+    )
+    per_tenant = m(f"{ttft}_sum", tenant="chat-app") + m(f"{ttft}_sum", tenant="resident")
+    assert model_ttft is not None and per_tenant == pytest.approx(model_ttft)
+    model_gaps = gw.gateway.metrics.registry.get_sample_value(
+        "kubellm_gateway_inter_token_latency_seconds_sum", names
+    )
+    assert m(f"{itl}_sum", tenant="resident") == pytest.approx(model_gaps)
+    text = httpx.get(f"{gw.url}/metrics").text
+    assert f'{ttft}_count{{tenant="nightly-eval"}} 0.0' in text
+    assert 'tenant=""' not in text  # no series for a caller without a tenant
 
 
 def test_waiting_requests_dispatch_by_band_and_a_header_only_lowers(engines, gateway):

@@ -30,6 +30,12 @@ kubellm_gateway_tenant_queue_seconds_count{tenant="a"} 10
 kubellm_gateway_tenant_slo_met_requests_total{tenant="a"} 9
 # TYPE kubellm_gateway_tenant_throttled_total counter
 kubellm_gateway_tenant_throttled_total{tenant="b",limit="tokens"} 3
+# TYPE kubellm_gateway_tenant_time_to_first_token_seconds histogram
+kubellm_gateway_tenant_time_to_first_token_seconds_bucket{tenant="a",le="0.1"} 90
+kubellm_gateway_tenant_time_to_first_token_seconds_bucket{tenant="a",le="1.0"} 100
+kubellm_gateway_tenant_time_to_first_token_seconds_bucket{tenant="a",le="+Inf"} 100
+kubellm_gateway_tenant_time_to_first_token_seconds_sum{tenant="a"} 12
+kubellm_gateway_tenant_time_to_first_token_seconds_count{tenant="a"} 100
 # TYPE kubellm_gateway_requests_total counter
 kubellm_gateway_requests_total{model="m",target="replica",code="200"} 8
 """
@@ -48,6 +54,11 @@ def test_rows_and_cost():
     table = usage.render([a, b])
     assert table.splitlines()[0].split()[:3] == ["tenant", "answered", "refused"]
     assert "90.0%" in table and "21.00" in table
+    # TTFT p99 as histogram_quantile reads the buckets: 0.1 + 0.9 x 9/10; b has none
+    assert a.ttft_p99 == pytest.approx(0.91) and b.ttft_p99 is None
+    header, row_a, row_b = table.splitlines()
+    assert header.split()[-3:] == ["ttft", "p99", "s"]
+    assert row_a.split()[-1] == "0.910" and row_b.split()[-1] == "-"
 
 
 def test_kubellm_usage_against_a_gateway(engines, gateway, capsys):

@@ -9,6 +9,7 @@ from kubellm.gateway.routing.flow import (
     FlowSettings,
     Waiter,
     below_line,
+    drained,
     estimate_prompt_tokens,
 )
 from kubellm.gateway.routing.scorers.base import Candidate
@@ -163,6 +164,45 @@ def test_leave_is_idempotent_and_empties_the_queues():
 )
 def test_the_lower_saturation_line(candidate, settings, below):
     assert below_line(candidate, settings) is below
+
+
+@pytest.mark.parametrize(
+    ("prefilling", "hold", "below"),
+    [
+        (0, True, True),  # no high-band stream awaiting its first token there
+        (1, True, False),  # one is: low bands go elsewhere until it has it
+        (3, True, False),
+        (1, False, True),  # the hold off: only the line counts
+    ],
+)
+def test_a_replica_with_a_high_band_prefill_takes_no_low_band(prefilling, hold, below):
+    settings = FlowSettings(headroom_load=12, hold_prefill=hold)
+    candidate = Candidate("a", load=1, waiting=0, kv_usage=0.1)
+    assert below_line(candidate, settings, prefilling) is below
+
+
+@pytest.mark.parametrize(
+    ("debt", "elapsed", "rate", "left"),
+    [
+        (1000, 0.0, 20_000, 1000),
+        (1000, 0.02, 20_000, 600),
+        (1000, 0.05, 20_000, 0),  # drained: a low band may go there again
+        (1000, 9.0, 20_000, 0),  # never below 0: idle time earns no burst
+        (1000, -1.0, 20_000, 1000),  # a clock read out of order drains nothing
+    ],
+)
+def test_the_prefill_debt_drains_at_its_rate(debt, elapsed, rate, left):
+    assert drained(debt, elapsed, rate) == pytest.approx(left)
+
+
+@pytest.mark.parametrize(
+    ("debt", "rate", "below"),
+    [(0.0, 20_000, True), (1.0, 20_000, False), (500.0, None, True)],  # None: no budget
+)
+def test_a_replica_owing_low_band_prefill_takes_no_more_low_band(debt, rate, below):
+    settings = FlowSettings(headroom_load=12, headroom_prefill_rate=rate)
+    candidate = Candidate("a", load=1, waiting=0, kv_usage=0.1)
+    assert below_line(candidate, settings, 0, debt) is below
 
 
 def test_prompt_estimate():
