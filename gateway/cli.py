@@ -76,7 +76,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=_D.assemble_non_streamed,
         help="send non-streamed requests to replicas as streams and assemble the answer, so "
         "the first-byte and idle timeouts bound them (--no-assemble-non-streamed: as they "
-        "came, bounded by --total-timeout only, less CPU per request)",
+        "came, bounded by --total-timeout only: a whole body's CPU, not a stream's)",
     )
     up.add_argument(
         "--max-upstream-head-bytes",

@@ -34,7 +34,8 @@ class GatewaySettings:
     max_response_bytes: int = 32 * 1024 * 1024  # a non-streamed answer, held or assembled
     # Non-streamed requests go to replicas as streams, their answers assembled here, so a
     # frozen replica is found by the first-byte/idle timeouts (protocol/assemble.py). Off:
-    # forwarded as they came, bounded by the total timeout only, about 20% less CPU each.
+    # forwarded as they came, bounded by the total timeout only, at a whole body's cost
+    # instead of a stream's (docs/operations.md, "Timeouts and limits").
     assemble_non_streamed: bool = True
     # From clients (header timeout, keep-alive and the connection cap: `http.server`).
     body_timeout: float = 30.0  # reading a request body, from its headers to its end
