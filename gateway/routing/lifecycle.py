@@ -416,8 +416,7 @@ class Ticket:
             self.ttft = timing.ttft
             if timing.ttft is not None:
                 series.ttft.observe(timing.ttft)
-            for gap in timing.gaps:
-                series.itl.observe(gap)
+            series.itl.observe_all(timing.gaps)
             completed = whole and status == 200 and timing.first is not None
             met = completed and met_slo(
                 timing.ttft, timing.mean_itl, slo.ttft_seconds, slo.itl_seconds

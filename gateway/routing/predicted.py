@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kubellm.gateway.routing.histogram import Histogram
 from kubellm.gateway.routing.latency import (
     PREFILL_RATE_WINDOW_S,
     Dispatch,
@@ -31,7 +32,7 @@ from kubellm.gateway.routing.latency import (
 )
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.prefix import CHUNK_CHARS, PrefixIndex
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge
 
 from kubellm import metrics
 

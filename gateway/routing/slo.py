@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from kubellm.gateway.routing.histogram import Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.utils import floatToGoString
 
 from kubellm import metrics
@@ -302,11 +303,6 @@ class StreamTiming:
         self.last = now
         self.chunks += 1
 
-    def chunk(self, data: bytes, now: float) -> None:
-        """A body chunk arrived at `now`: a token if it carries text."""
-        if TOKEN.search(data):
-            self.token(now)
-
     def failed(self, error: BaseException | str) -> None:
         """The upstream broke mid-stream."""
         name = error if isinstance(error, str) else type(error).__name__
@@ -351,21 +347,7 @@ class RequestRecord:
             outcome = "error" if code >= 500 else "ok"
             per_revision.requests.labels(*series.labels, self.revision, outcome).inc()
 
-    def streamed(self, timing: StreamTiming, ttft_target: float, itl_target: float) -> bool:
-        """Observe a finished stream's TTFT, ITL and goodput; True if it completed."""
-        series = self.series
-        if timing.ttft is not None:
-            series.ttft.observe(timing.ttft)
-        for gap in timing.gaps:
-            series.itl.observe(gap)
-        completed = timing.error is None and timing.first is not None
-        met = completed and met_slo(timing.ttft, timing.mean_itl, ttft_target, itl_target)
-        if met:
-            series.goodput.inc()
-        self.revision_observed(timing.ttft, timing.gaps, met)
-        return completed
-
-    def revision_observed(self, ttft: float | None, gaps: Iterable[float], met: bool) -> None:
+    def revision_observed(self, ttft: float | None, gaps: Sequence[float], met: bool) -> None:
         """An answer's TTFT, ITL gaps and SLO outcome in its revision's series, while a
         canary rollout splits the model (nothing otherwise)."""
         series = self.series
@@ -375,8 +357,6 @@ class RequestRecord:
         names = (*series.labels, self.revision)
         if ttft is not None:
             per_revision.ttft.labels(*names).observe(ttft)
-        itl = per_revision.itl.labels(*names)
-        for gap in gaps:
-            itl.observe(gap)
+        per_revision.itl.labels(*names).observe_all(gaps)
         if met:
             per_revision.slo_met.labels(*names).inc()

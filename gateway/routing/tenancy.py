@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.routing import flow as flows
 from kubellm.gateway.routing import quota, slo
+from kubellm.gateway.routing.histogram import Histogram
 from kubellm.gateway.routing.tenants import (
     FAIRNESS_HEADER,
     OBJECTIVE_HEADER,
@@ -27,7 +28,7 @@ from kubellm.gateway.routing.tenants import (
     effective_priority,
     flow_id,
 )
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 
 from kubellm import metrics
 
@@ -220,10 +221,7 @@ class Tenancy:
             m.goodput.labels(name).inc()
         if ticket.ttft is not None:  # what the model's TTFT and ITL series counted
             m.ttft.labels(name).observe(ticket.ttft)
-            if ticket.timing.gaps:
-                itl = m.itl.labels(name)
-                for gap in ticket.timing.gaps:
-                    itl.observe(gap)
+            m.itl.labels(name).observe_all(ticket.timing.gaps)
         if ticket.route not in ("replica", "fallback") or status != 200:
             if caller.window is not None and caller.estimate:  # nothing served: refund
                 self._later(self.limiter.settle(name, caller.window, -caller.estimate))
