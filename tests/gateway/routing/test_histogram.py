@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from kubellm.gateway.routing.histogram import Histogram
 from prometheus_client import CollectorRegistry
 from prometheus_client import Histogram as Reference
 from prometheus_client.exposition import generate_latest
-
-from kubellm.gateway.routing.histogram import Histogram
 
 BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.05, 0.1, 0.5, 1)
 # on a bound, between bounds, under the first, over the last, zero, negative
@@ -23,6 +22,10 @@ def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, st
         for s in family.samples
         if not s.name.endswith("_created")
     }
+
+
+def _text(registry: CollectorRegistry) -> list[str]:
+    return [ln for ln in generate_latest(registry).decode().splitlines() if "_created" not in ln]
 
 
 def _pair() -> tuple[CollectorRegistry, Reference, CollectorRegistry, Histogram]:
@@ -50,11 +53,7 @@ def test_one_at_a_time_and_all_at_once_expose_what_the_reference_does() -> None:
     for key, value in expected.items():
         assert math.isclose(found[key], value, abs_tol=1e-12), key
     # and the text format names and orders the buckets the same way
-    ours_text = [ln for ln in generate_latest(registry).decode().splitlines() if "_created" not in ln]
-    ref_text = [
-        ln for ln in generate_latest(ref_registry).decode().splitlines() if "_created" not in ln
-    ]
-    assert ours_text == ref_text
+    assert _text(registry) == _text(ref_registry)
 
 
 def test_the_wrong_number_of_labels_is_refused() -> None:
