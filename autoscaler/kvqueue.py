@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kubellm.autoscaler import forecast
 from kubellm.autoscaler import policy as p
 
 from kubellm import api
@@ -69,6 +70,8 @@ class Signals:
     want_rate: int = 0
     per_replica: float | None = None  # the rate signal's target, the spec's or derived
     derived: bool = False  # per_replica was derived from the learned rate
+    forecast: float | None = None  # req/s one model load ahead (spec.predictive; None: no trend)
+    want_forecast: int = 0
 
     @property
     def kv_mean(self) -> float | None:
@@ -170,6 +173,13 @@ class KVQueuePolicy:
             if backlog > 0:  # backlog in rate terms: serve the arrivals, drain it in a while
                 drain = math.ceil((rate + backlog / DRAIN_SECONDS) / per_replica - 1e-9)
                 want_queue = min(want_queue, max(drain, 1))
+        predicted, want_forecast = None, 0
+        if spec.predictive and per_replica is not None and rate is not None:
+            predicted = forecast.trend(obs.admitted_history, obs.now, spec.model_load_seconds)
+            if predicted is not None and predicted > rate:
+                want_forecast = _ask(predicted, per_replica, obs.current_replicas, self.tolerance)
+            else:
+                predicted = None
         return Signals(
             waiting=waiting,
             absorbed=absorbed,
@@ -182,6 +192,8 @@ class KVQueuePolicy:
             want_rate=want_rate,
             per_replica=per_replica,
             derived=per_replica is not None and spec.target_requests_per_replica is None,
+            forecast=predicted,
+            want_forecast=want_forecast,
         )
 
     def decide(
@@ -316,6 +328,7 @@ class KVQueuePolicy:
             (sig.want_queue, p.QUEUE_DEPTH),
             (sig.want_kv, p.KV_CACHE_USAGE),
             (sig.want_rate, p.REQUEST_RATE),
+            (sig.want_forecast, p.FORECAST),
             (1 if pending and pending > 0 else 0, p.GATEWAY_PENDING),
             (floor, p.MIN_REPLICAS),
         ]
@@ -330,11 +343,19 @@ class KVQueuePolicy:
         floors = max(floor, 1 if pending and pending > 0 else 0)
         # A queue past its target is not absorbed: requests wait at the replicas, not at the
         # fallback, and latency is at risk. The rate and KV signals wait for the share.
-        held = max(current, floors, sig.want_queue)
+        # Nor is a forecast: growth sustained over two model loads is not a spike, and the
+        # replicas it asks for now serve when the load arrives.
+        held = max(current, floors, sig.want_queue, sig.want_forecast)
         if absorbing and rec > held:
             rec, driver = (
                 held,
-                (p.QUEUE_DEPTH if held > max(current, floors) else p.FALLBACK_ABSORBING),
+                (
+                    p.FALLBACK_ABSORBING
+                    if held <= max(current, floors)
+                    else p.QUEUE_DEPTH
+                    if sig.want_queue >= sig.want_forecast
+                    else p.FORECAST
+                ),
             )
         # Learning what a replica serves (the gateway readable, no rate given or learned yet):
         # the queue and KV signals add one replica a period, not a guess at the load.
@@ -403,6 +424,11 @@ class KVQueuePolicy:
             parts.append(
                 f"rate {sig.rate:.1f} req/s (target{source} {sig.per_replica:.3g}/replica) "
                 f"asks {sig.want_rate}"
+            )
+        if sig.forecast is not None:
+            parts.append(
+                f"rate trend: {sig.forecast:.1f} req/s in {spec.model_load_seconds} s "
+                f"asks {sig.want_forecast}"
             )
         if obs.fallback_share is not None:
             parts.append(

@@ -67,7 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --trace: superpose X copies of it, each circularly "
                         "shifted by a random offset (same length and burstiness, X x the "
                         "rate)")  # fmt: skip
-    parser.add_argument("--policies", default=",".join(experiment.POLICIES), help="comma-separated")
+    parser.add_argument("--policies", default=",".join(experiment.POLICIES),
+                        help="comma-separated; also " + ", ".join(experiment.PREDICTIVE_POLICIES)
+                        + " (the same with spec.autoscaling.predictive)")  # fmt: skip
     parser.add_argument("--fallback-shares", default="0", metavar="S,...",
                         help="kv-queue+fallback runs again with maxFallbackShare set to "
                         "each (the knob's effect; the spec's default always runs); '' for "
@@ -92,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         metavar="S", help="the fallback API's time to first token")  # fmt: skip
     parser.add_argument("--api-itl", type=float, default=api_defaults.itl_seconds,
                         metavar="S", help="the fallback API's time between tokens")  # fmt: skip
+    parser.add_argument("--api-max-concurrency", type=int, default=api_defaults.max_concurrency,
+                        metavar="N", help="spec.fallback.maxConcurrency: the most requests "
+                        "the API serves at once from the gateway")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (runs in parallel)")
     parser.add_argument("--out", type=Path, default=Path("bench/out"))
     parser.add_argument("--json", type=Path, metavar="FILE",
@@ -110,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.traces:
         if name not in known_traces:
             parser.error(f"--traces: unknown trace {name!r}; known: {', '.join(known_traces)}")
-    known = experiment.POLICIES
+    known = experiment.KNOWN_POLICIES
     for name in args.policies:
         if name not in known:
             parser.error(f"--policies: unknown policy {name!r}; known: {', '.join(known)}")
@@ -122,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "api_ttft", "api_itl"):  # fmt: skip
         if getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')} must not be negative")
+    if args.api_max_concurrency < 1:
+        parser.error("--api-max-concurrency must be at least 1")
     try:
         args.fallback_shares = [float(v) for v in args.fallback_shares.split(",") if v.strip()]
     except ValueError:
@@ -134,6 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         itl_seconds=args.api_itl,
         input_price_per_million=args.api_input_price_per_million,
         output_price_per_million=args.api_output_price_per_million,
+        max_concurrency=args.api_max_concurrency,
     )
     if args.trace is not None:
         try:

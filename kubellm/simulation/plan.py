@@ -133,7 +133,11 @@ def _check(args: argparse.Namespace) -> str | None:
 
 
 def calibrate_capacity(
-    arrivals: list[traces.Arrival], slo: api.SLO, seed: int = 0, objective: float = OBJECTIVE
+    arrivals: list[traces.Arrival],
+    slo: api.SLO,
+    seed: int = 0,
+    objective: float = OBJECTIVE,
+    slowdown: float = 1.0,
 ) -> float:
     """Requests/s one simulated replica serves with `objective` of requests meeting `slo`,
     for requests sized as the trace's (drawn from them, Poisson arrivals), to 0.1 req/s."""
@@ -149,7 +153,7 @@ def calibrate_capacity(
             out.append(traces.Arrival(t, *rng.choice(sizes)))
         if not out:
             return True
-        config = experiment.config(slo=slo)
+        config = experiment.config(slo=slo, slowdown=slowdown)
         result = Fleet(config, None, out, CALIBRATION_SECONDS).run()
         return result.met >= objective * result.requests
 
