@@ -343,19 +343,14 @@ class KVQueuePolicy:
         floors = max(floor, 1 if pending and pending > 0 else 0)
         # A queue past its target is not absorbed: requests wait at the replicas, not at the
         # fallback, and latency is at risk. The rate and KV signals wait for the share.
-        # Nor is a forecast: growth sustained over two model loads is not a spike, and the
-        # replicas it asks for now serve when the load arrives.
-        held = max(current, floors, sig.want_queue, sig.want_forecast)
+        # A forecast is load too: while the fallback absorbs the overflow it waits with the
+        # rate signal (growth the fallback takes cheaply needs no replica yet), and once the
+        # overflow is the replicas' it asks for the load one model load ahead.
+        held = max(current, floors, sig.want_queue)
         if absorbing and rec > held:
             rec, driver = (
                 held,
-                (
-                    p.FALLBACK_ABSORBING
-                    if held <= max(current, floors)
-                    else p.QUEUE_DEPTH
-                    if sig.want_queue >= sig.want_forecast
-                    else p.FORECAST
-                ),
+                (p.QUEUE_DEPTH if held > max(current, floors) else p.FALLBACK_ABSORBING),
             )
         # Learning what a replica serves (the gateway readable, no rate given or learned yet):
         # the queue and KV signals add one replica a period, not a guess at the load.

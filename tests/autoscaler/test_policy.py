@@ -620,15 +620,13 @@ def test_predictive_asks_for_the_load_one_model_load_ahead() -> None:
     assert POLICY.decide(RAMP, p.PolicyState(), spec(**PREDICT_SPEC)).replicas == 4
 
 
-def test_a_forecast_is_not_absorbed_by_the_fallback() -> None:
-    absorbing = dataclasses.replace(
-        RAMP, request_rate=24.0, recent_request_rate=24.0, fallback_share=0.0
-    )
-    fields = {**PREDICT_SPEC, "max_fallback_share": 0.05}
-    plain = POLICY.decide(absorbing, p.PolicyState(), spec(**fields))
-    assert (plain.replicas, plain.reason) == (4, p.FALLBACK_ABSORBING)
-    ahead = dataclasses.replace(absorbing, request_rate=18.5, recent_request_rate=18.5)
-    decision = POLICY.decide(ahead, p.PolicyState(), spec(**fields, predictive=True))
+def test_a_forecast_waits_with_the_rate_while_the_fallback_absorbs() -> None:
+    fields = {**PREDICT_SPEC, "max_fallback_share": 0.05, "predictive": True}
+    absorbed = dataclasses.replace(RAMP, fallback_share=0.01)  # growth the fallback takes
+    decision = POLICY.decide(absorbed, p.PolicyState(), spec(**fields))
+    assert (decision.replicas, decision.reason) == (4, p.FALLBACK_ABSORBING), decision.message
+    sustained = dataclasses.replace(RAMP, fallback_share=0.2)  # the overflow is the replicas'
+    decision = POLICY.decide(sustained, p.PolicyState(), spec(**fields))
     assert (decision.replicas, decision.reason) == (5, p.FORECAST), decision.message
 
 
