@@ -24,6 +24,10 @@ KV blocks) and the queue that forms once the pool is full. So:
      backlog that grows while new pods load weights would ask for ever more.
      With the rate known the queue asks at most for the replicas that serve
      the arrivals and drain the (net) backlog within `DRAIN_SECONDS`.
+   - forecast (only with `predictive`): `ceil(forecast / per-replica rate)`,
+     the forecast being the arrival rate `modelLoadSeconds` ahead where it grew
+     along a line over the last two model loads (`kubellm.autoscaler.forecast`);
+     only above the rate signal's ask, and absorbed by the fallback as it is.
    Within a tolerance of 10% of the target a signal asks for no change
    (Kubernetes HPA's rule, against jitter).
 2. Recommendation: the largest signal, at least `minReplicas` (at least one

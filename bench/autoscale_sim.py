@@ -16,8 +16,11 @@ Policies: a fixed fleet sized for the peak, a KPA-style concurrency target,
 sending overflow to a modelled fallback API; `--fallback-shares` runs it
 again at other values of maxFallbackShare), `kv-queue+fallback+cost` (the same
 with the cost rule: spec.autoscaling.fallbackCostRatio from the run's prices
-and trace) and all-API. `--traces bursty-hour,smooth-hour` adds two generated
-hours shaped like the Azure code and conversation traces superposed x8.
+and trace) and all-API; on request, `kv-queue+predict`, `kv-queue+fallback+predict`
+and `kv-queue+fallback+cost+predict` (the same with spec.autoscaling.predictive:
+the trend forecast one model load ahead). `--traces bursty-hour,smooth-hour` adds
+two generated hours shaped like the Azure code and conversation traces superposed
+x8; `--api-max-concurrency N` sizes the fallback.
 
 Per trace and policy it reports SLO attainment (TTFT <= 2 s and mean ITL <=
 0.1 s; a request the fallback served counts when the API's modelled latency

@@ -181,8 +181,9 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
                        help="the oracle fleet's interval (default 300)")  # fmt: skip
     trace.add_argument("--policies", metavar="P,...",
                        help="simulated: kv-queue (no fallback), kv-queue+fallback (the share "
-                       "rule), kv-queue+fallback+cost (the cost rule); default: the first "
-                       "and the last")  # fmt: skip
+                       "rule), kv-queue+fallback+cost (the cost rule), each also with "
+                       "+predict (spec.autoscaling.predictive); default: kv-queue and "
+                       "kv-queue+fallback+cost")  # fmt: skip
     trace.add_argument("--png", metavar="FILE", help="plot load, oracle and replicas")
     trace.add_argument("--seed", type=int, help="default 0")
     trace.add_argument("--calibrate", metavar="URL",

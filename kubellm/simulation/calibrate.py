@@ -6,7 +6,9 @@ benchmark calibrates its simulated replica (`experiment.calibrate`: a constant
 rate, the share of requests meeting the SLO), but over HTTP against the URL:
 
 - one point: Poisson arrivals at `rate` for `seconds` (at most `max_requests`
-  requests), each a streamed completion (`kubellm.bench.runner.send`) with a
+  requests), each a streamed completion (`stream_one`: `/v1/completions` with
+  SSE, timed per chunk as `kubellm bench` times them; the tools do not import
+  each other, so this is its own small client) with a
   prompt of about the trace's prompt tokens (common words, one token each in
   most vocabularies; the server's usage chunk gives the real count) and
   `max_tokens` of its output tokens with `ignore_eos`, so every request decodes
@@ -29,6 +31,7 @@ search by `max_points`. Loopback or a replica you own: this sends load.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
@@ -39,8 +42,14 @@ from typing import Any
 import httpx
 
 from kubellm import api
-from kubellm.bench import runner
-from kubellm.bench.workloads import WORDS, Turn
+
+# Short, frequent words: about one token each in the usual byte-pair vocabularies.
+_WORD_TEXT = """
+the of and to in is was for that on as with by at from his an were are which this be has
+had one or have not but they their all new first its been also after who more two time
+other into her can out up about there when over only would year some most
+"""
+WORDS = tuple(_WORD_TEXT.split())
 
 DEFAULT_SECONDS = 30.0
 DEFAULT_MAX_POINTS = 10
@@ -76,6 +85,7 @@ class Calibration:
     objective: float
     points: list[Point] = field(default_factory=list)
     sizes: list[tuple[int, int]] = field(default_factory=list)  # (prompt, output) measured
+    bounded: bool = True  # some rate missed the objective (False: capacity is a lower bound)
     slowdown: float | None = None  # the fitted profile's step-cost factor
     simulated_rps: float | None = None  # what the fitted simulated replica serves
 
@@ -84,11 +94,88 @@ class Calibration:
             "url": self.url,
             "model": self.model,
             "capacity_rps": self.capacity_rps,
+            "bounded": self.bounded,
             "objective": self.objective,
             "slowdown": self.slowdown,
             "simulated_rps": self.simulated_rps,
             "points": [{**asdict(p), "attainment": round(p.attainment, 4)} for p in self.points],
         }
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str  # base URL, with or without /v1
+    model: str
+    timeout_s: float = 120.0
+
+    @property
+    def completions(self) -> str:
+        base = self.url.rstrip("/")
+        return (base if base.endswith("/v1") else base + "/v1") + "/completions"
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """One streamed request's timings (error: why it failed; then no timing counts)."""
+
+    ttft: float | None = None
+    itl: float = 0.0  # mean seconds between tokens after the first
+    prompt_tokens: int | None = None  # as the server's usage chunk reports
+    output_tokens: int = 0
+    error: str | None = None
+
+
+async def stream_one(
+    client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int
+) -> Streamed:
+    """POST one streamed completion (`ignore_eos`: it decodes `max_tokens`) and time it."""
+    body = {
+        "model": target.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    start = time.perf_counter()
+    first = last = None
+    chunks, usage_prompt, usage_output = 0, None, None
+    try:
+        async with client.stream("POST", target.completions, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread())[:200].decode(errors="replace")
+                return Streamed(error=f"HTTP {response.status_code}: {text}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    continue
+                event = json.loads(data)
+                if isinstance(event.get("error"), dict):
+                    return Streamed(error=f"stream error: {event['error'].get('message')}")
+                usage = event.get("usage")
+                if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+                    usage_output = int(usage["completion_tokens"])
+                    if usage.get("prompt_tokens") is not None:
+                        usage_prompt = int(usage["prompt_tokens"])
+                choices = event.get("choices") or []
+                if choices and choices[0].get("text"):
+                    now = time.perf_counter()
+                    first = now if first is None else first
+                    last = now
+                    chunks += 1
+    except (httpx.HTTPError, ValueError) as error:
+        return Streamed(error=f"{type(error).__name__}: {error} ({target.completions})")
+    if first is None or last is None:
+        return Streamed(error="no token was streamed")
+    outputs = usage_output if usage_output is not None else chunks
+    return Streamed(
+        ttft=first - start,
+        itl=(last - first) / (outputs - 1) if outputs > 1 else 0.0,
+        prompt_tokens=usage_prompt,
+        output_tokens=outputs,
+    )
 
 
 def _prompt(tokens: int, rng: random.Random) -> str:
@@ -119,7 +206,7 @@ async def served_model(url: str, timeout: float = 10.0) -> str:
 
 
 async def measure(
-    target: runner.Target,
+    target: Target,
     rate: float,
     seconds: float,
     sizes: Sequence[tuple[int, int]],
@@ -138,27 +225,27 @@ async def measure(
         offsets.append(t)
     if not offsets:
         offsets = [0.0]
-    turns = []
+    requests = []
     for _ in offsets:
         prompt, output = rng.choice(sizes)
-        turns.append(Turn(_prompt(prompt, rng), max(1, output), prompt))
+        requests.append((_prompt(prompt, rng), max(1, output)))
     started = time.monotonic()
 
-    async def one(client: Any, at: float, turn: Turn) -> runner.RequestResult | None:
+    async def one(client: httpx.AsyncClient, at: float, prompt: str, output: int) -> Streamed:
         await asyncio.sleep(max(0.0, started + at - time.monotonic()))
         try:
-            result, _ = await asyncio.wait_for(
-                runner.send(client, target, turn, None), target.timeout_s
+            return await asyncio.wait_for(
+                stream_one(client, target, prompt, output), target.timeout_s
             )
         except TimeoutError:
-            return None
-        return result
+            return Streamed(error="timed out")
 
-    client = runner.open_client(target, "httpx")
-    async with client:
+    timeout = httpx.Timeout(target.timeout_s, connect=10.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         tasks = [
-            asyncio.ensure_future(one(client, at, turn))
-            for at, turn in zip(offsets, turns, strict=True)
+            asyncio.ensure_future(one(client, at, prompt, output))
+            for at, (prompt, output) in zip(offsets, requests, strict=True)
         ]
         done, pending = await asyncio.wait(tasks, timeout=seconds + drain_seconds)
         for task in pending:
@@ -169,10 +256,10 @@ async def measure(
     met = errors = 0
     ttfts, itls, prompts, outputs = [], [], [], []
     for result in results:
-        if result is None or not result.ok or result.ttft is None:
+        if result.error is not None or result.ttft is None:
             errors += 1
             continue
-        itl = result.tpot or 0.0
+        itl = result.itl
         ttfts.append(result.ttft)
         itls.append(itl)
         if result.prompt_tokens is not None:
@@ -214,7 +301,7 @@ async def search(
     if not (start_rps > 0 and seconds > 0 and max_points >= 1 and max_requests >= 1):
         raise CalibrationError("--calibrate: the rate, seconds and counts must be positive")
     name = model or await served_model(url)
-    target = runner.Target(url=url, model=name, ignore_eos=True, timeout_s=request_timeout)
+    target = Target(url=url, model=name, timeout_s=request_timeout)
     # a request may take its TTFT and ITL budget several times over before it counts as late
     longest = max(o for _, o in sizes)
     drain = min(request_timeout, 4 * (slo.ttft_seconds + slo.itl_seconds * longest) + 5.0)
@@ -259,6 +346,7 @@ async def search(
             f"{out.points[-1].rate:g} req/s); lower --calibrate-start or check the SLO"
         )
     out.capacity_rps = round(passed, 3)
+    out.bounded = math.isfinite(failed)
     good = [p for p in out.points if p.prompt_tokens is not None and p.output_tokens is not None]
     if good:  # the sizes as the server counted them (words are about a token each)
         ratio = sum(p.prompt_tokens or 0 for p in good) / len(good)

@@ -42,13 +42,14 @@ from kubellm.simulation import calibrate, experiment, traces
 from kubellm.simulation.fleet import Fleet
 from kubellm.simulation.gateway import ApiModel
 
-POLICIES = ("kv-queue", experiment.FALLBACK, experiment.COST)
+POLICIES = ("kv-queue", experiment.FALLBACK, experiment.COST, *experiment.PREDICTIVE_POLICIES)
 DEFAULT_POLICIES = ("kv-queue", experiment.COST)
 LABELS = {
     "kv-queue": "autoscaler, no fallback",
     experiment.FALLBACK: "autoscaler + fallback (maxFallbackShare)",
     experiment.COST: "autoscaler + fallback (cost rule)",
 }
+LABELS.update({f"{k}{experiment.PREDICT}": f"{v}, predictive" for k, v in list(LABELS.items())})
 DEFAULT_GPU_HOUR_PRICE = experiment.GPU_HOUR_PRICE
 DEFAULT_API_PRICE = 0.20
 CALIBRATION_SECONDS = 120.0
@@ -408,7 +409,8 @@ def calibration_lines(calibration: dict[str, Any] | None) -> list[str]:
     points = ", ".join(f"{p['rate']:g}: {p['attainment']:.1%}" for p in calibration["points"])
     return [
         f"calibrated: {calibration['url']} ({calibration['model']}) serves "
-        f"{calibration['capacity_rps']:g} req/s of the requests sent with "
+        + ("" if calibration["bounded"] else "at least (no rate tried missed) ")
+        + f"{calibration['capacity_rps']:g} req/s of the requests sent with "
         f"{calibration['objective']:.0%} within the SLO (req/s: SLO met {points});",
         f"  the simulated replica serves as much at x{calibration['slowdown']:g} its step costs "
         f"({calibration['simulated_rps']:g} req/s of the same requests)",

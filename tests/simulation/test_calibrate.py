@@ -106,3 +106,22 @@ def test_every_request_failing_is_an_error_not_a_capacity(sim_server) -> None:
             calibrate.search(url, [(16, 4)], api.SLO(), model="no-such-model", seconds=1.0,
                              max_points=2, request_timeout=10)
         )  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_the_tiny_vllm_engine_is_measured(vllm_server: str, capsys) -> None:
+    # the real engine on CPU: short requests, an SLO a loaded 2-core machine meets at low rates
+    code = cli.main(
+        ["plan", "--calibrate", vllm_server, "--calibrate-prompt-tokens", "32",
+         "--calibrate-output-tokens", "8", "--calibrate-start", "1", "--calibrate-seconds", "3",
+         "--calibrate-max-points", "3", "--calibrate-bisections", "1", "--calibrate-timeout",
+         "30", "--ttft", "2", "--itl", "0.5", "--json"]
+    )  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    measured = json.loads(out)["calibration"]
+    first = measured["points"][0]
+    assert first["rate"] == 1 and first["attainment"] >= 0.99 and first["errors"] == 0
+    assert first["prompt_tokens"] and first["output_tokens"] == 8  # ignore_eos: all 8 decoded
+    assert measured["capacity_rps"] >= 1 and 1 <= len(measured["points"]) <= 3
+    assert measured["slowdown"] > 0 and measured["simulated_rps"] > 0
