@@ -24,6 +24,10 @@ KV blocks) and the queue that forms once the pool is full. So:
      backlog that grows while new pods load weights would ask for ever more.
      With the rate known the queue asks at most for the replicas that serve
      the arrivals and drain the (net) backlog within `DRAIN_SECONDS`.
+   - forecast (only with `predictive`): `ceil(forecast / per-replica rate)`,
+     the forecast being the arrival rate `modelLoadSeconds` ahead where it grew
+     along a line over the last two model loads (`kubellm.autoscaler.forecast`);
+     only above the rate signal's ask, and absorbed by the fallback as it is.
    Within a tolerance of 10% of the target a signal asks for no change
    (Kubernetes HPA's rule, against jitter).
 2. Recommendation: the largest signal, at least `minReplicas` (at least one
@@ -49,6 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kubellm.autoscaler import forecast
 from kubellm.autoscaler import policy as p
 
 from kubellm import api
@@ -69,6 +74,8 @@ class Signals:
     want_rate: int = 0
     per_replica: float | None = None  # the rate signal's target, the spec's or derived
     derived: bool = False  # per_replica was derived from the learned rate
+    forecast: float | None = None  # req/s one model load ahead (spec.predictive; None: no trend)
+    want_forecast: int = 0
 
     @property
     def kv_mean(self) -> float | None:
@@ -170,6 +177,13 @@ class KVQueuePolicy:
             if backlog > 0:  # backlog in rate terms: serve the arrivals, drain it in a while
                 drain = math.ceil((rate + backlog / DRAIN_SECONDS) / per_replica - 1e-9)
                 want_queue = min(want_queue, max(drain, 1))
+        predicted, want_forecast = None, 0
+        if spec.predictive and per_replica is not None and rate is not None:
+            predicted = forecast.trend(obs.admitted_history, obs.now, spec.model_load_seconds)
+            if predicted is not None and predicted > rate:
+                want_forecast = _ask(predicted, per_replica, obs.current_replicas, self.tolerance)
+            else:
+                predicted = None
         return Signals(
             waiting=waiting,
             absorbed=absorbed,
@@ -182,6 +196,8 @@ class KVQueuePolicy:
             want_rate=want_rate,
             per_replica=per_replica,
             derived=per_replica is not None and spec.target_requests_per_replica is None,
+            forecast=predicted,
+            want_forecast=want_forecast,
         )
 
     def decide(
@@ -316,6 +332,7 @@ class KVQueuePolicy:
             (sig.want_queue, p.QUEUE_DEPTH),
             (sig.want_kv, p.KV_CACHE_USAGE),
             (sig.want_rate, p.REQUEST_RATE),
+            (sig.want_forecast, p.FORECAST),
             (1 if pending and pending > 0 else 0, p.GATEWAY_PENDING),
             (floor, p.MIN_REPLICAS),
         ]
@@ -330,6 +347,9 @@ class KVQueuePolicy:
         floors = max(floor, 1 if pending and pending > 0 else 0)
         # A queue past its target is not absorbed: requests wait at the replicas, not at the
         # fallback, and latency is at risk. The rate and KV signals wait for the share.
+        # A forecast is load too: while the fallback absorbs the overflow it waits with the
+        # rate signal (growth the fallback takes cheaply needs no replica yet), and once the
+        # overflow is the replicas' it asks for the load one model load ahead.
         held = max(current, floors, sig.want_queue)
         if absorbing and rec > held:
             rec, driver = (
@@ -403,6 +423,11 @@ class KVQueuePolicy:
             parts.append(
                 f"rate {sig.rate:.1f} req/s (target{source} {sig.per_replica:.3g}/replica) "
                 f"asks {sig.want_rate}"
+            )
+        if sig.forecast is not None:
+            parts.append(
+                f"rate trend: {sig.forecast:.1f} req/s in {spec.model_load_seconds} s "
+                f"asks {sig.want_forecast}"
             )
         if obs.fallback_share is not None:
             parts.append(

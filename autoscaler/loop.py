@@ -159,6 +159,7 @@ class Autoscaler:
             refused=answers.refused_recently if answered and target.has_fallback else None,
             fallback_in_flight=_fallback_in_flight(gateway_text, target),
             fallback_capacity=target.fallback_max_concurrency if target.has_fallback else None,
+            admitted_history=tuple((t, a) for t, a, *_ in answers.samples) if answered else (),
         )
         state = p.PolicyState.from_status(target.status)
         decision = self.policy.decide(observation, state, target.autoscaling)

@@ -39,6 +39,7 @@ STEADY = "Steady"
 CONCURRENCY = "Concurrency"
 REQUEST_RATE = "RequestRate"
 FALLBACK_ABSORBING = "FallbackAbsorbing"
+FORECAST = "Forecast"  # spec.autoscaling.predictive: the load one model load ahead
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,9 @@ class Observation:
     (None: no fallback, or unknown); `fallback_in_flight` the requests the fallback
     serves now (sent less answered, from the gateway's counters) and
     `fallback_capacity` the most it may serve at once (spec.fallback.maxConcurrency).
+    `admitted_history`: (time, requests admitted so far) from the gateway's counters over
+    the scale-down window, oldest first (empty: unknown); the forecast reads it
+    (`kubellm.autoscaler.forecast`).
     """
 
     now: float
@@ -88,6 +92,7 @@ class Observation:
     refused: float | None = None  # requests the gateway refused in the last period (fallback)
     fallback_in_flight: float | None = None  # requests at the fallback now (sent - answered)
     fallback_capacity: int | None = None  # spec.fallback.maxConcurrency
+    admitted_history: tuple[tuple[float, float], ...] = ()  # (time, admitted so far)
 
     @property
     def fresh(self) -> tuple[ReplicaMetrics, ...]:

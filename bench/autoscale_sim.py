@@ -16,8 +16,11 @@ Policies: a fixed fleet sized for the peak, a KPA-style concurrency target,
 sending overflow to a modelled fallback API; `--fallback-shares` runs it
 again at other values of maxFallbackShare), `kv-queue+fallback+cost` (the same
 with the cost rule: spec.autoscaling.fallbackCostRatio from the run's prices
-and trace) and all-API. `--traces bursty-hour,smooth-hour` adds two generated
-hours shaped like the Azure code and conversation traces superposed x8.
+and trace) and all-API; on request, `kv-queue+predict`, `kv-queue+fallback+predict`
+and `kv-queue+fallback+cost+predict` (the same with spec.autoscaling.predictive:
+the trend forecast one model load ahead). `--traces bursty-hour,smooth-hour` adds
+two generated hours shaped like the Azure code and conversation traces superposed
+x8; `--api-max-concurrency N` sizes the fallback.
 
 Per trace and policy it reports SLO attainment (TTFT <= 2 s and mean ITL <=
 0.1 s; a request the fallback served counts when the API's modelled latency
@@ -67,7 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --trace: superpose X copies of it, each circularly "
                         "shifted by a random offset (same length and burstiness, X x the "
                         "rate)")  # fmt: skip
-    parser.add_argument("--policies", default=",".join(experiment.POLICIES), help="comma-separated")
+    parser.add_argument("--policies", default=",".join(experiment.POLICIES),
+                        help="comma-separated; also " + ", ".join(experiment.PREDICTIVE_POLICIES)
+                        + " (the same with spec.autoscaling.predictive)")  # fmt: skip
     parser.add_argument("--fallback-shares", default="0", metavar="S,...",
                         help="kv-queue+fallback runs again with maxFallbackShare set to "
                         "each (the knob's effect; the spec's default always runs); '' for "
@@ -92,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         metavar="S", help="the fallback API's time to first token")  # fmt: skip
     parser.add_argument("--api-itl", type=float, default=api_defaults.itl_seconds,
                         metavar="S", help="the fallback API's time between tokens")  # fmt: skip
+    parser.add_argument("--api-max-concurrency", type=int, default=api_defaults.max_concurrency,
+                        metavar="N", help="spec.fallback.maxConcurrency: the most requests "
+                        "the API serves at once from the gateway")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (runs in parallel)")
     parser.add_argument("--out", type=Path, default=Path("bench/out"))
     parser.add_argument("--json", type=Path, metavar="FILE",
@@ -110,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.traces:
         if name not in known_traces:
             parser.error(f"--traces: unknown trace {name!r}; known: {', '.join(known_traces)}")
-    known = experiment.POLICIES
+    known = experiment.KNOWN_POLICIES
     for name in args.policies:
         if name not in known:
             parser.error(f"--policies: unknown policy {name!r}; known: {', '.join(known)}")
@@ -122,6 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "api_ttft", "api_itl"):  # fmt: skip
         if getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')} must not be negative")
+    if args.api_max_concurrency < 1:
+        parser.error("--api-max-concurrency must be at least 1")
     try:
         args.fallback_shares = [float(v) for v in args.fallback_shares.split(",") if v.strip()]
     except ValueError:
@@ -134,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         itl_seconds=args.api_itl,
         input_price_per_million=args.api_input_price_per_million,
         output_price_per_million=args.api_output_price_per_million,
+        max_concurrency=args.api_max_concurrency,
     )
     if args.trace is not None:
         try:

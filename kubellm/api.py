@@ -375,6 +375,13 @@ class Autoscaling(_Model):
         "load): the cost rule's estimate of how long the fallback takes an overflow before "
         "a replica added for it serves.",
     )
+    predictive: bool = Field(
+        default=False,
+        description="Also ask for the load one modelLoadSeconds ahead where the arrival rate "
+        "has grown steadily over the last two model loads (beyond Poisson noise in each of "
+        "three blocks), so replicas are ready when the load arrives; never lowers an ask. A "
+        "step or a burst is not a trend and is left to the reactive signals.",
+    )
 
 
 # --------------------------------------------------------------------------- routing, fallback, SLO

@@ -181,10 +181,35 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
                        help="the oracle fleet's interval (default 300)")  # fmt: skip
     trace.add_argument("--policies", metavar="P,...",
                        help="simulated: kv-queue (no fallback), kv-queue+fallback (the share "
-                       "rule), kv-queue+fallback+cost (the cost rule); default: the first "
-                       "and the last")  # fmt: skip
+                       "rule), kv-queue+fallback+cost (the cost rule), each also with "
+                       "+predict (spec.autoscaling.predictive); default: kv-queue and "
+                       "kv-queue+fallback+cost")  # fmt: skip
     trace.add_argument("--png", metavar="FILE", help="plot load, oracle and replicas")
     trace.add_argument("--seed", type=int, help="default 0")
+    trace.add_argument("--calibrate", metavar="URL",
+                       help="measure the running replica at URL (OpenAI-compatible; it gets "
+                       "load: use your own): its capacity at the SLO for the trace's request "
+                       "sizes, then simulate a replica with that capacity (its step costs "
+                       "scaled to match) instead of the datasheet profile")  # fmt: skip
+    trace.add_argument("--calibrate-model", metavar="NAME",
+                       help="the model to ask for (default: the first /v1/models "
+                       "lists)")  # fmt: skip
+    trace.add_argument("--calibrate-start", type=float, metavar="RPS",
+                       help="the first rate tried; it doubles while the SLO holds "
+                       "(default 1)")  # fmt: skip
+    trace.add_argument("--calibrate-seconds", type=float, metavar="S",
+                       help="seconds of load per rate tried (default 30)")  # fmt: skip
+    trace.add_argument("--calibrate-max-points", type=int, metavar="N",
+                       help="rates tried in all, at most (default 10)")  # fmt: skip
+    trace.add_argument("--calibrate-bisections", type=int, metavar="N",
+                       help="bisections between the last rate that met the SLO and the "
+                       "first that did not (default 3)")  # fmt: skip
+    trace.add_argument("--calibrate-timeout", type=float, metavar="S",
+                       help="a request's timeout (default 120)")  # fmt: skip
+    trace.add_argument("--calibrate-prompt-tokens", type=int, metavar="N",
+                       help="send prompts of about N tokens instead of the trace's")  # fmt: skip
+    trace.add_argument("--calibrate-output-tokens", type=int, metavar="N",
+                       help="ask N output tokens instead of the trace's")  # fmt: skip
     trace.add_argument("-f", "--filename", metavar="FILE",
                        help="an LLMDeployment: its spec.autoscaling, spec.slo, "
                        "spec.fallback.maxConcurrency and GPUs per replica, where the flags "
@@ -233,11 +258,11 @@ def _fmt_bytes(value: float) -> str:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    if args.trace:
+    if args.trace or args.calibrate:
         # the fleet simulation composes components: imported here, for this command only
         from kubellm.simulation import plan as trace_plan
 
-        args.trace = Path(args.trace)
+        args.trace = Path(args.trace) if args.trace else None
         args.png = Path(args.png) if args.png else None
         return trace_plan.main(args)
     try:

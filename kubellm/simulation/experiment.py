@@ -60,6 +60,18 @@ FALLBACK_POLICIES = (FALLBACK, COST)
 ALL_API = "all-api"  # no fleet: every request goes to the API
 # The issue's comparison, run by default.
 POLICIES = ("fixed", "concurrency", "kv-queue", FALLBACK, COST, ALL_API)
+# A kv-queue policy name with this suffix runs with spec.autoscaling.predictive (the trend
+# forecast one model load ahead, `kubellm.autoscaler.forecast`); on request only.
+PREDICT = "+predict"
+PREDICTIVE_POLICIES = tuple(f"{name}{PREDICT}" for name in ("kv-queue", FALLBACK, COST))
+KNOWN_POLICIES = (*POLICIES, *PREDICTIVE_POLICIES)
+
+
+def base_policy(name: str) -> tuple[str, bool]:
+    """A policy name without the predictive suffix, and whether it had one."""
+    return (name.removesuffix(PREDICT), True) if name in PREDICTIVE_POLICIES else (name, False)
+
+
 TRACES = ("step", "ramp", "bursty-day")
 EXTRA_TRACES = ("compressed-day", "bursty-hour", "smooth-hour")  # on request only
 # compressed-day: issue #6's day (mixed time scales); bursty-hour, smooth-hour: generated
@@ -67,10 +79,13 @@ EXTRA_TRACES = ("compressed-day", "bursty-hour", "smooth-hour")  # on request on
 GPU_HOUR_PRICE = 2.50  # $ per GPU-hour: an 80 GB H100 rented on demand
 
 
-def profile() -> sim_profiles.Profile:
-    return sim_profiles.get("llama-3.1-8b-h100").with_overrides(
+def profile(slowdown: float = 1.0) -> sim_profiles.Profile:
+    """The simulated replica; `slowdown` multiplies every step cost (a replica calibrated
+    against a real engine, `kubellm plan --calibrate`)."""
+    base = sim_profiles.get("llama-3.1-8b-h100").with_overrides(
         max_num_seqs=128, max_num_batched_tokens=2048, prefix_caching=False
     )
+    return base if slowdown == 1.0 else base.slowed(slowdown)
 
 
 def autoscaling(mix: str = "long", **overrides: Any) -> api.Autoscaling:
@@ -98,10 +113,11 @@ def config(
     mix: str = "long",
     fallback: ApiModel | None = None,
     slo: api.SLO | None = None,
+    slowdown: float = 1.0,
     **overrides: Any,
 ) -> FleetConfig:
     return FleetConfig(
-        profile=profile(),
+        profile=profile(slowdown),
         autoscaling=autoscaling(mix, **overrides),
         slo=slo or api.SLO(),
         initial_replicas=initial_replicas,
@@ -241,6 +257,7 @@ class Job:
     # with the fallback) unless the spec overrides it
     capacity: float | None = None
     slo: tuple[float, float] | None = None  # (TTFT, ITL) seconds (None: spec.slo's defaults)
+    slowdown: float = 1.0  # every simulated step cost x this (a calibrated replica)
 
     @property
     def label(self) -> str:
@@ -268,15 +285,19 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
     arrivals = trace.arrivals(job.seed, traces.MIXES[job.mix])
     capacity = job.capacity or CAPACITY_RPS[job.mix]
     overrides = dict(job.spec)
+    name, predictive = base_policy(job.policy)
+    if predictive:
+        overrides["predictive"] = True
+        overrides.setdefault("model_load_seconds", round(job.load_seconds))
     if job.capacity is not None:
         overrides.setdefault("target_requests_per_replica", round(RATE_TARGET * capacity, 2))
     if job.fallback_share is not None:
         overrides["max_fallback_share"] = job.fallback_share
-    if job.policy in FALLBACK_POLICIES and "target_requests_per_replica" not in dict(job.spec):
+    if name in FALLBACK_POLICIES and "target_requests_per_replica" not in dict(job.spec):
         overrides["target_requests_per_replica"] = round(FALLBACK_RATE_TARGET * capacity, 2)
-    if job.policy == FALLBACK:
+    if name == FALLBACK:
         overrides["fallback_cost_ratio"] = None  # the share rule, whatever the spec says
-    if job.policy == COST:
+    if name == COST:
         overrides.setdefault("model_load_seconds", round(job.load_seconds))
         if overrides.get("fallback_cost_ratio") is None:
             per_replica = autoscaling(job.mix, **overrides).target_requests_per_replica
@@ -290,12 +311,12 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
     spec = autoscaling(job.mix, **overrides)
     slo = api.SLO() if job.slo is None else api.SLO(ttft_seconds=job.slo[0], itl_seconds=job.slo[1])
     started = time.perf_counter()
-    if job.policy == ALL_API:
+    if name == ALL_API:
         result = all_api(arrivals, trace.duration, job.api_model, slo, trace.name)
     else:
         initial = (
             fixed_size_of(trace, capacity)
-            if job.policy == "fixed"
+            if name == "fixed"
             else warm_start(arrivals, spec, capacity)
         )
         fleet = Fleet(
@@ -303,11 +324,12 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
                 initial,
                 job.load_seconds,
                 job.mix,
-                fallback=job.api_model if job.policy in FALLBACK_POLICIES else None,
+                fallback=job.api_model if name in FALLBACK_POLICIES else None,
                 slo=slo,
+                slowdown=job.slowdown,
                 **overrides,
             ),
-            make_policy(job.policy, job.kpa_target, capacity),
+            make_policy(name, job.kpa_target, capacity),
             arrivals,
             trace.duration,
             trace=trace.name,
@@ -320,10 +342,9 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
     summary["oracle_replica_seconds"] = oracle_replica_seconds(trace, capacity)
     summary["target_requests_per_replica"] = spec.target_requests_per_replica
     summary["scale_down_stabilization_seconds"] = spec.scale_down_stabilization_seconds
-    summary["max_fallback_share"] = (
-        spec.max_fallback_share if job.policy in FALLBACK_POLICIES else None
-    )
+    summary["max_fallback_share"] = spec.max_fallback_share if name in FALLBACK_POLICIES else None
     summary["fallback_cost_ratio"] = spec.fallback_cost_ratio
+    summary["predictive"] = spec.predictive
     for key, held in (
         ("rate_rule_replica_seconds", False),
         ("rate_rule_held_replica_seconds", True),

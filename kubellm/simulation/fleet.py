@@ -532,6 +532,7 @@ class Fleet:
             fallback_capacity=self.config.fallback.max_concurrency
             if self.config.fallback
             else None,
+            admitted_history=tuple((t, a) for t, a, *_ in answers.samples),
         )
 
     def _tick(self, now: float) -> None:

@@ -28,6 +28,7 @@ once.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import random
@@ -37,17 +38,18 @@ from pathlib import Path
 from typing import Any
 
 from kubellm import api, manifests
-from kubellm.simulation import experiment, traces
+from kubellm.simulation import calibrate, experiment, traces
 from kubellm.simulation.fleet import Fleet
 from kubellm.simulation.gateway import ApiModel
 
-POLICIES = ("kv-queue", experiment.FALLBACK, experiment.COST)
+POLICIES = ("kv-queue", experiment.FALLBACK, experiment.COST, *experiment.PREDICTIVE_POLICIES)
 DEFAULT_POLICIES = ("kv-queue", experiment.COST)
 LABELS = {
     "kv-queue": "autoscaler, no fallback",
     experiment.FALLBACK: "autoscaler + fallback (maxFallbackShare)",
     experiment.COST: "autoscaler + fallback (cost rule)",
 }
+LABELS.update({f"{k}{experiment.PREDICT}": f"{v}, predictive" for k, v in list(LABELS.items())})
 DEFAULT_GPU_HOUR_PRICE = experiment.GPU_HOUR_PRICE
 DEFAULT_API_PRICE = 0.20
 CALIBRATION_SECONDS = 120.0
@@ -104,6 +106,15 @@ def _defaults(args: argparse.Namespace) -> None:
         "interval": 300.0,
         "policies": ",".join(DEFAULT_POLICIES),
         "seed": 0,
+        "calibrate": None,
+        "calibrate_model": None,
+        "calibrate_start": 1.0,
+        "calibrate_seconds": calibrate.DEFAULT_SECONDS,
+        "calibrate_max_points": calibrate.DEFAULT_MAX_POINTS,
+        "calibrate_bisections": calibrate.DEFAULT_BISECTIONS,
+        "calibrate_timeout": 120.0,
+        "calibrate_prompt_tokens": None,
+        "calibrate_output_tokens": None,
     }
     for name, value in defaults.items():
         if getattr(args, name, None) is None:
@@ -120,6 +131,19 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must not be negative"
     if args.capacity is not None and not args.capacity > 0:
         return "--capacity must be positive"
+    if args.calibrate and args.capacity is not None:
+        return "--calibrate measures the capacity: leave --capacity out"
+    if args.calibrate and not str(args.calibrate).startswith(("http://", "https://")):
+        return f"--calibrate: expected an http:// or https:// URL, got {args.calibrate!r}"
+    for name in ("calibrate_start", "calibrate_seconds", "calibrate_timeout"):
+        if not getattr(args, name) > 0:
+            return f"--{name.replace('_', '-')} must be positive"
+    for name in ("calibrate_max_points", "calibrate_prompt_tokens", "calibrate_output_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be at least 1"
+    if args.calibrate_bisections < 0:
+        return "--calibrate-bisections must not be negative"
     if args.min_replicas < 1 or args.max_replicas < args.min_replicas:
         return "--min-replicas must be at least 1 and at most --max-replicas"
     if args.api_max_concurrency < 1:
@@ -132,8 +156,40 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
+def meets(
+    sizes: list[tuple[int, int]],
+    slo: api.SLO,
+    rate: float,
+    slowdown: float = 1.0,
+    seed: int = 0,
+    objective: float = OBJECTIVE,
+) -> bool:
+    """Whether one simulated replica (step costs x `slowdown`) meets `objective` of `slo` at
+    `rate` requests/s (Poisson arrivals over `CALIBRATION_SECONDS`) sized as `sizes`."""
+    # common random numbers: one seeded unit-rate sequence, compressed to `rate`, so that
+    # runs at nearby rates and step costs see the same arrivals and their verdicts are
+    # comparable (the fit bisects on them)
+    rng = random.Random(f"calibrate/{seed}")
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(1.0) / rate
+        size = rng.choice(sizes)
+        if t >= CALIBRATION_SECONDS:
+            break
+        out.append(traces.Arrival(t, *size))
+    if not out:
+        return True
+    config = experiment.config(slo=slo, slowdown=slowdown)
+    result = Fleet(config, None, out, CALIBRATION_SECONDS).run()
+    return result.met >= objective * result.requests
+
+
 def calibrate_capacity(
-    arrivals: list[traces.Arrival], slo: api.SLO, seed: int = 0, objective: float = OBJECTIVE
+    arrivals: list[traces.Arrival],
+    slo: api.SLO,
+    seed: int = 0,
+    objective: float = OBJECTIVE,
+    slowdown: float = 1.0,
 ) -> float:
     """Requests/s one simulated replica serves with `objective` of requests meeting `slo`,
     for requests sized as the trace's (drawn from them, Poisson arrivals), to 0.1 req/s."""
@@ -149,7 +205,7 @@ def calibrate_capacity(
             out.append(traces.Arrival(t, *rng.choice(sizes)))
         if not out:
             return True
-        config = experiment.config(slo=slo)
+        config = experiment.config(slo=slo, slowdown=slowdown)
         result = Fleet(config, None, out, CALIBRATION_SECONDS).run()
         return result.met >= objective * result.requests
 
@@ -164,14 +220,79 @@ def calibrate_capacity(
     return round(low, 1)
 
 
+def calibration_sizes(
+    args: argparse.Namespace, arrivals: list[traces.Arrival] | None
+) -> list[tuple[int, int]]:
+    """What `--calibrate` sends: `--calibrate-prompt-tokens`/`--calibrate-output-tokens`
+    where given, else up to 200 of the trace's requests' sizes (seeded)."""
+    prompt, output = args.calibrate_prompt_tokens, args.calibrate_output_tokens
+    if prompt is not None and output is not None:
+        return [(prompt, output)]
+    if not arrivals:
+        raise ValueError(
+            "--calibrate without --trace needs --calibrate-prompt-tokens and "
+            "--calibrate-output-tokens"
+        )
+    rng = random.Random(f"calibrate-sizes/{args.seed}")
+    picked = rng.sample(arrivals, min(200, len(arrivals)))
+    return [(prompt or a.prompt_tokens, output or a.output_tokens) for a in picked]
+
+
+def measure_replica(
+    args: argparse.Namespace, slo: api.SLO, arrivals: list[traces.Arrival] | None
+) -> calibrate.Calibration:
+    """`--calibrate URL`: the replica's capacity at the SLO, measured over HTTP, and the
+    simulated profile's step-cost factor that serves the same (the calibrated replica)."""
+    sizes = calibration_sizes(args, arrivals)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    measured = asyncio.run(
+        calibrate.search(
+            args.calibrate,
+            sizes,
+            slo,
+            OBJECTIVE,
+            model=args.calibrate_model,
+            start_rps=args.calibrate_start,
+            seconds=args.calibrate_seconds,
+            max_points=args.calibrate_max_points,
+            bisections=args.calibrate_bisections,
+            request_timeout=args.calibrate_timeout,
+            seed=args.seed,
+            log=log,
+        )
+    )
+    fitted = measured.sizes
+
+    def simulated(rate: float, factor: float) -> bool:
+        return meets(fitted, slo, rate, factor, args.seed)
+
+    measured.slowdown = calibrate.fit_slowdown(measured.capacity_rps, simulated)
+    measured.simulated_rps = calibrate.simulated_capacity(
+        simulated, measured.slowdown, measured.capacity_rps
+    )
+    return measured
+
+
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     """The figures (`--json` prints them); the runs are the benchmark's (`experiment.run`)."""
     started = time.perf_counter()
     trace = traces.read_file(args.trace, args.rate_scale, args.seed)
     arrivals = trace.arrivals(args.seed)
     slo = api.SLO(ttft_seconds=args.ttft, itl_seconds=args.itl)
+    measured = None
+    slowdown = 1.0
+    if args.calibrate:
+        measured = measure_replica(args, slo, arrivals)
+        slowdown = measured.slowdown or 1.0
     calibrated = args.capacity is None
-    capacity = calibrate_capacity(arrivals, slo, args.seed) if calibrated else args.capacity
+    capacity = (
+        calibrate_capacity(arrivals, slo, args.seed, slowdown=slowdown)
+        if calibrated
+        else args.capacity
+    )
     gpu_price = args.gpu_hour_price if args.gpu_hour_price is not None else DEFAULT_GPU_HOUR_PRICE
     gpus = args.tensor_parallel
     api_price = (
@@ -199,6 +320,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_hour_price": gpu_price * gpus,
         "capacity": capacity,
         "slo": (args.ttft, args.itl),
+        "slowdown": slowdown,
     }
     runs, results = {}, {}
     for name in [p for p in args.policies.split(",") if p]:
@@ -225,7 +347,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             "clipped": trace.clipped,
         },
         "replica": {
-            "profile": "llama-3.1-8b-h100",
+            "profile": "llama-3.1-8b-h100"
+            + (f" x{slowdown:g} step costs" if slowdown != 1.0 else ""),
+            "slowdown": slowdown,
             "gpus": gpus,
             "capacity_rps": capacity,
             "capacity": "calibrated" if calibrated else "given",
@@ -255,6 +379,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         },
         "wall_s": round(time.perf_counter() - started, 1),
     }
+    if measured is not None:
+        document["calibration"] = measured.to_json()
     if args.png is not None:
         _plot(args.png, trace, capacity, oracle, args.interval, results)
         document["png"] = str(args.png)
@@ -276,6 +402,21 @@ def _figures(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def calibration_lines(calibration: dict[str, Any] | None) -> list[str]:
+    """What `--calibrate` measured, for the text output."""
+    if not calibration:
+        return []
+    points = ", ".join(f"{p['rate']:g}: {p['attainment']:.1%}" for p in calibration["points"])
+    return [
+        f"calibrated: {calibration['url']} ({calibration['model']}) serves "
+        + ("" if calibration["bounded"] else "at least (no rate tried missed) ")
+        + f"{calibration['capacity_rps']:g} req/s of the requests sent with "
+        f"{calibration['objective']:.0%} within the SLO (req/s: SLO met {points});",
+        f"  the simulated replica serves as much at x{calibration['slowdown']:g} its step costs "
+        f"({calibration['simulated_rps']:g} req/s of the same requests)",
+    ]
+
+
 def text(document: dict[str, Any]) -> str:
     t, r, o, peak = (
         document["trace"],
@@ -293,6 +434,7 @@ def text(document: dict[str, Any]) -> str:
         f"{slo['itl_seconds']:g} s ({r['capacity']}); {r['load_seconds']:g} s to load",
         f"prices: ${prices['gpu_hour']:g} per GPU-hour, API ${prices['api_per_million_tokens']:g} "
         "per million tokens",
+        *calibration_lines(document.get("calibration")),
         "",
         f"oracle fleet (replicas needed per {o['interval_s']:g} s, instant replicas): "
         + " ".join(str(n) for n in o["replicas"])
@@ -384,6 +526,19 @@ def main(args: argparse.Namespace) -> int:
     problem = _check(args)
     if problem:
         return _fail(problem)
+    if not args.trace:  # --calibrate alone: the measured replica, no plan
+        try:
+            slo = api.SLO(ttft_seconds=args.ttft, itl_seconds=args.itl)
+            measured = measure_replica(args, slo, None)
+        except ValueError as error:
+            return _fail(str(error))
+        document = {"calibration": measured.to_json()}
+        print(
+            json.dumps(document)
+            if args.json
+            else "\n".join(calibration_lines(document["calibration"]))
+        )
+        return 0
     try:
         document = plan(args)
     except traces.TraceError as error:

@@ -378,3 +378,27 @@ async def test_the_fallbacks_load_and_refusals_reach_the_policy(
     assert observed.fallback_in_flight == 26 and observed.fallback_capacity == 16
     assert observed.refused == 3
     assert obj(cluster)["status"]["autoscaler"]["gatewaySamples"][-1]["refused"] == 5
+
+
+async def test_predictive_reads_the_gateway_history_and_asks_ahead(
+    cluster: Any, clients: Any, metrics_server: Any
+) -> None:
+    # the gateway's admitted counter on a ramp: 5 req/s growing by 0.1 req/s every second
+    cluster.objects[LLMD, "default", "tiny"] = llmd(
+        replicas=1, maxReplicas=8, targetRequestsPerReplica=5, predictive=True
+    )
+    await add_engine(cluster, metrics_server, engine_text(0, 6, 0.1), "a")
+    gateway = await metrics_server(gateway_text({"tiny": 0}, {"tiny": 0}))
+    clock, start = Clock(), Clock().now
+    outcome = None
+    for k in range(26):  # 125 s: the fit reads the last 120
+        t = 5.0 * k
+        gateway.text = gateway_text({"tiny": 0}, {"tiny": round(5 * t + 0.05 * t * t)})
+        clock.now = start + t
+        [outcome] = await scaler(clients, clock, gateway_metrics_url=gateway.url).step()
+    assert outcome is not None
+    assert len(outcome.observation.admitted_history) == 26
+    status = obj(cluster)["status"]["autoscaler"]
+    # 17.2 req/s over the last period asks 4; the line says 23.5 req/s in 60 s: 5
+    assert "rate trend: 23.5 req/s in 60 s asks 5" in status["message"], status["message"]
+    assert scale_writes(cluster)[-1] == 5

@@ -589,3 +589,63 @@ def test_a_fallback_half_full_ends_the_wait(in_flight: float | None, replicas: i
     )
     decision = POLICY.decide(observed, p.PolicyState(), spec(**COST_SPEC))
     assert decision.replicas == replicas, decision.message
+
+
+# ---------------------------------------------------------------- the trend forecast (predictive)
+
+
+def _ramp_history(now: float, start_rate: float, slope: float, span: float = 300.0):
+    """(time, admitted so far) every 5 s of a noiseless ramp ending at `now`."""
+    out, t0 = [], now - span
+    for k in range(int(span // 5) + 1):
+        t = t0 + 5.0 * k
+        out.append((t, start_rate * (t - t0) + slope * (t - t0) ** 2 / 2))
+    return tuple(out)
+
+
+PREDICT_SPEC = {"target_requests_per_replica": 5, "max_replicas": 8, "model_load_seconds": 60}
+# 5 -> 20 req/s over 300 s (0.05 req/s per s): 18.5 req/s over the last 30 s asks 4 replicas;
+# in 60 s the load is 23 req/s: 5 replicas.
+RAMP = dataclasses.replace(
+    obs(4, *[rep(0, 20, 0.5)] * 4, rate=18.5),
+    admitted_history=_ramp_history(NOW, 5.0, 0.05),
+)
+
+
+def test_predictive_asks_for_the_load_one_model_load_ahead() -> None:
+    decision = POLICY.decide(RAMP, p.PolicyState(), spec(**PREDICT_SPEC, predictive=True))
+    assert (decision.replicas, decision.reason) == (5, p.FORECAST), decision.message
+    assert "rate trend: 23.0 req/s in 60 s asks 5" in decision.message
+    # off by default: the reactive signals alone
+    assert POLICY.decide(RAMP, p.PolicyState(), spec(**PREDICT_SPEC)).replicas == 4
+
+
+def test_a_forecast_waits_with_the_rate_while_the_fallback_absorbs() -> None:
+    fields = {**PREDICT_SPEC, "max_fallback_share": 0.05, "predictive": True}
+    absorbed = dataclasses.replace(RAMP, fallback_share=0.01)  # growth the fallback takes
+    decision = POLICY.decide(absorbed, p.PolicyState(), spec(**fields))
+    assert (decision.replicas, decision.reason) == (4, p.FALLBACK_ABSORBING), decision.message
+    sustained = dataclasses.replace(RAMP, fallback_share=0.2)  # the overflow is the replicas'
+    decision = POLICY.decide(sustained, p.PolicyState(), spec(**fields))
+    assert (decision.replicas, decision.reason) == (5, p.FORECAST), decision.message
+
+
+def test_a_forecast_never_lowers_an_ask_and_its_ask_is_held_for_the_window() -> None:
+    # falling load: the history reads a trend down, which is no forecast
+    falling = tuple((t, 40.0 * (t - NOW + 300) - c) for t, c in _ramp_history(NOW, 0.0, 0.05))
+    down = dataclasses.replace(
+        RAMP, admitted_history=falling, request_rate=30.0, recent_request_rate=30.0
+    )
+    decision = POLICY.decide(down, p.PolicyState(), spec(**PREDICT_SPEC, predictive=True))
+    assert decision.replicas == 6 and "rate trend" not in decision.message
+    # the forecast's scale-up is remembered: the flat load after it waits the whole window
+    up = POLICY.decide(RAMP, p.PolicyState(), spec(**PREDICT_SPEC, predictive=True))
+    state, replicas = up.state, []
+    for k in range(1, 62):
+        flat = dataclasses.replace(
+            obs(5, *[rep(0, 16, 0.4)] * 5, now=NOW + 5.0 * k, rate=18.5), admitted_history=()
+        )
+        d = POLICY.decide(flat, state, spec(**PREDICT_SPEC, predictive=True))
+        state = d.state
+        replicas.append(d.replicas)
+    assert replicas[:59] == [5] * 59 and replicas[-1] == 4  # one change, after the window

@@ -493,3 +493,23 @@ def test_replicas_decoding_in_bulk_give_the_same_run(with_fallback: bool) -> Non
 
     assert bulk.decisions and bulk.finished  # it scaled and served
     assert bulk == plain
+
+
+def test_the_predictive_twin_scales_ahead_on_the_ramp_and_not_on_the_step() -> None:
+    """spec.autoscaling.predictive: on the ramp (growth along a line) it asks for the load one
+    model load ahead, without a fallback to wait for; on the step (a surprise, no line) it
+    decides exactly as the reactive rule. Both keep at most one direction change a window."""
+    runs = {
+        (trace, policy): experiment.run(experiment.Job(trace, policy))[0]
+        for trace in ("ramp", "step")
+        for policy in ("kv-queue", "kv-queue+predict")
+    }
+    ahead = runs[("ramp", "kv-queue+predict")]
+    forecasts = [d for d in ahead["decisions"] if d["message"].startswith("Forecast:")]
+    assert forecasts, "the ramp is a trend: some scale-up is the forecast's"
+    first_up = lambda s: min(d["time_s"] for d in s["decisions"] if d["to"] > d["from"])  # noqa: E731
+    assert first_up(ahead) <= first_up(runs[("ramp", "kv-queue")])
+    assert ahead["max_direction_changes_per_scale_down_window"] <= 1
+    plain, predicted = runs[("step", "kv-queue")], runs[("step", "kv-queue+predict")]
+    assert predicted["decisions"] == plain["decisions"]
+    assert predicted["slo_attainment"] == plain["slo_attainment"]
