@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default="prefix-aware,slo-aware,least-load,"
                    "vllm-router:power_of_two,vllm-router:cache_aware")  # fmt: skip
     p.add_argument("--rates", default="2,4,6", help="requests per second")
-    p.add_argument("--requests", type=int, default=80, help="per policy and rate")
+    p.add_argument("--requests", type=int, default=60, help="per policy, rate and repeat")
+    p.add_argument("--repeats", type=int, default=2, help="runs per policy and rate")
     p.add_argument("--cpu-sets", default="0-1,1", help="taskset CPU list per replica")
     p.add_argument("--ttft", type=float, help="TTFT target, s (default: calibrated)")
     p.add_argument("--itl", type=float, help="mean-ITL target, s (default: calibrated)")
@@ -350,34 +351,52 @@ def main(argv: list[str] | None = None) -> int:
             itl = itl or 3 * statistics.median(r["itl"] for r in ok if r["itl"])
         load = os.getloadavg()[0]
         print(f"SLO: TTFT {ttft:.3f} s, mean ITL {itl:.4f} s; load average {load:.1f}")
-        print(f"{'policy':26} {'rate':>5} {'ok':>4} {'SLO%':>6} {'TTFT50':>7} {'TTFT99':>7} "
-              f"{'ITL99':>7} {'r1%':>6} {'MAPE-T':>7} {'MAPE-I':>7}", flush=True)  # fmt: skip
-        for rate in rates:
-            for salt, policy in enumerate(policies):
-                work = workload(args, salt=salt + 10 * rates.index(rate), count=args.requests)
-                before = served(urls)
-                if policy.startswith("vllm-router:"):
-                    with Front(args, policy, urls) as front:
-                        results = asyncio.run(drive(front.gateways[0], work, rate, args.timeout))
-                    recorded: list[tuple] = []
-                else:
-                    static = static_file(work_dir, policy, urls, ttft, itl)
-                    results, recorded = asyncio.run(
-                        run_kubellm(policy, static, work, rate, args.timeout)
-                    )
-                after = served(urls)
-                done = [b - a for a, b in zip(before, after, strict=True)]
-                slow_share = done[-1] / sum(done) if sum(done) else None
-                row = {"policy": policy, "rate": rate, "load": os.getloadavg()[0],
-                       **summarize(results, recorded, ttft, itl, slow_share)}  # fmt: skip
-                rows.append(row)
-                print(f"{policy:26} {rate:5.1f} {row['ok']:>4} {100 * row['slo_share']:5.1f}% "
-                      f"{fmt(row['ttft_p50'], '7.3f')} {fmt(row['ttft_p99'], '7.3f')} "
-                      f"{fmt(row['itl_p99'], '7.4f')} "
-                      f"{fmt(row['slow_share'] and 100 * row['slow_share'], '5.1f')}% "
-                      f"{fmt(row['ttft_mape'] and 100 * row['ttft_mape'], '6.1f')}% "
-                      f"{fmt(row['itl_mape'] and 100 * row['itl_mape'], '6.1f')}%",
-                      flush=True)  # fmt: skip
+        print(f"{'policy':26} {'rate':>5} {'rep':>3} {'ok':>4} {'SLO%':>6} {'TTFT50':>7} "
+              f"{'TTFT99':>7} {'ITL99':>7} {'r1%':>6} {'MAPE-T':>7} {'MAPE-I':>7}",
+              flush=True)  # fmt: skip
+        runs = [
+            (rate, repeat, policy)
+            for rate in rates
+            for repeat in range(args.repeats)
+            # odd repeats in reverse order: a drift in the machine's load over a rate's
+            # runs falls on every policy alike (ABBA)
+            for policy in (policies if repeat % 2 == 0 else policies[::-1])
+        ]
+        for salt, (rate, repeat, policy) in enumerate(runs):
+            work = workload(args, salt=salt, count=args.requests)
+            before = served(urls)
+            if policy.startswith("vllm-router:"):
+                with Front(args, policy, urls) as front:
+                    results = asyncio.run(drive(front.gateways[0], work, rate, args.timeout))
+                recorded: list[tuple] = []
+            else:
+                static = static_file(work_dir, policy, urls, ttft, itl)
+                results, recorded = asyncio.run(
+                    run_kubellm(policy, static, work, rate, args.timeout)
+                )
+            after = served(urls)
+            done = [b - a for a, b in zip(before, after, strict=True)]
+            slow_share = done[-1] / sum(done) if sum(done) else None
+            row = {"policy": policy, "rate": rate, "repeat": repeat,
+                   "load": os.getloadavg()[0],
+                   **summarize(results, recorded, ttft, itl, slow_share)}  # fmt: skip
+            rows.append(row)
+            print(f"{policy:26} {rate:5.1f} {repeat:>3} {row['ok']:>4} "
+                  f"{100 * row['slo_share']:5.1f}% "
+                  f"{fmt(row['ttft_p50'], '7.3f')} {fmt(row['ttft_p99'], '7.3f')} "
+                  f"{fmt(row['itl_p99'], '7.4f')} "
+                  f"{fmt(row['slow_share'] and 100 * row['slow_share'], '5.1f')}% "
+                  f"{fmt(row['ttft_mape'] and 100 * row['ttft_mape'], '6.1f')}% "
+                  f"{fmt(row['itl_mape'] and 100 * row['itl_mape'], '6.1f')}%",
+                  flush=True)  # fmt: skip
+    print(f"\nmean over {args.repeats} repeats: SLO share, TTFT MAPE")
+    for rate in rates:
+        for policy in policies:
+            mine = [r for r in rows if r["rate"] == rate and r["policy"] == policy]
+            share = statistics.fmean(r["slo_share"] for r in mine)
+            mapes = [r["ttft_mape"] for r in mine if r["ttft_mape"] is not None]
+            mape_text = f"{100 * statistics.fmean(mapes):5.1f}%" if mapes else "    -"
+            print(f"{policy:26} {rate:5.1f} {100 * share:5.1f}% {mape_text}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "slo": [ttft, itl], "rows": rows}, indent=2))
