@@ -156,7 +156,9 @@ def test_a_named_picker_takes_no_tenants_secret() -> None:
     given a tenants Secret (it reads its own file)."""
     from kubellm import api
 
-    with pytest.raises(ValueError, match="tenantsSecretRef"):
+    own = api.EndpointPicker.model_validate({"tenantsSecretRef": {"name": "t"}})
+    assert (own.tenants_secret_ref.name, own.tenants_secret_ref.key) == ("t", "tenants.yaml")
+    with pytest.raises(ValueError, match="operator's own picker"):
         api.EndpointPicker.model_validate({"name": "x", "tenantsSecretRef": {"name": "t"}})
 
 
