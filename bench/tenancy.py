@@ -183,6 +183,17 @@ class Fleet:
         self.tmp.cleanup()
 
 
+def has_text(event: str) -> bool:
+    """Whether a streamed chat event carries text (the simulator's and vLLM's JSON alike)."""
+    if '"content"' not in event:
+        return False
+    try:
+        choices = json.loads(event).get("choices") or [{}]
+    except ValueError:
+        return False
+    return bool((choices[0].get("delta") or {}).get("content"))
+
+
 async def one(client: httpx.AsyncClient, url: str, tenant: str, text: str, max_tokens: int,
               stream: bool) -> dict[str, Any]:  # fmt: skip
     """One chat request; TTFT (first content event, or the whole answer) and tokens."""
@@ -200,8 +211,7 @@ async def one(client: httpx.AsyncClient, url: str, tenant: str, text: str, max_t
                     await response.aread()
                     return {"ok": False, "status": response.status_code, "tenant": tenant}
                 async for line in response.aiter_lines():
-                    if line.startswith("data: {") and '"content": "' in line \
-                            and '"content": ""' not in line:  # fmt: skip
+                    if line.startswith("data: {") and has_text(line[6:]):
                         first = first or time.monotonic()
                         tokens += 1
         else:
