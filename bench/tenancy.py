@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import random
 import signal
 import socket
@@ -111,9 +112,9 @@ class Fleet:
         self.gateway = ""
         self.tmp = tempfile.TemporaryDirectory()
 
-    def _spawn(self, command: list[str]) -> subprocess.Popen:
+    def _spawn(self, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(Path(self.tmp.name) / f"p{len(self.processes)}.log", "w")  # noqa: SIM115
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.processes.append(process)
         return process
 
@@ -126,16 +127,30 @@ class Fleet:
                      "engine": {"maxNumSeqs": a.max_num_seqs},
                      "resources": {"gpu": {"count": 1}}},
         }  # fmt: skip
+        if a.engine == "vllm":  # the tests' tiny checkpoint on vLLM's CPU backend
+            spec["spec"] = {
+                "model": {"source": f"file://{Path(a.model).resolve()}", "servedName": "m"},
+                "engine": {"dtype": "float32", "maxModelLen": 1024, "blockSize": 32,
+                           "maxNumSeqs": a.max_num_seqs,
+                           "chunkedPrefill": {"maxNumBatchedTokens": 1024}},
+                "resources": {"gpu": {"count": 0}},
+            }  # fmt: skip
         (tmp / "spec.json").write_text(json.dumps(spec))
         for _ in range(a.replicas):
             port = free_port()
-            process = self._spawn([
-                sys.executable, "-m", "kubellm.engine", "--backend", "sim", "--port", str(port),
-                "--spec", str(tmp / "spec.json"), "--profile", a.profile,
-                "--time-scale", str(a.time_scale),
-            ])  # fmt: skip
+            if a.engine == "vllm":
+                process = self._spawn([
+                    sys.executable, "-m", "kubellm.engine", "--spec", str(tmp / "spec.json"),
+                    "--port", str(port), "--host", "127.0.0.1",
+                ], env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
+            else:
+                process = self._spawn([
+                    sys.executable, "-m", "kubellm.engine", "--backend", "sim",
+                    "--port", str(port), "--spec", str(tmp / "spec.json"),
+                    "--profile", a.profile, "--time-scale", str(a.time_scale),
+                ])  # fmt: skip
             self.engines.append(f"http://127.0.0.1:{port}")
-            wait_healthy(self.engines[-1], process)
+            wait_healthy(self.engines[-1], process, timeout=300 if a.engine == "vllm" else 60)
         (tmp / "static.yaml").write_text(yaml.safe_dump({"models": [{
             "name": "m", "endpoints": self.engines, "routing": {"policy": "least-load"},
             "slo": {"ttftSeconds": self.ttft * a.time_scale,
@@ -168,6 +183,17 @@ class Fleet:
         self.tmp.cleanup()
 
 
+def has_text(event: str) -> bool:
+    """Whether a streamed chat event carries text (the simulator's and vLLM's JSON alike)."""
+    if '"content"' not in event:
+        return False
+    try:
+        choices = json.loads(event).get("choices") or [{}]
+    except ValueError:
+        return False
+    return bool((choices[0].get("delta") or {}).get("content"))
+
+
 async def one(client: httpx.AsyncClient, url: str, tenant: str, text: str, max_tokens: int,
               stream: bool) -> dict[str, Any]:  # fmt: skip
     """One chat request; TTFT (first content event, or the whole answer) and tokens."""
@@ -185,8 +211,7 @@ async def one(client: httpx.AsyncClient, url: str, tenant: str, text: str, max_t
                     await response.aread()
                     return {"ok": False, "status": response.status_code, "tenant": tenant}
                 async for line in response.aiter_lines():
-                    if line.startswith("data: {") and '"content": "' in line \
-                            and '"content": ""' not in line:  # fmt: skip
+                    if line.startswith("data: {") and has_text(line[6:]):
                         first = first or time.monotonic()
                         tokens += 1
         else:
@@ -246,10 +271,12 @@ async def phase(args: argparse.Namespace, url: str, interactive: bool, batch: bo
     async with client(args) as c:
         work = []
         if interactive:
-            work.append(poisson(c, url, "interactive", args.rate / s, until, rng, 450, 100, chat))
+            tokens, answer = args.interactive_tokens, args.interactive_answer
+            work.append(poisson(c, url, "interactive", args.rate / s, until, rng, tokens,
+                                answer, chat))  # fmt: skip
         if batch:
-            work.append(closed(c, url, "batch", args.batch_outstanding, until, rng, 1000, 300,
-                               False, bulk))  # fmt: skip
+            work.append(closed(c, url, "batch", args.batch_outstanding, until, rng,
+                               args.batch_tokens, args.batch_answer, False, bulk))  # fmt: skip
         await asyncio.gather(*work)
     wall = (time.monotonic() - start) / s
     ttfts = [r["ttft"] / s for r in chat if r["ok"]]
@@ -270,7 +297,7 @@ async def warm_up(args: argparse.Namespace, url: str) -> None:
     rng = random.Random(0)
     async with client(args) as c:
         await asyncio.gather(*(
-            one(c, url, "interactive", prompt(rng, 450, f"warm {i}"), 20, True)
+            one(c, url, "interactive", prompt(rng, args.interactive_tokens, f"warm {i}"), 20, True)
             for i in range(4 * args.replicas)
         ))  # fmt: skip
 
@@ -323,7 +350,7 @@ def diagnosed(args: argparse.Namespace, fleet: Fleet, work: Any) -> dict[str, An
 
 # The gateways compared: today's (no tenants); with tenants, the prefill hold and the
 # prefill budget (--headroom-prefill-rate); and with tenants as before those two (flow.py).
-CONTENDERS = ("tenants", "before", "today")
+CONTENDERS = ("fair", "tenants", "before", "today")
 
 
 def contender(name: str, tenants: list[dict],
@@ -333,6 +360,10 @@ def contender(name: str, tenants: list[dict],
         return None, []
     if name == "before":
         return tenants, ["--no-headroom-hold-prefill"]
+    if name == "fair":  # tenants with the fair in-flight budget (flow.py)
+        rate = args.headroom_prefill_rate / args.time_scale
+        return tenants, ["--headroom-prefill-rate", f"{rate:g}",
+                         "--fair-in-flight-tokens", f"{args.fair_in_flight_tokens:g}"]  # fmt: skip
     if name == "tenants":
         rate = args.headroom_prefill_rate / args.time_scale  # simulated tokens/s to wall
         return tenants, ["--headroom-prefill-rate", f"{rate:g}"]
@@ -369,19 +400,33 @@ async def fair_phase(args: argparse.Namespace, url: str, seed: int) -> dict[str,
             closed(c, url, t, args.fair_outstanding, until, rng, n, 100, False, results[t])
             for t, n in sizes.items()
         ))  # fmt: skip
-    service = {t: sum(sizes[t] + 2 * r["tokens"] for r in rs if r["ok"] and r["end"] <= until)
-               for t, rs in results.items()}  # fmt: skip
+    done = {t: [r for r in rs if r["ok"] and r["end"] <= until] for t, rs in results.items()}
+    service = {t: sum(sizes[t] + 2 * r["tokens"] for r in rs) for t, rs in done.items()}
     total = sum(service.values()) or 1
     shares = {t: v / total for t, v in service.items()}
-    values = list(shares.values())
+    weights = fair_weights(args)
+    # Jain's index of the shares over the weights (equal weights: the plain index)
+    values = [shares[t] / weights[t] for t in shares]
     jain = sum(values) ** 2 / (len(values) * sum(v * v for v in values)) if any(values) else 0
     refused = sum(not r["ok"] for rs in results.values() for r in rs)
-    return {"shares": shares, "jain": jain, "refused": refused}
+    seconds = args.seconds
+    return {"shares": shares, "jain": jain, "refused": refused,
+            "service_per_s": total / seconds,
+            "prompt_per_s": sum(sizes[t] * len(rs) for t, rs in done.items()) / seconds,
+            "output_per_s": sum(r["tokens"] for rs in done.values() for r in rs) / seconds,
+            }  # fmt: skip
+
+
+def fair_weights(args: argparse.Namespace) -> dict[str, float]:
+    """The fairness tenants' weights (--fair-weights small,medium,large)."""
+    values = [float(x) for x in args.fair_weights.split(",")]
+    return dict(zip(("small", "medium", "large"), values, strict=True))
 
 
 def fairness(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
     rows = []
-    tenants = [{"name": n, "priority": 0} for n in ("small", "medium", "large")]
+    weights = fair_weights(args)
+    tenants = [{"name": n, "priority": 0, "weight": w} for n, w in weights.items()]
     extra = ["--max-in-flight", str(args.fair_in_flight or args.max_num_seqs)]
     for name in args.order.split(","):
         declared, flags = contender(name, tenants, args)
@@ -582,12 +627,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="simulated s per phase")
     parser.add_argument("--rate", type=float, default=8.0, help="interactive requests/sim s")
     parser.add_argument("--batch-outstanding", type=int, default=64)
+    parser.add_argument(
+        "--engine",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="sim: kubellm.engine's simulator (--profile); vllm: real vLLM CPU servers on the "
+        "tests' tiny checkpoint (--model; maxModelLen 1024: shrink the sizes below, and use "
+        "--time-scale 1)",
+    )
+    parser.add_argument("--model", default=".kubellm/models/tiny", help="vllm: the checkpoint")
+    parser.add_argument("--interactive-tokens", type=int, default=450, help="~4 chars each")
+    parser.add_argument("--interactive-answer", type=int, default=100)
+    parser.add_argument("--batch-tokens", type=int, default=1000, help="~4 chars each")
+    parser.add_argument("--batch-answer", type=int, default=300)
     parser.add_argument("--fair-outstanding", type=int, default=32)
     parser.add_argument(
         "--fair-in-flight",
         type=int,
         default=None,
         help="fairness: requests per replica the gateway keeps in flight (default maxNumSeqs)",
+    )
+    parser.add_argument(
+        "--fair-in-flight-tokens",
+        type=float,
+        default=9600.0,
+        help="fair: --fair-in-flight-tokens (service tokens in flight per replica that "
+        "contending tenants share)",
+    )
+    parser.add_argument(
+        "--fair-weights", default="1,1,1", help="fairness: weights of small,medium,large"
     )
     parser.add_argument("--join-after", type=float, default=10.0, help="join: sim s")
     parser.add_argument("--join-seconds", type=float, default=30.0, help="join: sim s after")
@@ -620,10 +688,11 @@ def main(argv: list[str] | None = None) -> int:
         if "interference" in scenarios:
             rows = interference(args, seed)
             out.setdefault("interference", []).extend(rows)
-            print(f"interference, seed {seed}: {args.replicas} replicas x maxNumSeqs "
-                  f"{args.max_num_seqs}; interactive {args.rate:g}/s (450 -> 100 tokens, "
-                  f"streamed), batch {args.batch_outstanding} outstanding (1000 -> 300); "
-                  f"{args.seconds:g} simulated s per phase")  # fmt: skip
+            print(f"interference, seed {seed}: {args.replicas} {args.engine} replicas x "
+                  f"maxNumSeqs {args.max_num_seqs}; interactive {args.rate:g}/s "
+                  f"({args.interactive_tokens} -> {args.interactive_answer} tokens, streamed), "
+                  f"batch {args.batch_outstanding} outstanding ({args.batch_tokens} -> "
+                  f"{args.batch_answer}); {args.seconds:g} simulated s per phase")  # fmt: skip
             print(f"{'contender':9} {'p50 alone':>9} {'p99 alone':>9} {'p50 both':>9} "
                   f"{'p99 both':>9} {'p99 x':>6} {'refused i/b':>14} {'tok/s batch':>11} "
                   f"{'tok/s both':>10} {'both/batch':>10}")  # fmt: skip
@@ -654,17 +723,22 @@ def main(argv: list[str] | None = None) -> int:
             rows = fairness(args, seed)
             out.setdefault("fairness", []).extend(rows)
             print(
-                f"fairness, seed {seed}: 3 tenants x {args.fair_outstanding} outstanding, "
-                f"200/2000/8000-token prompts, 100-token answers, {args.seconds:g} sim s"
+                f"fairness, seed {seed}: 3 tenants x {args.fair_outstanding} outstanding "
+                f"(weights {args.fair_weights}), 200/2000/8000-token prompts, 100-token "
+                f"answers, {args.seconds:g} sim s, {args.fair_in_flight or args.max_num_seqs} "
+                f"in flight per replica at most; fair: {args.fair_in_flight_tokens:g} tokens"
             )
             print(f"{'contender':9} {'small':>7} {'medium':>7} {'large':>7} {'jain':>6} "
-                  f"{'refused':>7}  mean wait at the gateway s (small/medium/large)")  # fmt: skip
+                  f"{'refused':>7} {'service/s':>9} {'prompt/s':>8} {'output/s':>8}  "
+                  f"mean wait at the gateway s (small/medium/large)")  # fmt: skip
             for r in rows:
                 sh, w = r["shares"], r["waited"]
                 waits = "/".join(fmt(w.get(t)) for t in ("small", "medium", "large"))
                 print(
                     f"{r['contender']:9} {sh['small']:>7.1%} {sh['medium']:>7.1%} "
-                    f"{sh['large']:>7.1%} {r['jain']:>6.3f} {r['refused']:>7}  {waits}",
+                    f"{sh['large']:>7.1%} {r['jain']:>6.3f} {r['refused']:>7} "
+                    f"{r['service_per_s']:>9.0f} {r['prompt_per_s']:>8.0f} "
+                    f"{r['output_per_s']:>8.0f}  {waits}",
                     flush=True,
                 )
         if "join" in scenarios:

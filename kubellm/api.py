@@ -423,6 +423,16 @@ _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
+class TenantsSecretRef(_Model):
+    name: str = Field(
+        min_length=1, max_length=253, description="The Secret, in the LLMDeployment's namespace."
+    )
+    key: str = Field(
+        default="tenants.yaml", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+        description="The Secret's key holding the tenants file.",
+    )  # fmt: skip
+
+
 class EndpointPicker(_Model):
     """The endpoint picker (EPP) a Gateway calls for the pool's requests. By default the
     operator runs one for this pool alone (`kubellm epp --pool-name <name>-engine`: a
@@ -430,6 +440,15 @@ class EndpointPicker(_Model):
     reads only that namespace), as the Inference Extension's picker serves one pool; `name`
     points the pool at an existing picker Service of the pool's namespace instead (the
     Inference Extension's `endpointPickerRef` names a Service of the pool's own namespace)."""
+
+    rules = (
+        Rule(
+            "!has(self.name) || !has(self.tenantsSecretRef)",
+            "spec.routing.inferencePool.endpointPicker.tenantsSecretRef is for the operator's "
+            "own picker: a picker named by `name` reads its own tenants file",
+            ".tenantsSecretRef",
+        ),
+    )
 
     name: str | None = Field(
         default=None, min_length=1, max_length=63, pattern=_DNS_LABEL,
@@ -450,6 +469,13 @@ class EndpointPicker(_Model):
         default="FailClose",
         description="What the Gateway does when the EPP does not answer: FailClose refuses "
         "the request, FailOpen sends it to a pool endpoint of the Gateway's own choosing.",
+    )
+    tenants_secret_ref: TenantsSecretRef | None = Field(
+        default=None,
+        description="A Secret of this namespace holding the tenants file (docs/operations.md, "
+        "'Tenants'), mounted into the operator's own picker (name unset) as `kubellm epp "
+        "--tenants`; its pods roll when the file changes. Unset: no tenants (every request "
+        "alike).",
     )
 
 

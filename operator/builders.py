@@ -73,6 +73,9 @@ class PickerOptions:
     # fallback API keys): `kubellm epp --fallback-forwarder`. None: overflow is refused.
     fallback_forwarder: str | None = None
     resources: Mapping[str, Any] = field(default_factory=_default_picker_resources)
+    # The quota store the pickers share with the chart's gateway (`kubellm epp
+    # --quota-redis`; the chart's gateway.quotaRedis). None: each picker counts alone.
+    quota_redis: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,9 @@ class Options:
     inference_pool: bool = False
     http_route: bool = False
     picker: PickerOptions = field(default_factory=PickerOptions)
+    # sha256 of the tenants file the spec's endpointPicker.tenantsSecretRef names (read by
+    # the reconciler): the picker pods' checksum/tenants annotation, so a change rolls them
+    tenants_checksum: str | None = None
 
 
 # --------------------------------------------------------------------------- names and labels
@@ -533,6 +539,13 @@ PICKER_RULES: tuple[dict[str, Any], ...] = (
 )  # fmt: skip
 
 
+# Where the picker reads the tenants file of spec.routing.inferencePool.endpointPicker
+# .tenantsSecretRef (a Secret of the pool's own namespace: pods mount no other namespace's)
+TENANTS_DIR = "/etc/kubellm/tenants"
+TENANTS_FILE = "tenants.yaml"
+TENANTS_CHECKSUM_ANNOTATION = "checksum/tenants"  # as the chart's pods carry it
+
+
 def picker_name(llmd: api.LLMDeployment) -> str:
     return contracts.endpoint_picker_name(llmd.metadata.name)
 
@@ -593,6 +606,10 @@ def picker_command(llmd: api.LLMDeployment, options: Options = Options()) -> lis
     ]  # fmt: skip
     if options.picker.fallback_forwarder:
         command.append(f"--fallback-forwarder={options.picker.fallback_forwarder}")
+    if wanted.endpoint_picker.tenants_secret_ref is not None:
+        command.append(f"--tenants={TENANTS_DIR}/{TENANTS_FILE}")
+        if options.picker.quota_redis:
+            command.append(f"--quota-redis={options.picker.quota_redis}")
     return command
 
 
@@ -667,6 +684,24 @@ def picker_deployment(llmd: api.LLMDeployment, options: Options = Options()) -> 
         },
         "volumeMounts": [{"name": "tmp", "mountPath": TMP_DIR}],
     }
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(metrics),
+        "prometheus.io/path": METRICS_PATH,
+    }
+    tenants = wanted.endpoint_picker.tenants_secret_ref
+    if tenants is not None:  # the tenants file, from a Secret of this namespace
+        volumes.append({
+            "name": "tenants",
+            "secret": {"secretName": tenants.name,
+                       "items": [{"key": tenants.key, "path": TENANTS_FILE}]},
+        })  # fmt: skip
+        container["volumeMounts"].append(
+            {"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True}
+        )
+        if options.tenants_checksum:
+            annotations[TENANTS_CHECKSUM_ANNOTATION] = options.tenants_checksum
     metadata = _picker_metadata(llmd, options)
     pod_labels = {**metadata["labels"]}
     pod_labels.pop(DEPLOYMENT_LABEL)
@@ -684,20 +719,13 @@ def picker_deployment(llmd: api.LLMDeployment, options: Options = Options()) -> 
             },
             "revisionHistoryLimit": 3,
             "template": {
-                "metadata": {
-                    "labels": pod_labels,
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(metrics),
-                        "prometheus.io/path": METRICS_PATH,
-                    },
-                },
+                "metadata": {"labels": pod_labels, "annotations": annotations},
                 "spec": {
                     "serviceAccountName": picker_name(llmd),
                     "automountServiceAccountToken": True,  # it watches the API
                     "enableServiceLinks": False,
                     "containers": [container],
-                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
+                    "volumes": volumes,
                     "securityContext": {
                         "runAsNonRoot": True,
                         "runAsUser": PICKER_USER,

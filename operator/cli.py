@@ -87,6 +87,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the per-pool pickers' --fallback-forwarder (the chart's gateway Service)",
     )
     picker.add_argument(
+        "--epp-quota-redis",
+        metavar="URL",
+        default=None,
+        help="the per-pool pickers' --quota-redis where the pool's spec names a tenants Secret "
+        "(endpointPicker.tenantsSecretRef), so their quotas and the gateway's are counted "
+        "once (the chart passes gateway.quotaRedis); default: each picker counts alone",
+    )
+    picker.add_argument(
         "--epp-resources",
         metavar="JSON",
         type=_resources,
@@ -119,6 +127,7 @@ def picker_options(args: argparse.Namespace) -> builders.PickerOptions:
         image=args.epp_image,
         image_pull_policy=args.epp_image_pull_policy,
         fallback_forwarder=args.epp_fallback_forwarder,
+        quota_redis=args.epp_quota_redis,
         **({"resources": resources} if resources is not None else {}),
     )
 

@@ -12,7 +12,9 @@ running and other LLMDeployments are untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -145,6 +147,37 @@ async def _fallback_problems(client: Client, llmd: api.LLMDeployment) -> list[st
     return []
 
 
+async def _tenants(
+    client: Client, llmd: api.LLMDeployment, options: builders.Options
+) -> tuple[str | None, list[status.Problem]]:
+    """The sha256 of the tenants file that spec.routing.inferencePool.endpointPicker
+    .tenantsSecretRef names (the picker pods' checksum annotation: a change rolls them), or
+    why it cannot be mounted. Only for a picker the operator runs itself."""
+    wanted = llmd.spec.routing.inference_pool
+    ref = wanted.endpoint_picker.tenants_secret_ref if wanted is not None else None
+    if ref is None or not options.inference_pool or not builders.runs_own_picker(llmd, options):
+        return None, []
+    where = f"Secret {llmd.metadata.namespace}/{ref.name}"
+    field = "spec.routing.inferencePool.endpointPicker.tenantsSecretRef"
+    secret = await client.get("v1", "Secret", llmd.metadata.namespace, ref.name)
+    if secret is None:
+        return None, [
+            status.Problem(
+                "TenantsSecretMissing",
+                f"{where} named by {field} does not exist; create it with key {ref.key!r} "
+                "(the tenants file); the picker's pods wait for it",
+            )
+        ]
+    value = (secret.get("data") or {}).get(ref.key)
+    if value is None:
+        value = (secret.get("stringData") or {}).get(ref.key)
+    if value is None:
+        return None, [
+            status.Problem("TenantsSecretMissing", f"{where} has no key {ref.key!r} ({field}.key)")
+        ]
+    return hashlib.sha256(str(value).encode()).hexdigest(), []
+
+
 def _capacity(llmd: api.LLMDeployment) -> tuple[dict[str, Any] | None, list[status.Problem]]:
     try:
         return capacity.for_spec(llmd.spec), []
@@ -249,6 +282,10 @@ async def reconcile(
             http_route=http_route,
             picker=picker or builders.PickerOptions(),
         )
+        checksum, tenants_problems = await _tenants(client, llmd, options)
+        outcome.problems += tenants_problems
+        if checksum is not None:
+            options = dataclasses.replace(options, tenants_checksum=checksum)
         try:
             desired = builders.build(llmd, options)
         except builders.SpecError as error:

@@ -33,11 +33,27 @@ tenant. The decisions are pure (the caller passes the clock's reading):
   prefill at that rate, instead of several landing in one engine step when a scrape or a
   few completions free room at once: a chat prompt that arrives then waits for, and
   shares, one batch prefill at most.
+- **Fair in-flight budget** (`fair_in_flight_tokens`, service tokens per replica, off by
+  default). VTC orders the gateway's queue, but a queue only exists while the replicas
+  refuse work: when they accept everything, a tenant of 8,000-token prompts holds most of
+  every engine step and a tenant of 200-token prompts, all of its requests in flight
+  already, is served only as fast as those steps let it (Little's law: a tenant's service
+  rate is its service in flight over its requests' latency, and the requests sharing the
+  steps share the latency). With the budget set, each band's tenants share `replicas x
+  fair_in_flight_tokens` of service in flight (prompt + 2 x expected output tokens of the
+  requests dispatched and not ended) by weighted water-filling: a tenant asking less than
+  its share (nothing waiting) keeps what it has in flight, the rest is split by weight
+  among the tenants waiting; a waiting tenant at its allowance is `held` (it waits, and
+  the next tenant by counter goes instead). A tenant always may have one request in
+  flight, and a band with one active tenant has no bound (alone, it uses the whole
+  fleet). The cost: while tenants contend, the fleet holds at most that much service,
+  so prompt tokens per second fall (the bench measures it).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -63,6 +79,9 @@ class FlowSettings:
     hold_prefill: bool = True
     # low-band prompt tokens per second a replica is sent at most (None: no bound)
     headroom_prefill_rate: float | None = None
+    # service tokens (prompt + 2 x output) in flight per replica that a band's tenants
+    # share while more than one is active (None: no bound)
+    fair_in_flight_tokens: float | None = None
 
 
 @dataclass(eq=False)
@@ -74,6 +93,7 @@ class Waiter:
     weight: float
     cost: float  # its estimated prompt tokens (charged to the VTC when it dispatches)
     fallback: bool = True  # its tenant may use the fallback API now
+    service: float = 0.0  # its expected service (prompt + 2 x output tokens) in flight
     seq: int = 0
     dropped: str | None = None  # why it was shed while waiting
 
@@ -85,6 +105,9 @@ class Flow:
     settings: FlowSettings = field(default_factory=FlowSettings)
     queues: dict[int, dict[str, deque[Waiter]]] = field(default_factory=dict)
     vtc: dict[str, float] = field(default_factory=dict)
+    # band -> flow -> expected service of its requests dispatched to replicas, not ended
+    in_flight: dict[int, dict[str, float]] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
     _seq: Any = field(default_factory=itertools.count)
 
     def __len__(self) -> int:
@@ -120,6 +143,11 @@ class Flow:
             if floor is not None:
                 self.vtc[waiter.tenant] = max(self.vtc.get(waiter.tenant, 0.0), floor)
         waiter.seq = next(self._seq)
+        self.weights[waiter.tenant] = waiter.weight
+        if len(self.weights) > MAX_FLOWS:
+            active = backlogged | {t for band in self.in_flight.values() for t in band}
+            self.weights = {t: w for t, w in self.weights.items() if t in active}
+            self.weights[waiter.tenant] = waiter.weight
         self.queues.setdefault(waiter.band, {}).setdefault(waiter.tenant, deque()).append(waiter)
         return shed
 
@@ -150,15 +178,20 @@ class Flow:
             if not band:
                 del self.queues[waiter.band]
 
-    def head(self, fallback: bool = False) -> Waiter | None:
+    def head(
+        self, fallback: bool = False, held: frozenset[tuple[int, str]] = frozenset()
+    ) -> Waiter | None:
         """The waiter that dispatches next: the highest band, the lowest counter in it
         (ties: the earlier arrival), its tenant's oldest request. `fallback`: among those
         whose tenant may use the fallback API (who goes there next: a `never` tenant's
-        request waiting for a replica does not hold the fallback from lower bands)."""
+        request waiting for a replica does not hold the fallback from lower bands).
+        `held`: (band, flow) pairs at their fair in-flight allowance (`held`), passed over."""
         for band in sorted(self.queues, reverse=True):
             best: Waiter | None = None
             best_key: tuple[float, int] | None = None
             for tenant, queue in self.queues[band].items():
+                if (band, tenant) in held:
+                    continue
                 first = queue[0]
                 if fallback:
                     first = next((w for w in queue if w.fallback), None)
@@ -171,9 +204,80 @@ class Flow:
                 return best
         return None
 
+    def started(self, band: int, tenant: str, service: float) -> None:
+        """A request of `tenant` in `band` went to a replica with `service` expected."""
+        flows = self.in_flight.setdefault(band, {})
+        flows[tenant] = flows.get(tenant, 0.0) + service
+
+    def ended(self, band: int, tenant: str, service: float) -> None:
+        """That request ended (once per `started`)."""
+        flows = self.in_flight.get(band)
+        if flows is None or tenant not in flows:
+            return
+        left = flows[tenant] - service
+        if left > 1e-6:
+            flows[tenant] = left
+        else:
+            del flows[tenant]
+            if not flows:
+                del self.in_flight[band]
+
+    def held(self, capacity: float) -> frozenset[tuple[int, str]]:
+        """The (band, flow) pairs whose next request would take the flow past its fair
+        share of `capacity` (service tokens in flight, per band): see `allowances`. A band
+        with one active flow holds none; a flow with nothing in flight is never held, nor
+        one under its allowance that is the least served of the band's active flows (its
+        counter the lowest): requests are whole, so an allowance of 1.5 of a tenant's
+        requests would hold it at one; while it is behind, the counter lets it round up by
+        one request, and its service follows its share, not the rounding."""
+        out: set[tuple[int, str]] = set()
+        for band, queues in self.queues.items():
+            running = self.in_flight.get(band, {})
+            active = set(running) | {t for t, q in queues.items() if q}
+            if len(active) < 2:
+                continue
+            demands = {t: math.inf if queues.get(t) else running[t] for t in active}
+            weights = {t: self.weights.get(t, 1.0) for t in active}
+            allowed = allowances(capacity, weights, demands)
+            for tenant, queue in queues.items():
+                have = running.get(tenant, 0.0)
+                if not queue or have <= 0 or have + queue[0].service <= allowed[tenant]:
+                    continue
+                counter = self.vtc.get(tenant, 0.0)
+                if have < allowed[tenant] and all(
+                    counter < self.vtc.get(t, 0.0) for t in active if t != tenant
+                ):
+                    continue  # the least served: behind its share, it may round up
+                out.add((band, tenant))
+        return frozenset(out)
+
     def charge(self, tenant: str, tokens: float, weight: float) -> None:
         """Add served tokens (prompt + 2 x output, or a correction) to `tenant`'s counter."""
         self.vtc[tenant] = self.vtc.get(tenant, 0.0) + tokens / weight
+
+
+def allowances(
+    capacity: float, weights: Mapping[str, float], demands: Mapping[str, float]
+) -> dict[str, float]:
+    """Weighted max-min fair shares of `capacity` (water-filling): each flow gets at most
+    its demand (`math.inf`: as much as it is given); what a flow asking less than its
+    weighted share leaves is split among the others by weight. With every demand finite
+    and their sum under `capacity`, every flow gets its demand."""
+    share: dict[str, float] = {}
+    left = capacity
+    open_ = {t: w for t, w in weights.items() if w > 0}
+    while open_:
+        level = left / sum(open_.values())  # per unit of weight
+        satisfied = {t for t, w in open_.items() if demands.get(t, math.inf) <= level * w}
+        if not satisfied:
+            for t, w in open_.items():
+                share[t] = level * w
+            return share
+        for t in satisfied:
+            share[t] = demands[t]
+            left -= demands[t]
+            del open_[t]
+    return share
 
 
 def below_line(
@@ -198,6 +302,19 @@ def below_line(
 def drained(debt: float, elapsed: float, rate: float) -> float:
     """A replica's low-band prefill debt (tokens) after `elapsed` seconds at `rate`."""
     return max(0.0, debt - max(0.0, elapsed) * rate)
+
+
+DEFAULT_OUTPUT_TOKENS = 256  # a request naming no max_tokens is expected to answer this many
+
+
+def expected_output_tokens(body: Mapping[str, Any] | None) -> int:
+    """The answer a request may have: its `max_completion_tokens` or `max_tokens`, else
+    `DEFAULT_OUTPUT_TOKENS` (its fair in-flight budget counts it until it ends)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name) if body else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return DEFAULT_OUTPUT_TOKENS
 
 
 def estimate_prompt_tokens(body: Mapping[str, Any] | None) -> int:

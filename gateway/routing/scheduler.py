@@ -237,7 +237,10 @@ class Scheduler:
     def ended(self, ticket: Ticket) -> None:
         """A ticket finished: its tenant's usage and counters (the ticket calls this)."""
         if ticket.caller is not None and self.tenancy is not None:
+            holding = ticket.caller.holding
             self.tenancy.ended(ticket, ticket.caller)
+            if holding is not None and self.tenancy.settings.flow.fair_in_flight_tokens:
+                self.wake()  # a tenant held at its fair in-flight share may go now
 
     async def _decide(
         self,
@@ -291,9 +294,13 @@ class Scheduler:
                 if tenancy is not None:
                     if waiter.dropped:  # shed while waiting
                         return Route.REJECT, waiter.dropped, [], target
-                    if flow.head() is not waiter:  # not its turn for a replica: wait,
-                        open_ = []  # and the fallback only when it is next in line for it
-                        if flow.head(fallback=True) is not waiter:
+                    capped = frozenset[tuple[int, str]]()
+                    if flow_settings.fair_in_flight_tokens:  # fair in-flight budget
+                        capacity = flow_settings.fair_in_flight_tokens * len(candidates)
+                        capped = flow.held(capacity)
+                    if flow.head(held=capped) is not waiter:  # not its turn for a replica:
+                        open_ = []  # wait, and the fallback only when next in line for it
+                        if flow.head(fallback=True, held=capped) is not waiter:
                             fallback = None
                     elif waiter.band < flow_settings.headroom_below:
                         held = self.prefilling

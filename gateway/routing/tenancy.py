@@ -60,6 +60,9 @@ class Caller:
     window: int | None = None  # the quota minute it was charged in
     fallback_ok: bool = True  # its tenant's rule lets it reach the fallback now
     charged: float = 0.0  # tokens charged to its fair-share counter at dispatch
+    service: float = 0.0  # expected service: prompt + 2 x the answer it may have
+    # (model, band, service) counted in flow control's in-flight service until its end
+    holding: tuple[str, int, float] | None = None
 
 
 class TenantMetrics:
@@ -164,7 +167,10 @@ class Tenancy:
     async def admit(self, caller: Caller, body: object) -> GatewayError | None:
         """The quota check (and charge) and the fallback rule; a refusal, or None."""
         tenant = caller.tenant
-        caller.estimate = flows.estimate_prompt_tokens(body if isinstance(body, dict) else None)
+        parsed = body if isinstance(body, dict) else None
+        caller.estimate = flows.estimate_prompt_tokens(parsed)
+        output = flows.expected_output_tokens(parsed)
+        caller.service = caller.estimate + flows.OUTPUT_WEIGHT * output
         rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
         try:
             if rpm is not None or tpm is not None:
@@ -194,7 +200,12 @@ class Tenancy:
     def waiter(self, caller: Caller) -> flows.Waiter:
         tenant = caller.tenant
         return flows.Waiter(
-            caller.flow, caller.priority, tenant.weight, caller.estimate, caller.fallback_ok
+            caller.flow,
+            caller.priority,
+            tenant.weight,
+            caller.estimate,
+            caller.fallback_ok,
+            service=caller.service,
         )
 
     def dispatched(self, model: str, caller: Caller, waited: float, replica: bool) -> None:
@@ -202,7 +213,11 @@ class Tenancy:
         self.metrics.queue.labels(caller.tenant.name).observe(waited)
         if replica:
             caller.charged = caller.estimate
-            self.flow(model).charge(caller.flow, caller.estimate, caller.tenant.weight)
+            flow = self.flow(model)
+            flow.charge(caller.flow, caller.estimate, caller.tenant.weight)
+            if caller.holding is None:
+                caller.holding = (model, caller.priority, caller.service)
+                flow.started(caller.priority, caller.flow, caller.service)
 
     def dropped(self, caller: Caller, reason: str, error: GatewayError | None) -> None:
         self.metrics.dropped.labels(caller.tenant.name, reason).inc()
@@ -213,6 +228,10 @@ class Tenancy:
 
     def ended(self, ticket: Ticket, caller: Caller) -> None:
         """Count the request's outcome and tokens for its tenant; correct its counters."""
+        if caller.holding is not None:  # no longer in flight (fair in-flight budget)
+            model, band, service = caller.holding
+            caller.holding = None
+            self.flow(model).ended(band, caller.flow, service)
         name = caller.tenant.name
         m = self.metrics
         status = ticket.status or 499

@@ -65,6 +65,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "chat prompt (default: no bound)",
     )
     group.add_argument(
+        "--fair-in-flight-tokens",
+        type=float,
+        default=None,
+        metavar="TOKENS",
+        help="service tokens (prompt + 2 x max_tokens) in flight per replica that one "
+        "band's tenants share by weight while more than one is active; a tenant at its "
+        "share waits at the gateway, so a tenant of short prompts gets its share beside "
+        "one of long prompts even when the replicas would accept everything (costs prompt "
+        "throughput while tenants contend; default: no bound)",
+    )
+    group.add_argument(
         "--headroom-kv-usage",
         type=float,
         default=0.8,
@@ -90,6 +101,9 @@ def settings_from(args: argparse.Namespace) -> TenancySettings | None:
         raise ValueError("--headroom-load: more than 0")
     if args.headroom_prefill_rate is not None and args.headroom_prefill_rate <= 0:
         raise ValueError("--headroom-prefill-rate: more than 0 tokens per second")
+    fair = getattr(args, "fair_in_flight_tokens", None)
+    if fair is not None and fair <= 0:
+        raise ValueError("--fair-in-flight-tokens: more than 0 tokens")
     if not 0 < args.headroom_kv_usage <= 1:
         raise ValueError("--headroom-kv-usage: above 0, at most 1")
     try:
@@ -104,5 +118,6 @@ def settings_from(args: argparse.Namespace) -> TenancySettings | None:
         headroom_load=args.headroom_load,
         hold_prefill=args.headroom_hold_prefill,
         headroom_prefill_rate=args.headroom_prefill_rate,
+        fair_in_flight_tokens=fair,
     )
     return TenancySettings(declared, flow, args.quota_redis)

@@ -82,3 +82,16 @@ def test_without_tenants_the_picker_has_no_tenants_flag_nor_volume() -> None:
     assert not any(a.startswith(("--tenants", "--quota-redis")) for a in container["args"])
     assert "tenants" not in {v["name"] for v in templates["epp"]["spec"].get("volumes", [])}
     assert not [s for s in secrets if s["metadata"]["name"].endswith("-tenants")]
+
+
+def test_the_operators_pickers_share_the_gateways_quota_store() -> None:
+    """Per-pool pickers (operator.endpointPicker.mode perPool) whose LLMDeployment names a
+    tenants Secret get the chart's gateway.quotaRedis, so one tenant's quota is counted once
+    whichever front end its requests come through; the operator accepts the flag."""
+    from tests.helm.test_epp_pool import operator_args
+
+    args = operator_args({"gateway": {"quotaRedis": "redis://redis:6379/0"}})
+    assert "--epp-quota-redis=redis://redis:6379/0" in args
+    parsed = cli.build_parser().parse_args(args)
+    assert parsed.epp_quota_redis == "redis://redis:6379/0"
+    assert not any(a.startswith("--epp-quota-redis") for a in operator_args({}))

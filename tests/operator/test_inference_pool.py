@@ -217,3 +217,78 @@ async def test_a_named_or_shared_picker_is_used_and_none_is_run(emulator, api_cl
             what="the pool on the named picker",
         )
         assert not any(_picker_objects(emulator).values())
+
+
+async def test_a_tenants_secret_of_the_pools_namespace_is_mounted_and_rolls_the_picker(
+    emulator, api_client
+):
+    """endpointPicker.tenantsSecretRef: until the Secret exists the LLMDeployment says so
+    (TenantsSecretMissing) and the picker mounts it anyway (its pods wait: no picker
+    without the tenants it was asked for); once it exists the picker runs `--tenants` with
+    the quota store the operator was given, its pods carry the file's checksum, and a
+    change of the file changes the checksum (the Deployment rolls)."""
+    import base64
+    import hashlib
+
+    _install_gateway_crds(emulator)
+    picker = builders.PickerOptions(quota_redis="redis://redis.sys:6379/0")
+    document = _document()
+    document["spec"]["routing"]["inferencePool"]["endpointPicker"]["tenantsSecretRef"] = {
+        "name": "team-tenants"
+    }
+
+    def template() -> dict[str, Any]:
+        return _current(emulator, "apps/v1/deployments", PICKER)["spec"]["template"]
+
+    def checksum() -> str | None:
+        return template()["metadata"]["annotations"].get("checksum/tenants")
+
+    async def put(text: str, create_it: bool) -> str:
+        secret = {
+            "apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "team-tenants", "namespace": NS},
+            "data": {"tenants.yaml": base64.b64encode(text.encode()).decode()},
+        }  # fmt: skip
+        path = f"/api/v1/namespaces/{NS}/secrets"
+        if create_it:
+            (await api_client.post(path, json=secret)).raise_for_status()
+        else:
+            await patch(api_client, f"{path}/team-tenants", {"data": secret["data"]})
+        return secret["data"]["tenants.yaml"]
+
+    async with running_operator(emulator, resync_seconds=0.2, picker=picker):
+        await create(api_client, document)
+        await wait_for(
+            lambda: _condition(emulator, "Degraded") == ("True", "TenantsSecretMissing"),
+            what="TenantsSecretMissing",
+        )
+        message = next(
+            c["message"]
+            for c in _current(emulator, LLMD, NAME)["status"]["conditions"]
+            if c["type"] == "Degraded"
+        )
+        assert "llm/team-tenants" in message and "tenants.yaml" in message
+        await wait_for(lambda: _current(emulator, "apps/v1/deployments", PICKER), what="picker")
+        assert checksum() is None
+        spec = template()["spec"]
+        assert {"name": "tenants", "secret": {"secretName": "team-tenants", "items": [
+            {"key": "tenants.yaml", "path": "tenants.yaml"}]}} in spec["volumes"]  # fmt: skip
+        (container,) = spec["containers"]
+        assert {"name": "tenants", "mountPath": "/etc/kubellm/tenants", "readOnly": True} in (
+            container["volumeMounts"]
+        )
+        assert {
+            "--tenants=/etc/kubellm/tenants/tenants.yaml",
+            "--quota-redis=redis://redis.sys:6379/0",
+        } <= set(container["command"])
+
+        first = await put("tenants: [{name: a, apiKeys: []}]\n", create_it=True)
+        want = hashlib.sha256(first.encode()).hexdigest()
+        await wait_for(lambda: checksum() == want, what="the file's checksum on the pods")
+        await wait_for(
+            lambda: _condition(emulator, "Degraded") != ("True", "TenantsSecretMissing"),
+            what="the problem cleared",
+        )
+        second = await put("tenants: [{name: b, apiKeys: []}]\n", create_it=False)
+        want = hashlib.sha256(second.encode()).hexdigest()
+        await wait_for(lambda: checksum() == want, what="a new checksum: the pods roll")

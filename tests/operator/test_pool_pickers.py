@@ -105,11 +105,61 @@ def test_the_pickers_side_ports_never_meet_its_grpc_port(port, health, metrics) 
     assert container["readinessProbe"]["grpc"]["port"] == health
 
 
+TENANTS_POOL = pool_spec(tenantsSecretRef={"name": "team-tenants", "key": "file"})
+
+
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_the_picker_passes_the_kubernetes_schema(version: str) -> None:
-    for obj in builders.build(llmd(POOL), WITH_CRDS):
+@pytest.mark.parametrize("spec", [POOL, TENANTS_POOL], ids=["plain", "tenants"])
+def test_the_picker_passes_the_kubernetes_schema(version: str, spec: dict[str, Any]) -> None:
+    options = builders.Options(
+        owner_uid="u-1", inference_pool=True, http_route=True, tenants_checksum="ab" * 32
+    )
+    for obj in builders.build(llmd(spec), options):
         if obj["kind"] not in ("InferencePool", "HTTPRoute"):  # those: tests/helm's CRDs
             kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_the_picker_reads_the_tenants_file_of_its_namespaces_secret() -> None:
+    """tenantsSecretRef: the Secret's key mounted read-only as tenants.yaml, named by a
+    `--tenants` that `kubellm epp` accepts, the quota store beside it, the file's checksum
+    on the pods; without the ref none of it."""
+    from kubellm import cli
+
+    options = builders.Options(
+        owner_uid="u-1", inference_pool=True, tenants_checksum="c0ffee",
+        picker=builders.PickerOptions(quota_redis="redis://r:6379/0"),
+    )  # fmt: skip
+    template = by_key(builders.build(llmd(TENANTS_POOL), options))["Deployment", "m-epp"]
+    template = template["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    args = cli.build_parser().parse_args(container["command"][1:])
+    assert (args.command, args.tenants, args.quota_redis) == (
+        "epp", "/etc/kubellm/tenants/tenants.yaml", "redis://r:6379/0",
+    )  # fmt: skip
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tenants"]
+    assert mount == {"name": "tenants", "mountPath": "/etc/kubellm/tenants", "readOnly": True}
+    (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "tenants"]
+    assert volume["secret"] == {
+        "secretName": "team-tenants", "items": [{"key": "file", "path": "tenants.yaml"}],
+    }  # fmt: skip
+    assert template["metadata"]["annotations"]["checksum/tenants"] == "c0ffee"
+
+    plain = by_key(builders.build(llmd(POOL), options))["Deployment", "m-epp"]["spec"]["template"]
+    (container,) = plain["spec"]["containers"]
+    assert not any(a.startswith(("--tenants", "--quota-redis")) for a in container["command"])
+    assert "checksum/tenants" not in plain["metadata"]["annotations"]
+    assert {v["name"] for v in plain["spec"]["volumes"]} == {"tmp"}
+
+
+def test_a_named_picker_takes_no_tenants_secret() -> None:
+    """The CRD's rule: a picker named by `name` is not the operator's, so it cannot be
+    given a tenants Secret (it reads its own file)."""
+    from kubellm import api
+
+    own = api.EndpointPicker.model_validate({"tenantsSecretRef": {"name": "t"}})
+    assert (own.tenants_secret_ref.name, own.tenants_secret_ref.key) == ("t", "tenants.yaml")
+    with pytest.raises(ValueError, match="operator's own picker"):
+        api.EndpointPicker.model_validate({"name": "x", "tenantsSecretRef": {"name": "t"}})
 
 
 @pytest.mark.parametrize(

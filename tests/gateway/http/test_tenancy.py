@@ -408,3 +408,57 @@ def test_fallback_capacity_under_contention_goes_by_band(engines, gateway):
         assert [f.result(timeout=30) for f in (first, zero, ten)] == [200, 200, 200]
         assert held.result(timeout=60) == 429
     assert [b["messages"][0]["content"] for b in api.bodies] == ["first", "ten", "zero"]
+
+
+def test_a_tenant_at_its_fair_in_flight_share_waits_while_the_replica_has_room(engines, gateway):
+    """The fair in-flight budget, 1,042 service tokens per replica: the light tenant's
+    requests (about 21 each: prompt + 2 x max_tokens 10) keep what they ask; the big tenant
+    (100-token prompts, max_tokens 200: about 500 each) may have the rest, 1,021, so with
+    two in flight its third waits at the gateway though the replica has five free slots; a
+    second request of the light tenant goes past it at once (the big one's share is then
+    1,000); the third goes when one of the big tenant's ends. Without the budget all go."""
+    (engine, server), (other, other_server) = engines(2)
+    for e in (engine, other):
+        e.behaviour.tokens = 40
+        e.behaviour.token_delay = 0.1  # each answer holds its slot about 4 s
+    same_band = declared(**{"chat-app": {"priority": 0}, "resident": {"priority": 0}}).tenants
+    budget = FlowSettings(ttl_seconds=30, fair_in_flight_tokens=1042)
+    gw = gateway(
+        {"tiny": model("tiny", [server], slo=SLO(ttft_seconds=20))},
+        tenancy=TenancySettings(same_band, budget),
+        thresholds=Thresholds(max_in_flight=8),
+    )
+    flow = gw.gateway.scheduler.tenancy.flow("tiny")
+    text = "x" * 397  # with "bN ": 400 characters, 100 tokens by the gateway's estimate
+
+    def sent() -> list[str]:
+        return [b["messages"][0]["content"][:2] for b in engine.bodies]
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        light = [pool.submit(chat, gw, "resident", "s1", max_tokens=10)]
+        wait_until(lambda: len(engine.bodies) == 1, 5, "the light tenant's request")
+        big = [pool.submit(chat, gw, "chat-app", f"b{i} {text}", max_tokens=200) for i in (1, 2)]
+        wait_until(lambda: len(engine.bodies) == 3, 5, "two of the big tenant's")
+        big.append(pool.submit(chat, gw, "chat-app", f"b3 {text}", max_tokens=200))
+        wait_until(lambda: len(flow) == 1, 5, "the third held at the gateway")
+        assert len(engine.bodies) == 3  # 3 of 8 slots taken: only its share holds it
+        light.append(pool.submit(chat, gw, "resident", "s2", max_tokens=10))
+        wait_until(lambda: "s2" in sent(), 5, "the light tenant's second, past it")
+        assert "b3" not in sent() and len(flow) == 1
+        assert [f.result(timeout=30).status_code for f in light + big] == [200] * 5
+    assert sent()[-1] == "b3"
+    assert flow.in_flight == {}  # every end released its service
+
+    gw = gateway(
+        {"tiny": model("tiny", [other_server], slo=SLO(ttft_seconds=20))},
+        tenancy=TenancySettings(same_band, FlowSettings(ttl_seconds=30)),
+        thresholds=Thresholds(max_in_flight=8),
+    )
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(chat, gw, "resident", "s1", max_tokens=10)]
+        wait_until(lambda: len(other.bodies) == 1, 5, "the light tenant's request")
+        futures += [
+            pool.submit(chat, gw, "chat-app", f"b{i} {text}", max_tokens=200) for i in (1, 2, 3)
+        ]
+        wait_until(lambda: len(other.bodies) == 4, 5, "all three sent at once")
+        assert [f.result(timeout=30).status_code for f in futures] == [200] * 4

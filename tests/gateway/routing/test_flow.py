@@ -3,14 +3,20 @@ lift of a joining tenant, bounds with drop reasons, sheddable first, the headroo
 
 from __future__ import annotations
 
+from collections import deque
+from math import inf
+
 import pytest
 from kubellm.gateway.routing.flow import (
+    DEFAULT_OUTPUT_TOKENS,
     Flow,
     FlowSettings,
     Waiter,
+    allowances,
     below_line,
     drained,
     estimate_prompt_tokens,
+    expected_output_tokens,
 )
 from kubellm.gateway.routing.scorers.base import Candidate
 
@@ -224,3 +230,147 @@ def test_the_fallback_goes_to_the_first_waiter_that_may_use_it():
     assert flow.head(fallback=True) is zero
     flow.leave(zero)
     assert flow.head(fallback=True) is None
+
+
+# ---------------------------------------------------------------- fair in-flight budget
+
+
+@pytest.mark.parametrize(
+    ("capacity", "weights", "demands", "expected"),
+    [
+        # all backlogged: split by weight
+        (900, {"a": 1, "b": 1, "c": 1}, {"a": inf, "b": inf, "c": inf}, [300, 300, 300]),
+        (800, {"a": 2, "b": 1, "c": 1}, {"a": inf, "b": inf, "c": inf}, [400, 200, 200]),
+        # a tenant asking less than its share keeps its demand; the rest is split
+        (900, {"a": 1, "b": 1, "c": 1}, {"a": 100, "b": inf, "c": inf}, [100, 400, 400]),
+        # every demand met under the capacity
+        (900, {"a": 1, "b": 1}, {"a": 100, "b": 200}, [100, 200]),
+        # a demand between shares: the water level rises past it
+        (900, {"a": 1, "b": 1, "c": 1}, {"a": 100, "b": 350, "c": inf}, [100, 350, 450]),
+    ],
+)
+def test_allowances_are_weighted_max_min_fair(capacity, weights, demands, expected):
+    got = allowances(capacity, weights, demands)
+    assert [got[t] for t in weights] == pytest.approx(expected)
+
+
+def test_a_band_with_one_active_tenant_is_not_bounded():
+    flow = Flow()
+    flow.started(0, "big", 50_000)
+    flow.join(waiter("big"))
+    assert flow.held(1000) == frozenset()
+    assert flow.head(held=flow.held(1000)).tenant == "big"
+
+
+def test_a_tenant_at_its_in_flight_share_waits_and_the_next_goes_past_it():
+    """Capacity 1,000: the light tenant (40 in flight, nothing waiting) keeps its 40; the big
+    one may have 960, so with 800 in flight its next 400-token request waits, though the
+    replicas would take it; once the light tenant waits too, shares are 500 each."""
+    flow = Flow()
+    flow.started(0, "light", 40)
+    flow.started(0, "big", 800)
+    big = Waiter("big", 0, 1.0, 100, service=400)
+    flow.join(big)
+    flow.vtc.update({"big": 10_000.0, "light": 0.0})
+    assert flow.held(1000) == {(0, "big")}
+    assert flow.head(held=flow.held(1000)) is None  # waits at the gateway for its share
+    light = Waiter("light", 0, 1.0, 10, service=40)
+    flow.join(light)
+    assert flow.head(held=flow.held(1000)) is light
+    flow.ended(0, "big", 400)  # one of its requests ended: 400 in flight, 400 + 400 <= 500?
+    assert flow.held(1000) == {(0, "big")}
+    flow.ended(0, "big", 300)
+    assert flow.held(1000) == frozenset()
+    assert flow.vtc["light"] == flow.vtc["big"]  # lifted as it joined: no idle credit
+    assert flow.head(held=flow.held(1000)) is big  # ties: the earlier arrival
+
+
+def test_the_least_served_tenant_may_round_its_share_up_by_one_request():
+    """Two tenants waiting, capacity 24,600: 12,300 each, 1.5 of the large tenant's 8,200-
+    token requests. With one in flight the second would take it to 16,400, past its share;
+    while its counter is the band's lowest it goes anyway (whole requests cannot meet the
+    share; the counter evens it out over time), once it is ahead it waits, and at or past
+    its allowance it waits however far behind it is."""
+    flow = Flow()
+    flow.started(0, "small", 12_000)
+    flow.started(0, "large", 8200)
+    flow.join(Waiter("small", 0, 1.0, 200, service=400))
+    flow.join(Waiter("large", 0, 1.0, 8000, service=8200))
+    flow.vtc.update({"small": 9000.0, "large": 8200.0})
+    assert flow.held(24_600) == {(0, "small")}  # small at its share; large least served
+    flow.vtc["large"] = 9500.0
+    assert flow.held(24_600) == {(0, "large")}  # ahead: it waits; small may round up
+    flow.vtc["large"] = 0.0
+    flow.started(0, "large", 8200)  # 16,400 in flight: past its allowance
+    assert (0, "large") in flow.held(24_600)
+
+
+def test_a_tenant_with_nothing_in_flight_is_never_held():
+    """However large its request, a tenant may always have one in flight (no starvation)."""
+    flow = Flow()
+    flow.started(0, "a", 900)
+    flow.join(Waiter("b", 0, 1.0, 8000, service=8200))
+    assert flow.held(1000) == frozenset()
+
+
+def test_bands_are_bounded_separately():
+    flow = Flow()
+    flow.started(10, "chat", 900)
+    flow.started(0, "x", 900)
+    flow.started(0, "y", 10)
+    flow.join(Waiter("chat", 10, 1.0, 10, service=200))  # alone in its band
+    flow.join(Waiter("x", 0, 1.0, 10, service=200))
+    assert flow.held(1000) == {(0, "x")}
+
+
+def test_the_budget_gives_backlogged_tenants_equal_service_in_flight():
+    """Three tenants always waiting (64 requests each), requests of 400, 2,200 and 8,200
+    service tokens, the oldest in flight ending one at a time: with the budget (capacity
+    49,200) each tenant's mean service in flight is within 10% of a third; without it, the
+    order by counter alone lets the slots fill with the large tenant's service."""
+    cost = {"small": 400, "medium": 2200, "large": 8200}
+
+    def run(capacity: float | None, slots: int = 120) -> dict[str, float]:
+        flow = Flow()
+        running: deque[Waiter] = deque()
+        for tenant, c in cost.items():
+            for _ in range(64):
+                flow.join(Waiter(tenant, 0, 1.0, c, service=c))
+        mean = dict.fromkeys(cost, 0.0)
+        rounds = 3000
+        for _ in range(rounds):
+            while len(running) < slots:
+                held = flow.held(capacity) if capacity else frozenset()
+                head = flow.head(held=held)
+                if head is None:
+                    break
+                flow.leave(head)
+                flow.charge(head.tenant, head.cost, head.weight)
+                flow.started(0, head.tenant, head.service)
+                running.append(head)
+            for tenant in cost:
+                mean[tenant] += flow.in_flight.get(0, {}).get(tenant, 0.0) / rounds
+            done = running.popleft()
+            flow.ended(0, done.tenant, done.service)
+            flow.join(Waiter(done.tenant, 0, 1.0, done.service, service=done.service))
+        return mean
+
+    fair = run(49_200)
+    total = sum(fair.values())
+    assert all(abs(v / total - 1 / 3) < 0.1 / 3 for v in fair.values()), fair
+    unbounded = run(None)
+    assert unbounded["large"] > 3 * unbounded["small"], unbounded
+
+
+@pytest.mark.parametrize(
+    ("body", "tokens"),
+    [
+        ({"max_tokens": 100}, 100),
+        ({"max_completion_tokens": 50, "max_tokens": 100}, 50),
+        ({}, DEFAULT_OUTPUT_TOKENS),
+        ({"max_tokens": True}, DEFAULT_OUTPUT_TOKENS),
+        (None, DEFAULT_OUTPUT_TOKENS),
+    ],
+)
+def test_expected_output_tokens(body, tokens):
+    assert expected_output_tokens(body) == tokens

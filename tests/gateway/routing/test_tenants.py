@@ -169,6 +169,7 @@ def test_a_fairness_id_splits_the_tenants_flow_only_when_plain():
         (["--max-band-queue", "0"], "--max-band-queue"),
         (["--headroom-load", "-1"], "--headroom-load"),
         (["--headroom-kv-usage", "1.5"], "--headroom-kv-usage"),
+        (["--fair-in-flight-tokens", "0"], "--fair-in-flight-tokens"),
     ],
 )
 def test_tenancy_flags_name_a_bad_value(tmp_path, argv, named):
@@ -182,9 +183,12 @@ def test_tenancy_flags_name_a_bad_value(tmp_path, argv, named):
     tenant_flags.add_arguments(parser)
     assert tenant_flags.settings_from(parser.parse_args([])) is None  # no --tenants: off
     good = tenant_flags.settings_from(
-        parser.parse_args(["--tenants", str(path), "--headroom-load", "12"])
+        parser.parse_args(
+            ["--tenants", str(path), "--headroom-load", "12", "--fair-in-flight-tokens", "9600"]
+        )
     )
     assert good.tenants.names() == ["a"] and good.flow.headroom_load == 12
+    assert good.flow.fair_in_flight_tokens == 9600
     with pytest.raises(ValueError, match=named):
         tenant_flags.settings_from(parser.parse_args(["--tenants", str(path), *argv]))
     path.write_text("tenants:\n  - name: Bad Name\n")
