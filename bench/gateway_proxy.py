@@ -74,9 +74,11 @@ httpx.MockTransport and wall time: the two are not strictly comparable).
 
 `--instructions [--requests 300]`: the gateway server's machine instructions per
 request and per stream under valgrind's callgrind (bench/_proxy/instructions.py), with
-`--baseline-python` the landed checkout's beside it. On a shared machine the socket rows
-move by 20% between two runs of the same code; this figure repeats to about 1%, so it is
-the one that decides "within 5% of the landed gateway".
+`--baseline-python` the landed checkout's beside it; `--instructions-paths
+gateway,envoy+epp` counts Envoy and the picker too (each under callgrind) and prints the
+ratio of the two paths, the issue's "Envoy + picker CPU per stream" in instructions. On a
+shared machine the socket rows move by 20% between two runs of the same code; this figure
+repeats to about 1%, so it is the one that decides "within 5% of the landed gateway".
 
 Prints a table (with the CPU of each process of a two-process path), the verdicts, and
 issue 28's ratios between the paths of the same run; writes JSON (--out, default
@@ -243,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline-python: the landed one's beside it); repeatable on a noisy machine",
     )
     p.add_argument(
+        "--instructions-paths", default="gateway",
+        help="--instructions: gateway, envoy+epp (both processes under callgrind), or both",
+    )  # fmt: skip
+    p.add_argument(
         "--requests", type=int, default=3000,
         help="--in-process: requests timed (--instructions: pass e.g. 300)",
     )  # fmt: skip
@@ -255,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
               f"-> ceiling ~{r['ceiling_rps_per_core']:.0f} req/s per core")  # fmt: skip
         return 0
     if args.instructions:
-        instructions.instructions_mode(sys.executable, args.baseline_python, args.requests)
+        instructions.instructions_mode(
+            sys.executable, args.baseline_python, args.requests, args.instructions_paths
+        )
         return 0
     print(
         f"gateway: 1 process on core {args.gateway_core} (uvicorn; uvloop "

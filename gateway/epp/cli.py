@@ -12,7 +12,10 @@ Imports stay light here; the servers are built inside `run`.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import sys
+from collections.abc import Callable
 
 from kubellm.gateway.routing import flags
 
@@ -92,6 +95,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="warning")
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when installed (as uvicorn picks it for the gateway), else
+    asyncio's; KUBELLM_EPP_LOOP=asyncio forces asyncio's."""
+    if os.environ.get("KUBELLM_EPP_LOOP") == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -157,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
             await picker.stop()
 
     try:
-        asyncio.run(main())
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(main())
     except (OSError, RuntimeError) as error:  # grpc: "Failed to bind to address ..."
         print(f"kubellm epp: {error}", file=sys.stderr)
         return 1

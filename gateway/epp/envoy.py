@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kubellm.gateway.routing.tenants import FAIRNESS_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER
+
 DESTINATION = "x-gateway-destination-endpoint"
 _T = "type.googleapis.com/envoy."
 # How long a request may wait for the picker's answer under FailClose before Envoy refuses
@@ -49,6 +51,15 @@ PICKER_TIMEOUT_SECONDS = 75.0
 MAX_BODY_BYTES = 8 * 1024 * 1024  # the picker's --max-body-bytes
 REQUEST_BODY_MODE = "BUFFERED"
 RESPONSE_BODY_MODE = "STREAMED"
+# The headers Envoy sends the picker (ext_proc `forward_rules.allowed_headers`, which
+# applies to pseudo-headers too): the ones it reads (the request's path, session and
+# tenant headers, the response's status line); every other header a client or replica
+# sends stays out of the picker's messages (less to parse per exchange, and no cookie or
+# other credential reaches the picker that it does not use).
+FORWARDED_HEADERS = (
+    ":path", ":status", "authorization", "x-session-id",
+    PRIORITY_HEADER, OBJECTIVE_HEADER, FAIRNESS_HEADER,
+)  # fmt: skip
 # The mode the picker's override asks for (messages.skip_mode, by name) but the request's
 # body mode, which is the configured one.
 SKIP_MODE = {
@@ -301,6 +312,9 @@ def _pool_listener(
                 # accept the EPP's picked endpoints into the request's metadata (envoy.lb)
                 "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
                 "processing_mode": processing_mode,
+                "forward_rules": {
+                    "allowed_headers": {"patterns": [{"exact": h} for h in FORWARDED_HEADERS]}
+                },
                 "message_timeout": f"{message_timeout}s",
                 **(
                     {

@@ -35,9 +35,10 @@ Members and what they tell each other through the request's `Cycle`:
   events (`scorers/precise.py`, the prompt hashed as vLLM does); it scores every
   candidate once, before any filter, and marks the candidates holding at least
   HOLDER_SHARE of the prompt (`Cycle.held`). The approximate index knows only what this
-  front end sent: where it knows no holder and the model's traffic shares prefixes
-  (`prefix.Sharing.shares`), the prompt's home (the first of its rendezvous order) is
-  marked as its presumed holder, since every front end starts a prefix there. With N
+  front end sent: where it knows no holder and nothing says the model's traffic is
+  unshared (`prefix.Sharing.may_share`: not a full window of prompts without a repeat),
+  the prompt's home (the first of its rendezvous order) is marked as its presumed holder,
+  since every front end starts a prefix there. With N
   front ends each sees a prefix's requests 1/N as often, so without the presumption most
   of them looked new to the front end they reached and spilled off a busy home that
   holds the prefix (the hit rate fell from 61.9% at N = 1 to 53.2% at N = 3,
@@ -222,7 +223,7 @@ class _Prefix:
             and sharing is not None
             and request.chunk_hashes
             and request.affinity_key is not None
-            and sharing.shares(request.model)
+            and sharing.may_share(request.model)
         ):  # no holder known to this front end: the prompt's home, where prefixes start
             key = request.affinity_key
             cycle.held = {max(shares, key=lambda url: rendezvous_weight(key, url))}

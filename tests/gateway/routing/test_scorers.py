@@ -417,7 +417,9 @@ def test_a_request_stays_on_its_prefix_holder_past_the_bound_but_not_past_the_sl
     assert router.order(target, later, loads(5))[0].url == home
     # at 7 (total 10, widened cap ceil(2.5 * 11 / 4) = 7): 7 + 1 > 7, so it spills
     assert router.order(target, later, loads(7))[0].url != home
-    # a prompt home holds nothing of: the plain bound, home at 5 is out
+    # a prompt home holds nothing of, where nothing presumes a holder (the presumption
+    # of the next test off): the plain bound, home at 5 is out
+    router.shared.sharing = None
     fresh = routing_request("m", {"messages": [{"role": "system", "content": "q " * 400}]}, None)
     fresh_home = _rendezvous_order(fresh, urls)[0]
     busy = [Candidate(u, load=5 if u == fresh_home else 1) for u in urls]
@@ -426,10 +428,11 @@ def test_a_request_stays_on_its_prefix_holder_past_the_bound_but_not_past_the_sl
 
 def test_a_front_end_that_never_saw_a_prefix_keeps_it_on_its_busy_home_as_the_others_do():
     """Active-active: front end a sent a prefix home; b, behind the same address, never saw
-    it. Once b's traffic shows shared prefixes, b presumes the prompt's home holds it (every
-    front end starts a prefix there) and gives it the holders' bound, as a does, instead of
-    spilling it off its home and prefilling it again elsewhere. Without that evidence a
-    prompt b knows nothing of gets the plain bound, as before."""
+    it. Unless b's own traffic says prompts do not repeat (a full window of samples without
+    a repeat), b presumes the prompt's home holds it (every front end starts a prefix there)
+    and gives it the holders' bound, as a does, instead of spilling it off its home and
+    prefilling it again elsewhere: from b's first request, since with N front ends b sees a
+    prefix's repeats 1/N as often (waiting for one left b spilling for most of a run)."""
     a, b = _router(), _router()
     urls = [f"http://e{i}" for i in range(4)]
     target = _target(urls)
@@ -441,15 +444,20 @@ def test_a_front_end_that_never_saw_a_prefix_keeps_it_on_its_busy_home_as_the_ot
     # home at 5, others 1: the plain cap is 3, the holders' 6
     busy = [Candidate(u, load=5 if u == home else 1) for u in urls]
     assert a.order(target, later, busy)[0].url == home
-    assert b.order(target, later, busy)[0].url != home  # b has no evidence of sharing yet
+    assert b.order(target, later, busy)[0].url == home  # b has seen nothing: presumed
     unique = [routing_request("m", {"messages": [{"role": "user", "content": f"{k} " * 200}]},
-                              None) for k in range(8)]  # fmt: skip
-    for k, other in enumerate(unique):  # b's own traffic: prompts never seen before
+                              None) for k in range(b.sharing.window)]  # fmt: skip
+    for k, other in enumerate(unique[:8]):  # a few prompts never seen before: no verdict
         b.routed(other, urls[k % 4], urls)
-    assert not b.sharing.shares("m")
+    assert b.sharing.may_share("m")
+    assert b.order(target, later, busy)[0].url == home
+    for k, other in enumerate(unique[8:]):  # a full window of them: b's traffic is unshared
+        b.routed(other, urls[k % 4], urls)
+    assert not b.sharing.may_share("m")
     assert b.order(target, later, busy)[0].url != home
-    b.routed(unique[0], urls[0], urls)  # one beginning repeats: b's traffic shares prefixes
-    assert b.sharing.shares("m")
+    for _ in range(b.sharing.low_below):  # beginnings repeat again: the presumption is back
+        b.routed(unique[0], urls[0], urls)
+    assert b.sharing.may_share("m") and not b.sharing.low("m")
     assert b.order(target, later, busy)[0].url == home
     # past the holders' bound it spills, as on a
     hot = [Candidate(u, load=7 if u == home else 1) for u in urls]
