@@ -42,6 +42,8 @@ _LABELS = ("model", "deployment", "namespace", "url")
 _NONE = (0, 0)
 # A replica's factors fade toward the prior once it has had no answer for this long.
 FADE_AFTER_S = 5.0
+# TTFT errors kept per replica between two whole answers (the rest are not shown).
+PENDING_RATIOS = 64
 
 
 def prompt_tokens(request: RoutingRequest) -> int:
@@ -67,6 +69,10 @@ class Predictions:
         self.index = PrefixIndex(index_capacity)
         # url -> [prefill tokens, requests] sent there that have not begun to stream
         self.ahead: dict[str, list[int]] = {}
+        # TTFT learnt at the first token (`started` given one): url -> predicted/observed
+        # ratios not yet in the histogram (it needs the model's labels: `answered`)
+        self.early_ttft = False
+        self._pending: dict[str, list[float]] = {}
         r = registry or CollectorRegistry()
         self._ratios: dict[tuple[tuple[str, str, str], str], tuple[Any, Any]] = {}
         self.ratio = Histogram(
@@ -165,8 +171,19 @@ class Predictions:
             self.index.record(url, request.chunk_hashes)
         return dispatch
 
-    def started(self, url: str, dispatch: Dispatch) -> None:
-        """Its first token streamed: its prefill is done."""
+    def started(self, url: str, dispatch: Dispatch, ttft: float | None = None) -> None:
+        """Its first token streamed `ttft` seconds after dispatch: its prefill is done, and
+        (given `ttft`) the model learns the TTFT now rather than when the whole answer has
+        streamed, seconds later (a replica flooded before its first answer ends was
+        predicted at the prior all that time). The TTFT's error reaches the histogram
+        with the answer (`answered`, which then learns only the ITL)."""
+        if ttft is not None:
+            self.early_ttft = True
+            if ttft > 0 and math.isfinite(ttft):
+                predicted, _ = self.model.replica(url).learn(dispatch, ttft, None, False)
+                pending = self._pending.setdefault(url, [])
+                if len(pending) < PENDING_RATIOS:
+                    pending.append(predicted / ttft)
         ahead = self.ahead.get(url)
         if ahead is None:
             return
@@ -185,14 +202,22 @@ class Predictions:
         ttft: float | None,
         itl: float | None,
     ) -> None:
-        """A whole streamed answer: the error of what was predicted, then learn from it."""
-        predicted_ttft, predicted_itl = self.model.replica(url).learn(dispatch, ttft, itl)
+        """A whole streamed answer: the error of what was predicted, then learn from it
+        (only its ITL when `started` learnt its TTFT)."""
+        early = self.early_ttft
+        predicted_ttft, predicted_itl = self.model.replica(url).learn(
+            dispatch, None if early else ttft, itl
+        )
         ratios = self._ratios.get((labels, url))
         if ratios is None:  # the histogram's children, looked up once per model and replica
             ratios = self._ratios[labels, url] = (
                 self.ratio.labels(*labels, url, "ttft"), self.ratio.labels(*labels, url, "itl"),
             )  # fmt: skip
-        if ttft is not None and ttft > 0:
+        if early:
+            pending = self._pending.pop(url, None)
+            for ratio in pending or ():
+                ratios[0].observe(ratio)
+        elif ttft is not None and ttft > 0:
             ratios[0].observe(predicted_ttft / ttft)
         if itl is not None and itl > 0:
             ratios[1].observe(predicted_itl / itl)
@@ -203,7 +228,7 @@ class Predictions:
         that replaces its pods does not grow these maps)."""
         wanted = set(keep)
         self.model.forget_replicas(wanted)
-        for table in (self.ahead, self.rates, self.answered_at):
+        for table in (self.ahead, self.rates, self.answered_at, self._pending):
             for url in [u for u in table if u not in wanted]:
                 del table[url]
         for key in [k for k in self._ratios if k[1] not in wanted]:
