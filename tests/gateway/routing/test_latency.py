@@ -13,6 +13,7 @@ from kubellm.gateway.routing.latency import (
     Prior,
     ReplicaModel,
     slo_cost,
+    slo_scores,
     speed_factors,
 )
 from kubellm.gateway.routing.predicted import Predictions
@@ -134,6 +135,9 @@ STALE_TABLE = [
     (None, None, 11.0, 0.0),
     # fresh but lagging: the engine reports fewer running than are in flight from here
     (4.0, 0.0, 11.0, 0.0),
+    # a scrape from before this gateway's queue began to run: 8 waiting then, 1 of its
+    # own waiting now, but the engine's 12 are 10 of this gateway's and 2 others'
+    (4.0, 8.0, 11.0, 2.0),
 ]
 
 
@@ -204,3 +208,23 @@ def test_ahead_counts_what_has_not_begun_to_stream() -> None:
     predictions.started("http://a", first)
     predictions.abandoned("http://a", second)
     assert predictions.dispatch("http://a", request, a).ahead_tokens == 0
+
+
+# (each candidate's SLO cost) -> the order the `slo` scorer puts them in
+SCORES_TABLE = [
+    ({"a": 0.3, "b": 0.9, "c": 2.0}, ["a", "b", "c"]),  # within reach: the most slack first
+    ({"a": 1.0, "b": 1.4}, ["a", "b"]),  # exactly at the target still counts as within
+    # out of reach everywhere: the replica already worst off first, so the others keep
+    # their streams within the SLO
+    ({"a": 1.2, "b": 3.0, "c": 1.8}, ["b", "c", "a"]),
+    ({}, []),
+]
+
+
+@pytest.mark.parametrize(("costs", "order"), SCORES_TABLE)
+def test_a_request_no_replica_keeps_within_the_slo_goes_to_the_worst_off(
+    costs: dict[str, float], order: list[str]
+) -> None:
+    scores = slo_scores(costs)
+    assert sorted(scores, key=lambda u: -scores[u]) == order
+    assert all(0.0 < v < 1.0 for v in scores.values())
