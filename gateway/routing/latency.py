@@ -210,6 +210,17 @@ class ReplicaModel:
         itl_prefill = k_prefill * prior.prefill_token_s * d.ahead_tokens / PRIOR_ANSWER_TOKENS
         return ttft_step, ttft_prefill, itl_step, itl_prefill
 
+    def drained(self, seconds: float, running: float | None, in_flight: int) -> float:
+        """Prompt tokens this replica computes in `seconds` of steps full of prompts
+        (`max_num_batched_tokens` each) beside a batch of `running` (or `in_flight`)."""
+        prior = self.prior
+        batch = max(0.0 if running is None else running, float(in_flight))
+        step = math.exp(self.log_step) * (prior.step_base_s + prior.decode_token_s * batch)
+        tokens = prior.max_num_batched_tokens
+        return (
+            seconds * tokens / (step + math.exp(self.log_prefill) * prior.prefill_token_s * tokens)
+        )
+
     def predict(self, dispatch: Dispatch) -> tuple[float, float]:
         """(TTFT, ITL) in seconds."""
         ttft_step, ttft_prefill, itl_step, itl_prefill = self._parts(dispatch)
@@ -270,6 +281,7 @@ class LatencyModel:
         self.prior = prior or Prior()
         self.rate = rate
         self.replicas: dict[str, ReplicaModel] = {}
+        self.replica_prior = ReplicaModel(self.prior, rate)  # a replica not seen yet
 
     def replica(self, url: str) -> ReplicaModel:
         model = self.replicas.get(url)

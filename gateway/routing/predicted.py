@@ -39,7 +39,6 @@ from kubellm import metrics
 CHARS_PER_TOKEN = 4
 _RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
 _LABELS = ("model", "deployment", "namespace", "url")
-_NONE = (0, 0)
 # A replica's factors fade toward the prior once it has had no answer for this long.
 FADE_AFTER_S = 5.0
 # TTFT errors kept per replica between two whole answers (the rest are not shown).
@@ -96,16 +95,30 @@ class Predictions:
     def dispatch(
         self, url: str, request: RoutingRequest, candidate: Candidate, now: float | None = None
     ) -> Dispatch:
-        """The replica's state for this request now."""
+        """The replica's state for this request now. The prompts ahead count less what the
+        replica has computed of them since the last of them began (the first token of the
+        one before, or the time the queue formed): the gateway knows what it sent, not how
+        far the engine has got, and counting whole prompts doubled the prefill ahead."""
         tokens = request.prompt_chars // CHARS_PER_TOKEN
         hashes = request.chunk_hashes
-        ahead = self.ahead.get(url, _NONE)
+        ahead = self.ahead.get(url)
         cached = 0
         if hashes:
             matched = self.index.matched(url, hashes)
             cached = min(tokens, matched * CHUNK_CHARS // CHARS_PER_TOKEN)
+        now = self.clock() if now is None else now
+        if ahead is None:
+            ahead_tokens = ahead_requests = 0
+        else:
+            ahead_tokens, ahead_requests = ahead[0], ahead[1]
+            if now > ahead[2]:
+                model = self.model.replicas.get(url)
+                done = (model or self.model.replica_prior).drained(
+                    now - ahead[2], candidate.running, candidate.in_flight
+                )
+                ahead_tokens = max(ahead_tokens - int(done), 0)
         return Dispatch(
-            tokens, cached, ahead[0], ahead[1], self.prefill_rate(url, now=now),
+            tokens, cached, ahead_tokens, ahead_requests, self.prefill_rate(url, now=now),
             candidate.in_flight, candidate.running, candidate.waiting,
         )  # fmt: skip
 
@@ -159,8 +172,8 @@ class Predictions:
         dispatch = self.dispatch(url, request, candidate, now)
         uncached = dispatch.uncached
         ahead = self.ahead.get(url)
-        if ahead is None:
-            self.ahead[url] = [uncached, 1]
+        if ahead is None:  # [tokens, requests, when the first of them began its prefill]
+            self.ahead[url] = [uncached, 1, now]
         else:
             ahead[0] += uncached
             ahead[1] += 1
@@ -191,6 +204,8 @@ class Predictions:
         ahead[1] -= 1
         if ahead[1] <= 0:
             del self.ahead[url]
+        else:
+            ahead[2] = self.clock()  # the next one's prefill goes on from here
 
     abandoned = started  # it ended before streaming: it owes no prefill either
 

@@ -228,3 +228,28 @@ def test_a_request_no_replica_keeps_within_the_slo_goes_to_the_worst_off(
     scores = slo_scores(costs)
     assert sorted(scores, key=lambda u: -scores[u]) == order
     assert all(0.0 < v < 1.0 for v in scores.values())
+
+
+# (seconds since the first prompt ahead began, prompt tokens still ahead): two prompts of
+# 4,000 tokens sent at 0 to an idle H100; it computes 8,192 per step of 7 ms + 262 ms
+PER_STEP = 8192 / (0.007 + 80e-6 * 2 + 8192 * 32e-6)
+DRAIN_TABLE = [
+    (0.0, 8000),
+    (0.1, 8000 - int(0.1 * PER_STEP)),
+    (1.0, 0),  # all computed by now (their first tokens are late to arrive)
+]
+
+
+@pytest.mark.parametrize(("elapsed", "ahead"), DRAIN_TABLE)
+def test_the_prefill_ahead_drains_while_the_replica_computes_it(elapsed: float, ahead: int) -> None:
+    now = [0.0]
+    predictions = Predictions(clock=lambda: now[0])
+    request = RoutingRequest(model="m", prompt_chars=16_000)
+    a = Candidate(url="http://a", in_flight=2)
+    first = predictions.sent("http://a", request, a)
+    predictions.sent("http://a", request, a)
+    now[0] = elapsed
+    assert predictions.dispatch("http://a", request, a).ahead_tokens == ahead
+    # the first one's first token: the second's prefill goes on from there
+    predictions.started("http://a", first)
+    assert predictions.dispatch("http://a", request, a).ahead_tokens == 4000
