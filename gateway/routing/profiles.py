@@ -25,8 +25,9 @@ Profiles:
   the model's targets and the ITL it leaves the streams already there
   (`routing/predicted.py`, the per-replica model of `routing/latency.py`); a prefix
   held enters only as a shorter predicted prefill. When no candidate is predicted within
-  the SLO (every cost over 1) the order reverses, cost / (1 + cost): a request that
-  misses anyway goes to the replica already worst off (`latency.slo_scores`). Between
+  reach (every cost over latency.OUT_OF_REACH, 1.5) the order reverses, cost /
+  (1 + cost): a request that misses anyway goes to the replica already worst off
+  (`latency.slo_scores`). Between
   two replicas predicted at 0.30 and 0.31 of the TTFT target the slo scores differ by
   10 x 0.0074 = 0.074 > 0.05: the prompt's home wins only near-ties (under ~0.7% of
   the SLO), enough to keep a shared prefix on one replica while the fleet is idle.

@@ -8,6 +8,7 @@ import math
 import pytest
 from kubellm.gateway.routing.latency import (
     MIN_SAMPLES_FOR_SPEED,
+    OUT_OF_REACH,
     Dispatch,
     LatencyModel,
     Prior,
@@ -213,10 +214,14 @@ def test_ahead_counts_what_has_not_begun_to_stream() -> None:
 # (each candidate's SLO cost) -> the order the `slo` scorer puts them in
 SCORES_TABLE = [
     ({"a": 0.3, "b": 0.9, "c": 2.0}, ["a", "b", "c"]),  # within reach: the most slack first
-    ({"a": 1.0, "b": 1.4}, ["a", "b"]),  # exactly at the target still counts as within
+    ({"a": 1.0, "b": 1.4}, ["a", "b"]),
+    # a little over the target is still within reach (the ITL is over-predicted near the
+    # knee): the least cost first
+    ({"a": 1.2, "b": 3.0, "c": 1.8}, ["a", "c", "b"]),
+    ({"a": OUT_OF_REACH, "b": 3.0}, ["a", "b"]),
     # out of reach everywhere: the replica already worst off first, so the others keep
     # their streams within the SLO
-    ({"a": 1.2, "b": 3.0, "c": 1.8}, ["b", "c", "a"]),
+    ({"a": 1.6, "b": 3.0, "c": 1.8}, ["b", "c", "a"]),
     ({}, []),
 ]
 
