@@ -1,41 +1,51 @@
 """Each replica's TTFT and ITL, predicted from its state at dispatch and learnt online.
 
 Pure: no clock, no I/O. The routing core records a `Dispatch` when it sends a request to
-a replica (the replica's state then, and the request's prompt) and, when the answer has
-streamed, feeds `observe(url, dispatch, ttft, itl)` with what the client saw. `predict`
-answers for a candidate request before it is sent.
+a replica (the replica's state then, and the request's prompt), feeds the TTFT when the
+first token streams and the ITL when the whole answer has (`ReplicaModel.learn`).
+`predict` answers for a candidate request before it is sent.
 
-The model is the engine's own physics, shared by every replica, times a speed factor per
-replica and per figure, learnt online. One engine step costs a fixed part (the weights
-streamed once, `step_base_s`), a part per sequence decoding in the batch (its KV read,
-`decode_token_s`) and a part per prompt token computed (`prefill_token_s`); a step
-computes at most `max_num_batched_tokens` prompt tokens. So, for a request whose prompt
-leaves `u` tokens uncached on the replica (a prefix it holds enters only here), with `a`
-prompt tokens ahead of it (prompts this gateway sent there that have not begun to stream:
-it knows them exactly), a batch of `b` sequences and `o` requests there that other
-gateways sent (the engine's running + waiting beyond this gateway's in flight):
+The model is the engine's own physics, shared by every replica, times two speed factors
+per replica, learnt online: `k_step` for what a step costs, `k_prefill` for what a prompt
+token costs. One engine step costs a fixed part (the weights streamed once,
+`step_base_s`), a part per sequence decoding in the batch (its KV read, `decode_token_s`)
+and a part per prompt token computed (`prefill_token_s`); a step computes at most
+`max_num_batched_tokens` prompt tokens. So, for a request whose prompt leaves `u` tokens
+uncached on the replica (a prefix it holds enters only here), with `a` prompt tokens
+ahead of it (prompts this gateway sent there that have not begun to stream, less what
+the replica has computed of them since the first of them began: `drained`), a batch of
+`b` sequences and `o` requests there that other gateways sent (the engine's queue beyond
+this gateway's, bounded by its whole count beyond this gateway's in flight):
 
     steps = 1 + (u + a) // max_num_batched_tokens
-    TTFT  = k_ttft x [(steps + 1/2) x (base + decode x b) + prefill x (u + a)
-                      + o x (base + prefill x QUEUED_PROMPT_TOKENS)]
-    ITL   = k_itl  x [(base + decode x b) / (1 - busy) + prefill x a / PRIOR_ANSWER_TOKENS]
-    busy  = k_ttft x prefill x r                    (at most BUSY_MAX)
+    TTFT  = k_step    x [(steps + 1/2) x (base + decode x b) + o x base]
+          + k_prefill x prefill x (u + a + o x QUEUED_PROMPT_TOKENS)
+    ITL   = k_step x (base + decode x b) / (1 - busy)
+          + k_prefill x prefill x a / PRIOR_ANSWER_TOKENS
+    busy  = k_prefill x prefill x r                  (at most BUSY_MAX)
 
 where `r` is the rate of prompt tokens this gateway has been sending the replica (a
 moving mean over ~`PREFILL_RATE_WINDOW_S`): `busy` is the share of the replica's time
 spent computing prompts, which stalls every decoding stream there for as long. A
 request's own prefill adds to the others' `r` (`others_itl`), so a long prompt is not
-sent where it would push the streams already there past the ITL target.
+sent where it would push the streams already there past the ITL target. (The half step:
+a request arrives mid-step on average and waits for it to end.)
 
-(the half step: a request arrives mid-step on average and waits for it to end). `k` is
-an exponentially weighted mean of log(observed / physics) per replica (weight `RATE`
-per answer: an answer's weight halves after ~14 later ones), 0 (factor 1) until data
-arrive: the prior is the profile's step costs (`Prior`, or `Prior.from_capacity` from
-`status.capacity`'s decode bound). A replica that slows down shows a growing k within
-tens of answers, and its speed factor against its peers is what `kubellm diagnose`
-reports. A free regression per replica was tried first (recursive least squares over
-the same features): in the bench it predicted TTFT with a mean error of 40-100% (its
-weights swung on the noisy, lagging engine figures) against 20% for this model.
+Learning: each observed TTFT or ITL moves log k_step and log k_prefill by RATE x
+log(observed / predicted), shared between them as their parts make up the prediction (a
+short prompt's TTFT is mostly steps, a long one's mostly prefill, an ITL mostly steps),
+so a card that computes prompts 3.2x slower but steps 1.6x slower (an A100 against the
+H100 prior) is learnt as such; one factor per figure could not hold both. An answer's
+weight halves after ~14 later ones; 0 (factor 1) until data arrive: the prior is the
+profile's step costs (`Prior`, or `Prior.from_capacity` from `status.capacity`'s decode
+bound). The TTFT is learnt at the first token: learnt with the whole answer, seconds
+later, a replica flooded before its first answer ended was predicted at the prior all
+that time (on 2 H100 + 2 A100 at 70/s the A100s' first answers came 15 s in). A replica
+that slows down shows growing factors within tens of answers, and its speed factor
+against its peers is what `kubellm diagnose` reports. A free regression per replica was
+tried first (recursive least squares over the same features): in the bench it predicted
+TTFT with a mean error of 40-100% (its weights swung on the noisy, lagging engine
+figures).
 
 Stale engine metrics are unknown, never trusted: without fresh figures the batch is
 the gateway's own in-flight count (a lower bound) and no other gateway's requests count.

@@ -5,7 +5,7 @@ gateway (prompts sent there that have not begun to stream: "tokens ahead"), and 
 metrics that show how good the predictions are. The ticket calls it at each phase:
 
     dispatch = predictions.sent(url, request, candidate)   # an attempt starts
-    predictions.started(url, dispatch)                     # its first token streamed
+    predictions.started(url, dispatch, ttft)               # its first token: TTFT learnt
     predictions.answered(labels, url, dispatch, ttft, itl) # a whole streamed answer
     predictions.abandoned(url, dispatch)                   # it ended otherwise
 
