@@ -20,7 +20,7 @@ measurement). Then the 90%-rate per policy (DistServe's goodput: the highest rat
 the sweep at which 90% of requests meet both SLOs, linearly interpolated) and the
 verdict against issue #30's targets.
 
-    python bench/slo_routing.py                          # the full sweep (minutes)
+    python bench/slo_routing.py                          # every pool's sweep (minutes)
     python bench/slo_routing.py --quick                  # fewer rates and requests
     python bench/slo_routing.py --pools mixed --rates 30,45,60 --requests 1200
 """
@@ -54,6 +54,12 @@ POOLS = {
     "h100": [H100] * 4,
     "mixed": [H100, H100, A100, A100],
     "slow": [H100, H100, H100, H100.slowed(1.5)],
+}
+# Each pool's sweep: from under every policy's knee to past 1.4x prefix-aware's 90%-rate.
+RATES = {
+    "h100": [60.0, 80.0, 100.0, 120.0, 150.0],
+    "mixed": [20.0, 30.0, 40.0, 50.0, 60.0, 70.0],
+    "slow": [60.0, 70.0, 85.0, 100.0, 115.0, 130.0],
 }
 POLICIES = ["prefix-aware", "least-load", "slo-aware", "power_of_two", "cache_aware"]
 SLO = api.SLO(ttftSeconds=1.0, itlSeconds=0.05)
@@ -129,18 +135,15 @@ def decision_cost(replicas: int, rounds: int = 2000) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pools", default="h100,mixed")
+    parser.add_argument("--pools", default="h100,mixed,slow")
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--rates", default="30,40,50,60,70")
-    parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument("--rates", help="req/s, comma-separated (default: RATES per pool)")
+    parser.add_argument("--requests", type=int, default=1200)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="3 rates, 600 requests")
+    parser.add_argument("--quick", action="store_true", help="every other rate, 600 requests")
     parser.add_argument("--out", default="bench/results/slo_routing.json")
     args = parser.parse_args(argv)
-    rates = [float(r) for r in args.rates.split(",")]
-    requests = args.requests
-    if args.quick:
-        rates, requests = rates[1::2] or rates, min(requests, 600)
+    requests = min(args.requests, 600) if args.quick else args.requests
     policies = args.policies.split(",")
     for policy in policies:
         if policy not in KUBELLM_POLICIES + PEER_POLICIES:
@@ -151,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     print(header + f"{'TTFT99':>7} {'ITL99':>7} {'MAPE-T':>7} {'MAPE-I':>7}")
     for pool in args.pools.split(","):
         results[pool] = {}
+        rates = [float(r) for r in args.rates.split(",")] if args.rates else RATES[pool]
+        if args.quick:
+            rates = rates[1::2] or rates
         for rate in rates:
             jobs = workload(rate, requests, args.seed)
             duration = jobs[-1].arrival

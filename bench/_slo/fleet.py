@@ -234,7 +234,7 @@ class Fleet:
                     outcome, dispatch = live[request_.request_id]
                     if outcome.first is None:
                         outcome.first = now
-                        predictions.started(replica.url, dispatch)
+                        predictions.started(replica.url, dispatch, now - outcome.sent)
                     outcome.last = now
                     outcome.tokens += 1
                 for request_ in step.finished:

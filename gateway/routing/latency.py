@@ -1,41 +1,51 @@
 """Each replica's TTFT and ITL, predicted from its state at dispatch and learnt online.
 
 Pure: no clock, no I/O. The routing core records a `Dispatch` when it sends a request to
-a replica (the replica's state then, and the request's prompt) and, when the answer has
-streamed, feeds `observe(url, dispatch, ttft, itl)` with what the client saw. `predict`
-answers for a candidate request before it is sent.
+a replica (the replica's state then, and the request's prompt), feeds the TTFT when the
+first token streams and the ITL when the whole answer has (`ReplicaModel.learn`).
+`predict` answers for a candidate request before it is sent.
 
-The model is the engine's own physics, shared by every replica, times a speed factor per
-replica and per figure, learnt online. One engine step costs a fixed part (the weights
-streamed once, `step_base_s`), a part per sequence decoding in the batch (its KV read,
-`decode_token_s`) and a part per prompt token computed (`prefill_token_s`); a step
-computes at most `max_num_batched_tokens` prompt tokens. So, for a request whose prompt
-leaves `u` tokens uncached on the replica (a prefix it holds enters only here), with `a`
-prompt tokens ahead of it (prompts this gateway sent there that have not begun to stream:
-it knows them exactly), a batch of `b` sequences and `o` requests there that other
-gateways sent (the engine's running + waiting beyond this gateway's in flight):
+The model is the engine's own physics, shared by every replica, times two speed factors
+per replica, learnt online: `k_step` for what a step costs, `k_prefill` for what a prompt
+token costs. One engine step costs a fixed part (the weights streamed once,
+`step_base_s`), a part per sequence decoding in the batch (its KV read, `decode_token_s`)
+and a part per prompt token computed (`prefill_token_s`); a step computes at most
+`max_num_batched_tokens` prompt tokens. So, for a request whose prompt leaves `u` tokens
+uncached on the replica (a prefix it holds enters only here), with `a` prompt tokens
+ahead of it (prompts this gateway sent there that have not begun to stream, less what
+the replica has computed of them since the first of them began: `drained`), a batch of
+`b` sequences and `o` requests there that other gateways sent (the engine's queue beyond
+this gateway's, bounded by its whole count beyond this gateway's in flight):
 
     steps = 1 + (u + a) // max_num_batched_tokens
-    TTFT  = k_ttft x [(steps + 1/2) x (base + decode x b) + prefill x (u + a)
-                      + o x (base + prefill x QUEUED_PROMPT_TOKENS)]
-    ITL   = k_itl  x [(base + decode x b) / (1 - busy) + prefill x a / PRIOR_ANSWER_TOKENS]
-    busy  = k_ttft x prefill x r                    (at most BUSY_MAX)
+    TTFT  = k_step    x [(steps + 1/2) x (base + decode x b) + o x base]
+          + k_prefill x prefill x (u + a + o x QUEUED_PROMPT_TOKENS)
+    ITL   = k_step x (base + decode x b) / (1 - busy)
+          + k_prefill x prefill x a / PRIOR_ANSWER_TOKENS
+    busy  = k_prefill x prefill x r                  (at most BUSY_MAX)
 
 where `r` is the rate of prompt tokens this gateway has been sending the replica (a
 moving mean over ~`PREFILL_RATE_WINDOW_S`): `busy` is the share of the replica's time
 spent computing prompts, which stalls every decoding stream there for as long. A
 request's own prefill adds to the others' `r` (`others_itl`), so a long prompt is not
-sent where it would push the streams already there past the ITL target.
+sent where it would push the streams already there past the ITL target. (The half step:
+a request arrives mid-step on average and waits for it to end.)
 
-(the half step: a request arrives mid-step on average and waits for it to end). `k` is
-an exponentially weighted mean of log(observed / physics) per replica (weight `RATE`
-per answer: an answer's weight halves after ~14 later ones), 0 (factor 1) until data
-arrive: the prior is the profile's step costs (`Prior`, or `Prior.from_capacity` from
-`status.capacity`'s decode bound). A replica that slows down shows a growing k within
-tens of answers, and its speed factor against its peers is what `kubellm diagnose`
-reports. A free regression per replica was tried first (recursive least squares over
-the same features): in the bench it predicted TTFT with a mean error of 40-100% (its
-weights swung on the noisy, lagging engine figures) against 20% for this model.
+Learning: each observed TTFT or ITL moves log k_step and log k_prefill by RATE x
+log(observed / predicted), shared between them as their parts make up the prediction (a
+short prompt's TTFT is mostly steps, a long one's mostly prefill, an ITL mostly steps),
+so a card that computes prompts 3.2x slower but steps 1.6x slower (an A100 against the
+H100 prior) is learnt as such; one factor per figure could not hold both. An answer's
+weight halves after ~14 later ones; 0 (factor 1) until data arrive: the prior is the
+profile's step costs (`Prior`, or `Prior.from_capacity` from `status.capacity`'s decode
+bound). The TTFT is learnt at the first token: learnt with the whole answer, seconds
+later, a replica flooded before its first answer ended was predicted at the prior all
+that time (on 2 H100 + 2 A100 at 70/s the A100s' first answers came 15 s in). A replica
+that slows down shows growing factors within tens of answers, and its speed factor
+against its peers is what `kubellm diagnose` reports. A free regression per replica was
+tried first (recursive least squares over the same features): in the bench it predicted
+TTFT with a mean error of 40-100% (its weights swung on the noisy, lagging engine
+figures).
 
 Stale engine metrics are unknown, never trusted: without fresh figures the batch is
 the gateway's own in-flight count (a lower bound) and no other gateway's requests count.
@@ -44,7 +54,7 @@ the gateway's own in-flight count (a lower bound) and no other gateway's request
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -63,6 +73,12 @@ MIN_SAMPLES_FOR_SPEED = 20
 QUEUED_PROMPT_TOKENS = 250
 # ITL: tokens ahead are spread over this many decode steps of the new answer.
 PRIOR_ANSWER_TOKENS = 100
+# A request whose best replica's SLO cost (slo_cost) is above this is out of reach: it goes
+# to the replica already worst off (slo_scores). Over 1, since the ITL is over-predicted
+# near the knee (median 1.2-1.4x at 80-100 req/s on 4 H100): tried in bench/slo_routing.py
+# at 1.0 / 1.25 / 1.5, share within the SLO on 4 H100 at 100/s 90.8 / 93.8 / 96.9%, on the
+# slow pool at 100/s 78.5 / 84.3 / 87.2%, on the mixed pool at 70/s 79.5 / 84.8 / 83.8%.
+OUT_OF_REACH = 1.5
 # The share of time a replica may be predicted to spend on prompts (1 would be a stall).
 BUSY_MAX = 0.9
 # The window of the prompt-token rate per replica (predicted.Predictions), seconds.
@@ -143,52 +159,88 @@ class Dispatch(NamedTuple):
         """Queued requests there that this gateway did not send (other gateways'): the
         engine's queue beyond this gateway's prompts not yet streaming; 0 when unknown.
         (Others' running requests are in `batch`: they cost a decode, not a queue slot.)"""
-        if self.waiting is None:
+        waiting = self.waiting
+        if waiting is None:
             return 0.0
-        return max(self.waiting - self.ahead_requests, 0.0)
+        queued = waiting - self.ahead_requests
+        if queued <= 0:
+            return 0.0
+        running = 0.0 if self.running is None else self.running
+        # the engine's whole count against this gateway's: a scrape up to a second old
+        # splits this gateway's requests between running and waiting as they were then,
+        # but their sum moves only as requests arrive and finish
+        return min(queued, max(running + waiting - self.in_flight, 0.0))
 
 
 REFERENCE = Dispatch(prompt_tokens=REFERENCE_TOKENS, in_flight=REFERENCE_BATCH - 1)
 
 
 class ReplicaModel:
-    """One replica's speed factors: log(observed / physics), TTFT and ITL, as moving means."""
+    """One replica's two speed factors, as moving means of log(observed / predicted):
+    `step` scales the per-step part (weights streamed, each sequence's KV read) and
+    `prefill` the per-prompt-token part. Each answer's error in log is shared between
+    them as their parts make up its prediction (a short prompt's TTFT is mostly steps, a
+    long one's mostly prefill; an ITL is mostly steps), so a card that computes prompts
+    3.2x slower but decodes 1.6x slower (A100 against H100) is learnt as such."""
 
-    __slots__ = ("log_itl", "log_ttft", "prior", "rate", "samples")
+    __slots__ = ("log_prefill", "log_step", "prior", "rate", "samples")
 
     def __init__(self, prior: Prior, rate: float = RATE) -> None:
         self.prior = prior
         self.rate = rate
-        self.log_ttft = 0.0
-        self.log_itl = 0.0
+        self.log_step = 0.0
+        self.log_prefill = 0.0
         self.samples = 0
 
     @property
     def speed(self) -> tuple[float, float]:
-        """(TTFT, ITL) factors against the prior's physics (1.5: 50% slower)."""
-        return math.exp(self.log_ttft), math.exp(self.log_itl)
+        """(per-step, per-prompt-token) factors against the prior's physics (1.5: 50%
+        slower)."""
+        return math.exp(self.log_step), math.exp(self.log_prefill)
 
     def fade(self, idle_seconds: float) -> None:
         """No answer for `idle_seconds`: the factors drift back toward the prior (half-life
         IDLE_HALF_LIFE_S), so a replica routed around because it was slow is tried again
         once it may have recovered, and relearnt from its next answers."""
         keep = 0.5 ** (max(idle_seconds, 0.0) / IDLE_HALF_LIFE_S)
-        self.log_ttft *= keep
-        self.log_itl *= keep
+        self.log_step *= keep
+        self.log_prefill *= keep
 
     def busy(self, prefill_rate: float) -> float:
-        """The share of its time this replica spends on prompts at `prefill_rate` tokens/s
-        (prefill runs at its TTFT speed)."""
-        return self.speed[0] * self.prior.prefill_token_s * prefill_rate
+        """The share of its time this replica spends on prompts at `prefill_rate` tokens/s."""
+        return math.exp(self.log_prefill) * self.prior.prefill_token_s * prefill_rate
+
+    def _parts(self, d: Dispatch) -> tuple[float, float, float, float]:
+        """(TTFT's step part, its prefill part, ITL's step part, its prefill part), each
+        with its factor applied."""
+        prior = self.prior
+        k_step, k_prefill = math.exp(self.log_step), math.exp(self.log_prefill)
+        tokens = d.uncached + d.ahead_tokens
+        steps = 1 + tokens // prior.max_num_batched_tokens
+        step = prior.step_base_s + prior.decode_token_s * d.batch
+        others = d.others
+        ttft_step = k_step * ((steps + 0.5) * step + others * prior.step_base_s)
+        ttft_prefill = k_prefill * prior.prefill_token_s * (tokens + others * QUEUED_PROMPT_TOKENS)
+        busy = min(max(k_prefill * prior.prefill_token_s * d.prefill_rate, 0.0), BUSY_MAX)
+        itl_step = k_step * step / (1.0 - busy)
+        itl_prefill = k_prefill * prior.prefill_token_s * d.ahead_tokens / PRIOR_ANSWER_TOKENS
+        return ttft_step, ttft_prefill, itl_step, itl_prefill
+
+    def drained(self, seconds: float, running: float | None, in_flight: int) -> float:
+        """Prompt tokens this replica computes in `seconds` of steps full of prompts
+        (`max_num_batched_tokens` each) beside a batch of `running` (or `in_flight`)."""
+        prior = self.prior
+        batch = max(0.0 if running is None else running, float(in_flight))
+        step = math.exp(self.log_step) * (prior.step_base_s + prior.decode_token_s * batch)
+        tokens = prior.max_num_batched_tokens
+        return (
+            seconds * tokens / (step + math.exp(self.log_prefill) * prior.prefill_token_s * tokens)
+        )
 
     def predict(self, dispatch: Dispatch) -> tuple[float, float]:
         """(TTFT, ITL) in seconds."""
-        k_ttft, k_itl = self.speed
-        busy = self.busy(dispatch.prefill_rate)
-        return (
-            max(k_ttft * self.prior.ttft(dispatch), FLOOR_S),
-            max(k_itl * self.prior.itl(dispatch, busy), FLOOR_S),
-        )
+        ttft_step, ttft_prefill, itl_step, itl_prefill = self._parts(dispatch)
+        return max(ttft_step + ttft_prefill, FLOOR_S), max(itl_step + itl_prefill, FLOOR_S)
 
     def others_itl(self, dispatch: Dispatch) -> float:
         """The mean ITL the requests already there would see once this one's prompt adds
@@ -196,8 +248,12 @@ class ReplicaModel:
         there."""
         if dispatch.batch <= 1:
             return 0.0
+        prior = self.prior
         rate = dispatch.prefill_rate + dispatch.uncached / PREFILL_RATE_WINDOW_S
-        return self.speed[1] * self.prior.itl(dispatch, self.busy(rate))
+        busy = min(self.busy(rate), BUSY_MAX)
+        step = prior.step_base_s + prior.decode_token_s * dispatch.batch
+        spread = prior.prefill_token_s * dispatch.ahead_tokens / PRIOR_ANSWER_TOKENS
+        return math.exp(self.log_step) * step / (1.0 - busy) + math.exp(self.log_prefill) * spread
 
     def observe(self, dispatch: Dispatch, ttft: float | None, itl: float | None) -> None:
         """Learn from one answer (either figure None, not finite or not positive: that
@@ -205,27 +261,33 @@ class ReplicaModel:
         self.learn(dispatch, ttft, itl)
 
     def learn(
-        self, dispatch: Dispatch, ttft: float | None, itl: float | None
+        self, dispatch: Dispatch, ttft: float | None, itl: float | None, answer: bool = True
     ) -> tuple[float, float]:
         """What `predict` said of `dispatch` before this answer, then learn from it as
         `observe` does (one pass over the physics for both: the ticket calls this once
-        per streamed answer)."""
-        k_ttft, k_itl = self.speed
-        prior = self.prior
-        physics_ttft = prior.ttft(dispatch)
-        physics_itl = prior.itl(dispatch, k_ttft * prior.prefill_token_s * dispatch.prefill_rate)
-        predicted = max(k_ttft * physics_ttft, FLOOR_S), max(k_itl * physics_itl, FLOOR_S)
+        per streamed answer). `answer` False: a first token, not yet an answer (not
+        counted in `samples`)."""
+        ttft_step, ttft_prefill, itl_step, itl_prefill = self._parts(dispatch)
+        predicted = max(ttft_step + ttft_prefill, FLOOR_S), max(itl_step + itl_prefill, FLOOR_S)
+        rate = self.rate
         if ttft is not None and math.isfinite(ttft) and ttft > 0:
-            self.log_ttft += self.rate * _step(ttft / physics_ttft, self.log_ttft)
+            error = _error(ttft / (ttft_step + ttft_prefill))
+            share = ttft_step / (ttft_step + ttft_prefill)
+            self.log_step += rate * error * share
+            self.log_prefill += rate * error * (1.0 - share)
         if itl is not None and math.isfinite(itl) and itl > 0:
-            self.log_itl += self.rate * _step(itl / physics_itl, self.log_itl)
-        self.samples += 1
+            error = _error(itl / (itl_step + itl_prefill))
+            share = itl_step / (itl_step + itl_prefill)
+            self.log_step += rate * error * share
+            self.log_prefill += rate * error * (1.0 - share)
+        if answer:
+            self.samples += 1
         return predicted
 
 
-def _step(ratio: float, current: float) -> float:
-    """How far one answer pulls log k: toward log(ratio), at most MAX_LOG_STEP."""
-    return min(max(math.log(ratio) - current, -MAX_LOG_STEP), MAX_LOG_STEP)
+def _error(ratio: float) -> float:
+    """How far one answer pulls the factors (in log): log(ratio), at most MAX_LOG_STEP."""
+    return min(max(math.log(ratio), -MAX_LOG_STEP), MAX_LOG_STEP)
 
 
 class LatencyModel:
@@ -235,6 +297,7 @@ class LatencyModel:
         self.prior = prior or Prior()
         self.rate = rate
         self.replicas: dict[str, ReplicaModel] = {}
+        self.replica_prior = ReplicaModel(self.prior, rate)  # a replica not seen yet
 
     def replica(self, url: str) -> ReplicaModel:
         model = self.replicas.get(url)
@@ -269,6 +332,23 @@ def slo_cost(
     and ITL and the ITL it leaves the requests already there (`others_itl`), each over its
     target (1: exactly at the target; under 1: within all)."""
     return max(ttft / ttft_target, itl / itl_target, others_itl / itl_target)
+
+
+def slo_scores(costs: Mapping[str, float]) -> dict[str, float]:
+    """The `slo` scorer's score per candidate from its `slo_cost` (higher is better).
+
+    While some candidate is predicted within reach (cost at most OUT_OF_REACH),
+    1 / (1 + cost): the most slack first. When none is, cost / (1 + cost): the replica
+    already worst off first. Such a request misses wherever it goes, and it delays every
+    stream on the replica it joins (its prefill stalls them, its queue slot holds later
+    arrivals), so it goes where the streams are already lost and the other replicas stay
+    within their SLO. Past the knee, spreading the overload evenly makes every replica
+    miss; concentrating it keeps the rest of the fleet's goodput."""
+    if not costs:
+        return {}
+    if min(costs.values()) <= OUT_OF_REACH:
+        return {url: 1.0 / (1.0 + cost) for url, cost in costs.items()}
+    return {url: cost / (1.0 + cost) for url, cost in costs.items()}
 
 
 def speed_factors(

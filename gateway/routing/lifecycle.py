@@ -277,7 +277,8 @@ class Ticket:
             timing = self.timing
             if timing.first is None and self._dispatch is not None:
                 self._dispatch[3] = True  # its prefill is done
-                self._core.predictions.started(self._dispatch[0], self._dispatch[1])
+                dispatch = self._dispatch  # (url, its Dispatch, when sent, started)
+                self._core.predictions.started(dispatch[0], dispatch[1], now - dispatch[2])
                 self._unhold()
             if data.count(b"\n\n") == 1:
                 timing.token(now)

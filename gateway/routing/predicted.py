@@ -5,7 +5,7 @@ gateway (prompts sent there that have not begun to stream: "tokens ahead"), and 
 metrics that show how good the predictions are. The ticket calls it at each phase:
 
     dispatch = predictions.sent(url, request, candidate)   # an attempt starts
-    predictions.started(url, dispatch)                     # its first token streamed
+    predictions.started(url, dispatch, ttft)               # its first token: TTFT learnt
     predictions.answered(labels, url, dispatch, ttft, itl) # a whole streamed answer
     predictions.abandoned(url, dispatch)                   # it ended otherwise
 
@@ -40,9 +40,10 @@ from kubellm import metrics
 CHARS_PER_TOKEN = 4
 _RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
 _LABELS = ("model", "deployment", "namespace", "url")
-_NONE = (0, 0)
 # A replica's factors fade toward the prior once it has had no answer for this long.
 FADE_AFTER_S = 5.0
+# TTFT errors kept per replica between two whole answers (the rest are not shown).
+PENDING_RATIOS = 64
 
 
 def prompt_tokens(request: RoutingRequest) -> int:
@@ -68,6 +69,10 @@ class Predictions:
         self.index = PrefixIndex(index_capacity)
         # url -> [prefill tokens, requests] sent there that have not begun to stream
         self.ahead: dict[str, list[int]] = {}
+        # TTFT learnt at the first token (`started` given one): url -> predicted/observed
+        # ratios not yet in the histogram (it needs the model's labels: `answered`)
+        self.early_ttft = False
+        self._pending: dict[str, list[float]] = {}
         r = registry or CollectorRegistry()
         self._ratios: dict[tuple[tuple[str, str, str], str], tuple[Any, Any]] = {}
         self.ratio = Histogram(
@@ -91,16 +96,30 @@ class Predictions:
     def dispatch(
         self, url: str, request: RoutingRequest, candidate: Candidate, now: float | None = None
     ) -> Dispatch:
-        """The replica's state for this request now."""
+        """The replica's state for this request now. The prompts ahead count less what the
+        replica has computed of them since the last of them began (the first token of the
+        one before, or the time the queue formed): the gateway knows what it sent, not how
+        far the engine has got, and counting whole prompts doubled the prefill ahead."""
         tokens = request.prompt_chars // CHARS_PER_TOKEN
         hashes = request.chunk_hashes
-        ahead = self.ahead.get(url, _NONE)
+        ahead = self.ahead.get(url)
         cached = 0
         if hashes:
             matched = self.index.matched(url, hashes)
             cached = min(tokens, matched * CHUNK_CHARS // CHARS_PER_TOKEN)
+        now = self.clock() if now is None else now
+        if ahead is None:
+            ahead_tokens = ahead_requests = 0
+        else:
+            ahead_tokens, ahead_requests = ahead[0], ahead[1]
+            if now > ahead[2]:
+                model = self.model.replicas.get(url)
+                done = (model or self.model.replica_prior).drained(
+                    now - ahead[2], candidate.running, candidate.in_flight
+                )
+                ahead_tokens = max(ahead_tokens - int(done), 0)
         return Dispatch(
-            tokens, cached, ahead[0], ahead[1], self.prefill_rate(url, now=now),
+            tokens, cached, ahead_tokens, ahead_requests, self.prefill_rate(url, now=now),
             candidate.in_flight, candidate.running, candidate.waiting,
         )  # fmt: skip
 
@@ -154,8 +173,8 @@ class Predictions:
         dispatch = self.dispatch(url, request, candidate, now)
         uncached = dispatch.uncached
         ahead = self.ahead.get(url)
-        if ahead is None:
-            self.ahead[url] = [uncached, 1]
+        if ahead is None:  # [tokens, requests, when the first of them began its prefill]
+            self.ahead[url] = [uncached, 1, now]
         else:
             ahead[0] += uncached
             ahead[1] += 1
@@ -166,8 +185,19 @@ class Predictions:
             self.index.record(url, request.chunk_hashes)
         return dispatch
 
-    def started(self, url: str, dispatch: Dispatch) -> None:
-        """Its first token streamed: its prefill is done."""
+    def started(self, url: str, dispatch: Dispatch, ttft: float | None = None) -> None:
+        """Its first token streamed `ttft` seconds after dispatch: its prefill is done, and
+        (given `ttft`) the model learns the TTFT now rather than when the whole answer has
+        streamed, seconds later (a replica flooded before its first answer ends was
+        predicted at the prior all that time). The TTFT's error reaches the histogram
+        with the answer (`answered`, which then learns only the ITL)."""
+        if ttft is not None:
+            self.early_ttft = True
+            if ttft > 0 and math.isfinite(ttft):
+                predicted, _ = self.model.replica(url).learn(dispatch, ttft, None, False)
+                pending = self._pending.setdefault(url, [])
+                if len(pending) < PENDING_RATIOS:
+                    pending.append(predicted / ttft)
         ahead = self.ahead.get(url)
         if ahead is None:
             return
@@ -175,6 +205,8 @@ class Predictions:
         ahead[1] -= 1
         if ahead[1] <= 0:
             del self.ahead[url]
+        else:
+            ahead[2] = self.clock()  # the next one's prefill goes on from here
 
     abandoned = started  # it ended before streaming: it owes no prefill either
 
@@ -186,14 +218,22 @@ class Predictions:
         ttft: float | None,
         itl: float | None,
     ) -> None:
-        """A whole streamed answer: the error of what was predicted, then learn from it."""
-        predicted_ttft, predicted_itl = self.model.replica(url).learn(dispatch, ttft, itl)
+        """A whole streamed answer: the error of what was predicted, then learn from it
+        (only its ITL when `started` learnt its TTFT)."""
+        early = self.early_ttft
+        predicted_ttft, predicted_itl = self.model.replica(url).learn(
+            dispatch, None if early else ttft, itl
+        )
         ratios = self._ratios.get((labels, url))
         if ratios is None:  # the histogram's children, looked up once per model and replica
             ratios = self._ratios[labels, url] = (
                 self.ratio.labels(*labels, url, "ttft"), self.ratio.labels(*labels, url, "itl"),
             )  # fmt: skip
-        if ttft is not None and ttft > 0:
+        if early:
+            pending = self._pending.pop(url, None)
+            for ratio in pending or ():
+                ratios[0].observe(ratio)
+        elif ttft is not None and ttft > 0:
             ratios[0].observe(predicted_ttft / ttft)
         if itl is not None and itl > 0:
             ratios[1].observe(predicted_itl / itl)
@@ -204,7 +244,7 @@ class Predictions:
         that replaces its pods does not grow these maps)."""
         wanted = set(keep)
         self.model.forget_replicas(wanted)
-        for table in (self.ahead, self.rates, self.answered_at):
+        for table in (self.ahead, self.rates, self.answered_at, self._pending):
             for url in [u for u in table if u not in wanted]:
                 del table[url]
         for key in [k for k in self._ratios if k[1] not in wanted]:

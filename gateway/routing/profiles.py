@@ -24,10 +24,13 @@ Profiles:
   candidate 1 / (1 + cost), the cost being the worst of its predicted TTFT and ITL over
   the model's targets and the ITL it leaves the streams already there
   (`routing/predicted.py`, the per-replica model of `routing/latency.py`); a prefix
-  held enters only as a shorter predicted prefill. Between two replicas predicted at 0.30
-  and 0.31 of the TTFT target the slo scores differ by 10 x 0.0074 = 0.074 > 0.05: the
-  prompt's home wins only near-ties (under ~0.7% of the SLO), enough to keep a shared
-  prefix on one replica while the fleet is idle.
+  held enters only as a shorter predicted prefill. When no candidate is predicted within
+  reach (every cost over latency.OUT_OF_REACH, 1.5) the order reverses, cost /
+  (1 + cost): a request that misses anyway goes to the replica already worst off
+  (`latency.slo_scores`). Between
+  two replicas predicted at 0.30 and 0.31 of the TTFT target the slo scores differ by
+  10 x 0.0074 = 0.074 > 0.05: the prompt's home wins only near-ties (under ~0.7% of
+  the SLO), enough to keep a shared prefix on one replica while the fleet is idle.
 
 Members and what they tell each other through the request's `Cycle`:
 
@@ -64,6 +67,7 @@ from typing import Protocol
 
 from kubellm.gateway.discovery.base import ModelTarget
 from kubellm.gateway.routing.adapters import AdapterScorer
+from kubellm.gateway.routing.latency import slo_scores
 from kubellm.gateway.routing.precise import PreciseRouting
 from kubellm.gateway.routing.predicted import Predictions
 from kubellm.gateway.routing.scorers import prefix
@@ -269,7 +273,7 @@ class _Slo:
         costs = predictions.costs(
             cycle.request, cycle.candidates, slo.ttft_seconds, slo.itl_seconds
         )
-        return Scored("slo", {url: 1.0 / (1.0 + cost) for url, (cost, _, _) in costs.items()})
+        return Scored("slo", slo_scores({url: cost for url, (cost, _, _) in costs.items()}))
 
 
 def either(a: Filter, b: Filter) -> Filter:

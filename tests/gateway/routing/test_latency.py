@@ -8,11 +8,13 @@ import math
 import pytest
 from kubellm.gateway.routing.latency import (
     MIN_SAMPLES_FOR_SPEED,
+    OUT_OF_REACH,
     Dispatch,
     LatencyModel,
     Prior,
     ReplicaModel,
     slo_cost,
+    slo_scores,
     speed_factors,
 )
 from kubellm.gateway.routing.predicted import Predictions
@@ -66,12 +68,14 @@ def _feed(model: ReplicaModel, factor: float, answers: int) -> None:
         model.observe(d, factor * H100.ttft(d), factor * H100.itl(d))
 
 
-# (answers at factor 1.5, then answers at factor 1.0, the TTFT speed learnt within 10%)
+# (answers at factor 1.5, then answers at factor 1.0, the TTFT and ITL learnt within 6%)
 FORGETTING_TABLE = [
     (0, 0, 1.0),  # nothing seen: the prior
     (200, 0, 1.5),  # a slow replica learnt
     (200, 100, 1.0),  # it recovered: 100 later answers outweigh the 200 old ones
-    (200, 5, 1.5 ** (0.95**5)),  # 5 answers in: log k's old part x 0.95 per answer
+    # 5 answers in: log k's old part x ~0.95 per answer (each TTFT's error is shared
+    # between the step and the prefill factor as their parts make up its prediction)
+    (200, 5, 1.5 ** (0.95**5)),
 ]
 
 
@@ -80,20 +84,48 @@ def test_old_answers_fade(slow: int, fast: int, speed: float) -> None:
     model = ReplicaModel(H100)
     _feed(model, 1.5, slow)
     _feed(model, 1.0, fast)
-    assert model.speed[0] == pytest.approx(speed, rel=0.02)
-    d = Dispatch(prompt_tokens=1234, in_flight=5)
-    assert model.predict(d)[0] == pytest.approx(speed * H100.ttft(d), rel=0.1)
+    for d in (Dispatch(prompt_tokens=1234, in_flight=5), Dispatch(prompt_tokens=60)):
+        ttft, itl = model.predict(d)
+        assert ttft / H100.ttft(d) == pytest.approx(speed, rel=0.06)
+        assert itl / H100.itl(d) == pytest.approx(speed, rel=0.06)
+
+
+# (per-step factor, per-prompt-token factor of a replica; 400 answers of mixed lengths)
+TWO_FACTOR_TABLE = [
+    (1.0, 1.0),
+    (1.5, 1.5),  # a card 1.5x slower in everything
+    (1.6, 3.2),  # an A100 against the H100 prior: prompts 3.2x slower, steps 1.6x
+]
+
+
+@pytest.mark.parametrize(("k_step", "k_prefill"), TWO_FACTOR_TABLE)
+def test_steps_and_prompts_are_learnt_apart(k_step: float, k_prefill: float) -> None:
+    """A short prompt's TTFT is mostly steps, a long one's mostly prefill: both factors
+    are learnt, so short and long prompts are both predicted right."""
+    slower = Prior(
+        H100.step_base_s * k_step, H100.prefill_token_s * k_prefill, H100.decode_token_s * k_step
+    )
+    model = ReplicaModel(H100)
+    for i in range(400):
+        d = Dispatch(prompt_tokens=50 + 397 * (i % 20), in_flight=i % 16)
+        model.observe(d, slower.ttft(d), slower.itl(d))
+    for d in (Dispatch(prompt_tokens=50), Dispatch(prompt_tokens=6000, in_flight=8)):
+        assert model.predict(d)[0] == pytest.approx(slower.ttft(d), rel=0.08)
+    assert model.speed == pytest.approx((k_step, k_prefill), rel=0.15)
 
 
 def test_one_stalled_answer_moves_the_factor_by_a_bounded_step() -> None:
     model = ReplicaModel(H100)
     d = Dispatch(prompt_tokens=500)
+    before = model.predict(d)[0]
     model.observe(d, 1000 * H100.ttft(d), None)  # a stream that stalled for minutes
-    assert model.speed[0] == pytest.approx(4.0**0.05)  # one RATE step of at most log 4
+    after = model.predict(d)[0]
+    # one RATE step of at most log 4 (shared between the two factors: each moves less)
+    assert 1.0 < after / before <= 4.0**0.05
     model.observe(d, math.inf, math.nan)  # and nonsense teaches nothing
     model.observe(d, -1.0, 0.0)
-    assert model.speed[0] == pytest.approx(4.0**0.05)
-    assert model.speed[1] == 1.0
+    assert model.predict(d)[0] == after
+    assert 1.0 <= model.predict(d)[1] / H100.itl(d) <= 4.0**0.05  # the steps are shared
 
 
 # (engine figures: running, waiting; fresh or stale) -> what the model uses
@@ -104,6 +136,9 @@ STALE_TABLE = [
     (None, None, 11.0, 0.0),
     # fresh but lagging: the engine reports fewer running than are in flight from here
     (4.0, 0.0, 11.0, 0.0),
+    # a scrape from before this gateway's queue began to run: 8 waiting then, 1 of its
+    # own waiting now, but the engine's 12 are 10 of this gateway's and 2 others'
+    (4.0, 8.0, 11.0, 2.0),
 ]
 
 
@@ -174,3 +209,52 @@ def test_ahead_counts_what_has_not_begun_to_stream() -> None:
     predictions.started("http://a", first)
     predictions.abandoned("http://a", second)
     assert predictions.dispatch("http://a", request, a).ahead_tokens == 0
+
+
+# (each candidate's SLO cost) -> the order the `slo` scorer puts them in
+SCORES_TABLE = [
+    ({"a": 0.3, "b": 0.9, "c": 2.0}, ["a", "b", "c"]),  # within reach: the most slack first
+    ({"a": 1.0, "b": 1.4}, ["a", "b"]),
+    # a little over the target is still within reach (the ITL is over-predicted near the
+    # knee): the least cost first
+    ({"a": 1.2, "b": 3.0, "c": 1.8}, ["a", "c", "b"]),
+    ({"a": OUT_OF_REACH, "b": 3.0}, ["a", "b"]),
+    # out of reach everywhere: the replica already worst off first, so the others keep
+    # their streams within the SLO
+    ({"a": 1.6, "b": 3.0, "c": 1.8}, ["b", "c", "a"]),
+    ({}, []),
+]
+
+
+@pytest.mark.parametrize(("costs", "order"), SCORES_TABLE)
+def test_a_request_no_replica_keeps_within_the_slo_goes_to_the_worst_off(
+    costs: dict[str, float], order: list[str]
+) -> None:
+    scores = slo_scores(costs)
+    assert sorted(scores, key=lambda u: -scores[u]) == order
+    assert all(0.0 < v < 1.0 for v in scores.values())
+
+
+# (seconds since the first prompt ahead began, prompt tokens still ahead): two prompts of
+# 4,000 tokens sent at 0 to an idle H100; it computes 8,192 per step of 7 ms + 262 ms
+PER_STEP = 8192 / (0.007 + 80e-6 * 2 + 8192 * 32e-6)
+DRAIN_TABLE = [
+    (0.0, 8000),
+    (0.1, 8000 - int(0.1 * PER_STEP)),
+    (1.0, 0),  # all computed by now (their first tokens are late to arrive)
+]
+
+
+@pytest.mark.parametrize(("elapsed", "ahead"), DRAIN_TABLE)
+def test_the_prefill_ahead_drains_while_the_replica_computes_it(elapsed: float, ahead: int) -> None:
+    now = [0.0]
+    predictions = Predictions(clock=lambda: now[0])
+    request = RoutingRequest(model="m", prompt_chars=16_000)
+    a = Candidate(url="http://a", in_flight=2)
+    first = predictions.sent("http://a", request, a)
+    predictions.sent("http://a", request, a)
+    now[0] = elapsed
+    assert predictions.dispatch("http://a", request, a).ahead_tokens == ahead
+    # the first one's first token: the second's prefill goes on from there
+    predictions.started("http://a", first)
+    assert predictions.dispatch("http://a", request, a).ahead_tokens == 4000

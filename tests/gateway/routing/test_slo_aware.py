@@ -71,6 +71,42 @@ async def test_a_streamed_answer_trains_its_replica_and_shows_the_error() -> Non
     assert scheduler.predictions.ahead == {}  # its prefill is no longer ahead
 
 
+async def test_the_first_token_teaches_the_ttft_before_the_answer_ends() -> None:
+    """A replica flooded before its first answer ends must not be predicted at the prior
+    all that time: its TTFT is learnt at the first token, its error shown with the answer."""
+    scheduler = _scheduler(_target(A, B))
+    target = scheduler.discovery.snapshot()["tiny"]
+    routing = routing_request("tiny", {"prompt": "hello " * 200}, None)
+    ticket = await scheduler.admit(target, routing, stream=True)
+    ticket.attempt(A).started()
+    ticket.respond(200)
+    start = time.monotonic()
+    ticket.chunk(_event("t0"), now=start + 2.0)  # 2 s to the first token: ~40x the prior
+    model = scheduler.predictions.model.replicas[A]
+    assert model.predict(Dispatch(prompt_tokens=300))[0] > scheduler.predictions.model.prior.ttft(
+        Dispatch(prompt_tokens=300)
+    )
+    assert model.samples == 0  # a first token, not yet an answer
+    for i in range(1, 5):
+        ticket.chunk(_event(f"t{i}"), now=start + 2.0 + 0.01 * i)
+    ticket.finish()
+    assert model.samples == 1
+    assert _value(scheduler, f"{RATIO}_count", url=A, kind="ttft") == 1  # once, not twice
+    assert _value(scheduler, f"{RATIO}_count", url=A, kind="itl") == 1
+
+
+def test_a_request_no_replica_keeps_within_the_slo_goes_to_the_busiest() -> None:
+    target = _target(A, B, C)
+    scheduler = _scheduler(target)
+    request = routing_request("tiny", {"prompt": "x" * 8000}, None)
+    within = [Candidate(url=A, in_flight=40), Candidate(url=B, in_flight=80), Candidate(url=C)]
+    assert scheduler.router.order(target, request, within)[0].url == C  # the most slack
+    _learnt(scheduler, A, 30.0)  # every replica far past the 1 s TTFT target
+    _learnt(scheduler, B, 30.0)
+    _learnt(scheduler, C, 30.0)
+    assert scheduler.router.order(target, request, within)[0].url == B  # already worst off
+
+
 async def test_non_streamed_and_failed_answers_teach_nothing_and_owe_no_prefill() -> None:
     scheduler = _scheduler(_target(A, B))
     target = scheduler.discovery.snapshot()["tiny"]
