@@ -263,7 +263,7 @@ class Fleet(Processes):
             process = self._spawn([
                 self.gateway_python, "-m", "kubellm.gateway.cli", "--port", str(port),
                 "--static", str(static), "--max-waiting", "1000000", "--max-kv-usage", "1.01",
-                "--scrape-interval", "0.25", *gateway_flags,
+                "--scrape-interval", "0.25", "--front-ends", str(a.gateways), *gateway_flags,
             ])  # fmt: skip
             self.gateways.append(f"http://127.0.0.1:{port}")
             wait_healthy(self.gateways[-1], process)
@@ -285,7 +285,7 @@ class Fleet(Processes):
             path = _envoy.start(
                 self.engines, "m", tmp, policy=policy, settings={"slo": slo},
                 epp_args=["--max-waiting", "1000000", "--max-kv-usage", "1.01",
-                          "--scrape-interval", "0.25"],
+                          "--scrape-interval", "0.25", "--front-ends", str(a.gateways)],
             )  # fmt: skip
             self.stoppers.append(path.stop)
             self.gateways.append(path.url)

@@ -51,12 +51,27 @@ def discovery(
     )
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The admission and routing flags both front ends take (`kubellm gateway`, `kubellm
     epp`), then the discovery flags; `settings_from(args)` turns the first into
     `SchedulerSettings`."""
     parser.add_argument(
         "--max-queue", type=int, default=_CORE.max_queue, help="waiting requests per model"
+    )
+    parser.add_argument(
+        "--front-ends",
+        type=_at_least_one,
+        default=_CORE.front_ends,
+        metavar="N",
+        help="gateway (or picker) replicas sharing each model's traffic; over 1, a prompt "
+        "this one knows no holder of is presumed held at its home (the chart sets it)",
     )
     parser.add_argument(
         "--zero-replica-wait",
@@ -129,6 +144,7 @@ def settings_from(args: argparse.Namespace) -> SchedulerSettings:
     from kubellm.gateway.routing.precise import tokenizer_pairs
 
     return SchedulerSettings(
+        front_ends=args.front_ends,
         thresholds=Thresholds(args.max_waiting, args.max_kv_usage, args.max_in_flight),
         max_queue=args.max_queue,
         zero_replica_wait_seconds=args.zero_replica_wait,

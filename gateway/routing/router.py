@@ -60,7 +60,10 @@ class Router:
         index_capacity: int = 65_536,
         precise: PreciseRouting | None = None,
         registry: CollectorRegistry | None = None,
+        presume_home: bool = False,
     ) -> None:
+        """`presume_home`: other front ends share this model's traffic, so a prompt this
+        one knows no holder of is presumed held at its home (profiles._Prefix)."""
         self.load = load
         self.outliers = outliers
         self.rng = rng or random.Random()
@@ -71,8 +74,9 @@ class Router:
         # slo-aware's latency model (learnt under every policy: routing/predicted.py)
         self.predictions = Predictions(registry=registry)
         self.shared = Shared(
-            self.index, self.sessions, precise, predictions=self.predictions, sharing=self.sharing
-        )
+            self.index, self.sessions, precise, predictions=self.predictions,
+            sharing=self.sharing if presume_home else None,
+        )  # fmt: skip
         self.profiles = Profiles(self.shared, self.unshared)
 
     @property

@@ -70,8 +70,9 @@ class Scheduler:
         self.outliers = OutlierDetector(s.eject_after_failures, s.eject_base_seconds)
         self.precise = PreciseRouting(s.tokenizers, registry=self.metrics.registry)
         self.router = Router(
-            self.load, self.outliers, precise=self.precise, registry=self.metrics.registry
-        )
+            self.load, self.outliers, precise=self.precise, registry=self.metrics.registry,
+            presume_home=s.front_ends > 1,
+        )  # fmt: skip
         self.predictions = self.router.predictions
         self._answers = 0
         self.adapters = adapters.AdapterView(stale_after=s.stale_after)
