@@ -96,38 +96,48 @@ class PinnedEngines(Engines):
 
 
 class Recorder:
-    """(url, predicted TTFT, observed TTFT, predicted ITL, observed ITL) of every answer
-    the latency model learns from, while installed: `Predictions.answered` names the
-    replica, `ReplicaModel.learn` returns what was predicted before it learns."""
+    """(url, predicted TTFT, observed TTFT, predicted ITL, observed ITL) of every lesson
+    the latency model learns, while installed: `Predictions.started` (the TTFT, at the
+    first token) and `Predictions.answered` (the ITL, at the end) name the replica,
+    `ReplicaModel.learn` returns what was predicted before it learns; a figure it was not
+    given is None in its row."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[str, float, float, float, float | None]] = []
+        self.rows: list[tuple[str, float, float | None, float, float | None]] = []
 
     def __enter__(self) -> Recorder:
         from kubellm.gateway.routing import latency, predicted
 
-        self._originals = (predicted.Predictions.answered, latency.ReplicaModel.learn)
-        answered, learn = self._originals
+        cls = predicted.Predictions
+        self._originals = (cls.started, cls.answered, latency.ReplicaModel.learn)
+        started, answered, learn = self._originals
         rows, current = self.rows, [""]
+
+        def recorded_start(self_: Any, url: str, *rest: Any, **kw: Any) -> Any:
+            current[0] = url
+            return started(self_, url, *rest, **kw)
 
         def recorded_answer(self_: Any, labels: Any, url: str, *rest: Any) -> Any:
             current[0] = url
             return answered(self_, labels, url, *rest)
 
-        def recorded_learn(model: Any, dispatch: Any, ttft: Any, itl: Any) -> Any:
-            guess = learn(model, dispatch, ttft, itl)
-            if ttft is not None:
+        def recorded_learn(model: Any, dispatch: Any, ttft: Any, itl: Any, *rest: Any) -> Any:
+            guess = learn(model, dispatch, ttft, itl, *rest)
+            if ttft is not None or itl is not None:
                 rows.append((current[0], guess[0], ttft, guess[1], itl))
             return guess
 
-        predicted.Predictions.answered = recorded_answer  # type: ignore[method-assign]
+        cls.started, cls.answered = recorded_start, recorded_answer  # type: ignore[method-assign]
+        cls.abandoned = recorded_start  # type: ignore[method-assign]
         latency.ReplicaModel.learn = recorded_learn  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         from kubellm.gateway.routing import latency, predicted
 
-        predicted.Predictions.answered, latency.ReplicaModel.learn = self._originals  # type: ignore[method-assign]
+        cls = predicted.Predictions
+        cls.started, cls.answered, latency.ReplicaModel.learn = self._originals  # type: ignore[method-assign]
+        cls.abandoned = cls.started  # type: ignore[method-assign]
 
 
 def served(urls: list[str]) -> list[float]:
@@ -278,7 +288,7 @@ def summarize(
 ) -> dict[str, Any]:
     ok = [r for r in results if r["ok"]]
     met = [r for r in ok if r["ttft"] <= ttft and (r["itl"] or 0) <= itl]
-    warm = rows[len(rows) // 5 :]
+    warm = rows[len(rows) // 5 :]  # the model's lessons once it has had a fifth of them
     return {
         "requests": len(results),
         "ok": len(ok),
@@ -287,10 +297,14 @@ def summarize(
         "ttft_p99": quantile([r["ttft"] for r in ok], 0.99),
         "itl_p99": quantile([r["itl"] for r in ok if r["itl"] is not None], 0.99),
         "slow_share": slow_share,
-        "ttft_mape": mape([(p, y) for _, p, y, _, _ in warm]) if warm else None,
+        "ttft_mape": mape([(p, y) for _, p, y, _, _ in warm if y]) if warm else None,
         "itl_mape": mape([(p, y) for _, _, _, p, y in warm if y]) if warm else None,
         "errors": sorted({str(r["status"]) for r in results if not r["ok"]}),
     }
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def fmt(value: float | None, pattern: str) -> str:
@@ -340,14 +354,14 @@ def main(argv: list[str] | None = None) -> int:
             for i, url in enumerate(urls):  # which replica is the slower one, measured
                 mine = [row for row in seen if row[0] == url]
                 itls = [row[4] for row in mine if row[4]]
-                ttfts = [row[2] for row in mine]
-                print(f"replica {i} (cpus {args.cpu_sets.split(',')[i]}): {len(mine)} answers, "
-                      f"median TTFT {fmt(ttfts and statistics.median(ttfts), '.4f')} s, "
-                      f"median ITL {fmt(itls and statistics.median(itls), '.4f')} s")  # fmt: skip
+                ttfts = [row[2] for row in mine if row[2]]
+                print(f"replica {i} (cpus {args.cpu_sets.split(',')[i]}): {len(itls)} answers, "
+                      f"median TTFT {fmt(median(ttfts), '.4f')} s, "
+                      f"median ITL {fmt(median(itls), '.4f')} s")  # fmt: skip
             ok = [r for r in results if r["ok"]]
             if not ok:
                 raise SystemExit(f"calibration failed: {results}")
-            ttft = ttft or 4 * statistics.median(r["ttft"] for r in ok)
+            ttft = ttft or 4 * statistics.median(r["ttft"] for r in ok)  # calibrated SLO
             itl = itl or 3 * statistics.median(r["itl"] for r in ok if r["itl"])
         load = os.getloadavg()[0]
         print(f"SLO: TTFT {ttft:.3f} s, mean ITL {itl:.4f} s; load average {load:.1f}")
