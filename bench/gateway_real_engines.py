@@ -73,23 +73,38 @@ class Engines:
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
 
+    def count(self) -> int:
+        return self.args.replicas
+
+    def prefix(self, i: int) -> list[str]:
+        """What replica `i`'s command line starts with (a subclass may pin it)."""
+        return []
+
+    def env(self, i: int) -> dict[str, str]:
+        return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+
     def __enter__(self) -> Engines:
         spec = Path(self.tmp.name) / "spec.json"
         spec.write_text(json.dumps(tiny_spec(Path(self.args.model).resolve())))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-        for i in range(self.args.replicas):
+        for i in range(self.count()):
             port = free_port()
             log = open(Path(self.tmp.name) / f"vllm{i}.log", "w")
             process = subprocess.Popen(
-                [sys.executable, "-m", "kubellm.engine", "--spec", str(spec),
+                [*self.prefix(i), sys.executable, "-m", "kubellm.engine", "--spec", str(spec),
                  "--port", str(port), "--host", "127.0.0.1"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=self.env(i),
             )  # fmt: skip
             process.log_path = log.name  # type: ignore[attr-defined]
             self.processes.append(process)
             self.urls.append(f"http://127.0.0.1:{port}")
         for url, process in zip(self.urls, self.processes, strict=True):
-            wait_healthy(url, process, timeout=self.args.start_timeout)
+            try:
+                wait_healthy(url, process, timeout=self.args.start_timeout)
+            except RuntimeError:
+                tail = Path(process.log_path).read_text()[-3000:]  # type: ignore[attr-defined]
+                print(f"{url} did not start; its log ends:\n{tail}", file=sys.stderr)
+                self.__exit__()
+                raise
         return self
 
     def __exit__(self, *exc: object) -> None:

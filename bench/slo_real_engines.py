@@ -43,7 +43,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,8 +54,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_real_engines import Engines, Front, tiny_spec
-from gateway_routing import free_port, quantile, text_of_tokens, wait_healthy
+from gateway_real_engines import Engines, Front
+from gateway_routing import free_port, quantile, text_of_tokens
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,34 +64,14 @@ class PinnedEngines(Engines):
     """Engines whose replica i runs under `taskset -c CPUS[i]` with as many OpenMP
     threads bound (the launcher passes the environment on to vLLM)."""
 
-    def __enter__(self) -> PinnedEngines:
-        spec = Path(self.tmp.name) / "spec.json"
-        spec.write_text(json.dumps(tiny_spec(Path(self.args.model).resolve())))
-        for i, cpus in enumerate(self.args.cpu_sets.split(",")):
-            port = free_port()
-            env = {
-                **os.environ,
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_CPU_OMP_THREADS_BIND": cpus,
-            }
-            log = open(Path(self.tmp.name) / f"vllm{i}.log", "w")
-            process = subprocess.Popen(
-                ["taskset", "-c", cpus, sys.executable, "-m", "kubellm.engine",
-                 "--spec", str(spec), "--port", str(port), "--host", "127.0.0.1"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
-            )  # fmt: skip
-            process.log_path = log.name  # type: ignore[attr-defined]
-            self.processes.append(process)
-            self.urls.append(f"http://127.0.0.1:{port}")
-        for url, process in zip(self.urls, self.processes, strict=True):
-            try:
-                wait_healthy(url, process, timeout=self.args.start_timeout)
-            except RuntimeError:
-                tail = Path(process.log_path).read_text()[-3000:]  # type: ignore[attr-defined]
-                print(f"{url} did not start; its log ends:\n{tail}", file=sys.stderr)
-                self.__exit__()
-                raise
-        return self
+    def count(self) -> int:
+        return len(self.args.cpu_sets.split(","))
+
+    def prefix(self, i: int) -> list[str]:
+        return ["taskset", "-c", self.args.cpu_sets.split(",")[i]]
+
+    def env(self, i: int) -> dict[str, str]:
+        return {**super().env(i), "VLLM_CPU_OMP_THREADS_BIND": self.args.cpu_sets.split(",")[i]}
 
 
 class Recorder:
