@@ -509,3 +509,25 @@ def test_every_declared_member_is_registered():
         for member in (*spec.filters, *(m for m, _ in spec.scorers)):
             assert member in profiles.REGISTRY, (name, member)
         assert spec.cold is None or spec.cold in profiles.PROFILES
+
+
+def test_front_ends_flag_turns_the_presumption_on_and_refuses_under_one(capsys):
+    """`--front-ends N` reaches the router (over 1: a home is presumed to hold an unseen
+    prompt); 0 or less is a usage error naming the flag, not a silent default."""
+    import argparse
+
+    from kubellm.gateway.routing import flags
+    from kubellm.gateway.routing.scheduler import Scheduler
+
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    one = flags.settings_from(parser.parse_args([]))
+    two = flags.settings_from(parser.parse_args(["--front-ends", "2"]))
+    assert (one.front_ends, two.front_ends) == (1, 2)
+    from kubellm.gateway.discovery.base import FixedDiscovery
+
+    assert Scheduler(FixedDiscovery({}), one).router.shared.sharing is None
+    assert Scheduler(FixedDiscovery({}), two).router.shared.sharing is not None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--front-ends", "0"])
+    assert "--front-ends: must be at least 1" in capsys.readouterr().err
