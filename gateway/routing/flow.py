@@ -44,10 +44,12 @@ tenant. The decisions are pure (the caller passes the clock's reading):
   requests dispatched and not ended) by weighted water-filling: a tenant asking less than
   its share (nothing waiting) keeps what it has in flight, the rest is split by weight
   among the tenants waiting; a waiting tenant at its allowance is `held` (it waits, and
-  the next tenant by counter goes instead). A tenant always may have one request in
-  flight, and a band with one active tenant has no bound (alone, it uses the whole
-  fleet). The cost: while tenants contend, the fleet holds at most that much service,
-  so prompt tokens per second fall (the bench measures it).
+  the next tenant by counter goes instead). A tenant with nothing in flight whose next
+  request is larger than its share goes when its counter is the band's lowest (so a
+  tenant of 8,000-token prompts can be held to a quarter of a budget smaller than one of
+  them, over time, and is never starved), and a band with one active tenant has no bound
+  (alone, it uses the whole fleet). The cost: while tenants contend, the fleet holds at
+  most that much service, so prompt tokens per second fall (the bench measures it).
 """
 
 from __future__ import annotations
@@ -225,11 +227,12 @@ class Flow:
     def held(self, capacity: float) -> frozenset[tuple[int, str]]:
         """The (band, flow) pairs whose next request would take the flow past its fair
         share of `capacity` (service tokens in flight, per band): see `allowances`. A band
-        with one active flow holds none; a flow with nothing in flight is never held, nor
-        one under its allowance that is the least served of the band's active flows (its
-        counter the lowest): requests are whole, so an allowance of 1.5 of a tenant's
-        requests would hold it at one; while it is behind, the counter lets it round up by
-        one request, and its service follows its share, not the rounding."""
+        with one active flow holds none; nor is a flow that is the least served of the
+        band's active flows (its counter the lowest) and under its allowance: requests are
+        whole, so an allowance of 1.5 of a tenant's requests would hold it at one (and one
+        of 0.8 at none); while it is behind, the counter lets it round up by one request,
+        and its service follows its share, not the rounding. With nothing in flight a tie
+        for the lowest counter is enough (a joiner's counter is lifted to the lowest)."""
         out: set[tuple[int, str]] = set()
         for band, queues in self.queues.items():
             running = self.in_flight.get(band, {})
@@ -241,12 +244,13 @@ class Flow:
             allowed = allowances(capacity, weights, demands)
             for tenant, queue in queues.items():
                 have = running.get(tenant, 0.0)
-                if not queue or have <= 0 or have + queue[0].service <= allowed[tenant]:
+                if not queue or have + queue[0].service <= allowed[tenant]:
                     continue
                 counter = self.vtc.get(tenant, 0.0)
-                if have < allowed[tenant] and all(
-                    counter < self.vtc.get(t, 0.0) for t in active if t != tenant
-                ):
+                others = [self.vtc.get(t, 0.0) for t in active if t != tenant]
+                if have <= 0 and all(counter <= c for c in others):
+                    continue  # nothing in flight and the least served: it goes
+                if 0 < have < allowed[tenant] and all(counter < c for c in others):
                     continue  # the least served: behind its share, it may round up
                 out.add((band, tenant))
         return frozenset(out)

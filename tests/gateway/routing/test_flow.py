@@ -305,11 +305,19 @@ def test_the_least_served_tenant_may_round_its_share_up_by_one_request():
     assert (0, "large") in flow.held(24_600)
 
 
-def test_a_tenant_with_nothing_in_flight_is_never_held():
-    """However large its request, a tenant may always have one in flight (no starvation)."""
+def test_a_tenant_with_nothing_in_flight_goes_when_it_is_the_least_served():
+    """A request larger than its tenant's whole share (8,200 against 500 of 1,000) waits
+    while another tenant is behind it by counter, and goes once it is the least served (a
+    tie counts): whole requests cannot keep the share, the counter keeps it over time, and
+    the tenant is never starved (the others' counters grow as they are served)."""
     flow = Flow()
     flow.started(0, "a", 900)
     flow.join(Waiter("b", 0, 1.0, 8000, service=8200))
+    flow.vtc.update({"a": 100.0, "b": 8200.0})
+    assert flow.held(1000) == {(0, "b")}
+    flow.charge("a", 8100, 1.0)  # a was served meanwhile: 8,200, level with b
+    assert flow.held(1000) == frozenset()
+    flow.charge("a", 1, 1.0)
     assert flow.held(1000) == frozenset()
 
 
@@ -360,6 +368,50 @@ def test_the_budget_gives_backlogged_tenants_equal_service_in_flight():
     assert all(abs(v / total - 1 / 3) < 0.1 / 3 for v in fair.values()), fair
     unbounded = run(None)
     assert unbounded["large"] > 3 * unbounded["small"], unbounded
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"small": 2.0, "medium": 1.0, "large": 1.0},
+        {"small": 1.0, "medium": 2.0, "large": 1.0},
+        {"small": 1.0, "medium": 1.0, "large": 2.0},
+    ],
+)
+def test_weights_2_1_1_under_the_budget_give_50_25_25_of_the_service_in_flight(weights):
+    """The budget's case the benchmark measures: the small tenant has only its 32 requests
+    (12,800 service tokens), so weight 2 on it needs the large tenant held to a quarter of
+    25,600, less than one of its 8,200-token requests: it has none in flight part of the
+    time and goes when it is the least served. Whichever tenant has weight 2, each mean
+    service in flight is within 10% of its weighted share."""
+    cost = {"small": 400, "medium": 2200, "large": 8200}
+    flow = Flow()
+    flow.weights.update(weights)
+    running: deque[Waiter] = deque()
+    outstanding = 32
+    for tenant, c in cost.items():
+        for _ in range(outstanding):
+            flow.join(Waiter(tenant, 0, weights[tenant], c, service=c))
+    mean = dict.fromkeys(cost, 0.0)
+    rounds = 6000
+    for _ in range(rounds):
+        while True:
+            head = flow.head(held=flow.held(25_600))
+            if head is None:
+                break
+            flow.leave(head)
+            flow.charge(head.tenant, head.cost, head.weight)
+            flow.started(0, head.tenant, head.service)
+            running.append(head)
+        for tenant in cost:
+            mean[tenant] += flow.in_flight.get(0, {}).get(tenant, 0.0) / rounds
+        done = running.popleft()
+        flow.ended(0, done.tenant, done.service)
+        flow.join(Waiter(done.tenant, 0, done.weight, done.cost, service=done.service))
+    total = sum(mean.values())
+    for tenant, weight in weights.items():
+        share = weight / sum(weights.values())
+        assert abs(mean[tenant] / total - share) < 0.1 * share, (tenant, mean)
 
 
 @pytest.mark.parametrize(
