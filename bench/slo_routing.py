@@ -44,9 +44,25 @@ from kubellm.bench.stats import percentile
 
 # Run as a script, bench/ is on sys.path; run from the repository root, as `bench._slo`.
 try:
-    from _slo.fleet import KUBELLM_POLICIES, PEER_POLICIES, Fleet, Outcome, workload
+    from _slo.fleet import (
+        CHARS_PER_TOKEN,
+        KUBELLM_POLICIES,
+        PEER_POLICIES,
+        Fleet,
+        Job,
+        Outcome,
+        workload,
+    )
 except ImportError:  # imported as bench.slo_routing (tests)
-    from bench._slo.fleet import KUBELLM_POLICIES, PEER_POLICIES, Fleet, Outcome, workload
+    from bench._slo.fleet import (
+        CHARS_PER_TOKEN,
+        KUBELLM_POLICIES,
+        PEER_POLICIES,
+        Fleet,
+        Job,
+        Outcome,
+        workload,
+    )
 
 H100 = sim_profiles.get("llama-3.1-8b-h100")
 A100 = sim_profiles.get("llama-3.1-8b-a100")
@@ -133,6 +149,30 @@ def decision_cost(replicas: int, rounds: int = 2000) -> float:
     return percentile(times, 99)
 
 
+def capacity(
+    profiles: list[sim_profiles.Profile], jobs: list[Job], itl_seconds: float
+) -> tuple[float, float]:
+    """Upper bounds on a pool's rate for this workload, whatever the routing: (sustained
+    req/s serving every request, req/s serving only the cheapest 90%). A request's work on
+    a replica is its uncached prefill (a shared system prompt counted as cached) times
+    `prefill_token_s` plus its answer times `decode_token_s`; every engine step also costs
+    `step_base_s`, and with the mean ITL within `itl_seconds` a step lasts at most that long,
+    so at least step_base / itl of a replica's time is the base. A fluid bound: it ignores
+    KV limits, transients and the arrival bursts, so no policy can sustain more; a short
+    run (its fleet starts empty, answers finish after the last arrival) can exceed it."""
+    work: list[tuple[float, float]] = []  # (prefill tokens, answer tokens) per job
+    for i, job in enumerate(jobs):
+        start = job.text.find(f"{i}:")  # a shared system prompt comes before it
+        work.append(((len(job.text) - max(start, 0)) / CHARS_PER_TOKEN, job.max_tokens))
+    sustained = cheapest = 0.0
+    for profile in profiles:
+        costs = sorted(p * profile.prefill_token_s + a * profile.decode_token_s for p, a in work)
+        useful = max(0.0, 1.0 - profile.step_base_s / itl_seconds)
+        sustained += useful / (sum(costs) / len(costs))
+        cheapest += useful / (sum(costs[: int(0.9 * len(costs))]) / len(costs))
+    return sustained, cheapest
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pools", default="h100,mixed,slow")
@@ -157,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         rates = [float(r) for r in args.rates.split(",")] if args.rates else RATES[pool]
         if args.quick:
             rates = rates[1::2] or rates
+        sustained, cheapest = capacity(
+            POOLS[pool], workload(100.0, 20_000, args.seed), SLO.itl_seconds
+        )
+        print(f"{pool:6} capacity bound (any policy, steady state): {sustained:.1f} req/s "
+              f"serving all, {cheapest:.1f} serving the cheapest 90%", flush=True)  # fmt: skip
         for rate in rates:
             jobs = workload(rate, requests, args.seed)
             duration = jobs[-1].arrival

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from kubellm.engine import sim_profiles
 
-from bench._slo.fleet import Fleet, workload
-from bench.slo_routing import goodput_at, rate_at
+from bench._slo.fleet import CHARS_PER_TOKEN, Fleet, Job, workload
+from bench.slo_routing import capacity, goodput_at, rate_at
 from kubellm import api
 
 H100 = sim_profiles.get("llama-3.1-8b-h100")
@@ -55,3 +55,32 @@ def test_goodput_past_the_knee_is_interpolated_within_the_sweep_only() -> None:
     points = [{"rate": 40.0, "goodput_rps": 39.0}, {"rate": 60.0, "goodput_rps": 45.0}]
     assert goodput_at(points, 50.0) == pytest.approx(42.0)
     assert goodput_at(points, 70.0) is None
+
+
+def test_the_capacity_bound_counts_uncached_prefill_answers_and_the_step_base() -> None:
+    """Two jobs on one replica: 100 unique prompt tokens and 10 answer tokens, and a 1,000-
+    token shared system prompt (cached) before 20 unique tokens and 30 answer tokens. Work:
+    100 x 1 ms + 10 x 2 ms = 120 ms, and 20 x 1 ms + 30 x 2 ms = 80 ms; a 10 ms step base
+    under a 50 ms ITL leaves 80% of the time: 0.8 / 0.1 s = 8 req/s serving both, and the
+    cheaper one (the cheapest 90% of two jobs is one, over both jobs' count) 0.8 / 0.04 s."""
+    profile = sim_profiles.Profile(
+        name="test",
+        block_size=16,
+        num_blocks=1000,
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        max_model_len=4096,
+        step_base_s=0.010,
+        prefill_token_s=0.001,
+        decode_token_s=0.002,
+        source="test",
+    )
+    system = "s" * (1000 * CHARS_PER_TOKEN)
+    jobs = [
+        Job(0.0, "0:" + "a" * (100 * CHARS_PER_TOKEN - 2), 10),
+        Job(0.1, system + "1:" + "b" * (20 * CHARS_PER_TOKEN - 2), 30),
+    ]
+    sustained, cheapest = capacity([profile], jobs, 0.05)
+    assert sustained == pytest.approx(8.0)
+    assert cheapest == pytest.approx(20.0)
+    assert capacity([profile, profile], jobs, 0.05)[0] == pytest.approx(16.0)
