@@ -331,42 +331,54 @@ def test_bands_are_bounded_separately():
     assert flow.held(1000) == {(0, "x")}
 
 
+COST = {"small": 400, "medium": 2200, "large": 8200}  # service tokens per request
+
+
+def serve(
+    capacity: float | None,
+    weights: dict[str, float] | None = None,
+    outstanding: int = 64,
+    slots: int | None = None,
+    rounds: int = 3000,
+) -> dict[str, float]:
+    """Tenants of COST always backlogged (`outstanding` requests each, a finished one sent
+    again), dispatched in flow order under the budget `capacity` (None: no budget) into at
+    most `slots` in flight, the oldest ending one per round: each tenant's mean service in
+    flight."""
+    weights = weights or dict.fromkeys(COST, 1.0)
+    flow = Flow()
+    flow.weights.update(weights)
+    running: deque[Waiter] = deque()
+    for tenant, c in COST.items():
+        for _ in range(outstanding):
+            flow.join(Waiter(tenant, 0, weights[tenant], c, service=c))
+    mean = dict.fromkeys(COST, 0.0)
+    for _ in range(rounds):
+        while slots is None or len(running) < slots:
+            head = flow.head(held=flow.held(capacity) if capacity else frozenset())
+            if head is None:
+                break
+            flow.leave(head)
+            flow.charge(head.tenant, head.cost, head.weight)
+            flow.started(0, head.tenant, head.service)
+            running.append(head)
+        for tenant in COST:
+            mean[tenant] += flow.in_flight.get(0, {}).get(tenant, 0.0) / rounds
+        done = running.popleft()
+        flow.ended(0, done.tenant, done.service)
+        flow.join(Waiter(done.tenant, 0, done.weight, done.cost, service=done.service))
+    return mean
+
+
 def test_the_budget_gives_backlogged_tenants_equal_service_in_flight():
     """Three tenants always waiting (64 requests each), requests of 400, 2,200 and 8,200
     service tokens, the oldest in flight ending one at a time: with the budget (capacity
     49,200) each tenant's mean service in flight is within 10% of a third; without it, the
     order by counter alone lets the slots fill with the large tenant's service."""
-    cost = {"small": 400, "medium": 2200, "large": 8200}
-
-    def run(capacity: float | None, slots: int = 120) -> dict[str, float]:
-        flow = Flow()
-        running: deque[Waiter] = deque()
-        for tenant, c in cost.items():
-            for _ in range(64):
-                flow.join(Waiter(tenant, 0, 1.0, c, service=c))
-        mean = dict.fromkeys(cost, 0.0)
-        rounds = 3000
-        for _ in range(rounds):
-            while len(running) < slots:
-                held = flow.held(capacity) if capacity else frozenset()
-                head = flow.head(held=held)
-                if head is None:
-                    break
-                flow.leave(head)
-                flow.charge(head.tenant, head.cost, head.weight)
-                flow.started(0, head.tenant, head.service)
-                running.append(head)
-            for tenant in cost:
-                mean[tenant] += flow.in_flight.get(0, {}).get(tenant, 0.0) / rounds
-            done = running.popleft()
-            flow.ended(0, done.tenant, done.service)
-            flow.join(Waiter(done.tenant, 0, 1.0, done.service, service=done.service))
-        return mean
-
-    fair = run(49_200)
+    fair = serve(49_200, slots=120)
     total = sum(fair.values())
     assert all(abs(v / total - 1 / 3) < 0.1 / 3 for v in fair.values()), fair
-    unbounded = run(None)
+    unbounded = serve(None, slots=120)
     assert unbounded["large"] > 3 * unbounded["small"], unbounded
 
 
@@ -384,30 +396,7 @@ def test_weights_2_1_1_under_the_budget_give_50_25_25_of_the_service_in_flight(w
     25,600, less than one of its 8,200-token requests: it has none in flight part of the
     time and goes when it is the least served. Whichever tenant has weight 2, each mean
     service in flight is within 10% of its weighted share."""
-    cost = {"small": 400, "medium": 2200, "large": 8200}
-    flow = Flow()
-    flow.weights.update(weights)
-    running: deque[Waiter] = deque()
-    outstanding = 32
-    for tenant, c in cost.items():
-        for _ in range(outstanding):
-            flow.join(Waiter(tenant, 0, weights[tenant], c, service=c))
-    mean = dict.fromkeys(cost, 0.0)
-    rounds = 6000
-    for _ in range(rounds):
-        while True:
-            head = flow.head(held=flow.held(25_600))
-            if head is None:
-                break
-            flow.leave(head)
-            flow.charge(head.tenant, head.cost, head.weight)
-            flow.started(0, head.tenant, head.service)
-            running.append(head)
-        for tenant in cost:
-            mean[tenant] += flow.in_flight.get(0, {}).get(tenant, 0.0) / rounds
-        done = running.popleft()
-        flow.ended(0, done.tenant, done.service)
-        flow.join(Waiter(done.tenant, 0, done.weight, done.cost, service=done.service))
+    mean = serve(25_600, weights, outstanding=32, rounds=6000)
     total = sum(mean.values())
     for tenant, weight in weights.items():
         share = weight / sum(weights.values())
