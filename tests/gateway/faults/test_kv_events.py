@@ -231,7 +231,11 @@ def test_hostile_kv_events_keep_the_gateway_small_and_its_subscriber_running(
 
     wait_until(taken, 60, "the gateway to take a valid batch after the hostile ones")
     grown = gw.peak_mib - before
-    assert grown < 40, f"the gateway's peak memory grew by {grown:.0f} MiB"
+    # What the bounds allow at worst: the SUB socket's queue full of the largest messages,
+    # one more being decoded, and 16 MiB of allocator slack (~24 MiB measured on a quiet
+    # machine, 41 once under a loaded CI run); kept, the hostile data would be 274 MiB.
+    allowed = (kv_index.RECEIVE_QUEUE + 2) * kv_index.MAX_MESSAGE_BYTES / 2**20 + 16
+    assert grown < allowed, f"the gateway's peak memory grew by {grown:.0f} MiB"
     log = gw.log.read_text()
     assert "subscriber stopped" not in log and "Traceback" not in log, log[-2000:]
     assert log.count("logged once a minute") <= 2  # not once a batch
