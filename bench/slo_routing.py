@@ -12,6 +12,11 @@ Workload (bench/_slo/fleet.py `workload`): prompts heavy-tailed 50-8,000 tokens
 Pools: `h100` = 4 x llama-3.1-8b-h100; `mixed` = 2 x H100 + 2 x llama-3.1-8b-a100;
 `slow` = 3 x H100 + one H100 slowed 1.5x.
 
+Each case is 60 simulated seconds of arrivals (`--seconds`): long enough for the fleet to
+reach its steady state (answers last up to ~20 s at the knee). The runs of 1,200 requests
+used before (`--requests 1200`, 8-20 s at these rates) measured mostly the fleet filling
+from empty: every policy's 90%-rate came out above the pool's steady-state bound.
+
 Per case: goodput (share of requests meeting both SLO targets, and requests/s meeting
 them), TTFT p50/p99, mean-ITL p99, the predictor's TTFT and ITL MAPE (every policy's
 dispatches are predicted, learning from its answers), and for slo-aware the decision
@@ -21,8 +26,9 @@ the sweep at which 90% of requests meet both SLOs, linearly interpolated) and th
 verdict against issue #30's targets.
 
     python bench/slo_routing.py                          # every pool's sweep (minutes)
-    python bench/slo_routing.py --quick                  # fewer rates and requests
+    python bench/slo_routing.py --quick                  # every other rate, 10 s each
     python bench/slo_routing.py --pools mixed --rates 30,45,60 --requests 1200
+    python bench/slo_routing.py --pools h100 --rates 80 --policies slo-aware --floor
 """
 
 from __future__ import annotations
@@ -72,10 +78,13 @@ POOLS = {
     "slow": [H100, H100, H100, H100.slowed(1.5)],
 }
 # Each pool's sweep: from under every policy's knee to past 1.4x prefix-aware's 90%-rate.
+# Each pool's knee lies near its steady-state capacity bound (`capacity`): 85 / 58 / 77
+# req/s. (The sweeps of the runs of 1,200 requests, before 2026-12-02's runs of 60 s:
+# h100 60,80,100,120,150; mixed 20,30,40,50,60,70; slow 60,70,85,100,115,130.)
 RATES = {
-    "h100": [60.0, 80.0, 100.0, 120.0, 150.0],
-    "mixed": [20.0, 30.0, 40.0, 50.0, 60.0, 70.0],
-    "slow": [60.0, 70.0, 85.0, 100.0, 115.0, 130.0],
+    "h100": [60.0, 70.0, 75.0, 80.0, 85.0, 90.0, 100.0, 110.0],
+    "mixed": [30.0, 35.0, 40.0, 45.0, 50.0, 55.0, 60.0],
+    "slow": [50.0, 55.0, 60.0, 65.0, 70.0, 75.0, 80.0, 95.0],
 }
 POLICIES = ["prefix-aware", "least-load", "slo-aware", "power_of_two", "cache_aware"]
 SLO = api.SLO(ttftSeconds=1.0, itlSeconds=0.05)
@@ -100,6 +109,11 @@ def summarize(outcomes: list[Outcome], rate: float, duration: float) -> dict[str
         "itl_p99": percentile(itls, 99),
         "ttft_mape": mape([(o.predicted_ttft, o.first - o.sent) for o in warm]),
         "itl_mape": mape([(o.predicted_itl, o.mean_itl) for o in warm if o.mean_itl]),
+        # Fleet(present=N) only: what a predictor that knew the replica's exact state
+        # at dispatch (but not what arrives after) would err by
+        "floor_mape": mape(
+            [(o.present_ttft, o.first - o.sent) for o in warm if o.present_ttft is not None]
+        ),
     }
 
 
@@ -151,26 +165,41 @@ def decision_cost(replicas: int, rounds: int = 2000) -> float:
 
 def capacity(
     profiles: list[sim_profiles.Profile], jobs: list[Job], itl_seconds: float
-) -> tuple[float, float]:
-    """Upper bounds on a pool's rate for this workload, whatever the routing: (sustained
-    req/s serving every request, req/s serving only the cheapest 90%). A request's work on
-    a replica is its uncached prefill (a shared system prompt counted as cached) times
-    `prefill_token_s` plus its answer times `decode_token_s`; every engine step also costs
-    `step_base_s`, and with the mean ITL within `itl_seconds` a step lasts at most that long,
-    so at least step_base / itl of a replica's time is the base. A fluid bound: it ignores
-    KV limits, transients and the arrival bursts, so no policy can sustain more; a short
-    run (its fleet starts empty, answers finish after the last arrival) can exceed it."""
+) -> tuple[float, float, float]:
+    """Upper bounds on a pool's rate for this workload, whatever the routing: (req/s
+    serving every request within the SLO, req/s at which 90% can meet it in a steady
+    state, req/s serving only the cheapest 90%).
+
+    A request's work on a replica is its uncached prefill (a shared system prompt counted
+    as cached) times `prefill_token_s` plus its answer times `decode_token_s`; every engine
+    step also costs `step_base_s`. A request within the ITL target runs on steps at most
+    that long, so at least step_base / itl of its replica's time is the base ("useful" is
+    the rest). Serving all within the SLO: all work at that efficiency. 90% in a steady
+    state: every request is served (its work is done, late or not), the 90% that meet at
+    that efficiency, the misses at best for free of the base, and at best the misses are
+    the costliest tenth. The cheapest 90% alone: the misses cost nothing (they are never
+    served: what a run that ends before their work, or shedding, allows).
+
+    Fluid bounds: they ignore KV limits and the arrival bursts. Summed over replicas,
+    which bounds a pool whose replicas differ by one factor (4 H100, one H100 1.5x
+    slower); a pool whose cards differ in kind (an A100 computes prompts 3.2x slower but
+    decodes 1.6x slower) can do better by giving each the work it is relatively good at,
+    so there the sum is a guide, not a bound."""
     work: list[tuple[float, float]] = []  # (prefill tokens, answer tokens) per job
     for i, job in enumerate(jobs):
         start = job.text.find(f"{i}:")  # a shared system prompt comes before it
         work.append(((len(job.text) - max(start, 0)) / CHARS_PER_TOKEN, job.max_tokens))
-    sustained = cheapest = 0.0
+    sustained = steady = cheapest = 0.0
     for profile in profiles:
         costs = sorted(p * profile.prefill_token_s + a * profile.decode_token_s for p, a in work)
+        total, meet = sum(costs), sum(costs[: int(0.9 * len(costs))])
         useful = max(0.0, 1.0 - profile.step_base_s / itl_seconds)
-        sustained += useful / (sum(costs) / len(costs))
-        cheapest += useful / (sum(costs[: int(0.9 * len(costs))]) / len(costs))
-    return sustained, cheapest
+        if useful == 0:
+            continue
+        sustained += useful * len(costs) / total
+        steady += len(costs) / (meet / useful + (total - meet))
+        cheapest += useful * len(costs) / meet
+    return sustained, steady, cheapest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,45 +207,66 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pools", default="h100,mixed,slow")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--rates", help="req/s, comma-separated (default: RATES per pool)")
-    parser.add_argument("--requests", type=int, default=1200)
+    parser.add_argument(
+        "--seconds", type=float, default=60.0,
+        help="simulated seconds of arrivals per case (rate x seconds requests; default 60)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--requests", type=int,
+        help="a fixed count per case instead (1200: the figures before 2026-12-03's runs)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="every other rate, 600 requests")
+    parser.add_argument("--quick", action="store_true", help="every other rate, 10 s per case")
+    parser.add_argument(
+        "--floor", action="store_true",
+        help="also the TTFT error of a predictor that knows each replica's exact state at "
+        "dispatch, from every 20th request (an engine copy each: several times slower)",
+    )  # fmt: skip
     parser.add_argument("--out", default="bench/results/slo_routing.json")
     args = parser.parse_args(argv)
-    requests = min(args.requests, 600) if args.quick else args.requests
+    seconds = min(args.seconds, 10.0) if args.quick else args.seconds
     policies = args.policies.split(",")
     for policy in policies:
         if policy not in KUBELLM_POLICIES + PEER_POLICIES:
             parser.error(f"--policies: unknown {policy!r}")
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
-    print(f"SLO: TTFT {SLO.ttft_seconds} s, ITL {SLO.itl_seconds} s; {requests} requests per case")
+    bounds: dict[str, float] = {}  # pool -> the steady-state 90% bound
+    per_case = f"{args.requests} requests" if args.requests else f"{seconds:g} s of arrivals"
+    print(f"SLO: TTFT {SLO.ttft_seconds} s, ITL {SLO.itl_seconds} s; {per_case} per case")
     header = f"{'pool':6} {'policy':13} {'rate':>5} {'SLO%':>6} {'good/s':>7} {'TTFT50':>7} "
-    print(header + f"{'TTFT99':>7} {'ITL99':>7} {'MAPE-T':>7} {'MAPE-I':>7}")
+    print(header + f"{'TTFT99':>7} {'ITL99':>7} {'MAPE-T':>7} {'MAPE-I':>7}"
+          + (f" {'FLOOR-T':>7}" if args.floor else ""))  # fmt: skip
     for pool in args.pools.split(","):
         results[pool] = {}
         rates = [float(r) for r in args.rates.split(",")] if args.rates else RATES[pool]
         if args.quick:
             rates = rates[1::2] or rates
-        sustained, cheapest = capacity(
+        sustained, steady, cheapest = capacity(
             POOLS[pool], workload(100.0, 20_000, args.seed), SLO.itl_seconds
         )
-        print(f"{pool:6} capacity bound (any policy, steady state): {sustained:.1f} req/s "
-              f"serving all, {cheapest:.1f} serving the cheapest 90%", flush=True)  # fmt: skip
+        bounds[pool] = steady
+        print(f"{pool:6} capacity bound (any policy): {sustained:.1f} req/s all within the "
+              f"SLO, {steady:.1f} 90% within it in a steady state, {cheapest:.1f} serving "
+              "only the cheapest 90%", flush=True)  # fmt: skip
         for rate in rates:
-            jobs = workload(rate, requests, args.seed)
+            jobs = workload(rate, args.requests or max(int(rate * seconds), 50), args.seed)
             duration = jobs[-1].arrival
             for policy in policies:
-                run = Fleet(POOLS[pool], policy, SLO, seed=args.seed).run(jobs)
+                run = Fleet(
+                    POOLS[pool], policy, SLO, seed=args.seed, present=20 if args.floor else 0
+                ).run(jobs)
                 row = summarize(run.outcomes, rate, duration)
                 results[pool].setdefault(policy, []).append(row)
                 print(f"{pool:6} {policy:13} {rate:5g} {100 * row['slo_share']:6.1f} "
                       f"{row['goodput_rps']:7.1f} {row['ttft_p50']:7.3f} {row['ttft_p99']:7.3f} "
                       f"{row['itl_p99']:7.4f} {100 * row['ttft_mape']:6.1f}% "
-                      f"{100 * row['itl_mape']:6.1f}%", flush=True)  # fmt: skip
+                      f"{100 * row['itl_mape']:6.1f}%"
+                      + (f" {100 * row['floor_mape']:6.1f}%" if args.floor else ""),
+                      flush=True)  # fmt: skip
     costs = {n: decision_cost(n) for n in (4, 16)}
     print(f"\nslo-aware decision cost p99: 4 replicas {1e6 * costs[4]:.0f} us, "
           f"16 replicas {1e6 * costs[16]:.0f} us")  # fmt: skip
-    verdicts = verdict(results, costs)
+    verdicts = verdict(results, costs, bounds)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"results": results, "decision_cost_p99": costs,
                                           "verdicts": verdicts}, indent=1))  # fmt: skip
@@ -224,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def verdict(
-    results: dict[str, dict[str, list[dict[str, float]]]], costs: dict[int, float]
+    results: dict[str, dict[str, list[dict[str, float]]]],
+    costs: dict[int, float],
+    bounds: dict[str, float] | None = None,
 ) -> list[str]:
     lines = []
     print("\n90%-rate (req/s at which 90% meet both SLOs):")
@@ -240,6 +292,11 @@ def verdict(
                      f"(x{mine / base if base else float('inf'):.2f}), best peer "
                      f"{max(peers, default=0):.1f}: {'MET' if ok else 'NOT MET'} "
                      "(>= 1.2x prefix-aware and >= every peer)")  # fmt: skip
+        bound = (bounds or {}).get(pool)
+        if not ok and bound is not None and 1.2 * base > bound:
+            lines.append(f"{pool}: 1.2x prefix-aware's 90%-rate is {1.2 * base:.1f} req/s, above "
+                         f"the pool's steady-state bound {bound:.1f} (capacity): out of reach "
+                         "for any policy")  # fmt: skip
         past = 1.4 * base
         at = {p: goodput_at(points, past) for p, points in by_policy.items()}
         if at.get("slo-aware") is None or at.get("prefix-aware") is None:

@@ -18,6 +18,7 @@ count as imbalanced when max - min > 32 and max > 1.1 x min, as its defaults say
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 import random
@@ -60,6 +61,10 @@ class Outcome:
     predicted_ttft: float | None = None
     predicted_itl: float | None = None
     dispatch: Dispatch | None = None
+    # Fleet(present=N), every N-th request: the TTFT it would have had had nothing arrived
+    # after it (the replica's exact state at dispatch, run forward on a copy): the most
+    # any prediction made at dispatch can know
+    present_ttft: float | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -107,6 +112,7 @@ class Fleet:
         seed: int = 0,
         scrape_interval: float = 1.0,
         changes: Sequence[tuple[float, int, Profile]] = (),
+        present: int = 0,
     ) -> None:
         self.replicas = [
             Replica(sim_core.Engine(p), f"http://replica-{i}") for i, p in enumerate(profiles)
@@ -116,6 +122,7 @@ class Fleet:
         self.rng = random.Random(seed)
         self.scrape_interval = scrape_interval
         self.changes = sorted(changes)  # (time, replica, new profile): a replica slows down
+        self.present = present
         kubellm_policy = policy if policy in KUBELLM_POLICIES else "least-load"
         self.router = Router(LoadView(), OutlierDetector(10**9, 1.0), rng=random.Random(seed))
         self.now = 0.0
@@ -185,6 +192,7 @@ class Fleet:
             push(t, "scrape", None)
             t += self.scrape_interval
         result = Run()
+        step_end = [0.0] * len(self.replicas)  # when each replica's step in progress ends
         live: dict[str, tuple[Outcome, Dispatch]] = {}
         predictions = self.router.predictions
         counter = 0
@@ -220,12 +228,16 @@ class Fleet:
                 replica.engine.add(
                     sim_core.Request(rid, tokens_of(job.text), job.max_tokens, arrival=now)
                 )
+                if self.present and counter % self.present == 0:
+                    wait = step_end[index] - now if replica.busy else 0.0
+                    outcome.present_ttft = wait + _first_token_in(replica.engine, rid)
                 if not replica.busy:
                     replica.busy = True
                     push(now, "step", index)
             elif kind == "step":  # a step starts: it runs until `done`
                 index = payload  # type: ignore[assignment]
                 step = self.replicas[index].engine.step()
+                step_end[index] = now + step.duration
                 push(now + step.duration, "done", (index, step))
             elif kind == "done":  # its tokens reach the gateway now
                 index, step = payload  # type: ignore[misc]
@@ -252,6 +264,19 @@ class Fleet:
                 else:
                     replica.busy = False
         return result
+
+
+def _first_token_in(engine: sim_core.Engine, request_id: str, max_steps: int = 100_000) -> float:
+    """Seconds of steps until `request_id`'s first token on a copy of `engine`, with
+    nothing else arriving (from the end of the step in progress)."""
+    copy_ = copy.deepcopy(engine)
+    elapsed = 0.0
+    for _ in range(max_steps):
+        step = copy_.step()
+        elapsed += step.duration
+        if any(r.request_id == request_id for r, _ in step.tokens):
+            return elapsed
+    return math.inf
 
 
 # ------------------------------------------------------------------ workload

@@ -62,7 +62,9 @@ def test_the_capacity_bound_counts_uncached_prefill_answers_and_the_step_base() 
     token shared system prompt (cached) before 20 unique tokens and 30 answer tokens. Work:
     100 x 1 ms + 10 x 2 ms = 120 ms, and 20 x 1 ms + 30 x 2 ms = 80 ms; a 10 ms step base
     under a 50 ms ITL leaves 80% of the time: 0.8 / 0.1 s = 8 req/s serving both, and the
-    cheaper one (the cheapest 90% of two jobs is one, over both jobs' count) 0.8 / 0.04 s."""
+    cheaper one (the cheapest 90% of two jobs is one, over both jobs' count) 0.8 / 0.04 s.
+    90% in a steady state: the cheaper one within the SLO (80 ms / 0.8) and the dearer one
+    served late, free of the base (120 ms): 2 jobs / 0.22 s."""
     profile = sim_profiles.Profile(
         name="test",
         block_size=16,
@@ -80,7 +82,24 @@ def test_the_capacity_bound_counts_uncached_prefill_answers_and_the_step_base() 
         Job(0.0, "0:" + "a" * (100 * CHARS_PER_TOKEN - 2), 10),
         Job(0.1, system + "1:" + "b" * (20 * CHARS_PER_TOKEN - 2), 30),
     ]
-    sustained, cheapest = capacity([profile], jobs, 0.05)
+    sustained, steady, cheapest = capacity([profile], jobs, 0.05)
     assert sustained == pytest.approx(8.0)
+    assert steady == pytest.approx(2 / 0.22)
     assert cheapest == pytest.approx(20.0)
     assert capacity([profile, profile], jobs, 0.05)[0] == pytest.approx(16.0)
+
+
+def test_the_present_ttft_is_exact_alone_and_never_above_the_observed_one() -> None:
+    """Fleet(present=N) runs a copy of the replica forward from each N-th dispatch with
+    nothing arriving after it: for requests far apart that is exactly the TTFT they get;
+    in a burst later arrivals only join its steps, so it is never above the observed
+    TTFT, and below it for some (what no prediction made at dispatch can know)."""
+    small = H100.with_overrides(num_blocks=4000)  # a copy of the full pool takes 0.2 s
+    apart = [Job(10.0 * i, f"{i}:" + "x" * (400 * CHARS_PER_TOKEN), 30) for i in range(4)]
+    for o in Fleet([small] * 2, "least-load", SLO, present=1).run(apart).outcomes:
+        assert o.present_ttft == pytest.approx(o.first - o.sent)
+    burst = workload(100.0, 200, seed=5)
+    outcomes = Fleet([small] * 2, "least-load", SLO, present=1).run(burst).outcomes
+    gaps = [(o.first - o.sent) - o.present_ttft for o in outcomes]
+    assert all(gap >= -1e-9 for gap in gaps)
+    assert sum(gap > 1e-3 for gap in gaps) > len(gaps) // 10
