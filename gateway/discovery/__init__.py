@@ -11,6 +11,7 @@ from kubellm.gateway.discovery.base import (
     FallbackTarget,
     FixedDiscovery,
     ModelTarget,
+    StepCosts,
 )
 
-__all__ = ["Discovery", "Endpoint", "FallbackTarget", "FixedDiscovery", "ModelTarget"]
+__all__ = ["Discovery", "Endpoint", "FallbackTarget", "FixedDiscovery", "ModelTarget", "StepCosts"]

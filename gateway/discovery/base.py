@@ -28,8 +28,22 @@ __all__ = [
     "FixedDiscovery",
     "ModelTarget",
     "PoolDiscovery",
+    "StepCosts",
     "find_model",
 ]
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """An engine's step costs, as the slo-aware latency model takes its prior
+    (routing/latency.py `Prior`): a step's fixed part, each prompt token's, each decoding
+    sequence's, and the prompt tokens one step computes at most. Known exactly for a
+    simulated replica (its profile); discovery carries the figures, routing builds the prior."""
+
+    step_base_s: float
+    prefill_token_s: float
+    decode_token_s: float
+    max_num_batched_tokens: int
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,9 @@ class Endpoint:
     # The canary revision it runs during a canary rollout (its EndpointSlice's
     # kubellm.io/revision label); None: the stable revision.
     revision: str | None = None
+    # Its step costs where discovery knows them (a local simulated replica: its profile);
+    # None: the model's prior (ModelTarget.decode_tokens_per_second_bound) or the default.
+    step_costs: StepCosts | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +100,9 @@ class ModelTarget:
     # The InferencePool of the model's engines (None: the operator's name for it,
     # `<deployment>-engine`); an endpoint picker with --pool-name serves one pool only.
     pool: str | None = None
+    # status.capacity.decodeTokensPerSecondBound (None: not known): the slo-aware latency
+    # model's replicas of this model start from a prior scaled to it until they have answers.
+    decode_tokens_per_second_bound: float | None = None
 
     @property
     def pool_name(self) -> str:

@@ -7,6 +7,8 @@
   namespace give its engines: the port named `http`, and per endpoint the
   conditions: `ready` -> routable; `serving` and `terminating` -> draining (no
   new requests, in-flight ones finish); otherwise left out.
+- Its status gives the canary split (`status.rollout`) and the decode bound
+  (`status.capacity.decodeTokensPerSecondBound`, the slo-aware latency model's prior).
 
 `build_targets` is the pure half; `KubernetesDiscovery` lists and watches both
 resources with httpx (re-listing after any error) and rebuilds on each change.
@@ -18,6 +20,7 @@ import asyncio
 import base64
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -89,11 +92,28 @@ def canary_splits(items: list[Mapping[str, Any]]) -> dict[tuple[str, str], Canar
     return out
 
 
+def decode_bounds(items: list[Mapping[str, Any]]) -> dict[tuple[str, str], float]:
+    """(namespace, name) -> its status.capacity.decodeTokensPerSecondBound, where the
+    operator wrote a positive one."""
+    out = {}
+    for item in items:
+        meta = item.get("metadata") or {}
+        capacity = (item.get("status") or {}).get("capacity")
+        if not isinstance(capacity, Mapping):
+            continue
+        bound = capacity.get("decodeTokensPerSecondBound")
+        number = isinstance(bound, (int, float)) and not isinstance(bound, bool)
+        if number and bound > 0 and math.isfinite(bound):
+            out[meta.get("namespace", "default"), meta.get("name", "")] = float(bound)
+    return out
+
+
 def build_targets(
     deployments: list[LLMDeployment],
     slices: list[Mapping[str, Any]],
     keys: Mapping[SecretKey, str],
     splits: Mapping[tuple[str, str], CanarySplit] | None = None,
+    bounds: Mapping[tuple[str, str], float] | None = None,
 ) -> dict[str, ModelTarget]:
     """Served name -> target. A served name claimed twice goes to the first by namespace/name.
     A canary pod is in two slices (the engine Service's and the canary's): its revision
@@ -133,6 +153,9 @@ def build_targets(
             adapters=adapter_refs(d.spec),
             model_source=d.spec.model.source,
             canary=(splits or {}).get((d.metadata.namespace, d.metadata.name)),
+            decode_tokens_per_second_bound=(bounds or {}).get(
+                (d.metadata.namespace, d.metadata.name)
+            ),
         )
     return targets
 
@@ -205,8 +228,9 @@ class KubernetesDiscovery:
             await self._read_keys(client, secret_keys(deployments))
         items = list(self._deployments.values())
         self._models = build_targets(
-            deployments, list(self._slices.values()), self._keys, canary_splits(items)
-        )
+            deployments, list(self._slices.values()), self._keys, canary_splits(items),
+            decode_bounds(items),
+        )  # fmt: skip
         on_change()
 
     async def _follow(

@@ -18,6 +18,8 @@
           # apiKey: sk-...                                   # the key inline
         adapters:                       # LoRA adapters: name -> the path (or Hugging
           sql: /models/adapters/sql     # Face id) a replica loads it from
+        decodeTokensPerSecondBound: 143 # optional: as status.capacity's, the prior of
+                                        # the slo-aware latency model (default: H100 8B)
 
 A model with no endpoints but a fallback is served by the fallback alone. The
 file is re-read when it changes; an endpoint removed from it drains: it gets
@@ -87,6 +89,10 @@ class StaticModel(BaseModel):
     slo: SLO = Field(default_factory=SLO)
     # LoRA adapters: name -> the path (or Hugging Face id) a replica loads it from
     adapters: dict[str, str] = Field(default_factory=dict)
+    # As status.capacity.decodeTokensPerSecondBound: the slo-aware latency model's prior
+    decode_tokens_per_second_bound: float | None = Field(
+        default=None, alias="decodeTokensPerSecondBound", gt=0, allow_inf_nan=False
+    )
 
     @field_validator("endpoints")
     @classmethod
@@ -137,6 +143,7 @@ def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, Mode
             slo=m.slo,
             adapters=tuple(AdapterRef(n, p) for n, p in m.adapters.items()),
             pool=m.pool,
+            decode_tokens_per_second_bound=m.decode_tokens_per_second_bound,
         )
     return models
 

@@ -291,31 +291,60 @@ def _error(ratio: float) -> float:
 
 
 class LatencyModel:
-    """Every replica's model, by URL; replicas first seen start from the prior."""
+    """Every replica's model, by URL; replicas first seen start from their own prior
+    (`priors`: its model's status.capacity, its simulator profile) or the default."""
 
     def __init__(self, prior: Prior | None = None, rate: float = RATE) -> None:
         self.prior = prior or Prior()
         self.rate = rate
         self.replicas: dict[str, ReplicaModel] = {}
         self.replica_prior = ReplicaModel(self.prior, rate)  # a replica not seen yet
+        self.priors: dict[str, Prior] = {}  # url -> its prior, where not the default
+        self._unseen: dict[Prior, ReplicaModel] = {self.prior: self.replica_prior}
+
+    def set_priors(self, priors: Mapping[str, Prior]) -> None:
+        """The prior of each replica URL (those left out: the default). A replica already
+        modelled takes its new prior only while it has learnt nothing (its factors are
+        relative to the prior they were learnt against)."""
+        self.priors = dict(priors)
+        for url, model in self.replicas.items():
+            prior = self.priors.get(url, self.prior)
+            fresh = not model.samples and model.log_step == 0.0 == model.log_prefill
+            if fresh and model.prior != prior:
+                model.prior = prior
+        wanted = {*self.priors.values(), self.prior}
+        for prior in [p for p in self._unseen if p not in wanted]:
+            del self._unseen[prior]
+
+    def unseen(self, url: str) -> ReplicaModel:
+        """The model `url` would start from (read only: shared by every unseen replica of
+        the same prior)."""
+        prior = self.priors.get(url)
+        if prior is None:
+            return self.replica_prior
+        model = self._unseen.get(prior)
+        if model is None:
+            model = self._unseen[prior] = ReplicaModel(prior, self.rate)
+        return model
 
     def replica(self, url: str) -> ReplicaModel:
         model = self.replicas.get(url)
         if model is None:
-            model = self.replicas[url] = ReplicaModel(self.prior, self.rate)
+            prior = self.priors.get(url, self.prior)
+            model = self.replicas[url] = ReplicaModel(prior, self.rate)
         return model
 
     def predict(self, url: str, dispatch: Dispatch) -> tuple[float, float]:
         model = self.replicas.get(url)
         if model is None:  # not created on a read: predictions for unknown URLs cost nothing
-            return ReplicaModel(self.prior, self.rate).predict(dispatch)
+            return self.unseen(url).predict(dispatch)
         return model.predict(dispatch)
 
     def observe(self, url: str, dispatch: Dispatch, ttft: float | None, itl: float | None) -> None:
         self.replica(url).observe(dispatch, ttft, itl)
 
     def others_itl(self, url: str, dispatch: Dispatch) -> float:
-        model = self.replicas.get(url) or ReplicaModel(self.prior, self.rate)
+        model = self.replicas.get(url) or self.unseen(url)
         return model.others_itl(dispatch)
 
     def forget_replicas(self, keep: Iterable[str]) -> None:

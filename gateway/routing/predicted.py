@@ -10,7 +10,11 @@ metrics that show how good the predictions are. The ticket calls it at each phas
     predictions.abandoned(url, dispatch)                   # it ended otherwise
 
 It learns from every policy's answers, so switching a model to `slo-aware` starts from
-a model that already knows its replicas. `costs(...)` is what the `slo-aware` profile
+a model that already knows its replicas. A replica first seen starts from its own prior
+(`replica_priors`, followed on each discovery change: `follow`): its simulator profile's
+step costs where discovery knows them (a local fleet's `--engine sim` replicas), else its
+model's `status.capacity.decodeTokensPerSecondBound` (`Prior.from_capacity`), else the
+default (Llama 3.1 8B on one H100). `costs(...)` is what the `slo-aware` profile
 ranks by (routing/router.py) and what its admission compares with the TTFT budget.
 """
 
@@ -18,9 +22,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from kubellm.gateway.discovery.base import ModelTarget
 from kubellm.gateway.routing.histogram import Histogram
 from kubellm.gateway.routing.latency import (
     PREFILL_RATE_WINDOW_S,
@@ -49,6 +54,28 @@ PENDING_RATIOS = 64
 def prompt_tokens(request: RoutingRequest) -> int:
     """The prompt's length in tokens, estimated from its characters."""
     return request.prompt_chars // CHARS_PER_TOKEN
+
+
+def replica_priors(targets: Iterable[ModelTarget]) -> dict[str, Prior]:
+    """Each replica URL's prior where discovery knows better than the default: the
+    endpoint's own step costs (a simulated replica's profile, exact), else its model's
+    status.capacity decode bound (`Prior.from_capacity`). URLs left out take the default."""
+    out: dict[str, Prior] = {}
+    for target in targets:
+        bound = target.decode_tokens_per_second_bound
+        shared = None
+        if bound is not None and math.isfinite(bound) and bound > 0:
+            shared = Prior.from_capacity(bound)
+        for endpoint in target.endpoints:
+            costs = endpoint.step_costs
+            if costs is not None:
+                out[endpoint.url] = Prior(
+                    costs.step_base_s, costs.prefill_token_s, costs.decode_token_s,
+                    costs.max_num_batched_tokens,
+                )  # fmt: skip
+            elif shared is not None:
+                out[endpoint.url] = shared
+    return out
 
 
 class Predictions:
@@ -114,7 +141,7 @@ class Predictions:
             ahead_tokens, ahead_requests = ahead[0], ahead[1]
             if now > ahead[2]:
                 model = self.model.replicas.get(url)
-                done = (model or self.model.replica_prior).drained(
+                done = (model or self.model.unseen(url)).drained(
                     now - ahead[2], candidate.running, candidate.in_flight
                 )
                 ahead_tokens = max(ahead_tokens - int(done), 0)
@@ -238,6 +265,14 @@ class Predictions:
         if itl is not None and itl > 0:
             ratios[1].observe(predicted_itl / itl)
         self.answered_at[url] = self.clock()
+
+    def follow(self, targets: Iterable[ModelTarget]) -> None:
+        """Discovery's models changed: each replica's prior (`replica_priors`; a replica
+        first seen after this starts from it), and what is kept about replicas no longer
+        in any model dropped (`forget`)."""
+        targets = list(targets)
+        self.model.set_priors(replica_priors(targets))
+        self.forget([e.url for t in targets for e in t.endpoints])
 
     def forget(self, keep: Sequence[str]) -> None:
         """Drop what is kept about replicas no longer in any model (bounded state: a fleet

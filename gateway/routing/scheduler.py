@@ -116,6 +116,7 @@ class Scheduler:
         loads.unloader = lambda url, name, _path: engine_api.unload_adapter(client, url, name)
         self._tasks = [asyncio.create_task(c) for c in self.tasks(client)]
         self.update_ready_gauge()
+        self.predictions.follow(self.discovery.snapshot().values())  # the first snapshot's priors
 
     async def stop(self) -> None:
         """End the background work started by `start` (the caller closes its client)."""
@@ -165,7 +166,7 @@ class Scheduler:
         self.wake()
         self.update_ready_gauge()
         urls = self.engine_urls()
-        self.predictions.forget(urls)
+        self.predictions.follow(self.discovery.snapshot().values())  # priors; forgets the rest
         self.low_prefill = {u: owed for u, owed in self.low_prefill.items() if u in urls}
 
     def update_ready_gauge(self) -> None:

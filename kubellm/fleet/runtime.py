@@ -10,7 +10,9 @@ same three contracts are met by one object:
   processes by the `Supervisor` (`--engine sim` runs the simulator on the same
   file instead);
 - `gateway_targets()` feeds the gateway's `Discovery` interface (ready,
-  non-draining replicas and each deployment's routing, fallback and SLO);
+  non-draining replicas and each deployment's routing, fallback and SLO, and the
+  latency prior: each simulated replica's profile, or the decode bound the operator
+  would write in status.capacity);
 - `LocalBackend` implements the autoscaler's `Backend` interface: it lists
   deployments, reports replica endpoints and takes replica writes.
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kubellm import api
+from kubellm import api, capacity
 from kubellm.autoscaler.backend import AdapterTarget, Target
 from kubellm.autoscaler.backend import Endpoint as ScalerEndpoint
 from kubellm.contracts import (
@@ -42,7 +44,7 @@ from kubellm.contracts import (
 )
 from kubellm.fleet.processes import CommandFor, Supervisor
 from kubellm.gateway.discovery.base import Endpoint as GatewayEndpoint
-from kubellm.gateway.discovery.base import ModelTarget, canary_split
+from kubellm.gateway.discovery.base import ModelTarget, StepCosts, canary_split
 from kubellm.gateway.discovery.kubernetes import adapter_refs
 from kubellm.operator import rollout
 from kubellm.sources import parse_source
@@ -73,6 +75,16 @@ def _events(manifest: api.LLMDeployment) -> bool:
     """Whether its engines publish KV-cache events (spec.routing.prefixIndex precise): each
     local replica then gets its own ports, which the gateway's endpoint carries."""
     return manifest.spec.routing.prefix_index == "precise"
+
+
+def _decode_bound(spec: api.LLMDeploymentSpec) -> float | None:
+    """status.capacity.decodeTokensPerSecondBound as the operator would write it (None
+    when the spec lacks the inputs: model.architecture, the GPU's memory and bandwidth)."""
+    try:
+        figures = capacity.for_spec(spec)
+    except capacity.CapacityError:
+        return None
+    return (figures or {}).get("decodeTokensPerSecondBound")
 
 
 @dataclass
@@ -215,6 +227,35 @@ class LocalRuntime:
                 out += ["--slowdown", f"{factor:g}"]
         return out
 
+    def sim_step_costs(self, manifest: api.LLMDeployment, index: int) -> StepCosts | None:
+        """What a step of simulated replica `index` of `manifest` costs in wall seconds,
+        as `kubellm engine --backend sim` picks its profile (`sim_hardware`, the spec's
+        engine fields) and runs it at --time-scale: the slo-aware latency model's prior
+        for it, exact. The sim-slow-steps annotation is left out: a revision that
+        misbehaves on purpose is for the gateway to find, not to be told. None when the
+        engine is not the simulator, the clock is virtual (scale 0) or the spec has no
+        profile."""
+        if self.engine != "sim" or not self.sim_time_scale > 0:
+            return None
+        from kubellm.engine import sim_profiles  # the composition root may import it
+
+        cpu = manifest.spec.resources.gpu.count == 0
+        names, slowdowns = self.sim_profiles, self.sim_slowdowns
+        name = names[index % len(names)] if names else sim_profiles.default_for(cpu)
+        try:
+            profile = sim_profiles.from_spec(sim_profiles.get(name), manifest.spec.engine, cpu=cpu)
+            if slowdowns:
+                profile = profile.slowed(slowdowns[index % len(slowdowns)])
+        except ValueError:
+            return None  # the replica refuses to start; it never serves
+        scale = self.sim_time_scale
+        return StepCosts(
+            step_base_s=profile.step_base_s * scale,
+            prefill_token_s=profile.prefill_token_s * scale,
+            decode_token_s=profile.decode_token_s * scale,
+            max_num_batched_tokens=profile.max_num_batched_tokens,
+        )
+
     # ------------------------------------------------------------------ canary rollouts
 
     def _ready(self, key: str) -> bool:
@@ -288,12 +329,14 @@ class LocalRuntime:
         for deployment in self.deployments.values():
             manifest = deployment.manifest
             canary_revision = revision(manifest)
+            runs = {deployment.name: deployment.stable or manifest, deployment.canary_key: manifest}
             endpoints = tuple(
                 GatewayEndpoint(
                     url=r.url, draining=r.state == "draining", kv_events_port=r.kv_events_port,
                     revision=canary_revision if key == deployment.canary_key else None,
+                    step_costs=self.sim_step_costs(spec, r.index),
                 )
-                for key in (deployment.name, deployment.canary_key)
+                for key, spec in runs.items()
                 for r in self.supervisor.endpoints(key)
                 if r.state in ("ready", "draining")
             )  # fmt: skip
@@ -307,6 +350,7 @@ class LocalRuntime:
                 slo=manifest.spec.slo,
                 adapters=adapter_refs(manifest.spec),
                 canary=canary_split(deployment.rollout_status),
+                decode_tokens_per_second_bound=_decode_bound(manifest.spec),
             )
         return targets
 

@@ -155,6 +155,43 @@ def test_build_targets_from_deployments_slices_and_secrets():
     assert targets["tiny"].namespace == "ml" and targets["tiny"].endpoints == ()
 
 
+# status.capacity as the operator writes it -> the bound discovery carries (None: no prior)
+BOUNDS_TABLE = [
+    ({"capacity": {"maxConcurrentSequences": 40, "decodeTokensPerSecondBound": 143.2}}, 143.2),
+    ({"capacity": {"decodeTokensPerSecondBound": 50}}, 50.0),
+    ({"capacity": {"maxConcurrentSequences": 40}}, None),  # no GPU bandwidth in the spec
+    ({"replicas": 2}, None),  # not planned yet
+    ({"capacity": None}, None),
+    ({"capacity": {"decodeTokensPerSecondBound": 0}}, None),
+    ({"capacity": {"decodeTokensPerSecondBound": "fast"}}, None),
+    ({"capacity": {"decodeTokensPerSecondBound": True}}, None),
+    ({"capacity": "x"}, None),
+]
+
+
+@pytest.mark.parametrize(("status", "bound"), BOUNDS_TABLE)
+def test_a_models_decode_bound_comes_from_its_status_capacity(status, bound):
+    """The slo-aware latency model's prior for the model's replicas (Prior.from_capacity)."""
+    item = {**_llmd("llama"), "status": status}
+    slices = [_slice("llama", [("10.0.0.1", {"ready": True})])]
+    bounds = k8s.decode_bounds([item])
+    targets = k8s.build_targets(k8s.parse_deployments([item]), slices, {}, None, bounds)
+    assert targets["llama"].decode_tokens_per_second_bound == bound
+    assert k8s.build_targets(k8s.parse_deployments([item]), slices, {})[
+        "llama"
+    ].decode_tokens_per_second_bound is None  # fmt: skip
+
+
+def test_a_static_model_may_give_its_decode_bound():
+    models = parse({"models": [{"name": "a", "decodeTokensPerSecondBound": 143},
+                               {"name": "b"}]})  # fmt: skip
+    assert models["a"].decode_tokens_per_second_bound == 143.0
+    assert models["b"].decode_tokens_per_second_bound is None
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(StaticConfigError, match="decodeTokensPerSecondBound"):
+            parse({"models": [{"name": "a", "decodeTokensPerSecondBound": bad}]})
+
+
 async def test_watch_follows_the_api_server():
     """List, then watch events, against a scripted API server (httpx MockTransport)."""
     secret = {"data": {"token": base64.b64encode(b"sk-live").decode()}}
@@ -165,6 +202,7 @@ async def test_watch_follows_the_api_server():
             "apiKeySecretRef": {"name": "fb", "key": "token"},
         },
     )
+    deployment["status"]["capacity"] = {"decodeTokensPerSecondBound": 143.2}
     added = {"type": "ADDED", "object": _slice("llama", [("10.0.0.9", {"ready": True})])}
     watch_ended = asyncio.Event()
 
@@ -202,4 +240,5 @@ async def test_watch_follows_the_api_server():
     llama = discovery.snapshot()["llama"]
     assert [e.url for e in llama.routable] == ["http://10.0.0.9:8000"]
     assert llama.fallback.api_key == "sk-live"
+    assert llama.decode_tokens_per_second_bound == 143.2  # the latency model's prior
     assert watch_ended.is_set() and changes
