@@ -36,7 +36,7 @@ log(observed / predicted), shared between them as their parts make up the predic
 short prompt's TTFT is mostly steps, a long one's mostly prefill, an ITL mostly steps),
 so a card that computes prompts 3.2x slower but steps 1.6x slower (an A100 against the
 H100 prior) is learnt as such; one factor per figure could not hold both. An answer's
-weight halves after ~14 later ones; 0 (factor 1) until data arrive: the prior is the
+weight halves after ~34 later ones; 0 (factor 1) until data arrive: the prior is the
 profile's step costs (`Prior`, or `Prior.from_capacity` from `status.capacity`'s decode
 bound). The TTFT is learnt at the first token: learnt with the whole answer, seconds
 later, a replica flooded before its first answer ended was predicted at the prior all
@@ -59,8 +59,14 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 # Weight of each answer in the speed factors' moving mean (half-life ln 0.5 / ln(1 -
-# RATE) ~ 14 answers).
-RATE = 0.05
+# RATE) ~ 34 answers). Measured in bench/slo_routing.py (60 s per case, at each pool's
+# knee: share within the SLO, TTFT MAPE): 0.05 gave 4 H100 at 80/s 92.1% / 32.8%, mixed
+# at 55/s 92.2% / 28.2%, slow at 70/s 95.2% / 30.3%; 0.02 gave 93.9% / 26.2%, 91.7% /
+# 25.0%, 96.9% / 24.1%. A TTFT's error is skewed (a burst sent after a request joins its
+# step, unknowable at dispatch, and delays it 2-5x), so a fast mean swings the factors
+# with each burst (on 4 H100s whose prior is exact, to 1.2-2x) and over-predicts the
+# calm answers after it; with the factors held at 1 there the error was 21%.
+RATE = 0.02
 # Predictions never go under this (seconds).
 FLOOR_S = 1e-4
 # The reference state at which replicas' speeds are compared (speed_factors): a

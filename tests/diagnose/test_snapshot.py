@@ -233,8 +233,8 @@ def test_the_gateways_speed_factors_are_read_by_replica() -> None:
 
     registry = CollectorRegistry()
     predictions = Predictions(registry=registry)
-    for i in range(100):
-        d = Dispatch(prompt_tokens=100 + 10 * i)
+    for i in range(300):  # enough answers for the factors' moving mean to settle
+        d = Dispatch(prompt_tokens=100 + 10 * (i % 100))
         for url, factor in [("http://a", 1.0), ("http://b", 1.0), ("http://c", 2.0)]:
             prior = predictions.model.prior
             predictions.answered(("m", "d", "ns"), url, d, factor * prior.ttft(d),

@@ -9,6 +9,7 @@ import pytest
 from kubellm.gateway.routing.latency import (
     MIN_SAMPLES_FOR_SPEED,
     OUT_OF_REACH,
+    RATE,
     Dispatch,
     LatencyModel,
     Prior,
@@ -72,10 +73,10 @@ def _feed(model: ReplicaModel, factor: float, answers: int) -> None:
 FORGETTING_TABLE = [
     (0, 0, 1.0),  # nothing seen: the prior
     (200, 0, 1.5),  # a slow replica learnt
-    (200, 100, 1.0),  # it recovered: 100 later answers outweigh the 200 old ones
-    # 5 answers in: log k's old part x ~0.95 per answer (each TTFT's error is shared
+    (200, 200, 1.0),  # it recovered: 200 later answers outweigh the 200 old ones
+    # 5 answers in: log k's old part x (1 - RATE) per answer (each TTFT's error is shared
     # between the step and the prefill factor as their parts make up its prediction)
-    (200, 5, 1.5 ** (0.95**5)),
+    (200, 5, 1.5 ** ((1 - RATE) ** 5)),
 ]
 
 
@@ -121,11 +122,11 @@ def test_one_stalled_answer_moves_the_factor_by_a_bounded_step() -> None:
     model.observe(d, 1000 * H100.ttft(d), None)  # a stream that stalled for minutes
     after = model.predict(d)[0]
     # one RATE step of at most log 4 (shared between the two factors: each moves less)
-    assert 1.0 < after / before <= 4.0**0.05
+    assert 1.0 < after / before <= 4.0**RATE
     model.observe(d, math.inf, math.nan)  # and nonsense teaches nothing
     model.observe(d, -1.0, 0.0)
     assert model.predict(d)[0] == after
-    assert 1.0 <= model.predict(d)[1] / H100.itl(d) <= 4.0**0.05  # the steps are shared
+    assert 1.0 <= model.predict(d)[1] / H100.itl(d) <= 4.0**RATE  # the steps are shared
 
 
 # (engine figures: running, waiting; fresh or stale) -> what the model uses

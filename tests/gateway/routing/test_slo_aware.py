@@ -127,7 +127,7 @@ async def test_non_streamed_and_failed_answers_teach_nothing_and_owe_no_prefill(
 
 async def test_speed_factors_reach_metrics_every_few_answers() -> None:
     scheduler = _scheduler(_target(A, B, C))
-    for i in range(3 * SPEED_EVERY * 2):
+    for i in range(3 * SPEED_EVERY * 6):  # 96 answers each: the factors' mean has settled
         url = (A, B, C)[i % 3]
         slow = url == C  # 3x slower to the first token and between tokens
         await _stream(scheduler, url, ttft=0.3 if slow else 0.1, gap=0.03 if slow else 0.01)
