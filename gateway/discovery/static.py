@@ -91,7 +91,12 @@ class StaticModel(BaseModel):
     adapters: dict[str, str] = Field(default_factory=dict)
     # As status.capacity.decodeTokensPerSecondBound: the slo-aware latency model's prior
     decode_tokens_per_second_bound: float | None = Field(
-        default=None, alias="decodeTokensPerSecondBound", gt=0, allow_inf_nan=False
+        # routing/latency.py DECODE_BOUND_RANGE (discovery does not import routing)
+        default=None,
+        alias="decodeTokensPerSecondBound",
+        ge=1,
+        le=1e6,
+        allow_inf_nan=False,
     )
 
     @field_validator("endpoints")

@@ -92,6 +92,10 @@ PREFILL_RATE_WINDOW_S = 5.0
 # Without answers, a replica's factors halve (in log) toward the prior every this many
 # seconds (ReplicaModel.fade).
 IDLE_HALF_LIFE_S = 60.0
+# The decode bounds (tokens/s of one stream) a prior is derived from: a status or a file
+# that says 1e-300 would make every prediction astronomic (every request out of reach, or
+# sent to the fallback at once); outside this range the default prior is kept.
+DECODE_BOUND_RANGE = (1.0, 1e6)
 # One answer moves log k by at most this (a stalled stream must not swing the factor).
 MAX_LOG_STEP = math.log(4.0)
 
@@ -111,10 +115,11 @@ class Prior:
         """From `status.capacity.decodeTokensPerSecondBound` (one stream's bandwidth
         bound): a step at ~70% of the bound, prefill per token 1/220 of a step and a
         sequence's KV read 1/90 of one (the H100 8B profile's ratios; learnt afterwards)."""
-        if not decode_tokens_per_second_bound > 0:
+        low, high = DECODE_BOUND_RANGE
+        if not low <= decode_tokens_per_second_bound <= high:
             raise ValueError(
-                "status.capacity.decodeTokensPerSecondBound must be positive, not "
-                f"{decode_tokens_per_second_bound!r}"
+                "status.capacity.decodeTokensPerSecondBound must be between "
+                f"{low:g} and {high:g} tokens/s, not {decode_tokens_per_second_bound!r}"
             )
         step = 1.0 / (0.7 * decode_tokens_per_second_bound)
         return cls(step_base_s=step, prefill_token_s=step / 220, decode_token_s=step / 90)

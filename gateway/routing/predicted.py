@@ -28,6 +28,7 @@ from typing import Any
 from kubellm.gateway.discovery.base import ModelTarget
 from kubellm.gateway.routing.histogram import Histogram
 from kubellm.gateway.routing.latency import (
+    DECODE_BOUND_RANGE,
     PREFILL_RATE_WINDOW_S,
     Dispatch,
     LatencyModel,
@@ -64,7 +65,8 @@ def replica_priors(targets: Iterable[ModelTarget]) -> dict[str, Prior]:
     for target in targets:
         bound = target.decode_tokens_per_second_bound
         shared = None
-        if bound is not None and math.isfinite(bound) and bound > 0:
+        low, high = DECODE_BOUND_RANGE
+        if bound is not None and low <= bound <= high:
             shared = Prior.from_capacity(bound)
         for endpoint in target.endpoints:
             costs = endpoint.step_costs

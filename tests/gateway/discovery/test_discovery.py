@@ -187,7 +187,7 @@ def test_a_static_model_may_give_its_decode_bound():
                                {"name": "b"}]})  # fmt: skip
     assert models["a"].decode_tokens_per_second_bound == 143.0
     assert models["b"].decode_tokens_per_second_bound is None
-    for bad in (0, -1, float("inf")):
+    for bad in (0, -1, float("inf"), 1e-320, 0.5, 1e9):  # 1-1e6 tokens/s, as routing takes
         with pytest.raises(StaticConfigError, match="decodeTokensPerSecondBound"):
             parse({"models": [{"name": "a", "decodeTokensPerSecondBound": bad}]})
 

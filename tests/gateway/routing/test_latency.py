@@ -57,7 +57,7 @@ def test_the_prior_from_status_capacity_scales_with_the_decode_bound(
     prior = Prior.from_capacity(bound)
     assert prior.step_base_s == pytest.approx(step)
     assert prior.prefill_token_s == pytest.approx(step / 220)
-    for bad in (0.0, -1.0, math.nan):
+    for bad in (0.0, -1.0, math.nan, 1e-320, 1e9):
         with pytest.raises(ValueError, match="decodeTokensPerSecondBound"):
             Prior.from_capacity(bad)
 

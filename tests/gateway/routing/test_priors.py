@@ -40,6 +40,9 @@ PRIORS_TABLE = [
     ([_target("m", Endpoint(A), bound=50.0), _target("n", Endpoint(B))], {A: SLOW}),
     # a bound no operator writes (0, not finite) is no prior
     ([_target("m", Endpoint(A), bound=0.0), _target("n", Endpoint(B), bound=float("inf"))], {}),
+    # nor one that would make every prediction astronomic or nil (1e-320 tokens/s: a step
+    # of 1e320 s, every request out of reach or sent to the fallback at once)
+    ([_target("m", Endpoint(A), bound=1e-320), _target("n", Endpoint(B), bound=1e9)], {}),
 ]  # fmt: skip
 
 
