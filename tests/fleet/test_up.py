@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fixtures.engines import wait_until
+from tests.fixtures.engines import VLLM_START_TIMEOUT_S, wait_until
 from tests.fixtures.fleets import write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,7 +179,7 @@ def test_real_vllm_replica_answers_through_the_gateway(
         },
     )
     fleet = start_fleet(manifest, engine="vllm")
-    wait_until(lambda: fleet.ready("tiny") == 1, timeout=240, what="vLLM ready")
+    wait_until(lambda: fleet.ready("tiny") == 1, VLLM_START_TIMEOUT_S, what="vLLM ready")
     with httpx.stream(
         "POST",
         f"{fleet.url}/v1/chat/completions",
