@@ -450,6 +450,11 @@ class Gateway:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "models": len(self.discovery.snapshot())})
 
+    @property
+    def keyed(self) -> bool:
+        """The API asks for a key (API key digests or tenants are configured)."""
+        return bool(self.settings.api_key_hashes) or self.scheduler.tenancy is not None
+
     async def prometheus(self, request: Request) -> Response:
         self.scheduler.update_ready_gauge()  # ejections expire silently; refresh on each scrape
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -627,7 +632,9 @@ class GatewayApp:
 
 def create_app(gateway: Gateway, metrics_route: bool = True) -> GatewayApp:
     """The ASGI app; starting it starts discovery and scraping, stopping it stops them.
-    `metrics_route=False` leaves `/metrics` off (served on its own port instead)."""
+    `metrics_route=False` leaves `/metrics` off (served on its own port instead). Where the
+    API asks for a key, `/metrics` is refused here (403) whatever key comes: it shows every
+    tenant's usage, so it is served on the metrics port only (`create_metrics_app`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -652,7 +659,8 @@ def create_app(gateway: Gateway, metrics_route: bool = True) -> GatewayApp:
         HttpRoute("/health", gateway.health, methods=["GET"]),
     ]
     if metrics_route:
-        routes.append(HttpRoute("/metrics", gateway.prometheus, methods=["GET"]))
+        served = _metrics_elsewhere if gateway.keyed else gateway.prometheus
+        routes.append(HttpRoute("/metrics", served, methods=["GET"]))
     app = Starlette(
         routes=routes,
         exception_handlers={404: not_found, 405: not_allowed},
@@ -660,6 +668,16 @@ def create_app(gateway: Gateway, metrics_route: bool = True) -> GatewayApp:
     )
     app.state.gateway = gateway
     return GatewayApp(gateway, app)
+
+
+async def _metrics_elsewhere(request: Request) -> Response:
+    return GatewayError(
+        403,
+        "/metrics is not served on the API port when API keys or tenants are configured (it "
+        "shows every tenant's usage); run the gateway with --metrics-port and scrape that.",
+        "permission_error",
+        "metrics_on_metrics_port",
+    ).response()
 
 
 def create_metrics_app(gateway: Gateway) -> Starlette:
