@@ -196,6 +196,11 @@ class Reservation:
     window: int | None = None  # the minute charged in (None: no per-minute quota counted)
     day: int | None = None  # the day its fallback reservation is in (None: none held)
 
+    @property
+    def held(self) -> bool:
+        """Something is charged in a store (to settle at the end)."""
+        return self.window is not None or self.day is not None
+
 
 @dataclass(frozen=True)
 class Verdict:

@@ -245,7 +245,7 @@ class Tenancy:
             m.ttft.labels(name).observe(ticket.ttft)
             m.itl.labels(name).observe_all(ticket.timing.gaps)
         served = ticket.served_tokens()
-        if caller.reservation is not None:  # its quotas settle on what was served
+        if caller.reservation is not None and caller.reservation.held:  # settled on it
             used = None if served is None else served[0] + served[1]
             fallback = ticket.route == "fallback"
             self._later(self.limiter.settle(name, caller.reservation, used, fallback))
