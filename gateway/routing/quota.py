@@ -227,8 +227,8 @@ def verdict(
     requests_per_minute: int | None,
     tokens_per_minute: int | None,
 ) -> Verdict:
-    """Whether a request estimated at `estimate` prompt tokens fits its tenant's quotas this
-    minute, given what this minute has used so far."""
+    """Whether a request reserving `estimate` tokens (prompt + its answer's bound) fits its
+    tenant's quotas this minute, given what this minute holds so far."""
     _, reset = window(now)
     rem_req = None if requests_per_minute is None else max(requests_per_minute - requests_used, 0)
     rem_tok = None if tokens_per_minute is None else max(tokens_per_minute - tokens_used, 0)
