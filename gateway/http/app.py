@@ -353,9 +353,7 @@ class Gateway:
                 response.close()
             raise
         strip_usage = usage.UsageStrip() if strip else None
-        await self._answer(
-            call, ticket, response, first, content, target.served_name, strip_usage
-        )
+        await self._answer(call, ticket, response, first, content, target.served_name, strip_usage)
 
     async def _answer(
         self,

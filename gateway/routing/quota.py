@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -142,14 +142,14 @@ class Breaker:
         self._probing = False
         self._logged = -math.inf
 
-    async def _call(self, call: Callable[[], object]) -> int:
+    async def _call(self, call: Callable[[], Awaitable[int]]) -> int:
         probe = False
         if self._open_until is not None:
             if self._probing or self.clock() < self._open_until:
                 raise StoreUnavailable("the quota store's breaker is open")
             self._probing = probe = True
         try:
-            value = await call()  # type: ignore[misc]
+            value = await call()
         except Exception as error:
             self._failed(error)
             raise StoreUnavailable(str(error)) from error
@@ -159,7 +159,7 @@ class Breaker:
         if self._open_until is not None:
             log.warning("quota store answers again: quotas are checked again")
             self._open_until = None
-        return value  # type: ignore[no-any-return]
+        return value
 
     def _failed(self, error: Exception) -> None:
         self.failures.inc()
