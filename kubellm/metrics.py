@@ -85,6 +85,7 @@ GATEWAY_TENANT_QUEUE = "kubellm_gateway_tenant_queue_seconds"  # histogram
 GATEWAY_TENANT_GOODPUT = "kubellm_gateway_tenant_slo_met_requests_total"
 GATEWAY_TENANT_DROPPED = "kubellm_gateway_tenant_dropped_total"
 GATEWAY_TENANT_THROTTLED = "kubellm_gateway_tenant_throttled_total"
+GATEWAY_QUOTA_STORE_FAILURES = "kubellm_gateway_quota_store_failures_total"
 GATEWAY_TENANT_TTFT = "kubellm_gateway_tenant_time_to_first_token_seconds"  # histogram
 GATEWAY_TENANT_ITL = "kubellm_gateway_tenant_inter_token_latency_seconds"  # histogram
 

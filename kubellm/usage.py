@@ -1,6 +1,6 @@
 """`kubellm usage`: the per-tenant usage and cost table, from a gateway's /metrics.
 
-    kubellm usage --gateway http://127.0.0.1:8080
+    kubellm usage --gateway http://127.0.0.1:9090
     kubellm usage --gateway http://gw:9090 --gpu-hour-price 2.5 --gpus 4 --hours 24 \\
         --api-price-per-million 0.6
 
@@ -11,9 +11,11 @@ meeting the TTFT and ITL targets over 200 answers), dropped (flow control) and t
 (quota) counts, and, given prices, cost: the fleet's GPU spend over the period shared by
 replica tokens (prompt + output), plus fallback tokens at the API's price.
 
-The counters are the gateway's since it started (one replica's; sum several with Prometheus:
-`sum by (tenant) (kubellm_gateway_tenant_tokens_total)`). The table is a pure function of
-the metrics text (`rows`); the scrape is the only I/O.
+Point `--gateway` at the gateway's metrics port (`--metrics-port`): a gateway that asks
+API keys (or has tenants) does not serve /metrics on its API port, since it shows every
+tenant's usage. The counters are the gateway's since it started (one replica's; sum
+several with Prometheus: `sum by (tenant) (kubellm_gateway_tenant_tokens_total)`). The
+table is a pure function of the metrics text (`rows`); the scrape is the only I/O.
 """
 
 from __future__ import annotations
@@ -189,7 +191,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubellm usage: {url}: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     if response.status_code != 200:
-        print(f"kubellm usage: {url} answered HTTP {response.status_code}", file=sys.stderr)
+        hint = ""
+        if response.status_code in (401, 403):  # a gateway that asks keys serves it elsewhere
+            hint = " (a gateway that asks API keys serves /metrics on its --metrics-port only)"
+        print(f"kubellm usage: {url} answered HTTP {response.status_code}{hint}", file=sys.stderr)
         return 1
     prices = Prices(args.gpu_hour_price, args.gpus, args.hours, args.api_price_per_million)
     try:

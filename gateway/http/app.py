@@ -37,7 +37,7 @@ from kubellm.gateway.http.settings import GatewaySettings
 from kubellm.gateway.protocol import assemble, errors
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
-from kubellm.gateway.routing import slo
+from kubellm.gateway.routing import slo, usage
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Ticket
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.router import routing_request
@@ -242,6 +242,9 @@ class Gateway:
         )
         if whole:
             raw = assemble.streamed_body(body)
+        strip = stream and caller is not None and not usage.wants_usage(body)
+        if strip:  # its tenant is charged the replica's usage, which the client did not ask
+            raw = json.dumps(usage.asking_usage(body), ensure_ascii=False).encode()
         connect, deadlines = self.settings.timeouts(target, stream or whole)
         headers = _forward_headers(call.headers)
         headers["x-request-id"] = _attempt_id(headers.get("x-request-id"))
@@ -255,7 +258,10 @@ class Gateway:
             return await call.error(ticket.attempts_failed(len(failed.failures)))
         if whole and opened.body is None:
             return await self._assemble(call, ticket, opened.response, opened.first)
-        await self._answer(call, ticket, opened.response, opened.first, opened.body, None)
+        strip_usage = usage.UsageStrip() if strip else None
+        await self._answer(
+            call, ticket, opened.response, opened.first, opened.body, None, strip_usage
+        )
 
     async def _assemble(
         self, call: _Call, ticket: Ticket, response: AnyResponse, first: bytes
@@ -281,6 +287,9 @@ class Gateway:
                 content = assembler.answer() if broken is None else None
             except assemble.AssemblyError as error:
                 broken, content = str(error), None
+            except asyncio.CancelledError:  # the client left: what came was served
+                ticket.generated(assembler.events)
+                raise
             if content is None:
                 log.warning("a replica's stream for a non-streamed answer failed: %s", broken)
                 failure = (
@@ -305,13 +314,11 @@ class Gateway:
         sent it, so errors are the gateway's own words; redirects are not followed (the
         prompt goes nowhere else)."""
         target = ticket.target
-        outgoing = dict(body)
+        strip = stream and not usage.wants_usage(body)  # its usage is asked for, always
+        outgoing = usage.asking_usage(body) if strip else dict(body)
         if fallback.model:
             outgoing["model"] = fallback.model
-        headers = _forward_headers(call.headers)
-        if fallback.api_key:
-            headers["authorization"] = f"Bearer {fallback.api_key}"
-        headers.setdefault("content-type", "application/json")
+        headers = fallback_headers(call.headers, fallback.api_key)
         url = f"{fallback.url}{call.path.removeprefix('/v1')}"
         connect, deadlines = self.settings.timeouts(target, stream)
         timeout = aiohttp.ClientTimeout(
@@ -345,7 +352,8 @@ class Gateway:
             if response is not None:
                 response.close()
             raise
-        await self._answer(call, ticket, response, first, content, target.served_name)
+        strip_usage = usage.UsageStrip() if strip else None
+        await self._answer(call, ticket, response, first, content, target.served_name, strip_usage)
 
     async def _answer(
         self,
@@ -355,9 +363,11 @@ class Gateway:
         first: bytes,
         content: bytes | None,
         rename: str | None,
+        strip: usage.UsageStrip | None = None,
     ) -> None:
         """Send an upstream's answer to the client: `content` when read whole, else the
-        stream from `first` on; each piece goes through the ticket, which ends with it."""
+        stream from `first` on; each piece goes through the ticket, which ends with it.
+        `strip`: the usage event the gateway asked for is taken out of the client's stream."""
         status = response.status
         route = ticket.route
         if content is not None:
@@ -379,7 +389,8 @@ class Gateway:
                         "headers": _response_headers(route, content_type, status, None),
                     }
                 )
-                broken = await relay.relay(response, first, call.send, ticket, rename)
+                send = call.send if strip is None else _stripping(call.send, strip)
+                broken = await relay.relay(response, first, send, ticket, rename)
             except OSError:  # the client's connection broke: stop
                 gone = True
             except asyncio.CancelledError:  # the client left (DisconnectWatch)
@@ -436,6 +447,11 @@ class Gateway:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "models": len(self.discovery.snapshot())})
+
+    @property
+    def keyed(self) -> bool:
+        """The API asks for a key (API key digests or tenants are configured)."""
+        return bool(self.settings.api_key_hashes) or self.scheduler.tenancy is not None
 
     async def prometheus(self, request: Request) -> Response:
         self.scheduler.update_ready_gauge()  # ejections expire silently; refresh on each scrape
@@ -537,6 +553,38 @@ def _forward_headers(headers: dict[str, str]) -> dict[str, str]:
     return {k: v for k in FORWARDED if (v := headers.get(k))}
 
 
+# The client headers the paid fallback API may see: what the answer's format and tracing
+# need. Not `openai-organization` or `openai-project` (they would bill or steer the
+# platform's account, whose key is sent), nor anything else a client sends.
+FALLBACK_HEADERS = ("accept", "x-request-id")
+
+
+def fallback_headers(headers: dict[str, str], api_key: str | None) -> dict[str, str]:
+    """The headers of a request to the fallback API: the allowed client headers, JSON, and
+    the platform's key."""
+    out = {k: v for k in FALLBACK_HEADERS if (v := headers.get(k))}
+    out["content-type"] = "application/json"
+    if api_key:
+        out["authorization"] = f"Bearer {api_key}"
+    return out
+
+
+def _stripping(send: Send, strip: usage.UsageStrip) -> Send:
+    """`send` with the usage the client did not ask for taken out of its body pieces."""
+
+    async def filtered(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            body = strip.feed(message.get("body", b""))
+            if not message.get("more_body", False):
+                body += strip.end()
+            message = {**message, "body": body}
+            if not body and message.get("more_body", False):
+                return
+        await send(message)
+
+    return filtered
+
+
 def _rename_json(content: bytes, served_name: str) -> bytes:
     try:
         data = json.loads(content)
@@ -582,7 +630,9 @@ class GatewayApp:
 
 def create_app(gateway: Gateway, metrics_route: bool = True) -> GatewayApp:
     """The ASGI app; starting it starts discovery and scraping, stopping it stops them.
-    `metrics_route=False` leaves `/metrics` off (served on its own port instead)."""
+    `metrics_route=False` leaves `/metrics` off (served on its own port instead). Where the
+    API asks for a key, `/metrics` is refused here (403) whatever key comes: it shows every
+    tenant's usage, so it is served on the metrics port only (`create_metrics_app`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -607,7 +657,8 @@ def create_app(gateway: Gateway, metrics_route: bool = True) -> GatewayApp:
         HttpRoute("/health", gateway.health, methods=["GET"]),
     ]
     if metrics_route:
-        routes.append(HttpRoute("/metrics", gateway.prometheus, methods=["GET"]))
+        served = _metrics_elsewhere if gateway.keyed else gateway.prometheus
+        routes.append(HttpRoute("/metrics", served, methods=["GET"]))
     app = Starlette(
         routes=routes,
         exception_handlers={404: not_found, 405: not_allowed},
@@ -615,6 +666,16 @@ def create_app(gateway: Gateway, metrics_route: bool = True) -> GatewayApp:
     )
     app.state.gateway = gateway
     return GatewayApp(gateway, app)
+
+
+async def _metrics_elsewhere(request: Request) -> Response:
+    return GatewayError(
+        403,
+        "/metrics is not served on the API port when API keys or tenants are configured (it "
+        "shows every tenant's usage); run the gateway with --metrics-port and scrape that.",
+        "permission_error",
+        "metrics_on_metrics_port",
+    ).response()
 
 
 def create_metrics_app(gateway: Gateway) -> Starlette:

@@ -13,6 +13,7 @@ front ends translate their protocol into a handful of calls on it.
     ticket.body_needed(now)           # after respond: does the core still need the body?
     ticket.body_unseen(now)           # the front end will not follow it: the end is now
     ticket.fail(error)                # the answer is an error the core chose (caller renders)
+    ticket.generated(events)          # a non-streamed answer's events read when its client left
     ticket.finish(broken=...)         # the end: exactly once, whatever happened
 
 Everything about the request lives here, once for both front ends: the request record
@@ -40,7 +41,7 @@ front end calls it from every exit (a client gone, an exception, a stream closed
 
 from __future__ import annotations
 
-import json
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from kubellm.gateway.discovery.base import ModelTarget
 from kubellm.gateway.protocol import errors
 from kubellm.gateway.protocol.errors import GatewayError
+from kubellm.gateway.routing import usage
 from kubellm.gateway.routing.admission import Route
 from kubellm.gateway.routing.revisions import revision_label
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
@@ -56,6 +58,8 @@ from kubellm.gateway.routing.slo import TOKEN, RequestRecord, StreamTiming
 if TYPE_CHECKING:
     from kubellm.gateway.routing.scheduler import Scheduler
     from kubellm.gateway.routing.tenancy import Caller
+
+log = logging.getLogger("kubellm.gateway")
 
 # The response header both front ends set: which route answered (replica, fallback).
 ROUTE_HEADER = "x-kubellm-route"
@@ -141,6 +145,7 @@ class Ticket:
         "refusal",
         "route",
         "routing",
+        "sent",
         "served",
         "status",
         "stream",
@@ -169,6 +174,7 @@ class Ticket:
         self.refusal: GatewayError | None = None
         self.status = 0  # the answer's status line, once known
         self.served: str | None = None  # the replica that answers
+        self.sent = False  # a replica received the request (it may have worked on it)
         self.done = False
         self.timing = StreamTiming(start=arrived)
         self._attempt: Attempt | None = None
@@ -228,6 +234,7 @@ class Ticket:
             self._hold = url
             self._core.hold(url)
         attempt = self._attempt = Attempt(self, url, self._core.acquire(url))
+        self.sent = True
         self.record.revision = revision_label(self.target, url)  # canary analysis
         if self.done:  # finished meanwhile: nothing may stay held
             attempt.release()
@@ -338,7 +345,7 @@ class Ticket:
         if not status:  # nothing reached the client: it left
             self._end_dispatch()
             self.record.finish("none", 499)
-            self._core.ended(self)
+            self._ended()
             return
         if broken is not None:
             self.timing.failed(broken)
@@ -346,22 +353,44 @@ class Ticket:
         if self.served is not None and status < 500:
             core.completed(self.served)
         if self.refusal is None:
-            self._observe(status, broken is None and not client_gone)
-            self._learn(status, broken is None and not client_gone)
+            try:
+                self._observe(status, broken is None and not client_gone)
+                self._learn(status, broken is None and not client_gone)
+            except Exception:  # the answer and its record stand whatever the accounting does
+                log.exception("the SLO accounting of a request failed")
         self._end_dispatch()
         if broken is not None and status < 400:
             status = 502  # the answer started and broke: a server-side failure
         self.record.finish(self.route, status)
-        self._core.ended(self)
+        self._ended()
 
-    def tokens(self) -> dict[str, int]:
-        """The answer's prompt and completion tokens: its `usage` where it had one, else
-        the events that carried text (a stream without a usage event)."""
-        if self._body is not None:
-            return _usage(b"".join(self._body))
-        if self._usage:
-            return self._usage
-        return {"completion": self.timing.chunks}
+    def _ended(self) -> None:
+        try:
+            self._core.ended(self)
+        except Exception:
+            log.exception("the tenant accounting of a request failed")
+
+    def generated(self, events: int) -> None:
+        """A non-streamed answer the client left mid-way had this many events carrying
+        text when it left (the front end read them, the client got none): served."""
+        self.timing.chunks += events
+
+    def served_tokens(self) -> tuple[int, int] | None:
+        """What the request was served, (prompt, completion) tokens: its upstream's
+        checked `usage` where it sent one, else the gateway's count (the caller's prompt
+        estimate, the events that carried text). None where nothing was served: no
+        upstream received it, or it answered an error. A request an upstream received is
+        served even when its client left before the answer (the prompt, and what came)."""
+        received = self.sent or self.route == "fallback"
+        if self.status != 200 and not (self.status == 0 and received):
+            return None
+        found = self._usage
+        if self._body is not None and self.status == 200:
+            found = usage.parse(b"".join(self._body))
+        estimate = self.caller.estimate if self.caller is not None else 0
+        if found is not None:
+            return found["prompt"] or estimate, found["completion"]
+        return estimate, self.timing.chunks
 
     # ------------------------------------------------------------ latency prediction
 
@@ -397,7 +426,7 @@ class Ticket:
         series = self.record.series
         slo = self.target.slo
         timing = self.timing
-        usage = self._usage or {}
+        counts = self._usage or {}
         if self._body is not None:  # non-streamed
             if status != 200 or timing.last is None:
                 return
@@ -406,8 +435,8 @@ class Ticket:
             # within the TTFT target the answer met its SLO whatever its token count: the
             # body is parsed only past it, or for a fallback answer's tokens
             if self.route == "fallback" or ttft > slo.ttft_seconds:
-                usage = _usage(b"".join(self._body))
-            budget = slo.ttft_seconds + slo.itl_seconds * max(usage.get("completion", 0) - 1, 0)
+                counts = usage.parse(b"".join(self._body)) or {}
+            budget = slo.ttft_seconds + slo.itl_seconds * max(counts.get("completion", 0) - 1, 0)
             met = whole and ttft <= max(slo.ttft_seconds, budget)
             if met:
                 series.goodput.inc()
@@ -426,17 +455,17 @@ class Ticket:
                 series.goodput.inc()
             self.record.revision_observed(timing.ttft, timing.gaps, met)
             self.good = met
-        if self.route == "fallback" and status == 200 and usage:
+        if self.route == "fallback" and status == 200 and counts:
             metric = self._core.metrics.fallback_tokens
-            for kind, count in usage.items():
+            for kind, count in counts.items():
                 if count:
                     metric.labels(*series.labels, kind).inc(count)
 
     def _stream_usage(self, events: bytes) -> None:
         for line in events.split(b"\n"):
             if line.startswith(b"data: {") and b'"usage"' in line:
-                found = _usage(line[6:])
-                if found:
+                found = usage.parse(line[6:])
+                if found is not None:
                     self._usage = found
 
 
@@ -447,16 +476,3 @@ def met_slo(
     if ttft is None or ttft > ttft_target:
         return False
     return mean_itl is None or mean_itl <= itl_target
-
-
-def _usage(content: bytes) -> dict[str, int]:
-    """prompt and completion token counts from an answer's (or an event's) `usage`."""
-    try:
-        data: Any = json.loads(content)
-        usage = data.get("usage") or {}
-        return {
-            "prompt": int(usage.get("prompt_tokens") or 0),
-            "completion": int(usage.get("completion_tokens") or 0),
-        }
-    except (ValueError, AttributeError, TypeError, RecursionError):
-        return {}

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.routing import flow as flows
-from kubellm.gateway.routing import quota, slo
+from kubellm.gateway.routing import quota, slo, usage
 from kubellm.gateway.routing.histogram import Histogram
 from kubellm.gateway.routing.tenants import (
     FAIRNESS_HEADER,
@@ -57,7 +57,7 @@ class Caller:
     priority: int
     flow: str = ""  # its fair-share flow: the tenant, or one of its fairness ids
     estimate: int = 0  # estimated prompt tokens
-    window: int | None = None  # the quota minute it was charged in
+    reservation: quota.Reservation | None = None  # held in its quotas until its end
     fallback_ok: bool = True  # its tenant's rule lets it reach the fallback now
     charged: float = 0.0  # tokens charged to its fair-share counter at dispatch
     service: float = 0.0  # expected service: prompt + 2 x the answer it may have
@@ -138,7 +138,7 @@ class Tenancy:
                 quota.RedisStore(settings.redis_url) if settings.redis_url else quota.MemoryStore()
             )
         self.store = store
-        self.limiter = quota.Limiter(store)
+        self.limiter = quota.Limiter(quota.Breaker(store, registry))  # fails open at once
         self.metrics = TenantMetrics(registry)
         self.flows: dict[str, flows.Flow] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -172,22 +172,23 @@ class Tenancy:
         output = flows.expected_output_tokens(parsed)
         caller.service = caller.estimate + flows.OUTPUT_WEIGHT * output
         rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
+        reservation = quota.Reservation(caller.estimate + usage.output_bound(parsed))
+        caller.reservation = reservation
         try:
             if rpm is not None or tpm is not None:
-                verdict, window = await self.limiter.admit(tenant.name, caller.estimate, rpm, tpm)
-                if verdict.allowed:  # charged: settled at its end
-                    caller.window = window
-                else:  # nothing charged (taken back): nothing to settle
+                verdict = await self.limiter.admit(tenant.name, reservation, rpm, tpm)
+                if not verdict.allowed:  # nothing charged (taken back): nothing to settle
                     self.metrics.throttled.labels(tenant.name, verdict.which).inc()
                     return quota.refusal(tenant.name, verdict)
             rule = tenant.fallback
             if rule.kind == "never":
                 caller.fallback_ok = False
-            elif rule.kind == "budget":
-                left = await self.limiter.fallback_left(tenant.name, rule.tokens_per_day)
-                caller.fallback_ok = left > 0
-        except Exception as error:  # the store is down: never a traceback for the client
-            log.warning("quota store failed (%s); admitting without a quota check", error)
+            elif rule.kind == "budget":  # reserved before it may be sent (quota.py)
+                caller.fallback_ok = await self.limiter.reserve_fallback(
+                    tenant.name, reservation, rule.tokens_per_day
+                )
+        except Exception as error:  # never a traceback for the client
+            log.warning("quota check failed (%s); admitting without a quota check", error)
             caller.fallback_ok = caller.fallback_ok and tenant.fallback.kind == "allowed"
         return None
 
@@ -211,6 +212,8 @@ class Tenancy:
     def dispatched(self, model: str, caller: Caller, waited: float, replica: bool) -> None:
         """The request left its queue (to a replica when `replica`)."""
         self.metrics.queue.labels(caller.tenant.name).observe(waited)
+        if replica and caller.reservation is not None and caller.reservation.day is not None:
+            self._later(self.limiter.release_fallback(caller.tenant.name, caller.reservation))
         if replica:
             caller.charged = caller.estimate
             flow = self.flow(model)
@@ -241,23 +244,20 @@ class Tenancy:
         if ticket.ttft is not None:  # what the model's TTFT and ITL series counted
             m.ttft.labels(name).observe(ticket.ttft)
             m.itl.labels(name).observe_all(ticket.timing.gaps)
-        if ticket.route not in ("replica", "fallback") or status != 200:
-            if caller.window is not None and caller.estimate:  # nothing served: refund
-                self._later(self.limiter.settle(name, caller.window, -caller.estimate))
+        served = ticket.served_tokens()
+        if caller.reservation is not None and caller.reservation.held:  # settled on it
+            used = None if served is None else served[0] + served[1]
+            fallback = ticket.route == "fallback"
+            self._later(self.limiter.settle(name, caller.reservation, used, fallback))
+        if served is None or ticket.route not in ("replica", "fallback"):
             return
-        tokens = ticket.tokens()
-        prompt = tokens.get("prompt") or caller.estimate
-        completion = tokens.get("completion", 0)
+        prompt, completion = served
         m.tokens.labels(name, ticket.route, "prompt").inc(prompt)
         m.tokens.labels(name, ticket.route, "completion").inc(completion)
-        if ticket.route == "replica":
-            served = prompt + flows.OUTPUT_WEIGHT * completion - caller.charged
-            self.flow(ticket.target.served_name).charge(caller.flow, served, caller.tenant.weight)
-        elif caller.tenant.fallback.kind == "budget":
-            self._later(self.limiter.fallback_spent(name, prompt + completion))
-        if caller.window is not None:
-            correction = prompt + completion - caller.estimate
-            self._later(self.limiter.settle(name, caller.window, correction))
+        if ticket.route == "replica" and status == 200:
+            served_service = prompt + flows.OUTPUT_WEIGHT * completion - caller.charged
+            flow = self.flow(ticket.target.served_name)
+            flow.charge(caller.flow, served_service, caller.tenant.weight)
 
     def _later(self, work: object) -> None:
         """Run a store update without holding the request's end on it."""

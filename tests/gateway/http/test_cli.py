@@ -7,6 +7,7 @@ wires in), so this test does not depend on the other components' subcommands.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 import os
 import socket
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -31,11 +33,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_gateway(static: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
-    """`python -m kubellm.gateway.cli --port P --static FILE`, listening when returned."""
+def _start_gateway(
+    static: Path, env: dict[str, str] | None = None, *flags: str
+) -> tuple[subprocess.Popen, int]:
+    """`python -m kubellm.gateway.cli --port P --static FILE [flags]`, listening when
+    returned."""
     port = _free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "kubellm.gateway.cli", "--port", str(port), "--static", str(static)],
+        [
+            sys.executable,
+            "-m",
+            "kubellm.gateway.cli",
+            "--port",
+            str(port),
+            "--static",
+            str(static),
+            *flags,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env,
@@ -150,3 +164,47 @@ def test_bad_static_file_exits_with_the_field_named(tmp_path):
     )
     assert result.returncode == 1
     assert "models[0].routing.loadBound" in result.stderr
+
+
+@pytest.mark.parametrize("keys", ["--api-keys-file", "--tenants"])
+def test_metrics_are_not_served_unauthenticated_where_the_api_asks_a_key(engines, tmp_path, keys):
+    """With API keys (or tenants) and no --metrics-port (the default), /metrics was served
+    on the API port with no key while /v1/* asked for one: any client read every tenant's
+    usage. Now the API port refuses it (403, saying where it is) and --metrics-port serves
+    it."""
+    ((_engine, server),) = engines(1)
+    static = tmp_path / "static.yaml"
+    static.write_text(yaml.safe_dump({"models": [{"name": "tiny", "endpoints": [server.url]}]}))
+    digest = hashlib.sha256(b"sk-team").hexdigest()
+    if keys == "--tenants":
+        file = tmp_path / "tenants.yaml"
+        file.write_text(
+            yaml.safe_dump({"tenants": [{"name": "team", "apiKeys": [f"sha256:{digest}"]}]})
+        )
+    else:
+        file = tmp_path / "keys"
+        file.write_text(digest + "\n")
+    process, port = _start_gateway(static, None, keys, str(file))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        team = {"authorization": "Bearer sk-team"}
+        assert httpx.get(f"{base}/v1/models", headers=team).status_code == 200
+        for headers in ({}, team):  # not for a tenant's key either: it shows every tenant
+            refused = httpx.get(f"{base}/metrics", headers=headers)
+            assert refused.status_code == 403, refused.text
+            assert "--metrics-port" in refused.json()["error"]["message"]
+    finally:
+        process.terminate()
+        process.wait(10)
+    metrics_port = _free_port()
+    process, port = _start_gateway(
+        static, None, keys, str(file), "--metrics-port", str(metrics_port)
+    )
+    try:
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+        assert "kubellm_gateway_requests_total" in text or "kubellm_gateway" in text
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 404
+    finally:
+        process.terminate()
+        process.wait(10)

@@ -16,6 +16,7 @@ from kubellm.gateway.routing import tenants
 from kubellm.gateway.routing.flow import FlowSettings
 from kubellm.gateway.routing.settings import Thresholds
 from kubellm.gateway.routing.tenancy import TenancySettings
+from prometheus_client import generate_latest
 
 from kubellm.api import SLO
 from tests.gateway.conftest import model
@@ -279,7 +280,7 @@ def test_usage_is_counted_per_tenant(engines, gateway):
     assert m("kubellm_gateway_tenant_slo_met_requests_total", tenant="chat-app") == 1
     assert m("kubellm_gateway_tenant_tokens_total", tenant="nightly-eval", target="fallback",
              kind="prompt") == 0  # declared tenants show at 0  # fmt: skip
-    text = httpx.get(f"{gw.url}/metrics").text
+    text = generate_latest(gw.gateway.metrics.registry).decode()  # (metrics port)
     assert (
         'kubellm_gateway_tenant_tokens_total{kind="prompt",target="fallback",'
         'tenant="nightly-eval"} 0.0' in text
@@ -315,7 +316,7 @@ def test_ttft_and_itl_are_counted_per_tenant_as_the_models_series_count_them(eng
         "kubellm_gateway_inter_token_latency_seconds_sum", names
     )
     assert m(f"{itl}_sum", tenant="resident") == pytest.approx(model_gaps)
-    text = httpx.get(f"{gw.url}/metrics").text
+    text = generate_latest(gw.gateway.metrics.registry).decode()  # (metrics port)
     assert f'{ttft}_count{{tenant="nightly-eval"}} 0.0' in text
     assert 'tenant=""' not in text  # no series for a caller without a tenant
 
@@ -356,9 +357,10 @@ def test_waiting_requests_dispatch_by_band_and_a_header_only_lowers(engines, gat
 
 
 def test_a_token_quota_settles_to_usage_and_a_refusal_frees_nothing(engines, gateway):
-    """tokensPerMinute 50: the first request (estimated at 100 tokens, the first of a
-    minute always fits) is settled to its usage (3 + 4); the next two (100 each) do not
-    fit, and a refused one gives back nothing it was not charged."""
+    """tokensPerMinute 50: the first request (reserving 100 prompt tokens by the estimate
+    and its max_tokens 4; the first of a minute always fits) is settled to its usage
+    (3 + 4); the next two (104 each) do not fit, and a refused one gives back nothing it
+    was not charged."""
     ((_engine, server),) = engines(1)
     gw = gateway(
         {"tiny": model("tiny", [server])},
@@ -366,13 +368,13 @@ def test_a_token_quota_settles_to_usage_and_a_refusal_frees_nothing(engines, gat
     )
     text = "x" * 400  # ~100 tokens by the estimate
     within_one_minute()
-    assert chat(gw, "meter", text).status_code == 200
-    second = chat(gw, "meter", text)
+    assert chat(gw, "meter", text, max_tokens=4).status_code == 200
+    second = chat(gw, "meter", text, max_tokens=4)
     assert second.status_code == 429
     assert second.headers["x-ratelimit-limit-tokens"] == "50"
     assert second.headers["x-ratelimit-remaining-tokens"] in {"43", "0"}  # settled or not yet
-    assert chat(gw, "meter", text).status_code == 429
-    assert chat(gw, "meter", "short").status_code == 200  # 7 + 2 fits within 50
+    assert chat(gw, "meter", text, max_tokens=4).status_code == 429
+    assert chat(gw, "meter", "short", max_tokens=4).status_code == 200  # 7 + 1 + 4 fits within 50
     assert gw.metric("kubellm_gateway_tenant_throttled_total", tenant="meter", limit="tokens") == 2
 
 

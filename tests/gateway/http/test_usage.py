@@ -4,11 +4,13 @@ the command against a live gateway."""
 from __future__ import annotations
 
 import pytest
+from kubellm.gateway.http.app import create_metrics_app
 
 from kubellm import usage
 from kubellm.cli import main
 from tests.gateway.conftest import model
 from tests.gateway.http.test_tenancy import _stream, chat, declared
+from tests.gateway.upstream import ServerThread
 
 TEXT = """\
 # TYPE kubellm_gateway_tenant_requests_total counter
@@ -62,16 +64,25 @@ def test_rows_and_cost():
 
 
 def test_kubellm_usage_against_a_gateway(engines, gateway, capsys):
+    """Read from the gateway's metrics port; its API port (keys asked) refuses /metrics,
+    and the command says where to look."""
     ((engine, server),) = engines(1)
     engine.behaviour.tokens = 5
     gw = gateway({"tiny": model("tiny", [server])}, tenancy=declared())
-    assert chat(gw, "chat-app").status_code == 200
-    assert _stream(gw, "resident", "x") == 200
-    assert main(["usage", "--gateway", gw.url, "--gpu-hour-price", "1", "--hours", "1"]) == 0
-    lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
-    assert set(lines) == {"tenant", "chat-app", "nightly-eval", "resident", "meter"}
-    assert lines["chat-app"][1:5] == ["1", "0", "3", "5"]  # answered, refused, in, out
-    assert lines["nightly-eval"][1] == "0"
+    metrics_port = ServerThread(create_metrics_app(gw.gateway)).start()
+    try:
+        assert chat(gw, "chat-app").status_code == 200
+        assert _stream(gw, "resident", "x") == 200
+        prices = ["--gpu-hour-price", "1", "--hours", "1"]
+        assert main(["usage", "--gateway", metrics_port.url, *prices]) == 0
+        lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
+        assert set(lines) == {"tenant", "chat-app", "nightly-eval", "resident", "meter"}
+        assert lines["chat-app"][1:5] == ["1", "0", "3", "5"]  # answered, refused, in, out
+        assert lines["nightly-eval"][1] == "0"
+        assert main(["usage", "--gateway", gw.url]) == 1
+        assert "--metrics-port" in capsys.readouterr().err
+    finally:
+        metrics_port.stop()
 
 
 def test_kubellm_usage_names_a_bad_flag_and_an_unreachable_gateway(capsys):
