@@ -11,7 +11,10 @@ or a recorded trace (`--trace FILE.csv`). Every trace runs in simulated real
 time: the model load, the control period and the scale-down window keep
 their real length.
 
-Policies: a fixed fleet sized for the peak, a KPA-style concurrency target,
+Policies: first `defaults`, what a deployment with a fallback and nothing else set gets
+(kv-queue with the spec's defaults: targetRequestsPerReplica derived from what saturated
+replicas answer, maxFallbackShare 0.05); then a fixed fleet sized for the peak, a KPA-style
+concurrency target,
 `kv-queue`, `kv-queue+fallback` (kv-queue with the gateway's own admission
 sending overflow to a modelled fallback API; `--fallback-shares` runs it
 again at other values of maxFallbackShare), `kv-queue+fallback+cost` (the same

@@ -23,9 +23,13 @@ rate, the share of requests meeting the SLO), but over HTTP against the URL:
   for the same request sizes (the sizes the server reported): the plan then
   simulates *that* replica, so its figures are about the measured hardware.
 
-Every wait is bounded: each request by `request_timeout`, each point by
-`seconds` plus the time its last requests may take (`drain_seconds`), the whole
-search by `max_points`. Loopback or a replica you own: this sends load.
+Every wait is bounded: the model listing by `timeout` for the whole answer
+(a server trickling bytes is cut off), each request by `request_timeout`, each
+point by `seconds` plus the time its last requests may take (`drain_seconds`),
+the whole search by `max_points`. Every read is bounded too: the listing at
+`MAX_MODELS_BYTES`, each stream line at `MAX_LINE_BYTES` and each stream at
+`MAX_STREAM_BYTES` (a server sending one endless line is an error, not memory).
+Loopback or a replica you own: this sends load.
 """
 
 from __future__ import annotations
@@ -35,13 +39,13 @@ import json
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 
-from kubellm import api
+from kubellm import api, bounded
 
 # Short, frequent words: about one token each in the usual byte-pair vocabularies.
 _WORD_TEXT = """
@@ -54,6 +58,12 @@ WORDS = tuple(_WORD_TEXT.split())
 DEFAULT_SECONDS = 30.0
 DEFAULT_MAX_POINTS = 10
 DEFAULT_BISECTIONS = 3
+# The bounds on what a replica may send: an OpenAI-style /v1/models is a few KiB, one SSE
+# event of a completion chunk well under 64 KiB (a chunk carries a few tokens' text), and a
+# whole stream of `max_tokens` chunks far under the stream bound.
+MAX_MODELS_BYTES = 1024 * 1024
+MAX_LINE_BYTES = 1024 * 1024
+MAX_STREAM_BYTES = 256 * 1024 * 1024
 
 
 class CalibrationError(ValueError):
@@ -125,6 +135,30 @@ class Streamed:
     error: str | None = None
 
 
+async def bounded_lines(
+    chunks: AsyncIterable[bytes],
+    line_limit: int = MAX_LINE_BYTES,
+    total_limit: int = MAX_STREAM_BYTES,
+) -> AsyncIterator[str]:
+    """The lines of a byte stream (the last one without its newline too), decoded as UTF-8;
+    `bounded.AnswerTooLarge` once a line passes `line_limit` bytes or the stream
+    `total_limit`, so memory holds at most a line's bound plus one chunk."""
+    buffer, total = bytearray(), 0
+    async for chunk in chunks:
+        total += len(chunk)
+        if total > total_limit:
+            raise bounded.AnswerTooLarge(f"stream longer than {total_limit} bytes")
+        buffer += chunk
+        *lines, rest = buffer.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+        buffer = bytearray(rest)
+        if len(buffer) > line_limit:
+            raise bounded.AnswerTooLarge(f"a line longer than {line_limit} bytes")
+    if buffer:
+        yield buffer.rstrip(b"\r").decode("utf-8", "replace")
+
+
 async def stream_one(
     client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int
 ) -> Streamed:
@@ -143,9 +177,14 @@ async def stream_one(
     try:
         async with client.stream("POST", target.completions, json=body) as response:
             if response.status_code != 200:
-                text = (await response.aread())[:200].decode(errors="replace")
+                head = bytearray()  # the error's first 200 bytes, never the whole body
+                async for chunk in response.aiter_bytes():
+                    head += chunk
+                    if len(head) >= 200:
+                        break
+                text = head[:200].decode(errors="replace")
                 return Streamed(error=f"HTTP {response.status_code}: {text}")
-            async for line in response.aiter_lines():
+            async for line in bounded_lines(response.aiter_bytes()):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -165,7 +204,7 @@ async def stream_one(
                     first = now if first is None else first
                     last = now
                     chunks += 1
-    except (httpx.HTTPError, ValueError) as error:
+    except (httpx.HTTPError, ValueError) as error:  # bounded.AnswerTooLarge is a ValueError
         return Streamed(error=f"{type(error).__name__}: {error} ({target.completions})")
     if first is None or last is None:
         return Streamed(error="no token was streamed")
@@ -189,15 +228,26 @@ def _p95(values: Sequence[float]) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 4)
 
 
-async def served_model(url: str, timeout: float = 10.0) -> str:
-    """The first model the server lists at /v1/models."""
+async def served_model(url: str, timeout: float = 10.0, limit: int = MAX_MODELS_BYTES) -> str:
+    """The first model the server lists at /v1/models: the whole answer within `timeout`
+    seconds and `limit` bytes."""
     base = url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
     try:
-        async with httpx.AsyncClient(timeout=timeout) as client:
-            response = await client.get(base + "/models")
+        async with (
+            asyncio.timeout(timeout),
+            httpx.AsyncClient(timeout=timeout) as client,
+            client.stream("GET", base + "/models") as response,
+        ):
             response.raise_for_status()
-            data = response.json().get("data") or []
+            length = response.headers.get("content-length", "")
+            declared = int(length) if length.isdigit() else None
+            body = await bounded.read_capped(response.aiter_bytes(), limit, declared)
+        data = json.loads(body).get("data") or []
+    except TimeoutError:
+        raise CalibrationError(
+            f"--calibrate {url}: cannot list its models: no whole answer in {timeout:g} s"
+        ) from None
     except (httpx.HTTPError, ValueError, AttributeError) as error:
         raise CalibrationError(f"--calibrate {url}: cannot list its models: {error}") from None
     if not data or not isinstance(data[0], dict) or "id" not in data[0]:

@@ -56,10 +56,14 @@ FALLBACK = "kv-queue+fallback"  # kv-queue, with the gateway's admission and the
 # The same, with spec.autoscaling.fallbackCostRatio set from the run's prices and trace (the
 # cost rule: overflow waits at the fallback, scale-down holds, by what each costs).
 COST = "kv-queue+fallback+cost"
-FALLBACK_POLICIES = (FALLBACK, COST)
+# What a platform team gets with a fallback and nothing else set: kv-queue with the spec's
+# own defaults (targetRequestsPerReplica unset: derived from what saturated replicas answer,
+# maxFallbackShare 0.05); the benchmark's first row.
+DEFAULTS = "defaults"
+FALLBACK_POLICIES = (DEFAULTS, FALLBACK, COST)
 ALL_API = "all-api"  # no fleet: every request goes to the API
 # The comparison, run by default.
-POLICIES = ("fixed", "concurrency", "kv-queue", FALLBACK, COST, ALL_API)
+POLICIES = (DEFAULTS, "fixed", "concurrency", "kv-queue", FALLBACK, COST, ALL_API)
 # A kv-queue policy name with this suffix runs with spec.autoscaling.predictive (the trend
 # forecast one model load ahead, `kubellm.autoscaler.forecast`); on request only.
 PREDICT = "+predict"
@@ -294,8 +298,9 @@ def run(job: Job) -> tuple[dict[str, Any], Result]:
     if job.fallback_share is not None:
         overrides["max_fallback_share"] = job.fallback_share
     if name in FALLBACK_POLICIES and "target_requests_per_replica" not in dict(job.spec):
-        overrides["target_requests_per_replica"] = round(FALLBACK_RATE_TARGET * capacity, 2)
-    if name == FALLBACK:
+        target = None if name == DEFAULTS else round(FALLBACK_RATE_TARGET * capacity, 2)
+        overrides["target_requests_per_replica"] = target
+    if name in (DEFAULTS, FALLBACK):
         overrides["fallback_cost_ratio"] = None  # the share rule, whatever the spec says
     if name == COST:
         overrides.setdefault("model_load_seconds", round(job.load_seconds))

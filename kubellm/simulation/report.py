@@ -56,12 +56,19 @@ def lower_bounds(summaries: Sequence[dict[str, Any]]) -> str:
         share = f" = {oracle / fixed['replica_seconds']:.0%} of fixed" if fixed else ""
         parts.append(f"{trace} {oracle:.0f}{share}")
     lines = ["oracle replica-s (instant replicas, ceil(rate / capacity)): " + ", ".join(parts)]
-    first = summaries[0] if summaries else {}
-    if first.get("rate_rule_replica_seconds") is not None:
+    # the first run with a rate target (the defaults derive theirs: no reference for them)
+    ruled = [s for s in summaries if s.get("rate_rule_replica_seconds") is not None]
+    first = ruled[0] if ruled else {}
+    if ruled:
         parts = []
         for trace in dict.fromkeys(s["trace"] for s in summaries):
-            runs = {s["policy"]: s for s in summaries if s["trace"] == trace}
-            run, fixed = next(iter(runs.values())), runs.get("fixed")
+            runs = {s["policy"]: s for s in ruled if s["trace"] == trace}
+            if not runs:
+                continue
+            run = next(iter(runs.values()))
+            fixed = next(
+                (s for s in summaries if s["trace"] == trace and s["policy"] == "fixed"), None
+            )
             figures = []
             for key in ("rate_rule_replica_seconds", "rate_rule_held_replica_seconds"):
                 value = run[key]

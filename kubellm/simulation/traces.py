@@ -16,9 +16,10 @@ import datetime as dt
 import json
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,12 @@ OUTPUT_COLUMNS = ("output_tokens", "generatedtokens", "generated_tokens", "compl
 MAX_PROMPT_TOKENS = 8000  # the simulated replicas' context (longer prompts are clipped)
 MAX_OUTPUT_TOKENS = 2048
 RATE_BIN_SECONDS = 60.0  # a recorded trace's rate curve: arrivals per minute
+# The longest span a recorded trace may cover: public traces run from an hour to a week,
+# and the simulation steps through every second of it (a stray stamp, or one in
+# milliseconds, would make it simulate centuries).
+MAX_SPAN_SECONDS = 31 * 24 * 3600.0
+MAX_RATE_SCALE = 1000.0
+MAX_REQUESTS = 10_000_000  # after --rate-scale: about 1 GiB of arrivals
 
 
 class TraceError(ValueError):
@@ -261,13 +268,27 @@ class RecordedTrace(Trace):
         return list(self.recorded)
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("not a finite number")
+    return value
+
+
+def _count(text: str) -> int:
+    """A token count: a finite number (a fraction is cut)."""
+    return int(_finite(text))
+
+
 def _parse_time(text: str) -> float:
-    """Seconds: a number, or an ISO 8601 date-time (fractions past microseconds dropped)."""
+    """Seconds: a finite number, or an ISO 8601 date-time (fractions past microseconds
+    dropped)."""
     text = text.strip()
     try:
-        return float(text)
-    except ValueError:
-        pass
+        return _finite(text)
+    except ValueError as error:
+        if str(error) == "not a finite number":
+            raise
     head, dot, fraction = text.partition(".")
     if dot:  # "2023-11-16 18:15:46.6805900": Python takes at most 6 fractional digits
         digits = "".join(c for c in fraction if c.isdigit())
@@ -302,7 +323,7 @@ def read_csv(path: Path, rate_scale: float = 1.0, seed: int = 0) -> RecordedTrac
         handle = path.open(newline="", encoding="utf-8-sig")
     except OSError as error:
         raise TraceError(f"--trace: cannot read {path}: {error.strerror or error}") from None
-    rows: list[tuple[float, int, int]] = []
+    rows: list[tuple[float, int, int, int]] = []
     clipped = 0
     with handle:
         reader = csv.reader(handle)
@@ -314,7 +335,8 @@ def read_csv(path: Path, rate_scale: float = 1.0, seed: int = 0) -> RecordedTrac
             _column(header, PROMPT_COLUMNS, "prompt-token", path),
             _column(header, OUTPUT_COLUMNS, "output-token", path),
         )
-        for line, row in enumerate(reader, start=2):
+        for row in _rows(reader, path):
+            line = reader.line_num
             if not any(cell.strip() for cell in row):
                 continue
             values = []
@@ -323,17 +345,18 @@ def read_csv(path: Path, rate_scale: float = 1.0, seed: int = 0) -> RecordedTrac
             ):
                 cell = row[index] if index < len(row) else ""
                 try:
-                    values.append(_parse_time(cell) if not values else int(float(cell)))
-                except ValueError:
+                    values.append(_parse_time(cell) if not values else _count(cell))
+                except ValueError as error:
                     raise TraceError(
-                        f"{path}:{line}: {header[index].strip()} ({name}): cannot read {cell!r}"
+                        f"{path}:{line}: {header[index].strip()} ({name}): cannot read "
+                        f"{cell[:40]!r}{_why(error)}"
                     ) from None
             when, prompt, output = values
             if prompt < 0 or output < 0:
                 raise TraceError(f"{path}:{line}: token counts must not be negative")
             sized = (min(max(prompt, 1), MAX_PROMPT_TOKENS), min(max(output, 1), MAX_OUTPUT_TOKENS))
             clipped += sized != (prompt, output)
-            rows.append((when, *sized))
+            rows.append((when, *sized, line))
     return _recorded(path, rows, clipped, rate_scale, seed)
 
 
@@ -344,7 +367,7 @@ def read_jsonl(path: Path, rate_scale: float = 1.0, seed: int = 0) -> RecordedTr
         handle = path.open(encoding="utf-8-sig")
     except OSError as error:
         raise TraceError(f"--trace: cannot read {path}: {error.strerror or error}") from None
-    rows: list[tuple[float, int, int]] = []
+    rows: list[tuple[float, int, int, int]] = []
     clipped = 0
     wanted = (
         (TIME_COLUMNS, "timestamp"),
@@ -374,10 +397,11 @@ def read_jsonl(path: Path, rate_scale: float = 1.0, seed: int = 0) -> RecordedTr
                 try:
                     if isinstance(cell, bool) or not isinstance(cell, int | float | str):
                         raise ValueError
-                    values.append(_parse_time(str(cell)) if not values else int(float(cell)))
-                except ValueError:
+                    values.append(_parse_time(str(cell)) if not values else _count(str(cell)))
+                except ValueError as error:
                     raise TraceError(
-                        f"{path}:{line}: {key} ({what}): cannot read {cell!r}"
+                        f"{path}:{line}: {key} ({what}): cannot read {str(cell)[:40]!r}"
+                        f"{_why(error)}"
                     ) from None
             when, prompt, output = values
             if prompt < 0 or output < 0:
@@ -385,8 +409,24 @@ def read_jsonl(path: Path, rate_scale: float = 1.0, seed: int = 0) -> RecordedTr
             sized = (min(max(int(prompt), 1), MAX_PROMPT_TOKENS),
                      min(max(int(output), 1), MAX_OUTPUT_TOKENS))  # fmt: skip
             clipped += sized != (prompt, output)
-            rows.append((when, *sized))
+            rows.append((when, *sized, line))
     return _recorded(path, rows, clipped, rate_scale, seed)
+
+
+def _rows(reader: Any, path: Path) -> Iterator[list[str]]:
+    """The CSV reader's rows, its own errors (a field past its size limit) named by line."""
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as error:
+            raise TraceError(f"{path}:{reader.line_num}: {error}") from None
+        yield row
+
+
+def _why(error: ValueError) -> str:
+    return " (not a finite number)" if str(error) == "not a finite number" else ""
 
 
 def write_csv(path: Path, arrivals: Sequence[Arrival]) -> None:
@@ -406,13 +446,29 @@ def read_file(path: Path, rate_scale: float = 1.0, seed: int = 0) -> RecordedTra
 
 
 def _recorded(
-    path: Path, rows: list[tuple[float, int, int]], clipped: int, rate_scale: float, seed: int
+    path: Path, rows: list[tuple[float, int, int, int]], clipped: int, rate_scale: float, seed: int
 ) -> RecordedTrace:
+    """The trace of `rows` (time, prompt, output, line), its span bounded by
+    `MAX_SPAN_SECONDS` and its requests after `rate_scale` by `MAX_REQUESTS`."""
     if len(rows) < 2:
         raise TraceError(f"{path}: needs at least two requests, found {len(rows)}")
+    if not 0 < rate_scale <= MAX_RATE_SCALE:  # also refuses nan
+        raise TraceError(f"--rate-scale must be above 0 and at most {MAX_RATE_SCALE:g}")
+    if len(rows) * rate_scale > MAX_REQUESTS:
+        raise TraceError(
+            f"{path}: {len(rows):,} requests x{rate_scale:g} are more than the "
+            f"{MAX_REQUESTS:,} a plan simulates; cut the trace or lower --rate-scale"
+        )
     rows.sort()
-    start = rows[0][0]
-    base = [Arrival(t - start, p, o) for t, p, o in rows]
+    first, last = rows[0], rows[-1]
+    if last[0] - first[0] > MAX_SPAN_SECONDS:
+        raise TraceError(
+            f"{path}:{last[3]}: its timestamp is {last[0] - first[0]:.4g} s after the earliest "
+            f"request's (line {first[3]}); a trace may span at most {MAX_SPAN_SECONDS:.0f} s "
+            "(31 days): is that row stray, or are the stamps in milliseconds?"
+        )
+    start = first[0]
+    base = [Arrival(t - start, p, o) for t, p, o, _ in rows]
     duration = max(base[-1].time, 1.0) + 1.0
     arrivals = _superpose(base, duration, rate_scale, random.Random(f"rate-scale/{seed}"))
     bins = [0] * math.ceil(duration / RATE_BIN_SECONDS)
@@ -438,8 +494,6 @@ def _recorded(
 def _superpose(
     base: Sequence[Arrival], duration: float, scale: float, rng: random.Random
 ) -> list[Arrival]:
-    if scale <= 0:
-        raise TraceError("--rate-scale must be positive")
     copies = math.floor(scale)
     share = scale - copies
     out: list[Arrival] = list(base) if copies >= 1 else []

@@ -214,6 +214,18 @@ def test_what_if_overrides_reach_the_spec() -> None:
     assert dict(off.spec) == {"target_requests_per_replica": None}
 
 
+def test_the_first_row_is_the_shipped_defaults() -> None:
+    assert experiment.POLICIES[0] == experiment.DEFAULTS
+    job = experiment.Job("step", experiment.DEFAULTS, scale=0.2)
+    summary, result = experiment.run(job)
+    shipped = api.Autoscaling()
+    # what the spec leaves unset stays unset (derived), the fallback's share is the spec's own
+    assert summary["target_requests_per_replica"] is None
+    assert summary["max_fallback_share"] == shipped.max_fallback_share
+    assert summary["fallback_cost_ratio"] is None
+    assert result.requests > 0
+
+
 # ---------------------------------------------------------------- the fallback and the cost
 
 
