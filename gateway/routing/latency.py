@@ -96,6 +96,8 @@ IDLE_HALF_LIFE_S = 60.0
 # that says 1e-300 would make every prediction astronomic (every request out of reach, or
 # sent to the fallback at once); outside this range the default prior is kept.
 DECODE_BOUND_RANGE = (1.0, 1e6)
+# An engine's request count above this is not believed (`_count`).
+MAX_COUNT = 1e6
 # One answer moves log k by at most this (a stalled stream must not swing the factor).
 MAX_LOG_STEP = math.log(4.0)
 
@@ -162,25 +164,31 @@ class Dispatch(NamedTuple):
     def batch(self) -> float:
         """Sequences it would decode with: the engine's running ones or this gateway's in
         flight there, whichever is more (scraped figures lag by up to a scrape), plus itself."""
-        running = 0.0 if self.running is None else max(self.running, 0.0)
-        return max(running, float(self.in_flight)) + 1.0
+        return max(_count(self.running), float(self.in_flight)) + 1.0
 
     @property
     def others(self) -> float:
         """Queued requests there that this gateway did not send (other gateways'): the
         engine's queue beyond this gateway's prompts not yet streaming; 0 when unknown.
         (Others' running requests are in `batch`: they cost a decode, not a queue slot.)"""
-        waiting = self.waiting
-        if waiting is None:
-            return 0.0
+        waiting = _count(self.waiting)
         queued = waiting - self.ahead_requests
         if queued <= 0:
             return 0.0
-        running = 0.0 if self.running is None else self.running
+        running = _count(self.running)
         # the engine's whole count against this gateway's: a scrape up to a second old
         # splits this gateway's requests between running and waiting as they were then,
         # but their sum moves only as requests arrive and finish
         return min(queued, max(running + waiting - self.in_flight, 0.0))
+
+
+def _count(figure: float | None) -> float:
+    """An engine's request count as the model uses it: 0 when unknown or unusable (None,
+    NaN, negative or past MAX_COUNT; the scrape parser already refuses these, and the
+    model must not raise whatever a replica says)."""
+    if figure is None or not 0.0 <= figure <= MAX_COUNT:
+        return 0.0
+    return figure
 
 
 REFERENCE = Dispatch(prompt_tokens=REFERENCE_TOKENS, in_flight=REFERENCE_BATCH - 1)
@@ -241,7 +249,7 @@ class ReplicaModel:
         """Prompt tokens this replica computes in `seconds` of steps full of prompts
         (`max_num_batched_tokens` each) beside a batch of `running` (or `in_flight`)."""
         prior = self.prior
-        batch = max(0.0 if running is None else running, float(in_flight))
+        batch = max(_count(running), float(in_flight))
         step = math.exp(self.log_step) * (prior.step_base_s + prior.decode_token_s * batch)
         tokens = prior.max_num_batched_tokens
         return (

@@ -259,3 +259,17 @@ def test_the_prefill_ahead_drains_while_the_replica_computes_it(elapsed: float, 
     # the first one's first token: the second's prefill goes on from there
     predictions.started("http://a", first)
     assert predictions.dispatch("http://a", request, a).ahead_tokens == 4000
+
+
+@pytest.mark.parametrize("figure", [math.nan, -3.0, math.inf, -math.inf, 1e300])
+def test_no_engine_figure_makes_the_model_raise(figure: float) -> None:
+    """The scrape parser refuses these; the model itself never raises on them either."""
+    now = [0.0]
+    predictions = Predictions(clock=lambda: now[0])
+    request = RoutingRequest(model="m", prompt_chars=4000)
+    a = Candidate(url="http://a", in_flight=2, running=figure, waiting=figure)
+    predictions.sent("http://a", request, a)  # a prompt ahead: it drains at the batch's pace
+    now[0] = 0.5
+    costs = predictions.costs(request, [a], 2.0, 0.1)
+    assert all(math.isfinite(v) for v in costs["http://a"])
+    assert predictions.dispatch("http://a", request, a).batch == 3.0
