@@ -40,7 +40,10 @@ weight halves after ~34 later ones; 0 (factor 1) until data arrive: the prior is
 profile's step costs (`Prior`, or `Prior.from_capacity` from `status.capacity`'s decode
 bound). The TTFT is learnt at the first token: learnt with the whole answer, seconds
 later, a replica flooded before its first answer ended was predicted at the prior all
-that time (on 2 H100 + 2 A100 at 70/s the A100s' first answers came 15 s in). A replica
+that time (on 2 H100 + 2 A100 at 70/s the A100s' first answers came 15 s in); a
+stream that then breaks has it taken back and its break learnt as a late answer
+(`failed`): only answers that end whole teach the model (a replica that sent one token
+at once and dropped the connection was learnt as the fastest and took 38 of 40 requests). A replica
 that slows down shows growing factors within tens of answers, and its speed factor
 against its peers is what `kubellm diagnose` reports. A free regression per replica was
 tried first (recursive least squares over the same features): in the bench it predicted
@@ -302,6 +305,21 @@ class ReplicaModel:
         if answer:
             self.samples += 1
         return predicted
+
+    def failed(self, dispatch: Dispatch) -> None:
+        """An answer that broke off after it began: learnt as a TTFT as late as one answer
+        may say (MAX_LOG_STEP over the prediction), so a replica that breaks its streams
+        never looks faster for it (a stream broken after one instant token is not a fast
+        answer)."""
+        ttft_step, ttft_prefill, _, _ = self._parts(dispatch)
+        share = ttft_step / (ttft_step + ttft_prefill)
+        self.log_step += self.rate * MAX_LOG_STEP * share
+        self.log_prefill += self.rate * MAX_LOG_STEP * (1.0 - share)
+
+    def unlearn(self, step: float, prefill: float) -> None:
+        """Take back what one figure moved the factors by (`learn`'s change in log)."""
+        self.log_step -= step
+        self.log_prefill -= prefill
 
 
 def _error(ratio: float) -> float:

@@ -5,9 +5,10 @@ gateway (prompts sent there that have not begun to stream: "tokens ahead"), and 
 metrics that show how good the predictions are. The ticket calls it at each phase:
 
     dispatch = predictions.sent(url, request, candidate)   # an attempt starts
-    predictions.started(url, dispatch, ttft)               # its first token: TTFT learnt
+    learnt = predictions.started(url, dispatch, ttft)      # its first token: TTFT learnt
     predictions.answered(labels, url, dispatch, ttft, itl) # a whole streamed answer
-    predictions.abandoned(url, dispatch)                   # it ended otherwise
+    predictions.broken(url, dispatch, learnt)              # ... or one that broke off
+    predictions.abandoned(url, dispatch)                   # it ended before its first token
 
 It learns from every policy's answers, so switching a model to `slo-aware` starts from
 a model that already knows its replicas. A replica first seen starts from its own prior
@@ -214,19 +215,32 @@ class Predictions:
             self.index.record(url, request.chunk_hashes)
         return dispatch
 
-    def started(self, url: str, dispatch: Dispatch, ttft: float | None = None) -> None:
+    def started(
+        self, url: str, dispatch: Dispatch, ttft: float | None = None
+    ) -> tuple[float, float] | None:
         """Its first token streamed `ttft` seconds after dispatch: its prefill is done, and
         (given `ttft`) the model learns the TTFT now rather than when the whole answer has
         streamed, seconds later (a replica flooded before its first answer ends was
-        predicted at the prior all that time). The TTFT's error reaches the histogram
-        with the answer (`answered`, which then learns only the ITL)."""
+        predicted at the prior all that time). Returns what that moved the replica's
+        factors by (log step, log prefill), for `broken` to take back if the stream does
+        not end whole; None when nothing was learnt. The TTFT's error reaches the
+        histogram with the answer (`answered`, which then learns only the ITL)."""
+        learnt = None
         if ttft is not None:
             self.early_ttft = True
             if ttft > 0 and math.isfinite(ttft):
-                predicted, _ = self.model.replica(url).learn(dispatch, ttft, None, False)
+                model = self.model.replica(url)
+                step, prefill = model.log_step, model.log_prefill
+                predicted, _ = model.learn(dispatch, ttft, None, False)
+                learnt = (model.log_step - step, model.log_prefill - prefill)
                 pending = self._pending.setdefault(url, [])
                 if len(pending) < PENDING_RATIOS:
                     pending.append(predicted / ttft)
+        self._owes_nothing(url, dispatch)
+        return learnt
+
+    def _owes_nothing(self, url: str, dispatch: Dispatch) -> None:
+        """The attempt owes no prefill any more (it streamed, or ended before)."""
         ahead = self.ahead.get(url)
         if ahead is None:
             return
@@ -237,7 +251,19 @@ class Predictions:
         else:
             ahead[2] = self.clock()  # the next one's prefill goes on from here
 
-    abandoned = started  # it ended before streaming: it owes no prefill either
+    def abandoned(self, url: str, dispatch: Dispatch) -> None:
+        """It ended before streaming: it owes no prefill either, and nothing is learnt."""
+        self._owes_nothing(url, dispatch)
+
+    def broken(self, url: str, dispatch: Dispatch, learnt: tuple[float, float] | None) -> None:
+        """An answer that began to stream and broke off: the TTFT `started` learnt from it
+        (`learnt`) is taken back (only answers that end whole teach the model), and the
+        break is learnt as a late answer (`ReplicaModel.failed`). A replica that sends one
+        token at once and drops the connection is not learnt as the fastest."""
+        model = self.model.replica(url)
+        if learnt is not None:
+            model.unlearn(*learnt)
+        model.failed(dispatch)
 
     def answered(
         self,

@@ -273,3 +273,26 @@ def test_no_engine_figure_makes_the_model_raise(figure: float) -> None:
     costs = predictions.costs(request, [a], 2.0, 0.1)
     assert all(math.isfinite(v) for v in costs["http://a"])
     assert predictions.dispatch("http://a", request, a).batch == 3.0
+
+
+def test_a_stream_that_breaks_after_its_first_token_teaches_no_fast_ttft() -> None:
+    """Its instant first token is taken back, and the break counts as a late answer: the
+    replica never looks faster than before for it (a whole answer's TTFT is kept)."""
+    predictions = Predictions()
+    request = RoutingRequest(model="m", prompt_chars=4000)
+    a = Candidate(url="http://a")
+    before = predictions.model.predict("http://a", predictions.dispatch("http://a", request, a))
+    for _ in range(20):
+        dispatch = predictions.sent("http://a", request, a)
+        learnt = predictions.started("http://a", dispatch, 1e-4)
+        assert learnt is not None and learnt[0] + learnt[1] < 0  # it did look fast
+        predictions.broken("http://a", dispatch, learnt)
+    after = predictions.model.predict("http://a", predictions.dispatch("http://a", request, a))
+    assert after[0] > before[0]
+    dispatch = predictions.sent("http://a", request, a)
+    predictions.started("http://a", dispatch, 1e-4)  # a whole answer: kept
+    predictions.answered(("m", "m", "ns"), "http://a", dispatch, 1e-4, None)
+    assert (
+        predictions.model.predict("http://a", predictions.dispatch("http://a", request, a))[0]
+        < after[0]
+    )
