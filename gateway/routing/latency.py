@@ -135,7 +135,8 @@ class Prior:
         steps = 1 + tokens // self.max_num_batched_tokens
         step = self.step_base_s + self.decode_token_s * d.batch
         queued = self.step_base_s + self.prefill_token_s * QUEUED_PROMPT_TOKENS
-        return (steps + 0.5) * step + self.prefill_token_s * tokens + d.others * queued
+        wait = (steps + 0.5 + slot_steps(d)) * step
+        return wait + self.prefill_token_s * tokens + d.others * queued
 
     def itl(self, d: Dispatch, busy: float = 0.0) -> float:
         """The physics' mean ITL of dispatch `d` (speed factor 1) on a replica that spends
@@ -158,6 +159,8 @@ class Dispatch(NamedTuple):
     in_flight: int = 0  # this gateway's requests there
     running: float | None = None  # the engine's figures; None: stale or never scraped
     waiting: float | None = None
+    slots: float = 0.0  # the replica's concurrency limit as seen (0: never seen full)
+    answer_tokens: float = 0.0  # the answers' mean length lately (tokens)
 
     @property
     def uncached(self) -> int:
@@ -166,8 +169,20 @@ class Dispatch(NamedTuple):
     @property
     def batch(self) -> float:
         """Sequences it would decode with: the engine's running ones or this gateway's in
-        flight there, whichever is more (scraped figures lag by up to a scrape), plus itself."""
-        return max(_count(self.running), float(self.in_flight)) + 1.0
+        flight there, whichever is more (scraped figures lag by up to a scrape), plus itself;
+        at most the replica's concurrency limit where it is known (the rest wait for a
+        slot: `queued`)."""
+        batch = max(_count(self.running), float(self.in_flight)) + 1.0
+        return min(batch, self.slots) if self.slots >= 1 else batch
+
+    @property
+    def queued(self) -> float:
+        """Answers that must end before this request gets a slot on a replica whose
+        concurrency limit is known (`max_num_seqs`, or what its KV cache holds): this
+        gateway's requests there beyond the limit, itself included (0 while one is free)."""
+        if self.slots < 1:
+            return 0.0
+        return max(float(self.in_flight) + 1.0 - self.slots, 0.0)
 
     @property
     def others(self) -> float:
@@ -183,6 +198,18 @@ class Dispatch(NamedTuple):
         # splits this gateway's requests between running and waiting as they were then,
         # but their sum moves only as requests arrive and finish
         return min(queued, max(running + waiting - self.in_flight, 0.0))
+
+
+def slot_steps(d: Dispatch) -> float:
+    """Decode steps until a slot frees for `d` on a full replica: `queued` answers must end
+    first, and with `slots` answers of `answer_tokens` sharing the replica one ends every
+    answer_tokens / slots steps (0 while a slot is free). Without it a replica at its
+    `max_num_seqs` was predicted to start a request in 20-70 ms that waited 1.2-1.9 s for
+    a slot (bench/slo_routing.py, pool `2fast2slow`)."""
+    queued = d.queued
+    if not queued:
+        return 0.0
+    return queued * d.answer_tokens / d.slots
 
 
 def _count(figure: float | None) -> float:
@@ -241,7 +268,7 @@ class ReplicaModel:
         steps = 1 + tokens // prior.max_num_batched_tokens
         step = prior.step_base_s + prior.decode_token_s * d.batch
         others = d.others
-        ttft_step = k_step * ((steps + 0.5) * step + others * prior.step_base_s)
+        ttft_step = k_step * ((steps + 0.5 + slot_steps(d)) * step + others * prior.step_base_s)
         ttft_prefill = k_prefill * prior.prefill_token_s * (tokens + others * QUEUED_PROMPT_TOKENS)
         busy = min(max(k_prefill * prior.prefill_token_s * d.prefill_rate, 0.0), BUSY_MAX)
         itl_step = k_step * step / (1.0 - busy)

@@ -410,8 +410,9 @@ class Ticket:
         if timing.first is None or dispatch[0] != self.served:
             return
         self._core.answered(
-            self.target, dispatch[0], dispatch[1], timing.first - dispatch[2], timing.mean_itl
-        )
+            self.target, dispatch[0], dispatch[1], timing.first - dispatch[2], timing.mean_itl,
+            timing.chunks,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ the SLO outcome
 

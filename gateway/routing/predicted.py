@@ -51,6 +51,10 @@ _LABELS = ("model", "deployment", "namespace", "url")
 FADE_AFTER_S = 5.0
 # TTFT errors kept per replica between two whole answers (the rest are not shown).
 PENDING_RATIOS = 64
+# Weight of each answer's length in the answers' mean length (`answer_tokens`), and that
+# mean before any answer is seen.
+ANSWER_RATE = 0.05
+PRIOR_ANSWER_LENGTH = 150.0
 
 
 def prompt_tokens(request: RoutingRequest) -> int:
@@ -103,6 +107,10 @@ class Predictions:
         # ratios not yet in the histogram (it needs the model's labels: `answered`)
         self.early_ttft = False
         self._pending: dict[str, list[float]] = {}
+        # url -> [its concurrency limit as seen (0: unknown), the most it ran]: see `_slots`;
+        # the answers' mean length (tokens, streamed answers of every replica)
+        self.slots: dict[str, list[float]] = {}
+        self.answer_tokens = PRIOR_ANSWER_LENGTH
         r = registry or CollectorRegistry()
         self._ratios: dict[tuple[tuple[str, str, str], str], tuple[Any, Any]] = {}
         self.ratio = Histogram(
@@ -138,6 +146,8 @@ class Predictions:
             matched = self.index.matched(url, hashes)
             cached = min(tokens, matched * CHUNK_CHARS // CHARS_PER_TOKEN)
         now = self.clock() if now is None else now
+        running, waiting = candidate.running, candidate.waiting
+        slots = 0.0 if running is None else self._slots(url, running, waiting)
         if ahead is None:
             ahead_tokens = ahead_requests = 0
         else:
@@ -150,8 +160,25 @@ class Predictions:
                 ahead_tokens = max(ahead_tokens - int(done), 0)
         return Dispatch(
             tokens, cached, ahead_tokens, ahead_requests, self.prefill_rate(url, now=now),
-            candidate.in_flight, candidate.running, candidate.waiting,
+            candidate.in_flight, running, waiting, slots, self.answer_tokens,
         )  # fmt: skip
+
+    def _slots(self, url: str, running: float, waiting: float | None) -> float:
+        """The replica's concurrency limit (`max_num_seqs`, or what its KV cache holds) as
+        its figures show it: the requests it ran in a scrape that also showed a queue, at
+        the most it has ever run; unknown (0) again once it runs more. (A queue at a lower
+        count is a prompt waiting for a step's token budget, not for a slot: taken as the
+        limit, it predicted seconds of waiting on an idle replica.)"""
+        seen = self.slots.get(url)
+        if seen is None:
+            seen = self.slots[url] = [0.0, 0.0]
+        if running > seen[1]:
+            seen[1] = running
+            if running > seen[0]:
+                seen[0] = 0.0
+        if waiting is not None and waiting >= 1 and running >= seen[1]:
+            seen[0] = running
+        return seen[0]
 
     def prefill_rate(self, url: str, add: int = 0, now: float | None = None) -> float:
         """Uncached prompt tokens per second sent to `url` lately (decayed over the
@@ -272,9 +299,13 @@ class Predictions:
         dispatch: Dispatch,
         ttft: float | None,
         itl: float | None,
+        tokens: int | None = None,
     ) -> None:
-        """A whole streamed answer: the error of what was predicted, then learn from it
-        (only its ITL when `started` learnt its TTFT)."""
+        """A whole streamed answer (of `tokens` events carrying text, where known): the error
+        of what was predicted, then learn from it (only its ITL when `started` learnt its
+        TTFT), and its length in the answers' mean length."""
+        if tokens is not None and tokens > 0:
+            self.answer_tokens += ANSWER_RATE * (tokens - self.answer_tokens)
         early = self.early_ttft
         predicted_ttft, predicted_itl = self.model.replica(url).learn(
             dispatch, None if early else ttft, itl
@@ -307,7 +338,7 @@ class Predictions:
         that replaces its pods does not grow these maps)."""
         wanted = set(keep)
         self.model.forget_replicas(wanted)
-        for table in (self.ahead, self.rates, self.answered_at, self._pending):
+        for table in (self.ahead, self.rates, self.answered_at, self._pending, self.slots):
             for url in [u for u in table if u not in wanted]:
                 del table[url]
         for key in [k for k in self._ratios if k[1] not in wanted]:
