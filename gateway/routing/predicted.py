@@ -55,6 +55,9 @@ PENDING_RATIOS = 64
 # mean before any answer is seen.
 ANSWER_RATE = 0.05
 PRIOR_ANSWER_LENGTH = 150.0
+# A replica's running count held at its maximum with a queue for this long (two scrapes)
+# is its concurrency limit (`Predictions._slots`).
+SLOT_EVIDENCE_S = 2.0
 
 
 def prompt_tokens(request: RoutingRequest) -> int:
@@ -147,7 +150,7 @@ class Predictions:
             cached = min(tokens, matched * CHUNK_CHARS // CHARS_PER_TOKEN)
         now = self.clock() if now is None else now
         running, waiting = candidate.running, candidate.waiting
-        slots = 0.0 if running is None else self._slots(url, running, waiting)
+        slots = 0.0 if running is None else self._slots(url, running, waiting, now)
         if ahead is None:
             ahead_tokens = ahead_requests = 0
         else:
@@ -163,20 +166,24 @@ class Predictions:
             candidate.in_flight, running, waiting, slots, self.answer_tokens,
         )  # fmt: skip
 
-    def _slots(self, url: str, running: float, waiting: float | None) -> float:
+    def _slots(self, url: str, running: float, waiting: float | None, now: float) -> float:
         """The replica's concurrency limit (`max_num_seqs`, or what its KV cache holds) as
-        its figures show it: the requests it ran in a scrape that also showed a queue, at
-        the most it has ever run; unknown (0) again once it runs more. (A queue at a lower
-        count is a prompt waiting for a step's token budget, not for a slot: taken as the
-        limit, it predicted seconds of waiting on an idle replica.)"""
+        its figures show it: pinned at the most it has ever run, with a queue, for
+        SLOT_EVIDENCE_S; unknown (0) again once it runs more. (A queue at a count that
+        moves is a prompt waiting for a step's token budget, not for a slot: taken as the
+        limit, it predicted seconds of waiting on replicas that had slots free.)"""
         seen = self.slots.get(url)
-        if seen is None:
-            seen = self.slots[url] = [0.0, 0.0]
+        if seen is None:  # [limit (0: unknown), most run, count pinned at, since]
+            seen = self.slots[url] = [0.0, 0.0, 0.0, now]
         if running > seen[1]:
             seen[1] = running
             if running > seen[0]:
                 seen[0] = 0.0
-        if waiting is not None and waiting >= 1 and running >= seen[1]:
+        if waiting is None or waiting < 1 or running < seen[1]:
+            seen[2] = 0.0  # not pinned
+        elif running != seen[2]:
+            seen[2], seen[3] = running, now
+        elif now - seen[3] >= SLOT_EVIDENCE_S:
             seen[0] = running
         return seen[0]
 
