@@ -10,7 +10,11 @@ Workload (bench/_slo/fleet.py `workload`): prompts heavy-tailed 50-8,000 tokens
 (lognormal, median 600), answers 20-800 (median 150), gamma arrivals with burstiness
 0.5, a third of the requests after one of 4 shared system prompts of 1-2k tokens.
 Pools: `h100` = 4 x llama-3.1-8b-h100; `mixed` = 2 x H100 + 2 x llama-3.1-8b-a100;
-`slow` = 3 x H100 + one H100 slowed 1.5x.
+`slow` = 3 x H100 + one H100 slowed 1.5x. Not tuned on (added 2026-12-03 for issue #38):
+`2fast2slow` = 2 x H100 + 2 x H100 slowed 1.5x, each at `maxNumSeqs` 16, under the
+`production` workload (prompts median 1,000, answers median 400 up to 2,000 tokens): its
+knee is 5-10 req/s, where a replica's 16 slots, not its steps, bound it. `--non-streamed`
+runs the requests as the gateway sees non-streamed ones (no first token: nothing learnt).
 
 Each case is 60 simulated seconds of arrivals (`--seconds`): long enough for the fleet to
 reach its steady state (answers last up to ~20 s at the knee). The runs of 1,200 requests
@@ -29,6 +33,7 @@ verdict against issue #30's targets.
     python bench/slo_routing.py --quick                  # every other rate, 10 s each
     python bench/slo_routing.py --pools mixed --rates 30,45,60 --requests 1200
     python bench/slo_routing.py --pools h100 --rates 80 --policies slo-aware --floor
+    python bench/slo_routing.py --pools 2fast2slow --seconds 120 [--non-streamed]
 """
 
 from __future__ import annotations
@@ -76,7 +81,15 @@ POOLS = {
     "h100": [H100] * 4,
     "mixed": [H100, H100, A100, A100],
     "slow": [H100, H100, H100, H100.slowed(1.5)],
+    "2fast2slow": [H100.with_overrides(max_num_seqs=16)] * 2
+    + [H100.with_overrides(max_num_seqs=16).slowed(1.5)] * 2,
 }
+# Workloads (bench/_slo/fleet.py `workload`'s knobs) and each pool's own.
+WORKLOADS: dict[str, dict[str, int]] = {
+    "default": {},
+    "production": {"prompt_median": 1000, "answer_median": 400, "answer_max": 2000},
+}
+POOL_WORKLOAD = {"2fast2slow": "production"}
 # Each pool's sweep: from under every policy's knee to past 1.4x prefix-aware's 90%-rate.
 # Each pool's knee lies near its steady-state capacity bound (`capacity`): 85 / 58 / 77
 # req/s. (The sweeps of the runs of 1,200 requests, before 2026-12-02's runs of 60 s:
@@ -85,6 +98,7 @@ RATES = {
     "h100": [60.0, 70.0, 75.0, 80.0, 85.0, 90.0, 100.0, 115.0],
     "mixed": [30.0, 35.0, 40.0, 45.0, 50.0, 55.0, 60.0],
     "slow": [50.0, 55.0, 60.0, 65.0, 70.0, 75.0, 80.0, 95.0],
+    "2fast2slow": [3.0, 5.0, 7.0, 9.0, 11.0],
 }
 POLICIES = ["prefix-aware", "least-load", "slo-aware", "power_of_two", "cache_aware"]
 SLO = api.SLO(ttftSeconds=1.0, itlSeconds=0.05)
@@ -216,6 +230,14 @@ def main(argv: list[str] | None = None) -> int:
         help="a fixed count per case instead (1200: the figures before 2026-12-03's runs)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--workload", choices=sorted(WORKLOADS),
+        help="every pool's workload (default: the pool's own, POOL_WORKLOAD, else default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--non-streamed", action="store_true",
+        help="requests the gateway sees as non-streamed (no first token: nothing learnt)",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="every other rate, 10 s per case")
     parser.add_argument(
         "--floor", action="store_true",
@@ -241,20 +263,23 @@ def main(argv: list[str] | None = None) -> int:
         rates = [float(r) for r in args.rates.split(",")] if args.rates else RATES[pool]
         if args.quick:
             rates = rates[1::2] or rates
+        shape = WORKLOADS[args.workload or POOL_WORKLOAD.get(pool, "default")]
         sustained, steady, cheapest = capacity(
-            POOLS[pool], workload(100.0, 20_000, args.seed), SLO.itl_seconds
+            POOLS[pool], workload(100.0, 20_000, args.seed, **shape), SLO.itl_seconds
         )
         bounds[pool] = steady
         print(f"{pool:6} capacity bound (any policy): {sustained:.1f} req/s all within the "
               f"SLO, {steady:.1f} 90% within it in a steady state, {cheapest:.1f} serving "
               "only the cheapest 90%", flush=True)  # fmt: skip
         for rate in rates:
-            jobs = workload(rate, args.requests or max(int(rate * seconds), 50), args.seed)
+            count = args.requests or max(int(rate * seconds), 50)
+            jobs = workload(rate, count, args.seed, **shape)
             duration = jobs[-1].arrival
             for policy in policies:
                 run = Fleet(
-                    POOLS[pool], policy, SLO, seed=args.seed, present=20 if args.floor else 0
-                ).run(jobs)
+                    POOLS[pool], policy, SLO, seed=args.seed, present=20 if args.floor else 0,
+                    streamed=not args.non_streamed,
+                ).run(jobs)  # fmt: skip
                 row = summarize(run.outcomes, rate, duration)
                 results[pool].setdefault(policy, []).append(row)
                 print(f"{pool:6} {policy:13} {rate:5g} {100 * row['slo_share']:6.1f} "

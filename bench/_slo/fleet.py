@@ -113,6 +113,7 @@ class Fleet:
         scrape_interval: float = 1.0,
         changes: Sequence[tuple[float, int, Profile]] = (),
         present: int = 0,
+        streamed: bool = True,
     ) -> None:
         self.replicas = [
             Replica(sim_core.Engine(p), f"http://replica-{i}") for i, p in enumerate(profiles)
@@ -123,6 +124,9 @@ class Fleet:
         self.scrape_interval = scrape_interval
         self.changes = sorted(changes)  # (time, replica, new profile): a replica slows down
         self.present = present
+        # False: non-streamed requests, as the gateway sees them: no first token, nothing
+        # learnt, their prefill counted ahead until the answer ends (Ticket._end_dispatch)
+        self.streamed = streamed
         kubellm_policy = policy if policy in KUBELLM_POLICIES else "least-load"
         self.router = Router(LoadView(), OutlierDetector(10**9, 1.0), rng=random.Random(seed))
         self.now = 0.0
@@ -246,18 +250,22 @@ class Fleet:
                     outcome, dispatch = live[request_.request_id]
                     if outcome.first is None:
                         outcome.first = now
-                        predictions.started(replica.url, dispatch, now - outcome.sent)
+                        if self.streamed:
+                            predictions.started(replica.url, dispatch, now - outcome.sent)
                     outcome.last = now
                     outcome.tokens += 1
                 for request_ in step.finished:
                     outcome, dispatch = live.pop(request_.request_id)
                     replica.in_flight -= 1
                     self.outstanding[index] -= 1
+                    if not self.streamed:
+                        predictions.abandoned(replica.url, dispatch)
+                        continue
                     # every policy's answers train the model (its MAPE is reported for all)
                     predictions.answered(
                         ("m", "", ""), replica.url, dispatch,
                         None if outcome.first is None else outcome.first - outcome.sent,
-                        outcome.mean_itl,
+                        outcome.mean_itl, outcome.tokens,
                     )  # fmt: skip
                 if replica.engine.has_work:
                     push(now, "step", index)
@@ -290,12 +298,16 @@ def workload(
     burstiness: float = 0.5,
     shared_share: float = 1 / 3,
     system_prompts: int = 4,
+    prompt_median: int = 600,
+    answer_median: int = 150,
+    answer_max: int = 800,
 ) -> list[Job]:
     """`count` requests at `rate` per second: gamma inter-arrival times (shape
     `burstiness`, as vLLM's bench: under 1 burstier than Poisson), prompts heavy-tailed
     from 50 to 8,000 tokens (lognormal, median 600, clipped: the shape of Azure's 2023
     conversation trace's input column), answers 20-800 (median 150), a third of them
-    after one of `system_prompts` shared system prompts of 1,000-2,000 tokens."""
+    after one of `system_prompts` shared system prompts of 1,000-2,000 tokens. The medians
+    and the answers' bound are knobs for workloads the defaults were not tuned on."""
     rng = random.Random(seed)
     systems = [  # hex text: 2 characters per random byte
         rng.randbytes(rng.randint(1000, 2000) * CHARS_PER_TOKEN // 2).hex()
@@ -306,8 +318,8 @@ def workload(
     scale = 1.0 / (rate * burstiness)
     for i in range(count):
         t += rng.gammavariate(burstiness, scale)
-        prompt = int(min(max(rng.lognormvariate(math.log(600), 1.1), 50), 8000))
-        answer = int(min(max(rng.lognormvariate(math.log(150), 0.9), 20), 800))
+        prompt = int(min(max(rng.lognormvariate(math.log(prompt_median), 1.1), 50), 8000))
+        answer = int(min(max(rng.lognormvariate(math.log(answer_median), 0.9), 20), answer_max))
         unique = f"{i}:" + rng.randbytes(prompt * CHARS_PER_TOKEN // 2).hex()
         if rng.random() < shared_share:
             text = systems[rng.randrange(system_prompts)] + unique[: max(50, prompt // 4) * 4]

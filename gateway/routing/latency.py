@@ -40,7 +40,10 @@ weight halves after ~34 later ones; 0 (factor 1) until data arrive: the prior is
 profile's step costs (`Prior`, or `Prior.from_capacity` from `status.capacity`'s decode
 bound). The TTFT is learnt at the first token: learnt with the whole answer, seconds
 later, a replica flooded before its first answer ended was predicted at the prior all
-that time (on 2 H100 + 2 A100 at 70/s the A100s' first answers came 15 s in). A replica
+that time (on 2 H100 + 2 A100 at 70/s the A100s' first answers came 15 s in); a
+stream that then breaks has it taken back and its break learnt as a late answer
+(`failed`): only answers that end whole teach the model (a replica that sent one token
+at once and dropped the connection was learnt as the fastest and took 38 of 40 requests). A replica
 that slows down shows growing factors within tens of answers, and its speed factor
 against its peers is what `kubellm diagnose` reports. A free regression per replica was
 tried first (recursive least squares over the same features): in the bench it predicted
@@ -96,6 +99,8 @@ IDLE_HALF_LIFE_S = 60.0
 # that says 1e-300 would make every prediction astronomic (every request out of reach, or
 # sent to the fallback at once); outside this range the default prior is kept.
 DECODE_BOUND_RANGE = (1.0, 1e6)
+# An engine's request count above this is not believed (`_count`).
+MAX_COUNT = 1e6
 # One answer moves log k by at most this (a stalled stream must not swing the factor).
 MAX_LOG_STEP = math.log(4.0)
 
@@ -130,7 +135,8 @@ class Prior:
         steps = 1 + tokens // self.max_num_batched_tokens
         step = self.step_base_s + self.decode_token_s * d.batch
         queued = self.step_base_s + self.prefill_token_s * QUEUED_PROMPT_TOKENS
-        return (steps + 0.5) * step + self.prefill_token_s * tokens + d.others * queued
+        wait = (steps + 0.5 + slot_steps(d)) * step
+        return wait + self.prefill_token_s * tokens + d.others * queued
 
     def itl(self, d: Dispatch, busy: float = 0.0) -> float:
         """The physics' mean ITL of dispatch `d` (speed factor 1) on a replica that spends
@@ -153,6 +159,8 @@ class Dispatch(NamedTuple):
     in_flight: int = 0  # this gateway's requests there
     running: float | None = None  # the engine's figures; None: stale or never scraped
     waiting: float | None = None
+    slots: float = 0.0  # the replica's concurrency limit as seen (0: never seen full)
+    answer_tokens: float = 0.0  # the answers' mean length lately (tokens)
 
     @property
     def uncached(self) -> int:
@@ -161,26 +169,56 @@ class Dispatch(NamedTuple):
     @property
     def batch(self) -> float:
         """Sequences it would decode with: the engine's running ones or this gateway's in
-        flight there, whichever is more (scraped figures lag by up to a scrape), plus itself."""
-        running = 0.0 if self.running is None else max(self.running, 0.0)
-        return max(running, float(self.in_flight)) + 1.0
+        flight there, whichever is more (scraped figures lag by up to a scrape), plus itself;
+        at most the replica's concurrency limit where it is known (the rest wait for a
+        slot: `queued`)."""
+        batch = max(_count(self.running), float(self.in_flight)) + 1.0
+        return min(batch, self.slots) if self.slots >= 1 else batch
+
+    @property
+    def queued(self) -> float:
+        """Answers that must end before this request gets a slot on a replica whose
+        concurrency limit is known (`max_num_seqs`, or what its KV cache holds): this
+        gateway's requests there beyond the limit, itself included (0 while one is free)."""
+        if self.slots < 1:
+            return 0.0
+        return max(float(self.in_flight) + 1.0 - self.slots, 0.0)
 
     @property
     def others(self) -> float:
         """Queued requests there that this gateway did not send (other gateways'): the
         engine's queue beyond this gateway's prompts not yet streaming; 0 when unknown.
         (Others' running requests are in `batch`: they cost a decode, not a queue slot.)"""
-        waiting = self.waiting
-        if waiting is None:
-            return 0.0
+        waiting = _count(self.waiting)
         queued = waiting - self.ahead_requests
         if queued <= 0:
             return 0.0
-        running = 0.0 if self.running is None else self.running
+        running = _count(self.running)
         # the engine's whole count against this gateway's: a scrape up to a second old
         # splits this gateway's requests between running and waiting as they were then,
         # but their sum moves only as requests arrive and finish
         return min(queued, max(running + waiting - self.in_flight, 0.0))
+
+
+def slot_steps(d: Dispatch) -> float:
+    """Decode steps until a slot frees for `d` on a full replica: `queued` answers must end
+    first, and with `slots` answers of `answer_tokens` sharing the replica one ends every
+    answer_tokens / slots steps (0 while a slot is free). Without it a replica at its
+    `max_num_seqs` was predicted to start a request in 20-70 ms that waited 1.2-1.9 s for
+    a slot (bench/slo_routing.py, pool `2fast2slow`)."""
+    queued = d.queued
+    if not queued:
+        return 0.0
+    return queued * d.answer_tokens / d.slots
+
+
+def _count(figure: float | None) -> float:
+    """An engine's request count as the model uses it: 0 when unknown or unusable (None,
+    NaN, negative or past MAX_COUNT; the scrape parser already refuses these, and the
+    model must not raise whatever a replica says)."""
+    if figure is None or not 0.0 <= figure <= MAX_COUNT:
+        return 0.0
+    return figure
 
 
 REFERENCE = Dispatch(prompt_tokens=REFERENCE_TOKENS, in_flight=REFERENCE_BATCH - 1)
@@ -230,7 +268,7 @@ class ReplicaModel:
         steps = 1 + tokens // prior.max_num_batched_tokens
         step = prior.step_base_s + prior.decode_token_s * d.batch
         others = d.others
-        ttft_step = k_step * ((steps + 0.5) * step + others * prior.step_base_s)
+        ttft_step = k_step * ((steps + 0.5 + slot_steps(d)) * step + others * prior.step_base_s)
         ttft_prefill = k_prefill * prior.prefill_token_s * (tokens + others * QUEUED_PROMPT_TOKENS)
         busy = min(max(k_prefill * prior.prefill_token_s * d.prefill_rate, 0.0), BUSY_MAX)
         itl_step = k_step * step / (1.0 - busy)
@@ -241,7 +279,7 @@ class ReplicaModel:
         """Prompt tokens this replica computes in `seconds` of steps full of prompts
         (`max_num_batched_tokens` each) beside a batch of `running` (or `in_flight`)."""
         prior = self.prior
-        batch = max(0.0 if running is None else running, float(in_flight))
+        batch = max(_count(running), float(in_flight))
         step = math.exp(self.log_step) * (prior.step_base_s + prior.decode_token_s * batch)
         tokens = prior.max_num_batched_tokens
         return (
@@ -294,6 +332,21 @@ class ReplicaModel:
         if answer:
             self.samples += 1
         return predicted
+
+    def failed(self, dispatch: Dispatch) -> None:
+        """An answer that broke off after it began: learnt as a TTFT as late as one answer
+        may say (MAX_LOG_STEP over the prediction), so a replica that breaks its streams
+        never looks faster for it (a stream broken after one instant token is not a fast
+        answer)."""
+        ttft_step, ttft_prefill, _, _ = self._parts(dispatch)
+        share = ttft_step / (ttft_step + ttft_prefill)
+        self.log_step += self.rate * MAX_LOG_STEP * share
+        self.log_prefill += self.rate * MAX_LOG_STEP * (1.0 - share)
+
+    def unlearn(self, step: float, prefill: float) -> None:
+        """Take back what one figure moved the factors by (`learn`'s change in log)."""
+        self.log_step -= step
+        self.log_prefill -= prefill
 
 
 def _error(ratio: float) -> float:

@@ -7,7 +7,7 @@ front ends translate their protocol into a handful of calls on it.
     for url in ticket.urls():         # replica route: best first
         attempt = ticket.attempt(url) # holds an in-flight slot on the replica
         attempt.failed(fatal=...)     # no usable start: outlier feedback, slot freed
-        attempt.started()             # it answers: outlier success, prefix/session recorded
+        attempt.started()             # it answers: prefix/session recorded
     ticket.respond(status)            # the answer's status line
     ticket.chunk(data)                # each body piece, as it passes to the client
     ticket.body_needed(now)           # after respond: does the core still need the body?
@@ -18,7 +18,8 @@ front ends translate their protocol into a handful of calls on it.
 
 Everything about the request lives here, once for both front ends: the request record
 (pending gauge, requests by route and status, end-to-end time), the in-flight slots (one
-replica attempt at a time) and the fallback concurrency slot, outlier feedback, prefix and
+replica attempt at a time) and the fallback concurrency slot, outlier feedback (a failure
+before the first byte, or a break after it; a success once an answer ended whole), prefix and
 adapter recording, the completion rate that predicts queue waits, and the SLO outcome:
 
 - TTFT: arrival to the first event carrying generated text (streams), or to the whole
@@ -109,12 +110,12 @@ class Attempt:
         self.release()
 
     def started(self) -> None:
-        """The replica answers (a first byte, or a status under 500): outlier success, and
-        the request is recorded there (prefix index, session, prefix match)."""
+        """The replica answers (a first byte, or a status under 500): the request is
+        recorded there (prefix index, session, prefix match). Its outlier verdict waits for
+        the end (`Ticket.finish`): a stream that breaks after its first byte is a failure."""
         ticket = self.ticket
         if ticket is None:
             return
-        ticket._core.succeeded(self.url)
         ticket.served = self.url
         if not ticket._recorded:
             ticket._recorded = True
@@ -184,7 +185,8 @@ class Ticket:
         self._size = 0
         self._carry = b""
         self._usage: dict[str, int] | None = None
-        # latency prediction: (url, features at dispatch, when sent, streaming yet)
+        # latency prediction: (url, features at dispatch, when sent, streaming yet, what
+        # its first token taught the model)
         self._dispatch: list[Any] | None = None
         # the replica this request holds low bands off while its prefill runs (tenancy)
         self._hold: str | None = None
@@ -229,7 +231,7 @@ class Ticket:
         if self._attempt is not None:
             self._attempt.abandon()
         self._end_dispatch()
-        self._dispatch = [url, self._core.dispatched(self, url), time.monotonic(), False]
+        self._dispatch = [url, self._core.dispatched(self, url), time.monotonic(), False, None]
         if not self.done and self._core.holds_prefill(self):
             self._hold = url
             self._core.hold(url)
@@ -284,8 +286,10 @@ class Ticket:
             timing = self.timing
             if timing.first is None and self._dispatch is not None:
                 self._dispatch[3] = True  # its prefill is done
-                dispatch = self._dispatch  # (url, its Dispatch, when sent, started)
-                self._core.predictions.started(dispatch[0], dispatch[1], now - dispatch[2])
+                dispatch = self._dispatch  # (url, its Dispatch, when sent, started, learnt)
+                dispatch[4] = self._core.predictions.started(
+                    dispatch[0], dispatch[1], now - dispatch[2]
+                )
                 self._unhold()
             if data.count(b"\n\n") == 1:
                 timing.token(now)
@@ -352,6 +356,8 @@ class Ticket:
         core = self._core
         if self.served is not None and status < 500:
             core.completed(self.served)
+        if self.served is not None:
+            self._verdict(broken is not None or status == 502, client_gone)
         if self.refusal is None:
             try:
                 self._observe(status, broken is None and not client_gone)
@@ -407,6 +413,22 @@ class Ticket:
         if dispatch is not None and not dispatch[3]:
             self._core.predictions.abandoned(dispatch[0], dispatch[1])
 
+    def _verdict(self, failed: bool, client_gone: bool) -> None:
+        """The outlier verdict on the replica that answered, at the end of its answer: a
+        success only when it ended whole; a break after the first byte (or the 502 the
+        gateway answered for it) a failure, whose TTFT the model takes back. A replica that
+        sends one token at once and drops the connection is neither reset to healthy by
+        its first bytes nor learnt as the fastest."""
+        core, url = self._core, self.served
+        assert url is not None
+        if failed:
+            core.failed(url)
+            dispatch = self._dispatch
+            if dispatch is not None and dispatch[0] == url and dispatch[3]:
+                core.predictions.broken(url, dispatch[1], dispatch[4])
+        elif not client_gone:
+            core.succeeded(url)
+
     def _learn(self, status: int, whole: bool) -> None:
         """A whole streamed answer from the replica it was sent to: the prediction's error,
         and the model learns (TTFT from the dispatch, not the arrival: admission's wait
@@ -417,8 +439,9 @@ class Ticket:
         if timing.first is None or dispatch[0] != self.served:
             return
         self._core.answered(
-            self.target, dispatch[0], dispatch[1], timing.first - dispatch[2], timing.mean_itl
-        )
+            self.target, dispatch[0], dispatch[1], timing.first - dispatch[2], timing.mean_itl,
+            timing.chunks,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ the SLO outcome
 

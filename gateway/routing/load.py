@@ -29,26 +29,53 @@ from kubellm import bounded, metrics
 
 @dataclass(frozen=True)
 class EngineStats:
-    waiting: float
-    running: float
-    kv_usage: float
+    """One scrape's figures; each None where the engine's figure was unusable (not a
+    number, negative, infinite, or past `MAX_REQUESTS` / a KV usage outside [0, 1])."""
+
+    waiting: float | None
+    running: float | None
+    kv_usage: float | None
     scraped_at: float
 
 
+# A replica that says it holds more requests than this is not believed (vLLM's largest
+# batches hold a few thousand; its queue is bounded by what clients sent).
+MAX_REQUESTS = 1e6
+
+
 def parse_engine_metrics(text: str, scraped_at: float) -> EngineStats:
-    """Sum the engine gauges over all label sets (one engine may report per model)."""
-    values = {metrics.NUM_REQUESTS_WAITING: 0.0, metrics.NUM_REQUESTS_RUNNING: 0.0}
+    """Sum the request gauges over all label sets (one engine may report per model); the
+    KV usage is the largest. Any sample of a family that is not a finite figure in its
+    range makes that figure unknown (None): valid Prometheus text may say NaN, -5, +Inf or
+    1e300, and one replica's figures must never reach the arithmetic of admission."""
+    sums = {metrics.NUM_REQUESTS_WAITING: 0.0, metrics.NUM_REQUESTS_RUNNING: 0.0}
     kv = 0.0
+    bad: set[str] = set()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in values:
-                values[sample.name] += sample.value
-            elif sample.name == metrics.KV_CACHE_USAGE:
-                kv = max(kv, sample.value)
+            name, value = sample.name, sample.value
+            if name in sums:
+                if 0.0 <= value <= MAX_REQUESTS:  # False for NaN
+                    sums[name] += value
+                else:
+                    bad.add(name)
+            elif name == metrics.KV_CACHE_USAGE:
+                if 0.0 <= value <= 1.0:
+                    kv = max(kv, value)
+                else:
+                    bad.add(name)
+
+    def known(name: str, value: float, high: float) -> float | None:
+        return None if name in bad or value > high else value
+
     return EngineStats(
-        waiting=values[metrics.NUM_REQUESTS_WAITING],
-        running=values[metrics.NUM_REQUESTS_RUNNING],
-        kv_usage=kv,
+        waiting=known(
+            metrics.NUM_REQUESTS_WAITING, sums[metrics.NUM_REQUESTS_WAITING], MAX_REQUESTS
+        ),
+        running=known(
+            metrics.NUM_REQUESTS_RUNNING, sums[metrics.NUM_REQUESTS_RUNNING], MAX_REQUESTS
+        ),
+        kv_usage=known(metrics.KV_CACHE_USAGE, kv, 1.0),
         scraped_at=scraped_at,
     )
 
@@ -156,7 +183,7 @@ class LoadView:
         """
         own = self.in_flight.get(url, 0)
         stats = self.stats(url)
-        if stats is None:
+        if stats is None or stats.running is None or stats.waiting is None:
             return float(own)
         since = own - self._own_at_scrape.get(url, 0)
         return max(float(own), stats.running + stats.waiting + since)

@@ -5,9 +5,10 @@ gateway (prompts sent there that have not begun to stream: "tokens ahead"), and 
 metrics that show how good the predictions are. The ticket calls it at each phase:
 
     dispatch = predictions.sent(url, request, candidate)   # an attempt starts
-    predictions.started(url, dispatch, ttft)               # its first token: TTFT learnt
+    learnt = predictions.started(url, dispatch, ttft)      # its first token: TTFT learnt
     predictions.answered(labels, url, dispatch, ttft, itl) # a whole streamed answer
-    predictions.abandoned(url, dispatch)                   # it ended otherwise
+    predictions.broken(url, dispatch, learnt)              # ... or one that broke off
+    predictions.abandoned(url, dispatch)                   # it ended before its first token
 
 It learns from every policy's answers, so switching a model to `slo-aware` starts from
 a model that already knows its replicas. A replica first seen starts from its own prior
@@ -50,6 +51,13 @@ _LABELS = ("model", "deployment", "namespace", "url")
 FADE_AFTER_S = 5.0
 # TTFT errors kept per replica between two whole answers (the rest are not shown).
 PENDING_RATIOS = 64
+# Weight of each answer's length in the answers' mean length (`answer_tokens`), and that
+# mean before any answer is seen.
+ANSWER_RATE = 0.05
+PRIOR_ANSWER_LENGTH = 150.0
+# A replica's running count held at its maximum with a queue for this long (two scrapes)
+# is its concurrency limit (`Predictions._slots`).
+SLOT_EVIDENCE_S = 2.0
 
 
 def prompt_tokens(request: RoutingRequest) -> int:
@@ -102,6 +110,10 @@ class Predictions:
         # ratios not yet in the histogram (it needs the model's labels: `answered`)
         self.early_ttft = False
         self._pending: dict[str, list[float]] = {}
+        # url -> [its concurrency limit as seen (0: unknown), the most it ran]: see `_slots`;
+        # the answers' mean length (tokens, streamed answers of every replica)
+        self.slots: dict[str, list[float]] = {}
+        self.answer_tokens = PRIOR_ANSWER_LENGTH
         r = registry or CollectorRegistry()
         self._ratios: dict[tuple[tuple[str, str, str], str], tuple[Any, Any]] = {}
         self.ratio = Histogram(
@@ -137,6 +149,8 @@ class Predictions:
             matched = self.index.matched(url, hashes)
             cached = min(tokens, matched * CHUNK_CHARS // CHARS_PER_TOKEN)
         now = self.clock() if now is None else now
+        running, waiting = candidate.running, candidate.waiting
+        slots = 0.0 if running is None else self._slots(url, running, waiting, now)
         if ahead is None:
             ahead_tokens = ahead_requests = 0
         else:
@@ -149,8 +163,29 @@ class Predictions:
                 ahead_tokens = max(ahead_tokens - int(done), 0)
         return Dispatch(
             tokens, cached, ahead_tokens, ahead_requests, self.prefill_rate(url, now=now),
-            candidate.in_flight, candidate.running, candidate.waiting,
+            candidate.in_flight, running, waiting, slots, self.answer_tokens,
         )  # fmt: skip
+
+    def _slots(self, url: str, running: float, waiting: float | None, now: float) -> float:
+        """The replica's concurrency limit (`max_num_seqs`, or what its KV cache holds) as
+        its figures show it: pinned at the most it has ever run, with a queue, for
+        SLOT_EVIDENCE_S; unknown (0) again once it runs more. (A queue at a count that
+        moves is a prompt waiting for a step's token budget, not for a slot: taken as the
+        limit, it predicted seconds of waiting on replicas that had slots free.)"""
+        seen = self.slots.get(url)
+        if seen is None:  # [limit (0: unknown), most run, count pinned at, since]
+            seen = self.slots[url] = [0.0, 0.0, 0.0, now]
+        if running > seen[1]:
+            seen[1] = running
+            if running > seen[0]:
+                seen[0] = 0.0
+        if waiting is None or waiting < 1 or running < seen[1]:
+            seen[2] = 0.0  # not pinned
+        elif running != seen[2]:
+            seen[2], seen[3] = running, now
+        elif now - seen[3] >= SLOT_EVIDENCE_S:
+            seen[0] = running
+        return seen[0]
 
     def prefill_rate(self, url: str, add: int = 0, now: float | None = None) -> float:
         """Uncached prompt tokens per second sent to `url` lately (decayed over the
@@ -214,19 +249,32 @@ class Predictions:
             self.index.record(url, request.chunk_hashes)
         return dispatch
 
-    def started(self, url: str, dispatch: Dispatch, ttft: float | None = None) -> None:
+    def started(
+        self, url: str, dispatch: Dispatch, ttft: float | None = None
+    ) -> tuple[float, float] | None:
         """Its first token streamed `ttft` seconds after dispatch: its prefill is done, and
         (given `ttft`) the model learns the TTFT now rather than when the whole answer has
         streamed, seconds later (a replica flooded before its first answer ends was
-        predicted at the prior all that time). The TTFT's error reaches the histogram
-        with the answer (`answered`, which then learns only the ITL)."""
+        predicted at the prior all that time). Returns what that moved the replica's
+        factors by (log step, log prefill), for `broken` to take back if the stream does
+        not end whole; None when nothing was learnt. The TTFT's error reaches the
+        histogram with the answer (`answered`, which then learns only the ITL)."""
+        learnt = None
         if ttft is not None:
             self.early_ttft = True
             if ttft > 0 and math.isfinite(ttft):
-                predicted, _ = self.model.replica(url).learn(dispatch, ttft, None, False)
+                model = self.model.replica(url)
+                step, prefill = model.log_step, model.log_prefill
+                predicted, _ = model.learn(dispatch, ttft, None, False)
+                learnt = (model.log_step - step, model.log_prefill - prefill)
                 pending = self._pending.setdefault(url, [])
                 if len(pending) < PENDING_RATIOS:
                     pending.append(predicted / ttft)
+        self._owes_nothing(url, dispatch)
+        return learnt
+
+    def _owes_nothing(self, url: str, dispatch: Dispatch) -> None:
+        """The attempt owes no prefill any more (it streamed, or ended before)."""
         ahead = self.ahead.get(url)
         if ahead is None:
             return
@@ -237,7 +285,19 @@ class Predictions:
         else:
             ahead[2] = self.clock()  # the next one's prefill goes on from here
 
-    abandoned = started  # it ended before streaming: it owes no prefill either
+    def abandoned(self, url: str, dispatch: Dispatch) -> None:
+        """It ended before streaming: it owes no prefill either, and nothing is learnt."""
+        self._owes_nothing(url, dispatch)
+
+    def broken(self, url: str, dispatch: Dispatch, learnt: tuple[float, float] | None) -> None:
+        """An answer that began to stream and broke off: the TTFT `started` learnt from it
+        (`learnt`) is taken back (only answers that end whole teach the model), and the
+        break is learnt as a late answer (`ReplicaModel.failed`). A replica that sends one
+        token at once and drops the connection is not learnt as the fastest."""
+        model = self.model.replica(url)
+        if learnt is not None:
+            model.unlearn(*learnt)
+        model.failed(dispatch)
 
     def answered(
         self,
@@ -246,9 +306,13 @@ class Predictions:
         dispatch: Dispatch,
         ttft: float | None,
         itl: float | None,
+        tokens: int | None = None,
     ) -> None:
-        """A whole streamed answer: the error of what was predicted, then learn from it
-        (only its ITL when `started` learnt its TTFT)."""
+        """A whole streamed answer (of `tokens` events carrying text, where known): the error
+        of what was predicted, then learn from it (only its ITL when `started` learnt its
+        TTFT), and its length in the answers' mean length."""
+        if tokens is not None and tokens > 0:
+            self.answer_tokens += ANSWER_RATE * (tokens - self.answer_tokens)
         early = self.early_ttft
         predicted_ttft, predicted_itl = self.model.replica(url).learn(
             dispatch, None if early else ttft, itl
@@ -281,7 +345,7 @@ class Predictions:
         that replaces its pods does not grow these maps)."""
         wanted = set(keep)
         self.model.forget_replicas(wanted)
-        for table in (self.ahead, self.rates, self.answered_at, self._pending):
+        for table in (self.ahead, self.rates, self.answered_at, self._pending, self.slots):
             for url in [u for u in table if u not in wanted]:
                 del table[url]
         for key in [k for k in self._ratios if k[1] not in wanted]:

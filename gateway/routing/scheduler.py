@@ -453,12 +453,19 @@ class Scheduler:
         return self.predictions.sent(url, ticket.routing, candidate)
 
     def answered(
-        self, target: ModelTarget, url: str, dispatch: Dispatch, ttft: float, itl: float | None
+        self,
+        target: ModelTarget,
+        url: str,
+        dispatch: Dispatch,
+        ttft: float,
+        itl: float | None,
+        tokens: int | None = None,
     ) -> None:
-        """A whole streamed answer of `url`: the prediction's error, and the model learns;
-        every SPEED_EVERY answers the model's speed factors are published."""
+        """A whole streamed answer of `url` (`tokens` events carrying text): the
+        prediction's error, and the model learns; every SPEED_EVERY answers the model's
+        speed factors are published."""
         names = labels(target)
-        self.predictions.answered(names, url, dispatch, ttft, itl)
+        self.predictions.answered(names, url, dispatch, ttft, itl, tokens)
         self._answers += 1
         if self._answers % SPEED_EVERY == 0:
             self.predictions.publish_speed(names, [e.url for e in target.endpoints])

@@ -109,8 +109,10 @@ class Later:
 class RawEngine:
     respond: Callable[[Request], bytes | Later | None]
     metrics: bool = True
+    metrics_body: bytes = METRICS  # what `GET /metrics` answers (a hostile replica's figures)
     requests: list[Request] = field(default_factory=list)
     connections: int = 0
+    scrapes: int = 0
 
     def start(self) -> RawEngine:
         self.loop = asyncio.new_event_loop()
@@ -143,7 +145,8 @@ class RawEngine:
                 if request.method == "GET" and request.path == "/metrics":
                     if not self.metrics:
                         return
-                    writer.write(response(METRICS, content_type="text/plain"))
+                    self.scrapes += 1
+                    writer.write(response(self.metrics_body, content_type="text/plain"))
                 else:
                     self.requests.append(request)
                     answer = self.respond(request)

@@ -259,3 +259,91 @@ def test_the_prefill_ahead_drains_while_the_replica_computes_it(elapsed: float, 
     # the first one's first token: the second's prefill goes on from there
     predictions.started("http://a", first)
     assert predictions.dispatch("http://a", request, a).ahead_tokens == 4000
+
+
+@pytest.mark.parametrize("figure", [math.nan, -3.0, math.inf, -math.inf, 1e300])
+def test_no_engine_figure_makes_the_model_raise(figure: float) -> None:
+    """The scrape parser refuses these; the model itself never raises on them either."""
+    now = [0.0]
+    predictions = Predictions(clock=lambda: now[0])
+    request = RoutingRequest(model="m", prompt_chars=4000)
+    a = Candidate(url="http://a", in_flight=2, running=figure, waiting=figure)
+    predictions.sent("http://a", request, a)  # a prompt ahead: it drains at the batch's pace
+    now[0] = 0.5
+    costs = predictions.costs(request, [a], 2.0, 0.1)
+    assert all(math.isfinite(v) for v in costs["http://a"])
+    assert predictions.dispatch("http://a", request, a).batch == 3.0
+
+
+def test_a_stream_that_breaks_after_its_first_token_teaches_no_fast_ttft() -> None:
+    """Its instant first token is taken back, and the break counts as a late answer: the
+    replica never looks faster than before for it (a whole answer's TTFT is kept)."""
+    predictions = Predictions()
+    request = RoutingRequest(model="m", prompt_chars=4000)
+    a = Candidate(url="http://a")
+    before = predictions.model.predict("http://a", predictions.dispatch("http://a", request, a))
+    for _ in range(20):
+        dispatch = predictions.sent("http://a", request, a)
+        learnt = predictions.started("http://a", dispatch, 1e-4)
+        assert learnt is not None and learnt[0] + learnt[1] < 0  # it did look fast
+        predictions.broken("http://a", dispatch, learnt)
+    after = predictions.model.predict("http://a", predictions.dispatch("http://a", request, a))
+    assert after[0] > before[0]
+    dispatch = predictions.sent("http://a", request, a)
+    predictions.started("http://a", dispatch, 1e-4)  # a whole answer: kept
+    predictions.answered(("m", "m", "ns"), "http://a", dispatch, 1e-4, None)
+    assert (
+        predictions.model.predict("http://a", predictions.dispatch("http://a", request, a))[0]
+        < after[0]
+    )
+
+
+def test_a_full_replica_predicts_the_wait_for_a_slot() -> None:
+    """A replica held at its concurrency limit (16 running and a queue, two scrapes in a
+    row) starts a new request only when answers there end: its TTFT is that wait, not a
+    step or two (before: 20-70 ms predicted for 1.2-1.9 s observed, and slo-aware herded
+    onto the faster replicas)."""
+    now = [0.0]
+    predictions = Predictions(clock=lambda: now[0])
+    request = RoutingRequest(model="m", prompt_chars=400)
+    full = Candidate(url="http://a", in_flight=20, running=16.0, waiting=4.0)
+    free = Candidate(url="http://a", in_flight=10, running=10.0, waiting=0.0)
+    assert predictions.dispatch("http://a", request, full).queued == 0.0  # not yet known
+    now[0] = 2.0
+    queued = predictions.dispatch("http://a", request, full)
+    assert (queued.slots, queued.queued, queued.batch) == (16.0, 5.0, 16.0)
+    ttft_full = predictions.model.predict("http://a", queued)[0]
+    ttft_free = predictions.model.predict(
+        "http://a", predictions.dispatch("http://a", request, free)
+    )[0]
+    step = H100.step_base_s + H100.decode_token_s * 16
+    # 5 answers must end; one of 16 answers of ~150 tokens ends every 150 / 16 steps
+    assert ttft_full - ttft_free >= 0.9 * 5 * 150 / 16 * step
+    # running more than that: the limit is unknown again
+    more = Candidate(url="http://a", in_flight=20, running=17.0, waiting=0.0)
+    assert predictions.dispatch("http://a", request, more).queued == 0.0
+
+
+# (running, waiting) of successive scrapes 1 s apart -> the limit learnt at the end
+SLOTS_TABLE = [
+    ([(16, 2), (16, 3), (16, 1)], 16.0),  # held at 16 with a queue
+    ([(16, 2)], 0.0),  # once: a prompt may be waiting for a step's token budget
+    ([(12, 0), (5, 1), (5, 1), (5, 1)], 0.0),  # a queue under the most it ran
+    ([(14, 1), (15, 1), (16, 1)], 0.0),  # a count that moves
+    ([(16, 1), (16, 0), (16, 1)], 0.0),  # the queue cleared in between
+]
+
+
+@pytest.mark.parametrize(("scrapes", "limit"), SLOTS_TABLE)
+def test_the_concurrency_limit_is_a_count_held_with_a_queue(
+    scrapes: list[tuple[int, int]], limit: float
+) -> None:
+    now = [0.0]
+    predictions = Predictions(clock=lambda: now[0])
+    request = RoutingRequest(model="m", prompt_chars=400)
+    slots = 0.0
+    for running, waiting in scrapes:
+        c = Candidate(url="http://a", in_flight=running + waiting, running=running, waiting=waiting)
+        slots = predictions.dispatch("http://a", request, c).slots
+        now[0] += 1.0
+    assert slots == limit

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 from kubellm.gateway.routing.load import EngineStats, LoadView, parse_engine_metrics
 from kubellm.gateway.routing.outliers import OutlierDetector
 
@@ -159,3 +162,39 @@ def test_the_router_leaves_down_replicas_out_while_another_is_healthy():
     assert [c.url for c in router.candidates(target)] == ["http://b"]
     view.scrape_failed("http://b")  # every one down: route anyway (their metrics may be broken)
     assert {c.url for c in router.candidates(target)} == {"http://a", "http://b"}
+
+
+def _gauges(waiting: str, running: str, kv: str) -> str:
+    return (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f'vllm:num_requests_waiting{{model_name="a"}} 2\n'
+        f'vllm:num_requests_waiting{{model_name="b"}} {waiting}\n'
+        "# TYPE vllm:num_requests_running gauge\n"
+        f'vllm:num_requests_running{{model_name="a"}} {running}\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f'vllm:kv_cache_usage_perc{{model_name="a"}} {kv}\n'
+    )
+
+
+# (waiting, running, kv as the engine wrote them) -> what the gateway believes
+FIGURES_TABLE = [
+    (("1", "3", "0.5"), (3.0, 3.0, 0.5)),
+    (("NaN", "NaN", "NaN"), (None, None, None)),
+    (("-1", "-3", "-0.1"), (None, None, None)),
+    (("+Inf", "+Inf", "+Inf"), (None, None, None)),
+    (("-Inf", "-Inf", "1.5"), (None, None, None)),
+    (("1e300", "1e300", "1e300"), (None, None, None)),
+    (("999999", "5", "1"), (None, 5.0, 1.0)),  # the sum is past the bound
+    (("0", "NaN", "0.2"), (2.0, None, 0.2)),  # one bad figure: only it is unknown
+]
+
+
+@pytest.mark.parametrize(("written", "believed"), FIGURES_TABLE)
+def test_figures_outside_their_range_are_unknown(written, believed):
+    stats = parse_engine_metrics(_gauges(*written), scraped_at=1.0)
+    assert (stats.waiting, stats.running, stats.kv_usage) == believed
+    view = LoadView(clock=lambda: 1.0)
+    view.acquire("a")
+    view.record("a", stats)
+    load = view.load("a")
+    assert math.isfinite(load) and load >= 1.0
