@@ -409,6 +409,11 @@ class Response:
                 return b""
             await conn.wait()
 
+    def ended(self) -> bool:
+        """The body was read to its end (nothing buffered, the answer parsed whole)."""
+        conn = self._conn
+        return conn is not None and conn.complete and not conn.pieces
+
     async def read(self) -> bytes:
         """The whole (remaining) body, at most the pool's `max_body_bytes`."""
         limit = self._pool.limits.max_body_bytes
