@@ -31,7 +31,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-from kubellm.gateway.discovery.base import Discovery, FallbackTarget, ModelTarget, find_model
+from kubellm.gateway.discovery.base import (
+    Discovery,
+    FallbackTarget,
+    ModelTarget,
+    find_model,
+    model_cards,
+)
 from kubellm.gateway.http import relay, upstream
 from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
 from kubellm.gateway.http.settings import GatewaySettings
@@ -403,15 +409,7 @@ class Gateway:
             self.authenticate(request.headers.get("authorization"))
         except GatewayError as error:
             return error.response()
-        data = []
-        for name, target in sorted(self.discovery.snapshot().items()):
-            data.append({"id": name, "object": "model", "created": 0, "owned_by": "kubellm"})
-            data += [
-                {"id": a.name, "object": "model", "created": 0, "owned_by": "kubellm",
-                 "parent": name}
-                for a in target.adapters
-            ]  # fmt: skip
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse(model_cards(self.discovery.snapshot()))
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "models": len(self.discovery.snapshot())})
