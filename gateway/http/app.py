@@ -43,6 +43,7 @@ from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
 from kubellm.gateway.http.settings import GatewaySettings
 from kubellm.gateway.protocol import assemble, errors
 from kubellm.gateway.protocol.errors import GatewayError
+from kubellm.gateway.protocol.headers import first_values
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
 from kubellm.gateway.routing import slo
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Ticket
@@ -456,14 +457,8 @@ _WANTED = frozenset(
 
 
 def _wanted_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The headers the gateway reads, decoded; the first value of a repeated one."""
-    out: dict[str, str] = {}
-    for name, value in raw:
-        if name in _WANTED:
-            key = name.decode()
-            if key not in out:
-                out[key] = value.decode("latin-1")
-    return out
+    """The headers the gateway reads, decoded; a repeated one as `headers.first_values`."""
+    return first_values((n.decode(), v.decode("latin-1")) for n, v in raw if n in _WANTED)
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")

@@ -44,6 +44,7 @@ from kubellm.gateway.http import upstream
 from kubellm.gateway.http.upstream import Deadlines, UpstreamError
 from kubellm.gateway.protocol.assemble import Assembler, AssemblyError
 from kubellm.gateway.protocol.errors import sse_error_event
+from kubellm.gateway.protocol.headers import first_values
 from kubellm.gateway.routing.lifecycle import Ticket
 from starlette.types import Receive, Send
 
@@ -137,7 +138,7 @@ class AiohttpResponse:
         self._response = response
         self._limit = limit
         self.status = response.status
-        self.headers = {k.lower(): v for k, v in response.headers.items()}
+        self.headers = first_values((k.lower(), v) for k, v in response.headers.items())
 
     async def readchunk(self) -> bytes:
         while True:
