@@ -72,16 +72,6 @@ DONE = b"data: [DONE]"
 MAX_POOLS_CACHED = 64
 
 
-def no_pool() -> GatewayError:
-    return GatewayError(
-        503,
-        f"The request's route names no InferencePool (`{POOL_HEADER}`) and this endpoint "
-        "picker serves several: it routes the request to none of them.",
-        "server_error",
-        "service_unavailable",
-    )
-
-
 @dataclass
 class PickerSettings:
     max_body_bytes: int = 8 * 1024 * 1024
@@ -120,25 +110,23 @@ class EndpointPicker:
         self.streams = 0  # ext_proc streams open
         self.buffered = 0  # request-body bytes held by streams not yet routed
         self._seen: Mapping[str, ModelTarget] | None = None  # the snapshot `_pools` cut
-        self._pools: dict[str | None, Mapping[str, ModelTarget] | None] = {}
+        self._pools: dict[str, Mapping[str, ModelTarget]] = {}
 
-    def models(self, pool: str | None) -> Mapping[str, ModelTarget] | None:
+    def models(self, pool: str | None) -> Mapping[str, ModelTarget]:
         """The models a request may reach: those of the InferencePool its route names
-        (`POOL_HEADER`, `<namespace>/<name>` or `<name>`); when it names none, every model
-        of a picker that serves one pool, and None (none) from a picker serving several. A
-        request never reaches another pool's endpoints, whatever its body names."""
+        (`POOL_HEADER`, `<namespace>/<name>` or `<name>`), whatever its body names; every
+        model the picker serves when the route names none (a picker with `--pool-name`
+        serves one pool; a shared one relies on its routes to name theirs)."""
         snapshot = self.scheduler.discovery.snapshot()
+        if pool is None:
+            return snapshot
         if snapshot is not self._seen:  # snapshots are immutable: cut each one once per pool
             self._seen, self._pools = snapshot, {}
-        if pool in self._pools:
-            return self._pools[pool]
-        cut: Mapping[str, ModelTarget] | None
-        if pool is None:
-            pools = {(t.namespace, t.pool_name) for t in snapshot.values()}
-            cut = snapshot if len(pools) <= 1 else None
-        else:
-            namespace, _, name = pool.rpartition("/")
-            cut = pool_cut(snapshot, name, namespace or None)
+        cut = self._pools.get(pool)
+        if cut is not None:
+            return cut
+        namespace, _, name = pool.rpartition("/")
+        cut = pool_cut(snapshot, name, namespace or None)
         if len(self._pools) < MAX_POOLS_CACHED:  # the header is the route's, but bounded
             self._pools[pool] = cut
         return cut
@@ -456,8 +444,6 @@ class Exchange:
         except GatewayError as error:
             return [self.refuse(error)]
         models = self.picker.models(self.headers.get(POOL_HEADER))
-        if models is None:
-            return [self.refuse(no_pool())]
         found = parsed.get("model")
         model = found if isinstance(found, str) and found else None
         if model is None:

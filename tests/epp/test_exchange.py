@@ -180,13 +180,14 @@ async def test_a_request_naming_no_model_reaches_no_replica():
 
 async def test_a_shared_picker_never_crosses_the_pool_the_route_names():
     """Issue 39.22: through pool A's route, a body naming pool B's model is a 404 and never
-    reaches B's endpoint; a route naming no pool is refused by a picker serving several."""
+    reaches B's endpoint; B's route reaches B. (A route that names no pool leaves the
+    picker its whole scope: every route kubellm writes names its pool.)"""
     picker = _two_pools()
     body = ProcessingRequest(
         request_body=HttpBody(body=json.dumps({"model": "b", "prompt": "x"}).encode(),
                               end_of_stream=True)
     )  # fmt: skip
-    for pool, code in (("a-engine", 404), ("default/a-engine", 404), (None, 503)):
+    for pool, code in (("a-engine", 404), ("default/a-engine", 404), ("other/a-engine", 404)):
         exchange = Exchange(picker)
         await exchange.handle(_headers_of("/v1/completions", "POST", pool, end=False))
         (answer,) = await exchange.handle(body)
