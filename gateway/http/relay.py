@@ -146,6 +146,8 @@ class AiohttpResponse:
             if data or not end_of_chunk:
                 return data
 
+    readsome = readchunk
+
     def ended(self) -> bool:
         """The body was read to its end."""
         return self._response.content.is_eof()
@@ -263,7 +265,7 @@ async def open_upstream(
                 response.close()
                 continue
             if forward.stream and response.status == 200:
-                first = await response.readchunk()
+                first = await (response.readchunk() if whole is None else response.readsome())
                 if whole is None:
                     opened = Opened(url, response, first=first)
                 elif response.headers.get("content-type", "").startswith("text/event-stream"):
@@ -363,7 +365,7 @@ async def _assembled(response: AnyResponse, first: bytes, whole: Whole, url: str
     `DONE_GRACE_S` at most (so the connection can be pooled), then the caller's close
     closes it."""
     assembler = whole.assembler()
-    read = response.readchunk
+    read = response.readsome
     monotonic = time.monotonic
     gaps: list[float] = []
     last = monotonic()

@@ -255,3 +255,22 @@ def test_the_request_sent_is_a_stream_with_a_usage_event():
     sent = json.loads(streamed_body(body))
     assert sent == {**body, "stream": True, "stream_options": {"include_usage": True}}
     assert "stream" not in body  # the client's body is not changed
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "m", "messages": [{"role": "user", "content": "h\\u00e9llo"}], "top_k": 3}',
+        '{"model":"m","messages":[{"role":"user","content":"héllo"}],"top_k":3} \n'.encode(),
+        b'{"model":"m","messages":[{"role":"user","content":"h\xc3\xa9llo"}],"top_k":3,'
+        b'"stream":false}',
+    ],
+)
+def test_the_request_sent_from_the_clients_bytes_is_the_same_request(raw):
+    """The stream fields are appended to the client's bytes when it set neither (no
+    re-encoding); the replica reads the same request as from a re-encoded body."""
+    body = json.loads(raw)
+    sent = streamed_body(body, raw)
+    assert json.loads(sent) == {**body, "stream": True, "stream_options": {"include_usage": True}}
+    if "stream" in body:  # set by the client: re-encoded, never a repeated key
+        assert sent == streamed_body(body)
