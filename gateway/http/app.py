@@ -250,7 +250,7 @@ class Gateway:
             and self.settings.assemble_non_streamed
             and assemble.assembles(body, call.path)
         ):
-            raw = assemble.streamed_body(body)
+            raw = assemble.streamed_body(body, raw)
             whole = relay.Whole(
                 functools.partial(
                     assemble.Assembler,

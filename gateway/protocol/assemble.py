@@ -93,8 +93,17 @@ def assembles(body: dict[str, Any], path: str) -> bool:
     return True
 
 
-def streamed_body(body: dict[str, Any]) -> bytes:
-    """The request to send the replica: `body` as a stream with a final usage event."""
+_STREAM_FIELDS = b',"stream":true,"stream_options":{"include_usage":true}}'
+
+
+def streamed_body(body: dict[str, Any], raw: bytes | None = None) -> bytes:
+    """The request to send the replica: `body` as a stream with a final usage event.
+    `raw`: the bytes `body` was parsed from; when `body` has neither field they are
+    appended to them (no re-encoding: the object's closing brace replaced)."""
+    if raw is not None and "stream" not in body:  # `stream_options` is never assembled
+        end = raw.rstrip()
+        if end.endswith(b"}"):
+            return end[:-1] + _STREAM_FIELDS
     outgoing = dict(body)
     outgoing["stream"] = True
     outgoing["stream_options"] = {"include_usage": True}
@@ -150,16 +159,30 @@ class Assembler:
         after `[DONE]` is read."""
         if self.done:
             return
-        if (  # the usual piece: one HTTP chunk holding one whole one-line event
+        if (  # the usual piece: whole one-line events (one HTTP chunk, or one read's)
             not self._pending
             and not self._data
             and data.endswith(b"\n\n")
             and data.startswith(b"data: ")
-            and data.count(b"\n") == 2
-            and len(data) <= self.event_limit
         ):
-            self._event(data[6:-2])
-            return
+            if data.count(b"\n") == 2 and len(data) <= self.event_limit:
+                self._event(data[6:-2])
+                return
+            events = data[:-2].split(b"\n\n")
+            for position, event in enumerate(events):
+                if (
+                    event.startswith(b"data: ")
+                    and b"\n" not in event
+                    and len(event) <= self.event_limit
+                ):
+                    self._event(event[6:])
+                    if self.done:
+                        return
+                else:  # anything else: read line by line from here
+                    data = b"\n\n".join(events[position:]) + b"\n\n"
+                    break
+            else:
+                return
         if b"\n" not in data:  # part of a line: kept until its end (linear, however cut)
             self._pending.append(data)
             self._pending_size += len(data)
