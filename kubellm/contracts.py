@@ -65,6 +65,12 @@ def inference_pool_name(deployment: str) -> str:
     return f"{deployment}-engine"
 
 
+# The request header naming the InferencePool a request's route sends it to, set by that
+# route (the operator's HTTPRoute, the standalone Envoy's listener), never by a client:
+# `<namespace>/<pool>` or `<pool>`. An endpoint picker picks only within that pool.
+POOL_HEADER = "x-kubellm-inference-pool"
+
+
 def endpoint_picker_name(deployment: str) -> str:
     """The endpoint picker the operator runs for LLMDeployment `deployment`'s InferencePool
     (Deployment, Service, ServiceAccount, Role and RoleBinding, in the same namespace)."""

@@ -844,6 +844,7 @@ def http_route(llmd: api.LLMDeployment, options: Options = Options()) -> dict[st
             parent["sectionName"] = ref.section_name
         parents.append(parent)
     match: dict[str, Any] = {"path": {"type": "PathPrefix", "value": "/"}}
+    pool = f"{llmd.metadata.namespace or 'default'}/{engine_name(llmd)}"
     if wanted.match_model_header:
         match["headers"] = [{"type": "Exact", "name": MODEL_NAME_HEADER, "value": llmd.served_name}]
     return {
@@ -863,6 +864,16 @@ def http_route(llmd: api.LLMDeployment, options: Options = Options()) -> dict[st
                         }
                     ],
                     "timeouts": route_timeouts(llmd),
+                    # the pool this route sends to, for a picker serving several: set here,
+                    # in place of any value a client sent (contracts.POOL_HEADER)
+                    "filters": [
+                        {
+                            "type": "RequestHeaderModifier",
+                            "requestHeaderModifier": {
+                                "set": [{"name": contracts.POOL_HEADER, "value": pool}]
+                            },
+                        }
+                    ],
                 }
             ],
         },

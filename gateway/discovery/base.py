@@ -177,6 +177,30 @@ class FixedDiscovery:
         await asyncio.Event().wait()
 
 
+def model_cards(models: Mapping[str, ModelTarget]) -> dict[str, object]:
+    """`GET /v1/models`'s answer: each model, then its LoRA adapters (with their parent)."""
+    data: list[dict[str, object]] = []
+    for name, target in sorted(models.items()):
+        data.append({"id": name, "object": "model", "created": 0, "owned_by": "kubellm"})
+        data += [
+            {"id": a.name, "object": "model", "created": 0, "owned_by": "kubellm",
+             "parent": name}
+            for a in target.adapters
+        ]  # fmt: skip
+    return {"object": "list", "data": data}
+
+
+def pool_cut(
+    whole: Mapping[str, ModelTarget], name: str, namespace: str | None = None
+) -> dict[str, ModelTarget]:
+    """The models of InferencePool `name` (in `namespace` when given) among `whole`."""
+    return {
+        served: target
+        for served, target in whole.items()
+        if target.pool_name == name and (namespace is None or target.namespace == namespace)
+    }
+
+
 class PoolDiscovery:
     """Another source's models, cut to one InferencePool (`name`, in `namespace` when
     given): what an endpoint picker that serves one pool sees, as the Inference Extension's
@@ -193,12 +217,7 @@ class PoolDiscovery:
     def snapshot(self) -> Mapping[str, ModelTarget]:
         whole = self.inner.snapshot()
         if whole is not self._seen:  # snapshots are immutable: cut each one once
-            self._cut = {
-                served: target
-                for served, target in whole.items()
-                if target.pool_name == self.name
-                and (self.namespace is None or target.namespace == self.namespace)
-            }
+            self._cut = pool_cut(whole, self.name, self.namespace)
             self._seen = whole
         return self._cut
 

@@ -20,7 +20,9 @@ Two details beyond the reference:
 
 - an early header mutation (before the route is chosen) removes any destination header
   the client sent, so a request cannot pick its own upstream (for example while the
-  EPP is down);
+  EPP is down), and sets the pool's name (`Pool.name`, the InferencePool's) in
+  `POOL_HEADER` in place of any the client sent, as the operator's HTTPRoute does: a
+  picker serving several pools picks within that one;
 - under FailOpen (`failure_mode_allow`), a request the EPP did not answer has no
   destination header and takes a second route to the `pool` cluster (that pool's model
   servers, round robin), as Gateway API implementations fall back to the pool's
@@ -42,6 +44,8 @@ from typing import Any
 
 from kubellm.gateway.routing.tenants import FAIRNESS_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER
 
+from kubellm.contracts import POOL_HEADER
+
 DESTINATION = "x-gateway-destination-endpoint"
 _T = "type.googleapis.com/envoy."
 # How long a request may wait for the picker's answer under FailClose before Envoy refuses
@@ -57,7 +61,7 @@ RESPONSE_BODY_MODE = "STREAMED"
 # sends stays out of the picker's messages (less to parse per exchange, and no cookie or
 # other credential reaches the picker that it does not use).
 FORWARDED_HEADERS = (
-    ":path", ":status", "authorization", "x-session-id",
+    ":path", ":method", ":status", "authorization", "x-session-id", POOL_HEADER,
     PRIORITY_HEADER, OBJECTIVE_HEADER, FAIRNESS_HEADER,
 )  # fmt: skip
 # The mode the picker's override asks for (messages.skip_mode, by name) but the request's
@@ -340,7 +344,12 @@ def _pool_listener(
         "name": "envoy.http.early_header_mutation.header_mutation",
         "typed_config": {
             "@type": _T + "extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
-            "mutations": [{"remove": DESTINATION}],
+            "mutations": [{"remove": DESTINATION}, {"remove": POOL_HEADER}]
+            + (
+                [{"append": {"header": {"key": POOL_HEADER, "value": pool.name}}}]
+                if pool.name
+                else []
+            ),
         },
     }
     manager = {

@@ -23,6 +23,7 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
+from kubellm.gateway.protocol.headers import first_values
 
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 METHOD = "Process"
@@ -103,11 +104,12 @@ def kind(request: Any) -> str:
 
 
 def headers(http: Any) -> dict[str, str]:
-    """An Envoy header map as a dict of lower-case names (Envoy sends `raw_value`)."""
-    return {
-        header.key.lower(): header.raw_value.decode("latin-1") if header.raw_value else header.value
-        for header in http.headers.headers
-    }
+    """An Envoy header map as a dict of lower-case names (Envoy sends `raw_value`); a
+    repeated header as the HTTP gateway reads it (`protocol.headers.first_values`)."""
+    return first_values(
+        (h.key.lower(), h.raw_value.decode("latin-1") if h.raw_value else h.value)
+        for h in http.headers.headers
+    )
 
 
 def _struct_value(value: Any) -> Any:

@@ -34,6 +34,7 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -42,7 +43,13 @@ import aiohttp
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from kubellm.gateway.discovery.base import Discovery, find_model
+from kubellm.gateway.discovery.base import (
+    Discovery,
+    ModelTarget,
+    find_model,
+    model_cards,
+    pool_cut,
+)
 from kubellm.gateway.epp import messages as m
 from kubellm.gateway.protocol import errors
 from kubellm.gateway.protocol.errors import GatewayError
@@ -53,6 +60,8 @@ from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kubellm.contracts import POOL_HEADER
+
 log = logging.getLogger("kubellm.epp")
 
 # The gRPC health services the protocol names, plus the reference EPP's probe name.
@@ -60,6 +69,7 @@ FORWARDER_TTL_SECONDS = 30.0
 HEALTH_SERVICES = ("", "liveness", "readiness", m.SERVICE, "inference-extension")
 SESSION_HEADER = "x-session-id"
 DONE = b"data: [DONE]"
+MAX_POOLS_CACHED = 64
 
 
 @dataclass
@@ -99,6 +109,27 @@ class EndpointPicker:
         self._forwarder: tuple[str, float] | None = None  # (ip:port, resolved at)
         self.streams = 0  # ext_proc streams open
         self.buffered = 0  # request-body bytes held by streams not yet routed
+        self._seen: Mapping[str, ModelTarget] | None = None  # the snapshot `_pools` cut
+        self._pools: dict[str, Mapping[str, ModelTarget]] = {}
+
+    def models(self, pool: str | None) -> Mapping[str, ModelTarget]:
+        """The models a request may reach: those of the InferencePool its route names
+        (`POOL_HEADER`, `<namespace>/<name>` or `<name>`), whatever its body names; every
+        model the picker serves when the route names none (a picker with `--pool-name`
+        serves one pool; a shared one relies on its routes to name theirs)."""
+        snapshot = self.scheduler.discovery.snapshot()
+        if pool is None:
+            return snapshot
+        if snapshot is not self._seen:  # snapshots are immutable: cut each one once per pool
+            self._seen, self._pools = snapshot, {}
+        cut = self._pools.get(pool)
+        if cut is not None:
+            return cut
+        namespace, _, name = pool.rpartition("/")
+        cut = pool_cut(snapshot, name, namespace or None)
+        if len(self._pools) < MAX_POOLS_CACHED:  # the header is the route's, but bounded
+            self._pools[pool] = cut
+        return cut
 
     async def forwarder(self) -> str | None:
         """The fallback forwarder as `ip:port`; a host name is resolved (every 30 s at
@@ -255,7 +286,6 @@ class Exchange:
         self.arrived = time.monotonic()
         self.ticket: Ticket | None = None
         self.attempt: Attempt | None = None  # the replica the request was sent to
-        self.slot: Attempt | None = None  # a request naming no model: its in-flight slot
         self.done_seen = False  # the stream's `data: [DONE]` went by: the answer is whole
 
     @property
@@ -267,8 +297,7 @@ class Exchange:
     @property
     def url(self) -> str | None:
         """The replica the request went to (None: none)."""
-        held = self.attempt or self.slot
-        return None if held is None else held.url
+        return None if self.attempt is None else self.attempt.url
 
     # ------------------------------------------------------------------ messages
 
@@ -400,7 +429,6 @@ class Exchange:
 
     def _immediate(self, error: GatewayError) -> m.ProcessingResponse:
         self.phase = "ended"  # nothing more to decide
-        self._release()
         return m.immediate(error.status, error.body(), error.headers, details=error.code or "")
 
     async def _route(self, body: bytes, phase: str) -> list[Any]:
@@ -415,11 +443,12 @@ class Exchange:
                     parsed = loaded if isinstance(loaded, dict) else {}
         except GatewayError as error:
             return [self.refuse(error)]
+        models = self.picker.models(self.headers.get(POOL_HEADER))
         found = parsed.get("model")
         model = found if isinstance(found, str) and found else None
         if model is None:
-            return self._route_any(phase)
-        match = find_model(self.sched.discovery.snapshot(), model)  # a model or a LoRA adapter
+            return [self._no_model(path, models)]
+        match = find_model(models, model)  # a model or a LoRA adapter, of the route's pool
         if match is None:
             return [self.refuse(errors.model_not_found(model))]
         target, adapter = match
@@ -458,22 +487,17 @@ class Exchange:
         listed = [host_port(u) for u in urls[: settings.endpoints_per_answer]]
         return [self._answer(phase, listed, body, ticket.route)]
 
-    def _route_any(self, phase: str) -> list[Any]:
-        """A request naming no model (`GET /v1/models`, `/health`, ...): the least loaded
-        ready endpoint of any model, within the subset."""
-        candidates = [
-            c
-            for target in self.sched.discovery.snapshot().values()
-            for c in self.sched.router.candidates(target)
-            if self.subset is None or host_port(c.url) in self.subset
-        ]
-        if not candidates:
-            return [self.refuse(GatewayError(
-                503, "No model server endpoint is ready.", "server_error", "service_unavailable"
-            ))]  # fmt: skip
-        best = min(candidates, key=lambda c: (c.load, c.in_flight))
-        self.slot = self.sched.slot(best.url)
-        return [self._answer(phase, [host_port(best.url)], b"", "none")]
+    def _no_model(self, path: str, models: Mapping[str, ModelTarget]) -> m.ProcessingResponse:
+        """A request naming no model reaches no replica: `GET /v1/models` is answered here
+        (the route's pool's models, as the HTTP gateway lists them), anything else is 404."""
+        if self.headers.get(":method", "GET") == "GET" and path == "/v1/models":
+            self.phase = "ended"
+            return m.immediate(200, model_cards(models))
+        return self.refuse(GatewayError(
+            404,
+            f"Unknown path {path}: the endpoint picker routes requests that name a model.",
+            code="not_found",
+        ))  # fmt: skip
 
     def _answer(
         self,
@@ -507,7 +531,6 @@ class Exchange:
         self.phase = "ended"
         if self.ticket is not None:
             self.ticket.finish()
-        self._release()
 
     def close(self) -> None:
         """The ext_proc stream closed: if the response had not ended, it broke; unless
@@ -518,12 +541,6 @@ class Exchange:
                 ticket.finish()  # a client may hang up right after `[DONE]`, before the end
             else:
                 ticket.finish("stream closed before the response ended")
-        self._release()
-
-    def _release(self) -> None:
-        if self.slot is not None:
-            self.slot.release()
-            self.slot = None
 
 
 # Body modes under which Envoy honours a mode override (not FULL_DUPLEX_STREAMED in either

@@ -7,17 +7,18 @@ byte is sent (`Scheduler.admit`, which returns the request's ticket,
 are forwarded best candidate first with retries until a replica gives its first byte
 (`relay.open_upstream`, each try a `ticket.attempt`), then relayed (streams chunk by
 chunk, each through `ticket.chunk`); a non-streamed request goes to the replica as a
-stream and its answer is assembled here (`protocol.assemble`), so the same timeouts
-bound it; `ticket.finish` counts the outcome once, whatever ends the request. What this
-module keeps is HTTP: ASGI messages, headers, bodies, the envelopes the core's errors are
-rendered in; anything unexpected is a 500 in OpenAI's envelope with a request id, logged
-once.
+stream and its answer is assembled (`protocol.assemble`) before anything is sent, so the
+same timeouts, a stall rule and the retries bound it (`relay`); `ticket.finish` counts the
+outcome once, whatever ends the request. What this module keeps is HTTP: ASGI messages,
+headers, bodies, the envelopes the core's errors are rendered in; anything unexpected is
+a 500 in OpenAI's envelope with a request id, logged once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
@@ -30,12 +31,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-from kubellm.gateway.discovery.base import Discovery, FallbackTarget, ModelTarget, find_model
+from kubellm.gateway.discovery.base import (
+    Discovery,
+    FallbackTarget,
+    ModelTarget,
+    find_model,
+    model_cards,
+)
 from kubellm.gateway.http import relay, upstream
 from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
 from kubellm.gateway.http.settings import GatewaySettings
 from kubellm.gateway.protocol import assemble, errors
 from kubellm.gateway.protocol.errors import GatewayError
+from kubellm.gateway.protocol.headers import first_values
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
 from kubellm.gateway.routing import slo, usage
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Ticket
@@ -78,6 +86,7 @@ class Gateway:
         self.metrics = self.scheduler.metrics
         self._client = client  # https replicas', the fallback API's and scraping's client
         self._replicas: upstream.Pool | None = None  # the plain-http replicas' client
+        self.pace = relay.Pace()  # replicas' gaps within whole answers: what a stall is
 
     @property
     def load(self) -> LoadView:
@@ -233,73 +242,47 @@ class Gateway:
             assert target.fallback is not None
             return await self._forward_fallback(call, ticket, target.fallback, body, stream)
         # A non-streamed request goes to the replica as a stream, so the first-byte and
-        # idle timeouts (and the retry before the first byte) bound it too; its answer is
-        # assembled here (`protocol.assemble`, which says which requests cannot be).
-        whole = (
+        # stall timeouts (and the retry until the answer is whole) bound it too; its answer
+        # is assembled here (`protocol.assemble`, which says which requests cannot be).
+        whole = None
+        if (
             not stream
             and self.settings.assemble_non_streamed
             and assemble.assembles(body, call.path)
-        )
-        if whole:
-            raw = assemble.streamed_body(body)
+        ):
+            raw = assemble.streamed_body(body, raw)
+            whole = relay.Whole(
+                functools.partial(
+                    assemble.Assembler,
+                    call.path == CHAT,
+                    self.settings.max_response_bytes,
+                    assemble.choices_of(body, call.path),
+                ),
+                self.pace,
+                target.slo.itl_seconds,
+            )
         strip = stream and caller is not None and not usage.wants_usage(body)
         if strip:  # its tenant is charged the replica's usage, which the client did not ask
             raw = json.dumps(usage.asking_usage(body), ensure_ascii=False).encode()
-        connect, deadlines = self.settings.timeouts(target, stream or whole)
+        connect, deadlines = self.settings.timeouts(target, stream or whole is not None)
         headers = _forward_headers(call.headers)
         headers["x-request-id"] = _attempt_id(headers.get("x-request-id"))
         forward = Forward(
-            call.path, raw, headers, stream or whole, deadlines, connect,
-            self.settings.attempts,
+            call.path, raw, headers, stream or whole is not None, deadlines, connect,
+            self.settings.attempts, whole,
         )  # fmt: skip
         try:
             opened = await relay.open_upstream(forward, ticket, self.replicas, self.client)
         except relay.AllUpstreamsFailed as failed:
             return await call.error(ticket.attempts_failed(len(failed.failures)))
-        if whole and opened.body is None:
-            return await self._assemble(call, ticket, opened.response, opened.first)
+        if opened.assembled:
+            assert opened.body is not None
+            opened.response.close()
+            return await self._send_whole(call, ticket, 200, "application/json", opened.body, None)
         strip_usage = usage.UsageStrip() if strip else None
         await self._answer(
             call, ticket, opened.response, opened.first, opened.body, None, strip_usage
         )
-
-    async def _assemble(
-        self, call: _Call, ticket: Ticket, response: AnyResponse, first: bytes
-    ) -> None:
-        """Answer a non-streamed request from the replica's stream (a 200; `first`: its
-        first piece): read it whole into an `Assembler`, then send the answer as a
-        non-streamed one is sent. A stream that breaks, stalls past the idle timeout,
-        reports an error or outgrows `max_response_bytes` is a 502 envelope (nothing was
-        sent yet); the ticket counts the answer when it is whole, as a non-streamed one.
-        A replica that answered whole after all (not an event stream) is relayed so."""
-        limit = self.settings.max_response_bytes
-        try:
-            if not _content_type(response.headers, "").startswith("text/event-stream"):
-                try:
-                    content = first + await response.read()
-                except relay.UPSTREAM_ERRORS as error:
-                    failure = f"The model replica's answer failed: {error}."
-                    return await call.error(ticket.fail(errors.upstream_failed(failure)))
-                return await self._answer(call, ticket, response, b"", content, None)
-            assembler = assemble.Assembler(call.path == CHAT, limit)
-            try:
-                broken = await relay.collect(response, first, assembler.feed)
-                content = assembler.answer() if broken is None else None
-            except assemble.AssemblyError as error:
-                broken, content = str(error), None
-            except asyncio.CancelledError:  # the client left: what came was served
-                ticket.generated(assembler.events)
-                raise
-            if content is None:
-                log.warning("a replica's stream for a non-streamed answer failed: %s", broken)
-                failure = (
-                    "The model replica's answer broke off before its end "
-                    f"({broken}); nothing of it was sent."
-                )
-                return await call.error(ticket.fail(errors.upstream_failed(failure)))
-        finally:
-            response.close()
-        await self._send_whole(call, ticket, 200, "application/json", content, None)
 
     async def _forward_fallback(
         self,
@@ -435,15 +418,7 @@ class Gateway:
             self.authenticate(request.headers.get("authorization"))
         except GatewayError as error:
             return error.response()
-        data = []
-        for name, target in sorted(self.discovery.snapshot().items()):
-            data.append({"id": name, "object": "model", "created": 0, "owned_by": "kubellm"})
-            data += [
-                {"id": a.name, "object": "model", "created": 0, "owned_by": "kubellm",
-                 "parent": name}
-                for a in target.adapters
-            ]  # fmt: skip
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse(model_cards(self.discovery.snapshot()))
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "models": len(self.discovery.snapshot())})
@@ -495,14 +470,8 @@ _WANTED = frozenset(
 
 
 def _wanted_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The headers the gateway reads, decoded; the first value of a repeated one."""
-    out: dict[str, str] = {}
-    for name, value in raw:
-        if name in _WANTED:
-            key = name.decode()
-            if key not in out:
-                out[key] = value.decode("latin-1")
-    return out
+    """The headers the gateway reads, decoded; a repeated one as `headers.first_values`."""
+    return first_values((n.decode(), v.decode("latin-1")) for n, v in raw if n in _WANTED)
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")

@@ -12,9 +12,18 @@
   chunk, timing TTFT and ITL; if the replica dies, stalls or breaks the framing
   mid-stream, the client's stream ends at once with an SSE error event, never a hang
   and never the bytes that could not be parsed.
-- `collect` reads a stream whole for a client that asked for a whole answer (the
-  gateway sends such requests to replicas as streams, `protocol.assemble`), so the same
-  first-byte and idle timeouts bound it.
+- A client that asked for a whole answer (the gateway sends such requests to replicas as
+  streams, `protocol.assemble`) gets it only once the replica's stream was read to its
+  `[DONE]` and assembled (`Whole`): until then nothing was sent, so a stream that breaks,
+  reports an error, outgrows its bounds or stalls is a failed attempt like a 5xx, and the
+  next replica is tried. A replica that leaves its response open after `[DONE]` is
+  answered at `[DONE]` (its connection closed, never pooled).
+- **A stall** on that path is a replica silent for `stall_seconds`: `STALL_FACTOR` times
+  the 99th percentile of the gaps between the pieces of its own recent whole answers
+  (`Pace`; the model's ITL target until `PACE_MIN_SAMPLES` gaps were seen), at least
+  `STALL_FLOOR_S`, at most the idle timeout. A replica frozen mid-answer is left within
+  seconds, not at the idle timeout (a minute by default); a slow replica (long gaps of its
+  own) is given time in proportion.
 - `DisconnectWatch` cancels the request's work (and so closes the upstream request)
   as soon as the client disconnects, mid-stream included.
 """
@@ -22,16 +31,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
 from kubellm.gateway.http import upstream
 from kubellm.gateway.http.upstream import Deadlines, UpstreamError
+from kubellm.gateway.protocol.assemble import Assembler, AssemblyError
 from kubellm.gateway.protocol.errors import sse_error_event
+from kubellm.gateway.protocol.headers import first_values
 from kubellm.gateway.routing.lifecycle import Ticket
 from starlette.types import Receive, Send
 
@@ -44,6 +57,58 @@ UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (
     UpstreamError,
     TimeoutError,
 )
+STALL_FACTOR = 20.0  # a stall: this many times the replica's own p99 gap between pieces
+STALL_FLOOR_S = 5.0  # never less (a long prefill batched beside it, a preemption)
+PACE_SAMPLES = 256  # gaps kept per replica
+PACE_MIN_SAMPLES = 32  # fewer: the model's ITL target stands for the replica's p99
+PACE_REPLICAS = 4096  # replicas remembered (the oldest forgotten first)
+DONE_GRACE_S = 0.5  # after `[DONE]`, how long the response's end may take to arrive
+
+
+def stall_seconds(gap_p99: float | None, itl_target: float, idle: float) -> float:
+    """How long a replica may be silent mid-answer before it is taken for stalled."""
+    basis = itl_target if gap_p99 is None else gap_p99
+    return min(idle, max(STALL_FLOOR_S, STALL_FACTOR * basis))
+
+
+class Pace:
+    """Each replica's recent gaps between the pieces of its whole answers, and their 99th
+    percentile (recomputed once every `PACE_MIN_SAMPLES` new gaps)."""
+
+    def __init__(self) -> None:
+        self._gaps: dict[str, deque[float]] = {}
+        self._p99: dict[str, tuple[float, int]] = {}  # url -> (p99, gaps seen since)
+
+    def observe(self, url: str, gaps: list[float]) -> None:
+        kept = self._gaps.get(url)
+        if kept is None:
+            if len(self._gaps) >= PACE_REPLICAS:
+                oldest = next(iter(self._gaps))
+                del self._gaps[oldest]
+                self._p99.pop(oldest, None)
+            kept = self._gaps[url] = deque(maxlen=PACE_SAMPLES)
+        kept.extend(gaps)
+        p99, since = self._p99.get(url, (math.nan, PACE_MIN_SAMPLES))
+        since += len(gaps)
+        if since >= PACE_MIN_SAMPLES and len(kept) >= PACE_MIN_SAMPLES:
+            ordered = sorted(kept)
+            p99, since = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 0
+        self._p99[url] = (p99, since)
+
+    def p99(self, url: str) -> float | None:
+        """The replica's p99 gap, None until enough were seen."""
+        found = self._p99.get(url)
+        return None if found is None or math.isnan(found[0]) else found[0]
+
+
+@dataclass(frozen=True)
+class Whole:
+    """A non-streamed request sent as a stream: its answer assembled (`assembler` makes one
+    per attempt) before anything reaches the client, stalls found by `pace`."""
+
+    assembler: Callable[[], Assembler]
+    pace: Pace
+    itl_target: float
 
 
 def new_session(connect_timeout: float, read_timeout: float) -> aiohttp.ClientSession:
@@ -73,13 +138,19 @@ class AiohttpResponse:
         self._response = response
         self._limit = limit
         self.status = response.status
-        self.headers = {k.lower(): v for k, v in response.headers.items()}
+        self.headers = first_values((k.lower(), v) for k, v in response.headers.items())
 
     async def readchunk(self) -> bytes:
         while True:
             data, end_of_chunk = await self._response.content.readchunk()
             if data or not end_of_chunk:
                 return data
+
+    readsome = readchunk
+
+    def ended(self) -> bool:
+        """The body was read to its end."""
+        return self._response.content.is_eof()
 
     async def read(self) -> bytes:
         parts, size = [], 0
@@ -113,19 +184,22 @@ class Forward:
     deadlines: Deadlines
     connect_timeout: float
     attempts: int
+    whole: Whole | None = None  # a non-streamed request sent as a stream (`Whole`)
 
 
 @dataclass
 class Opened:
     """The replica that answered: its response and what was read of it (its in-flight
     slot is the ticket's). `first` is the first body piece of a stream; `body` the whole
-    answer when not streamed (None while streaming)."""
+    answer when not streamed (None while streaming); `assembled`: `body` is the JSON
+    assembled from the replica's stream (`Whole`)."""
 
     url: str
     response: AnyResponse
     first: bytes = b""
     body: bytes | None = None
     failures: list[str] = field(default_factory=list)
+    assembled: bool = False
 
 
 class AllUpstreamsFailed(Exception):
@@ -171,12 +245,16 @@ async def open_upstream(
     failures: list[str] = []
     start = time.monotonic()
     budget = forward.deadlines
+    whole = forward.whole
     for url in ticket.urls()[: max(1, forward.attempts)]:
         left = budget.total - (time.monotonic() - start)
         if left <= 0:
             failures.append("the request's total timeout passed")
             break
-        deadlines = Deadlines(min(budget.first_byte, left), budget.idle, left)
+        idle = budget.idle
+        if whole is not None:
+            idle = stall_seconds(whole.pace.p99(url), whole.itl_target, idle)
+        deadlines = Deadlines(min(budget.first_byte, left), idle, left)
         attempt = ticket.attempt(url)
         response: AnyResponse | None = None
         try:
@@ -187,10 +265,17 @@ async def open_upstream(
                 response.close()
                 continue
             if forward.stream and response.status == 200:
-                opened = Opened(url, response, first=await response.readchunk())
+                first = await (response.readchunk() if whole is None else response.readsome())
+                if whole is None:
+                    opened = Opened(url, response, first=first)
+                elif response.headers.get("content-type", "").startswith("text/event-stream"):
+                    body = await _assembled(response, first, whole, url, ticket)
+                    opened = Opened(url, response, body=body, assembled=True)
+                else:  # the replica answered whole after all: relayed so
+                    opened = Opened(url, response, body=first + await response.read())
             else:
                 opened = Opened(url, response, body=await response.read())
-        except UPSTREAM_ERRORS as error:
+        except (*UPSTREAM_ERRORS, AssemblyError) as error:
             fatal = isinstance(
                 error, upstream.ConnectFailed | upstream.ReadTimeout | aiohttp.ClientConnectorError
             )
@@ -273,21 +358,47 @@ async def relay(
     return broken
 
 
-async def collect(response: AnyResponse, first: bytes, feed: Callable[[bytes], None]) -> str | None:
-    """Read a stream to its end into `feed` (`first`: the piece already read), for a
-    client that asked for a whole answer (`protocol.assemble`): the same reads as `relay`,
-    under the same first-byte, idle and total deadlines. Returns why the upstream broke
-    mid-stream, or None; whatever `feed` raises propagates. The caller closes the
-    upstream response."""
-    read = response.readchunk
+async def _assembled(
+    response: AnyResponse, first: bytes, whole: Whole, url: str, ticket: Ticket
+) -> bytes:
+    """Read a replica's stream to its `[DONE]` (`first`: the piece already read) into a new
+    assembler, the gaps between pieces into `whole.pace`; the answer's JSON. Raises what
+    the reads or the assembler raise. After `[DONE]` the response's end is awaited for
+    `DONE_GRACE_S` at most (so the connection can be pooled), then the caller's close
+    closes it. A client that leaves meanwhile was served what came (`ticket.generated`)."""
+    assembler = whole.assembler()
+    try:
+        return await _assemble(response, first, whole, url, assembler)
+    except asyncio.CancelledError:  # the client left: what came was served
+        ticket.generated(assembler.events)
+        raise
+
+
+async def _assemble(
+    response: AnyResponse, first: bytes, whole: Whole, url: str, assembler: Assembler
+) -> bytes:
+    """`_assembled`'s reading loop."""
+    read = response.readsome
+    monotonic = time.monotonic
+    gaps: list[float] = []
+    last = monotonic()
     data = first
     while data:
-        feed(data)
-        try:
-            data = await read()
-        except UPSTREAM_ERRORS as error:
-            return f"upstream stream failed: {type(error).__name__}"
-    return None
+        assembler.feed(data)
+        if assembler.done:
+            if not response.ended():
+                with contextlib.suppress(*UPSTREAM_ERRORS):
+                    async with asyncio.timeout(DONE_GRACE_S):
+                        while await read():
+                            pass
+            break
+        data = await read()
+        now = monotonic()
+        gaps.append(now - last)
+        last = now
+    content = assembler.answer()
+    whole.pace.observe(url, gaps)
+    return content
 
 
 class DisconnectWatch:

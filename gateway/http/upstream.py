@@ -342,6 +342,19 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
+    def take_all(self) -> bytes:
+        """Every buffered piece, joined (b"" if none)."""
+        pieces = self.pieces
+        if len(pieces) < 2:
+            return self.take()
+        data = b"".join(pieces)
+        pieces.clear()
+        self.buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
     def reusable(self) -> bool:
         """Clean: the answer parsed to its end, nothing left or after it, keep-alive."""
         return (
@@ -408,6 +421,24 @@ class Response:
             if conn.complete:
                 return b""
             await conn.wait()
+
+    async def readsome(self) -> bytes:
+        """Whatever arrived of the body, all the pieces buffered joined (for a reader that
+        needs no chunk boundaries: fewer, larger reads); b"" at the end."""
+        conn = self._conn
+        if conn is None:
+            raise UpstreamError("response already closed")
+        while True:
+            if conn.pieces:
+                return conn.take_all()
+            if conn.complete:
+                return b""
+            await conn.wait()
+
+    def ended(self) -> bool:
+        """The body was read to its end (nothing buffered, the answer parsed whole)."""
+        conn = self._conn
+        return conn is not None and conn.complete and not conn.pieces
 
     async def read(self) -> bytes:
         """The whole (remaining) body, at most the pool's `max_body_bytes`."""

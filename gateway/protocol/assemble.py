@@ -32,8 +32,17 @@ the answer's `id`, `created` and `model` from its first event, other top-level f
 event. `[DONE]` ends it; an error event, bytes that are not an event, or an end before
 `[DONE]` fail it (`AssemblyError`): the client gets an error, never half an answer.
 
-Bounded: what is kept (text, arguments, logprobs, one event being read) at most `limit`
-bytes, and so is the answer written; past it, `AssemblyError`.
+`[DONE]` is the end: the caller stops reading there (`done`) and closes that connection
+(a replica that sends the answer and `[DONE]` but leaves the response open is answered at
+once, and its connection is never reused).
+
+Bounded, as a replica may be hostile: choices by the request's (`choices_of`: `n`, times
+the prompts of a completions request), tool calls by `MAX_TOOL_CALLS` per choice, one
+event by `MAX_EVENT_BYTES` (far below the answer's limit: a vLLM event is one token's
+delta), and what is kept at most `limit` bytes counted as Python holds it: each string
+piece its length plus `OBJECT_BYTES`, each new choice or tool call `OBJECT_BYTES`, each
+decoded value kept (logprobs, other fields) `EXPANSION` times the event it came in; the
+answer written at most `limit` bytes too. Past any bound, `AssemblyError`.
 """
 
 from __future__ import annotations
@@ -48,6 +57,21 @@ _FIRST = frozenset(("id", "created", "model"))  # the answer's, from its first e
 _SKIPPED = frozenset(("choices", "object"))
 _CHOICE_OWN = frozenset(("index", "text", "delta"))  # a choice's, never a field of the answer
 _decode = json.JSONDecoder().raw_decode  # str in: json.loads's bytes sniffing skipped
+MAX_EVENT_BYTES = 1024 * 1024  # one event (vLLM's: one token's delta, its logprobs)
+MAX_TOOL_CALLS = 128  # tool calls per choice (their indices: 0 to 127)
+OBJECT_BYTES = 64  # what one more Python object (a string piece, a dict) costs, about
+EXPANSION = 8  # decoded JSON held as Python objects: bytes per byte of the event, about
+
+
+def choices_of(body: dict[str, Any], path: str) -> int:
+    """How many choices the answer to `body` has: `n` (vLLM: at most 1 without it), times
+    the prompts of a completions request (a list of strings or of token-id lists)."""
+    n = body.get("n")
+    count = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    prompt = body.get("prompt") if path == COMPLETIONS else None
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        count *= len(prompt)
+    return count
 
 
 def assembles(body: dict[str, Any], path: str) -> bool:
@@ -69,8 +93,17 @@ def assembles(body: dict[str, Any], path: str) -> bool:
     return True
 
 
-def streamed_body(body: dict[str, Any]) -> bytes:
-    """The request to send the replica: `body` as a stream with a final usage event."""
+_STREAM_FIELDS = b',"stream":true,"stream_options":{"include_usage":true}}'
+
+
+def streamed_body(body: dict[str, Any], raw: bytes | None = None) -> bytes:
+    """The request to send the replica: `body` as a stream with a final usage event.
+    `raw`: the bytes `body` was parsed from; when `body` has neither field they are
+    appended to them (no re-encoding: the object's closing brace replaced)."""
+    if raw is not None and "stream" not in body:  # `stream_options` is never assembled
+        end = raw.rstrip()
+        if end.endswith(b"}"):
+            return end[:-1] + _STREAM_FIELDS
     outgoing = dict(body)
     outgoing["stream"] = True
     outgoing["stream_options"] = {"include_usage": True}
@@ -96,12 +129,15 @@ class _Choice:
 
 
 class Assembler:
-    """Feed it a replica's SSE body (`feed`, as the pieces arrive); `answer` is the whole
-    answer's JSON once the stream ended. `chat`: a chat completion (else a completion)."""
+    """Feed it a replica's SSE body (`feed`, as the pieces arrive) until `done`; `answer` is
+    the whole answer's JSON once the stream ended. `chat`: a chat completion (else a
+    completion); `choices`: how many the answer may have (`choices_of`)."""
 
-    def __init__(self, chat: bool, limit: int) -> None:
+    def __init__(self, chat: bool, limit: int, choices: int = 1) -> None:
         self.chat = chat
         self.limit = limit
+        self.choices = choices
+        self.event_limit = min(limit, MAX_EVENT_BYTES)
         self.done = False  # `[DONE]` arrived
         self.events = 0
         self._pending: list[bytes] = []  # the pieces of an incomplete line
@@ -119,16 +155,34 @@ class Assembler:
     def feed(self, data: bytes) -> None:
         """Take the next piece of the body: lines end with LF (a CR before it is dropped),
         an event with an empty line; `data:` lines are kept, comments and other fields
-        ignored, as the SSE format says. An event cut off by the end is no event."""
-        if (  # the usual piece: one HTTP chunk holding one whole one-line event
+        ignored, as the SSE format says. An event cut off by the end is no event; nothing
+        after `[DONE]` is read."""
+        if self.done:
+            return
+        if (  # the usual piece: whole one-line events (one HTTP chunk, or one read's)
             not self._pending
             and not self._data
             and data.endswith(b"\n\n")
             and data.startswith(b"data: ")
-            and data.count(b"\n") == 2
         ):
-            self._event(data[6:-2])
-            return
+            if data.count(b"\n") == 2 and len(data) <= self.event_limit:
+                self._event(data[6:-2])
+                return
+            events = data[:-2].split(b"\n\n")
+            for position, event in enumerate(events):
+                if (
+                    event.startswith(b"data: ")
+                    and b"\n" not in event
+                    and len(event) <= self.event_limit
+                ):
+                    self._event(event[6:])
+                    if self.done:
+                        return
+                else:  # anything else: read line by line from here
+                    data = b"\n\n".join(events[position:]) + b"\n\n"
+                    break
+            else:
+                return
         if b"\n" not in data:  # part of a line: kept until its end (linear, however cut)
             self._pending.append(data)
             self._pending_size += len(data)
@@ -143,6 +197,8 @@ class Assembler:
             self._pending.append(last)
         self._pending_size = len(last)
         for line in lines:
+            if self.done:
+                break
             if line.endswith(b"\r"):
                 line = line[:-1]
             if not line:
@@ -154,11 +210,12 @@ class Assembler:
                 value = value[1:] if value.startswith(b" ") else value
                 self._data.append(value)
                 self._data_size += len(value)
+                self._check_event()
         self._check_event()
 
     def _check_event(self) -> None:
-        if self._pending_size + self._data_size > self.limit:
-            raise AssemblyError(f"an event exceeds the limit of {self.limit} bytes")
+        if self._pending_size + self._data_size > self.event_limit:
+            raise AssemblyError(f"an event exceeds the limit of {self.event_limit} bytes")
 
     def _event(self, data: bytes) -> None:
         if self.done:
@@ -199,8 +256,8 @@ class Assembler:
                     self._usage, self._retained = value, True
             else:
                 self._set(top, key, value)
-        if self._retained:  # what it left is at most its own size
-            self._keep(len(data))
+        if self._retained:  # what it left: at most its own decoded size
+            self._keep(EXPANSION * len(data))
 
     def _set(self, fields: dict[str, Any], key: str, value: Any) -> None:
         """A field whose last value counts (a null never replaces a value)."""
@@ -215,8 +272,12 @@ class Assembler:
             raise AssemblyError("the replica sent a choice without a valid `index`")
         choice = self._choices.get(index)
         if choice is None:
+            if index >= self.choices:
+                raise AssemblyError(
+                    f"the replica sent choice {index} of an answer of {self.choices}"
+                )
             choice = self._choices[index] = _Choice()
-            self._retained = True
+            self._keep(OBJECT_BYTES)
         fields = choice.fields
         for key, value in given.items():
             if value is None:  # most fields of most events: a null never replaces a value
@@ -226,7 +287,7 @@ class Assembler:
                 continue
             elif key == "text" and not self.chat:
                 if isinstance(value, str):
-                    self._keep(len(value))
+                    self._keep(len(value) + OBJECT_BYTES)
                     choice.text.append(value)
             elif key == "delta" and self.chat:
                 if isinstance(value, dict):
@@ -249,19 +310,19 @@ class Assembler:
                         if isinstance(call, dict):
                             self._tool_call(choice, call, position)
             elif isinstance(value, str):
-                self._keep(len(value))
+                self._keep(len(value) + OBJECT_BYTES)
                 choice.strings.setdefault(key, []).append(value)
             else:
                 self._set(choice.message, key, value)
 
     def _tool_call(self, choice: _Choice, call: dict[str, Any], position: int) -> None:
         index = call.get("index", position)
-        if not isinstance(index, int) or isinstance(index, bool):
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < MAX_TOOL_CALLS:
             raise AssemblyError("the replica sent a tool call without a valid `index`")
         tool = choice.tools.get(index)
         if tool is None:
             tool = choice.tools[index] = [None, None, None, []]
-            self._retained = True
+            self._keep(4 * OBJECT_BYTES)
         for slot, value in ((0, call.get("id")), (1, call.get("type"))):
             if tool[slot] is None and isinstance(value, str) and value:
                 tool[slot], self._retained = value, True
@@ -271,7 +332,7 @@ class Assembler:
             if tool[2] is None and isinstance(name, str) and name:
                 tool[2], self._retained = name, True
             if isinstance(arguments, str) and arguments:
-                self._keep(len(arguments))
+                self._keep(len(arguments) + OBJECT_BYTES)
                 tool[3].append(arguments)
 
     def _keep(self, size: int) -> None:

@@ -8,6 +8,8 @@ from kubellm.gateway.epp import envoy
 from kubellm.gateway.epp.server import SESSION_HEADER
 from kubellm.gateway.routing.tenants import FAIRNESS_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER
 
+from kubellm.contracts import POOL_HEADER
+
 
 def _ext_proc(config: dict) -> dict:
     listener = config["static_resources"]["listeners"][0]
@@ -25,6 +27,6 @@ def test_envoy_sends_the_picker_only_the_headers_it_reads():
         config = envoy.bootstrap("127.0.0.1:1", "127.0.0.1:2", ["127.0.0.1:3"], fail_open)
         rules = _ext_proc(config)["forward_rules"]["allowed_headers"]["patterns"]
         assert {rule["exact"] for rule in rules} == {
-            ":path", ":status", "authorization", SESSION_HEADER,
+            ":path", ":method", ":status", "authorization", SESSION_HEADER, POOL_HEADER,
             PRIORITY_HEADER, OBJECTIVE_HEADER, FAIRNESS_HEADER,
         }  # fmt: skip

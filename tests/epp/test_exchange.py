@@ -12,6 +12,8 @@ from kubellm.gateway.discovery.base import AdapterRef, Endpoint, FixedDiscovery,
 from kubellm.gateway.epp import messages as m
 from kubellm.gateway.epp.server import EndpointPicker, Exchange, PickerSettings
 
+from kubellm.contracts import POOL_HEADER
+
 REPLICAS = ("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
 BODY = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2}).encode()
 ProcessingRequest = m.ProcessingRequest
@@ -146,14 +148,55 @@ async def test_endpoints_per_answer_lists_fallbacks_best_first(count):
     assert header.split(",")[0] == exchange.url.removeprefix("http://")
 
 
-async def test_a_request_without_a_body_goes_to_the_least_loaded_endpoint():
-    picker = _picker()
-    busy = picker.scheduler.acquire(REPLICAS[0])
-    exchange = Exchange(picker)
-    answers = await exchange.handle(_headers("/v1/models", end=True))
-    header, _ = _destination(answers[0])
-    assert header != REPLICAS[0].removeprefix("http://")
-    busy()
+def _headers_of(path: str, method: str, pool: str | None = None, end: bool = True) -> Any:
+    values = [(":method", method), (":path", path)] + ([(POOL_HEADER, pool)] if pool else [])
+    headers = HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in values])
+    return ProcessingRequest(request_headers=HttpHeaders(headers=headers, end_of_stream=end))
+
+
+def _two_pools() -> EndpointPicker:
+    """A shared picker: models `a` and `b`, each its own InferencePool."""
+    targets = {
+        name: ModelTarget(name, name, endpoints=(Endpoint(url),), pool=f"{name}-engine")
+        for name, url in (("a", REPLICAS[0]), ("b", REPLICAS[1]))
+    }
+    return EndpointPicker(FixedDiscovery(targets), PickerSettings())
+
+
+async def test_a_request_naming_no_model_reaches_no_replica():
+    """Issue 39.22: `GET /v1/models` is answered by the picker (the route's pool's models);
+    any other request naming no model is a 404; no replica is picked for either."""
+    picker = _two_pools()
+    for pool, listed in (("a-engine", ["a"]), ("default/b-engine", ["b"])):
+        (answer,) = await Exchange(picker).handle(_headers_of("/v1/models", "GET", pool))
+        assert answer.immediate_response.status.code == 200
+        cards = json.loads(answer.immediate_response.body)["data"]
+        assert [c["id"] for c in cards] == listed
+    for path, method in (("/admin/anything", "GET"), ("/v1/models", "POST"), ("/", "GET")):
+        (answer,) = await Exchange(picker).handle(_headers_of(path, method, "a-engine"))
+        assert answer.immediate_response.status.code == 404, path
+    assert picker.scheduler.in_flight() == {}
+
+
+async def test_a_shared_picker_never_crosses_the_pool_the_route_names():
+    """Issue 39.22: through pool A's route, a body naming pool B's model is a 404 and never
+    reaches B's endpoint; B's route reaches B. (A route that names no pool leaves the
+    picker its whole scope: every route kubellm writes names its pool.)"""
+    picker = _two_pools()
+    body = ProcessingRequest(
+        request_body=HttpBody(body=json.dumps({"model": "b", "prompt": "x"}).encode(),
+                              end_of_stream=True)
+    )  # fmt: skip
+    for pool, code in (("a-engine", 404), ("default/a-engine", 404), ("other/a-engine", 404)):
+        exchange = Exchange(picker)
+        await exchange.handle(_headers_of("/v1/completions", "POST", pool, end=False))
+        (answer,) = await exchange.handle(body)
+        assert answer.immediate_response.status.code == code, pool
+        assert exchange.url is None
+    exchange = Exchange(picker)  # B's own route still reaches B
+    await exchange.handle(_headers_of("/v1/completions", "POST", "b-engine", end=False))
+    await exchange.handle(body)
+    assert exchange.url == REPLICAS[1]
 
 
 async def test_the_response_releases_and_5xx_answers_eject_the_replica():

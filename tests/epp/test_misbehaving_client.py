@@ -102,7 +102,7 @@ async def test_repeated_request_headers_close_the_stream_and_leak_no_slot(picker
     answers, code = await _exchange(address, [_headers("/v1/models", end=True)] * 6)
     await eventually(lambda: _in_flight(picker) == 0, 5, "the slots to be released")
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert len(answers) == 1 and answers[0].HasField("request_headers")  # the first routed
+    assert len(answers) == 1 and answers[0].HasField("immediate_response")  # the first answered
     # with --max-in-flight 1 the next client is routed, not shed
     answers, code = await _exchange(address, [_headers("/v1/completions", end=False), _body()])
     assert code == grpc.StatusCode.OK

@@ -48,7 +48,7 @@ def two_tenants(tmp_path: Path) -> Iterator[Callable[[bool], Tenants]]:
     started: list[Process] = []
     engines: list[RawEngine] = []
 
-    def start(fail_open: bool) -> Tenants:
+    def start(fail_open: bool, shared: bool = False) -> Tenants:
         engine = {t: RawEngine(tenant_engine(t)).start() for t in ("a", "b")}
         engines.extend(engine.values())
         static = tmp_path / "models.yaml"
@@ -57,22 +57,29 @@ def two_tenants(tmp_path: Path) -> Iterator[Callable[[bool], Tenants]]:
         ]}))  # fmt: skip
         pools, pickers, urls = [], {}, {}
         for t in ("a", "b"):
-            grpc_port, metrics_port, listen = free_port(), free_port(), free_port()
-            picker = Process(f"epp-{t}", [
-                sys.executable, "-m", "kubellm.cli", "epp", "--static", str(static),
-                "--pool-name", f"{t}-engine", "--host", "127.0.0.1",
-                "--grpc-port", str(grpc_port), "--grpc-health-port", "0",
-                "--metrics-port", str(metrics_port), "--scrape-interval", "0.2",
-            ], tmp_path / f"epp-{t}.log").start()  # fmt: skip
-            started.append(picker)
-            health = f"http://127.0.0.1:{metrics_port}/health"
-            wait_until(lambda p=picker, h=health: not p.alive() or responds(h),
-                       START_TIMEOUT_S, f"picker {t}")  # fmt: skip
-            assert picker.alive(), picker.tail()
+            listen = free_port()
+            if not (shared and pickers):  # shared: one picker (no --pool-name) for both
+                grpc_port, metrics_port = free_port(), free_port()
+                own = [] if shared else ["--pool-name", f"{t}-engine"]
+                picker = Process(f"epp-{t}", [
+                    sys.executable, "-m", "kubellm.cli", "epp", "--static", str(static), *own,
+                    "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+                    "--grpc-health-port", "0", "--metrics-port", str(metrics_port),
+                    "--scrape-interval", "0.2",
+                ], tmp_path / f"epp-{t}.log").start()  # fmt: skip
+                started.append(picker)
+                health = f"http://127.0.0.1:{metrics_port}/health"
+                wait_until(lambda p=picker, h=health: not p.alive() or responds(h),
+                           START_TIMEOUT_S, f"picker {t}")  # fmt: skip
+                assert picker.alive(), picker.tail()
             pickers[t] = picker
             urls[t] = f"http://127.0.0.1:{listen}"
             endpoints = [engine[t].url.removeprefix("http://")]
-            pools.append(envoy.Pool(t, f"127.0.0.1:{listen}", f"127.0.0.1:{grpc_port}", endpoints))
+            pools.append(
+                envoy.Pool(
+                    f"{t}-engine", f"127.0.0.1:{listen}", f"127.0.0.1:{grpc_port}", endpoints
+                )
+            )
         admin = free_port()
         config = envoy.bootstrap_pools(
             pools, fail_open, admin=f"127.0.0.1:{admin}", epp_timeout_seconds=2.0
@@ -98,15 +105,20 @@ def completions(url: str, model: str, path: str = "/v1/completions") -> httpx.Re
     return httpx.post(f"{url}{path}", json=body, timeout=20)
 
 
-def test_a_request_through_one_pool_never_reaches_another_pools_servers(two_tenants):
-    tenants = two_tenants(False)
+@pytest.mark.parametrize("shared", [False, True], ids=["a picker per pool", "a shared picker"])
+def test_a_request_through_one_pool_never_reaches_another_pools_servers(two_tenants, shared):
+    """Issue 39.22: whether each pool has its own picker or one picker serves both (the
+    listener, as an HTTPRoute, names its pool in `x-kubellm-inference-pool`), a request
+    through A's route never reaches B's servers, and one naming no model reaches none."""
+    tenants = two_tenants(False, shared)
     a = tenants.url["a"]
     assert completions(a, "a").json()["choices"][0]["text"] == "from a"
-    # Through A's route, naming B (also with the model header the docs let clients send).
+    # Through A's route, naming B (also with the model header the docs let clients send,
+    # and with a pool header of the client's own, which the route overwrites).
     crossed = httpx.post(
         f"{a}/v1/completions",
         json={"model": "b", "prompt": "secret of tenant a", "max_tokens": 4},
-        headers={"x-gateway-model-name": "b"},
+        headers={"x-gateway-model-name": "b", "x-kubellm-inference-pool": "b"},
         timeout=20,
     )
     assert crossed.status_code == 404, crossed.text
@@ -114,11 +126,15 @@ def test_a_request_through_one_pool_never_reaches_another_pools_servers(two_tena
     # A path the picker does not parse, naming B in its body.
     other_path = completions(a, "b", "/v1/embeddings")
     assert other_path.status_code == 404, other_path.text
-    # No model named at all: A's own servers answer.
+    # No model named at all: the picker lists A's models itself; anything else is a 404.
     models = httpx.get(f"{a}/v1/models", timeout=20)
     assert [c["id"] for c in models.json()["data"]] == ["a"]
-    assert httpx.get(f"{a}/admin/anything", timeout=20).status_code == 200
+    admin = httpx.get(f"{a}/admin/anything", timeout=20)
+    assert admin.status_code == 404, admin.text
     assert tenants.engine["b"].requests == [], "a request of tenant A reached tenant B"
+    reached = [r.path for r in tenants.engine["a"].requests if r.method != "GET"]
+    assert reached == ["/v1/completions"], f"requests naming no model reached A: {reached}"
+    assert "/admin/anything" not in [r.path for r in tenants.engine["a"].requests]
     # B's own route still serves B.
     assert completions(tenants.url["b"], "b").json()["choices"][0]["text"] == "from b"
 

@@ -15,6 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kubellm.contracts import POOL_HEADER
 from tests.fixtures.crd_validation import validate
 from tests.helm.chart import ROOT, render_values
 
@@ -45,6 +46,15 @@ def _errors(obj: dict[str, Any]) -> list[str]:
     return validate(CRD_OF[obj["kind"]], obj, "v1")[1]
 
 
+def _pool_header(route: dict[str, Any]) -> str:
+    """The pool a route names to the picker (issue 39.22: a shared picker picks in it)."""
+    (rule,) = route["spec"]["rules"]
+    (filtered,) = rule["filters"]
+    ((header,),) = [filtered["requestHeaderModifier"]["set"]]
+    assert header["name"] == POOL_HEADER
+    return header["value"]
+
+
 def _chart_objects() -> list[dict[str, Any]]:
     return render_values(EPP_VALUES)
 
@@ -56,6 +66,7 @@ def test_chart_renders_the_epp_and_its_pools_valid_against_the_crds() -> None:
     pool = by_kind["InferencePool", "byo-vllm"]
     route = by_kind["HTTPRoute", "byo-vllm"]
     assert _errors(pool) == [] and _errors(route) == []
+    assert _pool_header(route).endswith("/byo-vllm")  # a shared picker picks in this pool
     picker = pool["spec"]["endpointPickerRef"]
     grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
     assert (picker["name"], picker["port"]["number"]) == ("kubellm-epp", grpc["port"])
@@ -89,6 +100,7 @@ def test_kubellm_render_shows_the_pool_and_route_valid_against_the_crds() -> Non
         rendered["HTTPRoute", "tiny-gw-engine"],
     )
     assert _errors(pool) == [] and _errors(route) == []
+    assert _pool_header(route).endswith("/tiny-gw-engine")
     engine = rendered["Service", "tiny-gw-engine"]
     selector = pool["spec"]["selector"]["matchLabels"]
     assert selector == engine["spec"]["selector"]  # the pool holds exactly the engine pods

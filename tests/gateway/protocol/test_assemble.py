@@ -12,9 +12,12 @@ from typing import Any
 
 import pytest
 from kubellm.gateway.protocol.assemble import (
+    MAX_EVENT_BYTES,
+    MAX_TOOL_CALLS,
     Assembler,
     AssemblyError,
     assembles,
+    choices_of,
     streamed_body,
 )
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS
@@ -40,8 +43,10 @@ def usage_event(top: dict[str, Any] = TOP) -> dict[str, Any]:
     return {**top, "choices": [], "usage": USAGE}
 
 
-def assemble(body: bytes, chat: bool = True, limit: int = LIMIT, piece: int = 0) -> Any:
-    assembler = Assembler(chat, limit)
+def assemble(
+    body: bytes, chat: bool = True, limit: int = LIMIT, piece: int = 0, choices: int = 2
+) -> Any:
+    assembler = Assembler(chat, limit, choices)
     pieces = [body[i : i + piece] for i in range(0, len(body), piece)] if piece else [body]
     for part in pieces:
         assembler.feed(part)
@@ -174,9 +179,51 @@ def test_what_is_kept_is_bounded():
     with pytest.raises(AssemblyError, match="exceeds the limit"):
         for _ in range(1000):  # an event that never ends
             assembler.feed(b"data: " + b"z" * 100 + b"\n")
-    many = [{**TOP, "choices": [{"index": i, "delta": {}}]} for i in range(200)]
+    many = [{**TOP, "choices": [{"index": 0, "delta": {"x": i}}]} for i in range(200)]
     with pytest.raises(AssemblyError, match="exceeds the limit"):
-        assemble(sse(*many, "[DONE]"), limit=10_000)  # choices cost what their events did
+        assemble(sse(*many, "[DONE]"), limit=10_000)  # decoded values cost what they hold
+
+
+def test_choices_tool_calls_and_events_are_bounded_whatever_the_limit():
+    """Issue 39.18: choices beyond the request's, tool calls beyond MAX_TOOL_CALLS and an
+    event beyond MAX_EVENT_BYTES fail at once, however large the answer's limit."""
+    big = 1 << 30
+    many = [{**TOP, "choices": [{"index": i, "delta": {"content": "a"}}]} for i in range(3)]
+    with pytest.raises(AssemblyError, match="choice 2 of an answer of 2"):
+        assemble(sse(*many, "[DONE]"), limit=big)
+    calls = [chat_event({"tool_calls": [{"index": MAX_TOOL_CALLS, "function": {"name": "f"}}]})]
+    with pytest.raises(AssemblyError, match="tool call"):
+        assemble(sse(*calls, "[DONE]"), limit=big)
+    huge = chat_event({"content": "x" * MAX_EVENT_BYTES})
+    for piece in (0, 65536):
+        with pytest.raises(AssemblyError, match="an event exceeds"):
+            assemble(sse(huge, "[DONE]"), limit=big, piece=piece)
+    assert assemble(sse(chat_event({"content": "x" * 1000}), "[DONE]"), choices=1)
+
+
+def test_nothing_after_done_is_read():
+    """Issue 39.19: `[DONE]` is the end; the caller stops there (`done`), whatever follows."""
+    assembler = Assembler(True, LIMIT)
+    assembler.feed(sse(chat_event({"content": "x"}), "[DONE]") + b"data: {not json\n\n")
+    assert assembler.done
+    assembler.feed(b"garbage that is never parsed\n\n")
+    assert json.loads(assembler.answer())["choices"][0]["message"]["content"] == "x"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "count"),
+    [
+        (CHAT, {"messages": []}, 1),
+        (CHAT, {"n": 3}, 3),
+        (COMPLETIONS, {"prompt": "x", "n": 2}, 2),
+        (COMPLETIONS, {"prompt": [1, 2, 3], "n": 2}, 2),  # one prompt of token ids
+        (COMPLETIONS, {"prompt": ["a", "b", "c"], "n": 2}, 6),
+        (COMPLETIONS, {"prompt": [[1], [2]]}, 2),
+        (CHAT, {"n": "9"}, 1),
+    ],
+)
+def test_the_choices_an_answer_has(path, body, count):
+    assert choices_of(body, path) == count
 
 
 @pytest.mark.parametrize(
@@ -208,3 +255,22 @@ def test_the_request_sent_is_a_stream_with_a_usage_event():
     sent = json.loads(streamed_body(body))
     assert sent == {**body, "stream": True, "stream_options": {"include_usage": True}}
     assert "stream" not in body  # the client's body is not changed
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "m", "messages": [{"role": "user", "content": "h\\u00e9llo"}], "top_k": 3}',
+        '{"model":"m","messages":[{"role":"user","content":"héllo"}],"top_k":3} \n'.encode(),
+        b'{"model":"m","messages":[{"role":"user","content":"h\xc3\xa9llo"}],"top_k":3,'
+        b'"stream":false}',
+    ],
+)
+def test_the_request_sent_from_the_clients_bytes_is_the_same_request(raw):
+    """The stream fields are appended to the client's bytes when it set neither (no
+    re-encoding); the replica reads the same request as from a re-encoded body."""
+    body = json.loads(raw)
+    sent = streamed_body(body, raw)
+    assert json.loads(sent) == {**body, "stream": True, "stream_options": {"include_usage": True}}
+    if "stream" in body:  # set by the client: re-encoded, never a repeated key
+        assert sent == streamed_body(body)
