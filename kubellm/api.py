@@ -15,7 +15,7 @@ message, whichever side rejects the manifest.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -44,6 +44,17 @@ _QUANTITY = re.compile(QUANTITY_PATTERN)
 # Integers in a manifest are int64 on the API server (int32 for replica counts).
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
+
+# Bounds on strings, lists and maps, far above real use. A real API server estimates the
+# cost of a CEL rule from them (an unbounded string or list counts as the whole request,
+# 3 MiB) and refuses a CRD whose rules' estimated cost is over its budget; bounds also keep
+# what one manifest may make the operator hold (tests/unit/test_crd.py walks the schema).
+MAX_URL = 2048  # a model or adapter source, the fallback URL
+MAX_NAME = 253  # a Kubernetes object name (DNS subdomain), a model name
+MAX_VALUE = 4096  # a free string: an image reference, one engine argument
+MAX_ARGS = 256  # spec.engine.extraArgs
+MAX_ENTRIES = 64  # tolerations, nodeSelector entries
+MAX_STATUS_SAMPLES = 4096  # the autoscaler's windows: <= 3600 s at one sample per period
 
 
 class Rule:
@@ -135,6 +146,7 @@ class ModelSpec(_Model):
     )
 
     source: str = Field(
+        max_length=MAX_URL,
         description="Where the weights come from: hf://org/name[@revision], "
         "pvc://claim/path, file:///path or s3://bucket/path.",
     )
@@ -178,7 +190,7 @@ class SpeculativeDecoding(_Model):
         description="Speculation method (vLLM speculative_config.method)."
     )
     model: str | None = Field(
-        default=None, description="Draft or head model, when the method needs one."
+        default=None, max_length=MAX_URL, description="Draft or head model, when one is needed."
     )
     num_speculative_tokens: int = Field(default=3, ge=1, le=16)
     prompt_lookup_max: int | None = Field(default=None, ge=1, description="ngram only.")
@@ -230,7 +242,12 @@ class EngineSpec(_Model):
         ),
     )
 
-    image: str = Field(default=DEFAULT_ENGINE_IMAGE, min_length=1, description="Engine image.")
+    image: str = Field(
+        default=DEFAULT_ENGINE_IMAGE,
+        min_length=1,
+        max_length=MAX_VALUE,
+        description="Engine image.",
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto", description="Weight and activation dtype."
     )
@@ -265,8 +282,9 @@ class EngineSpec(_Model):
         description="Largest adapter rank the engine accepts (vLLM --max-lora-rank, default 16).",
     )
     port: int = Field(default=8000, ge=1, le=65535, description="Engine HTTP port.")
-    extra_args: list[str] = Field(
+    extra_args: list[Annotated[str, Field(max_length=MAX_VALUE)]] = Field(
         default_factory=list,
+        max_length=MAX_ARGS,
         json_schema_extra={"default": []},
         description="Extra vLLM arguments, passed last, unchanged. The arguments the "
         "launcher derives from the spec (--model, --port, --host, --served-model-name, "
@@ -279,7 +297,7 @@ class EngineSpec(_Model):
 
 class GPUResources(_Model):
     count: int = Field(default=1, ge=0, description="GPUs per replica (0: CPU engine).")
-    resource_name: str = Field(default="nvidia.com/gpu", min_length=1)
+    resource_name: str = Field(default="nvidia.com/gpu", min_length=1, max_length=MAX_NAME)
     memory_gib: float | None = Field(
         default=None, gt=0, alias="memoryGiB", description="Memory of one GPU, for capacity."
     )
@@ -293,11 +311,13 @@ class Resources(_Model):
     cpu: str | None = Field(
         default=None,
         description="CPU request, a Kubernetes quantity: '8', '500m'.",
+        max_length=64,
         json_schema_extra={"pattern": QUANTITY_PATTERN},
     )
     memory: str | None = Field(
         default=None,
         description="Memory request, a Kubernetes quantity: '64Gi', '512Mi', '4G'.",
+        max_length=64,
         json_schema_extra={"pattern": QUANTITY_PATTERN},
     )
 
@@ -337,8 +357,14 @@ class Autoscaling(_Model):
     target_queue_depth: float = Field(
         default=4, gt=0, description="Waiting requests per replica to aim for."
     )
-    scale_up_stabilization_seconds: int = Field(default=0, ge=0)
-    scale_down_stabilization_seconds: int = Field(default=300, ge=0)
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=3600,
+        description="How long a lower recommendation must hold before replicas are removed "
+        "(at most an hour, as the HorizontalPodAutoscaler's window).",
+    )
     scale_to_zero: bool = Field(default=False, description="Allow zero replicas when idle.")
     idle_seconds_before_zero: int = Field(default=600, ge=0)
     target_requests_per_replica: float | None = Field(
@@ -556,8 +582,8 @@ class Routing(_Model):
 
 
 class SecretKeyRef(_Model):
-    name: str = Field(min_length=1)
-    key: str = Field(default="api-key", min_length=1)
+    name: str = Field(min_length=1, max_length=MAX_NAME)
+    key: str = Field(default="api-key", min_length=1, max_length=MAX_NAME)
 
 
 class Fallback(_Model):
@@ -581,14 +607,19 @@ class Fallback(_Model):
         ),
     )
 
-    url: str | None = Field(default=None, description="Base URL of an OpenAI-compatible API.")
-    model: str | None = Field(default=None, description="Model name at the fallback API.")
+    url: str | None = Field(
+        default=None, max_length=MAX_URL, description="Base URL of an OpenAI-compatible API."
+    )
+    model: str | None = Field(
+        default=None, max_length=MAX_NAME, description="Model name at the fallback API."
+    )
     api_key_secret_ref: SecretKeyRef | None = Field(
         default=None, description="Secret key holding the fallback API key."
     )
     max_concurrency: int = Field(default=64, ge=1)
     triggers: list[Literal["saturated", "no-ready-replicas"]] = Field(
         default_factory=lambda: ["saturated", "no-ready-replicas"],
+        max_length=8,
         json_schema_extra={"default": ["saturated", "no-ready-replicas"]},
         description="When to send a request to the fallback.",
     )
@@ -603,12 +634,16 @@ class SLO(_Model):
 
 
 class Scheduling(_Model):
-    node_selector: dict[str, str] = Field(default_factory=dict, json_schema_extra={"default": {}})
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, max_length=MAX_ENTRIES, json_schema_extra={"default": {}}
+    )
     tolerations: list[dict[str, Any]] = Field(
-        default_factory=list, json_schema_extra={"default": [], "items": {"type": "object"}}
+        default_factory=list,
+        max_length=MAX_ENTRIES,
+        json_schema_extra={"default": [], "items": {"type": "object"}},
     )
     affinity: dict[str, Any] | None = None
-    priority_class_name: str | None = None
+    priority_class_name: str | None = Field(default=None, max_length=MAX_NAME)
 
 
 # The most canary steps a rollout lists: bounds the CEL rules' cost (the ordering rule is
@@ -868,17 +903,22 @@ class AutoscalerStatus(_Status):
     kv_cache_usage: float | None = Field(default=None, alias="kvCacheUsage")
     queue_depth: float | None = None
     recommendations: list[AutoscalerRecommendation] | None = Field(
-        default=None, description="Recommendations inside the scale-down window."
+        default=None,
+        max_length=MAX_STATUS_SAMPLES,
+        description="Recommendations inside the scale-down window.",
     )
     idle_since: str | None = Field(default=None, description="Start of the idle period.")
     request_rate: float | None = Field(
         default=None, description="Requests per second arriving at the gateway (last 30 s)."
     )
     request_samples: list[AutoscalerRequestSample] | None = Field(
-        default=None, description="The gateway's request counts inside the rate window."
+        default=None,
+        max_length=MAX_STATUS_SAMPLES,
+        description="The gateway's request counts inside the rate window.",
     )
     gateway_samples: list[AutoscalerGatewaySample] | None = Field(
         default=None,
+        max_length=MAX_STATUS_SAMPLES,
         description="The gateway's admitted, fallback and replica-answered counts inside the "
         "scale-down window.",
     )
@@ -942,8 +982,9 @@ class RolloutStatus(_Status):
     step_started_at: str | None = Field(
         default=None, description="When the current step's window began (canary ready)."
     )
-    baseline: dict[str, dict[str, float]] | None = Field(
+    baseline: dict[str, Annotated[dict[str, float], Field(max_length=MAX_ENTRIES)]] | None = Field(
         default=None,
+        max_length=MAX_ENTRIES,
         description="The gateway's cumulative counters per revision when the window began.",
     )
     verdict: RolloutVerdict | None = None
@@ -959,6 +1000,7 @@ class RolloutStatus(_Status):
 class LLMDeploymentStatus(_Status):
     conditions: list[Condition] = Field(
         default_factory=list,
+        max_length=16,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     replicas: int | None = None
@@ -969,6 +1011,7 @@ class LLMDeploymentStatus(_Status):
     autoscaler: AutoscalerStatus | None = None
     adapters: list[AdapterStatus] | None = Field(
         default=None,
+        max_length=MAX_ADAPTERS,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
         description="Each adapter of spec.adapters: on how many ready replicas it is loaded "
         "(written by the autoscaler).",
