@@ -197,8 +197,17 @@ class SpeculativeDecoding(_Model):
 
 
 # The vLLM arguments the launcher derives from the spec: extraArgs may not set them again.
-OWNED_ENGINE_ARGS = ("--model", "--port", "--host", "--served-model-name", "--tensor-parallel-size")
-OWNED_SHORT_ARGS = {"-tp": "--tensor-parallel-size"}
+OWNED_ENGINE_ARGS = (
+    "--model", "--port", "--host", "--served-model-name", "--tensor-parallel-size",
+    # the replica's shape and, across pods, its launch (launcher.parallel_args)
+    "--pipeline-parallel-size", "--data-parallel-size", "--enable-expert-parallel",
+    "--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless",
+    "--distributed-executor-backend",
+)  # fmt: skip
+OWNED_SHORT_ARGS = {
+    "-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size",
+    "-dp": "--data-parallel-size", "-n": "--nnodes", "-r": "--node-rank",
+}  # fmt: skip
 
 
 def owned_engine_arg(arg: str) -> str | None:
@@ -262,7 +271,35 @@ class EngineSpec(_Model):
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="Share of GPU memory vLLM may use."
     )
-    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs one replica spans.")
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="GPUs one tensor-parallel group spans (vLLM --tensor-parallel-size): every "
+        "layer split across them, an all-reduce per layer, so they stay inside one pod "
+        "(fast links).",
+    )
+    pipeline_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Pipeline stages (vLLM --pipeline-parallel-size): the layers split into "
+        "this many consecutive groups of tensorParallelSize GPUs; stages may sit on different "
+        "pods (nodes), passing activations once per step.",
+    )
+    data_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Data-parallel ranks in one replica (vLLM --data-parallel-size): each a "
+        "full copy of the attention with its own KV cache and batch; with expertParallel, "
+        "the experts of a mixture-of-experts model spread over every rank (wide EP).",
+    )
+    expert_parallel: bool = Field(
+        default=False,
+        description="Split a mixture-of-experts model's experts across the replica's GPUs "
+        "instead of tensor-splitting each expert (vLLM --enable-expert-parallel).",
+    )
     prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prefixes.")
     chunked_prefill: ChunkedPrefill = _nested(ChunkedPrefill, "Chunked prefill settings.")
     speculative: SpeculativeDecoding | None = Field(
@@ -287,8 +324,10 @@ class EngineSpec(_Model):
         max_length=MAX_ARGS,
         json_schema_extra={"default": []},
         description="Extra vLLM arguments, passed last, unchanged. The arguments the "
-        "launcher derives from the spec (--model, --port, --host, --served-model-name, "
-        "--tensor-parallel-size, -tp) are refused in any spelling vLLM accepts.",
+        "launcher derives from the spec (--model, --port, --host, --served-model-name, the "
+        "parallel sizes -tp/-pp/-dp, --enable-expert-parallel, and the multi-node launch: "
+        "--nnodes, --node-rank, --master-addr, --master-port, --headless, "
+        "--distributed-executor-backend) are refused in any spelling vLLM accepts.",
     )
 
 
@@ -296,7 +335,12 @@ class EngineSpec(_Model):
 
 
 class GPUResources(_Model):
-    count: int = Field(default=1, ge=0, description="GPUs per replica (0: CPU engine).")
+    count: int = Field(
+        default=1,
+        ge=0,
+        le=64,
+        description="GPUs of one pod (0: CPU engine); a replica has count x spec.resources.nodes.",
+    )
     resource_name: str = Field(default="nvidia.com/gpu", min_length=1, max_length=MAX_NAME)
     memory_gib: float | None = Field(
         default=None, gt=0, alias="memoryGiB", description="Memory of one GPU, for capacity."
@@ -307,7 +351,15 @@ class GPUResources(_Model):
 
 
 class Resources(_Model):
-    gpu: GPUResources = _nested(GPUResources, "GPUs per replica.")
+    gpu: GPUResources = _nested(GPUResources, "GPUs of one pod.")
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Pods (one per node) one replica spans. Over 1, each replica is a "
+        "LeaderWorkerSet group: the leader serves the API, the others join it headless "
+        "(the LeaderWorkerSet controller must be installed; docs/operations.md).",
+    )
     cpu: str | None = Field(
         default=None,
         description="CPU request, a Kubernetes quantity: '8', '500m'.",
@@ -804,8 +856,27 @@ class LLMDeploymentSpec(_Model):
         Rule(
             "self.engine.tensorParallelSize <= "
             "(self.resources.gpu.count == 0 ? 1 : self.resources.gpu.count)",
-            "spec.engine.tensorParallelSize must not exceed spec.resources.gpu.count",
+            "spec.engine.tensorParallelSize must not exceed spec.resources.gpu.count (a "
+            "tensor-parallel group stays inside one pod)",
             ".engine.tensorParallelSize",
+        ),
+        Rule(
+            "(self.resources.nodes == 1 && self.engine.pipelineParallelSize == 1 "
+            "&& self.engine.dataParallelSize == 1) || self.engine.tensorParallelSize * "
+            "self.engine.pipelineParallelSize * self.engine.dataParallelSize == "
+            "(self.resources.gpu.count == 0 ? 1 : self.resources.gpu.count) * "
+            "self.resources.nodes",
+            "spec.engine.tensorParallelSize x spec.engine.pipelineParallelSize x "
+            "spec.engine.dataParallelSize must equal spec.resources.gpu.count x "
+            "spec.resources.nodes (one rank per GPU of the replica)",
+            ".engine.pipelineParallelSize",
+        ),
+        Rule(
+            "self.resources.nodes == 1 || self.resources.gpu.count == 0 || "
+            "self.resources.gpu.count % self.engine.tensorParallelSize == 0",
+            "spec.resources.gpu.count must be a multiple of spec.engine.tensorParallelSize "
+            "when spec.resources.nodes is over 1 (no tensor-parallel group spans two pods)",
+            ".resources.gpu.count",
         ),
         Rule(
             "!has(self.adapters) || self.adapters.all(a, self.adapters.exists_one(b, "
