@@ -937,6 +937,8 @@ class Capacity(_Status):
     kv_bytes_per_request: int | None = None
     weight_bytes: int | None = None
     kv_pool_bytes: int | None = None
+    weight_bytes_per_gpu: int | None = Field(default=None, alias="weightBytesPerGPU")
+    kv_pool_bytes_per_gpu: int | None = Field(default=None, alias="kvPoolBytesPerGPU")
     max_concurrent_sequences: int | None = None
     decode_tokens_per_second_bound: float | None = None
 
