@@ -63,8 +63,8 @@ def event_reasons(emulator) -> list[str]:
     ]
 
 
-def handled_by_kopf(emulator) -> bool:
-    meta = current(emulator, LLMD, NAME)["metadata"]
+def handled_by_kopf(emulator, name: str = NAME, ns: str = NS) -> bool:
+    meta = current(emulator, LLMD, name, ns)["metadata"]
     return "kubellm.io/finalizer" in meta.get("finalizers", []) and (
         "kopf.zalando.org/last-handled-configuration" in meta.get("annotations", {})
     )
