@@ -134,6 +134,7 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "llama-2-7b": _llama(4096, 11008, 32, 32, 32, 32000, 4096),
     "llama-3.1-8b": _llama(4096, 14336, 32, 32, 8, 128256, 131072),
     "llama-3.1-70b": _llama(8192, 28672, 80, 64, 8, 128256, 131072),
+    "llama-3.1-405b": _llama(16384, 53248, 126, 128, 8, 128256, 131072),
     "mistral-7b": _llama(4096, 14336, 32, 32, 8, 32000, 32768),
     "qwen2.5-7b": _llama(3584, 18944, 28, 28, 4, 152064, 32768),
 }
@@ -498,4 +499,35 @@ def for_spec(spec: Any) -> dict[str, Any] | None:
         out["kvPoolBytesPerGPU"] = result.kv_pool_bytes_per_gpu
     if gpu.bandwidth_gbps:
         out["decodeTokensPerSecondBound"] = round(result.decode_tokens_per_second_bound, 1)
+    return out
+
+
+def shapes(gpus_per_node: int, max_nodes: int) -> list[Parallelism]:
+    """Replica shapes that use every GPU of 1..max_nodes nodes: tensor parallelism a power of
+    two inside a node, pipeline stages for the rest (fewest nodes first, then least TP)."""
+    out = []
+    for nodes in range(1, max_nodes + 1):
+        tensor = 1
+        while tensor <= gpus_per_node:
+            if gpus_per_node % tensor == 0:
+                out.append(Parallelism(tensor=tensor, pipeline=nodes * gpus_per_node // tensor))
+            tensor *= 2
+    return out
+
+
+def compare_shapes(
+    shape: ModelShape, gpu: GPUProfile, workload: Workload, candidates: list[Parallelism],
+    *, kv_dtype: str = "bf16", link: Interconnect = Interconnect(),
+) -> list[tuple[Parallelism, Plan | str]]:  # fmt: skip
+    """Each candidate's plan, or why it cannot run the model (the CapacityError's message)."""
+    out: list[tuple[Parallelism, Plan | str]] = []
+    for par in candidates:
+        if par.pipeline > shape.num_layers:
+            out.append((par, f"more stages ({par.pipeline}) than layers"))
+            continue
+        try:
+            out.append((par, plan(shape, gpu, workload, kv_dtype=kv_dtype, parallel=par,
+                                  link=link)))  # fmt: skip
+        except CapacityError as error:
+            out.append((par, str(error).split(":")[0]))
     return out

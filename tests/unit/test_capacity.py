@@ -188,3 +188,12 @@ def test_expert_parallelism_spreads_the_experts_over_every_rank() -> None:
     wide = capacity.weight_bytes_per_gpu(weights, moe, capacity.Parallelism(data=16, expert=True))
     assert replicated == pytest.approx(weights)
     assert wide == pytest.approx(weights * 0.05 + weights * 0.95 / 16)
+
+
+def test_shapes_fill_whole_nodes_with_tensor_parallelism_inside_a_node() -> None:
+    found = capacity.shapes(gpus_per_node=8, max_nodes=2)
+    assert all(p.gpus in (8, 16) and p.tensor <= 8 for p in found)
+    assert capacity.Parallelism(tensor=8, pipeline=2) in found
+    rows = dict(capacity.compare_shapes(LLAMA_405B, H100, capacity.Workload(8192), found))
+    assert isinstance(rows[capacity.Parallelism(tensor=8)], str)  # one node: no fit
+    assert isinstance(rows[capacity.Parallelism(tensor=8, pipeline=2)], capacity.Plan)
