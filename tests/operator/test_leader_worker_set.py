@@ -9,7 +9,7 @@ import kmock
 from kubellm import api
 
 from . import test_operator as single
-from .conftest import ROOT, create, manifest, patch, running_operator, wait_for, writes_since
+from .conftest import ROOT, create, manifest, patch, running_operator, wait_for, writes_over_resyncs
 from .test_operator import DEPLOYMENTS, PDBS, SERVICES, current, event_reasons
 
 EXAMPLE = ROOT / "examples" / "llama-3.1-405b-multinode.yaml"
@@ -130,15 +130,7 @@ async def test_an_unchanged_multi_node_deployment_costs_zero_writes(emulator, ap
         await wait_for(lambda: condition(emulator, "Ready") == ("True", "AllReplicasReady"))
         await wait_for(lambda: handled_by_kopf(emulator), what="kopf's finalizer and annotation")
         await wait_for(lambda: "Ready" in event_reasons(emulator), what="a Ready event")
-        mark = len(list(emulator))
-        reads = f"GET {LLMD_PATH}"
-        await wait_for(
-            lambda: (
-                [f"{r.method.value} {r.url.path}" for r in list(emulator)[mark:]].count(reads) >= 3
-            ),
-            what="three resync passes",
-        )
-        assert writes_since(emulator, mark) == []
+        assert await writes_over_resyncs(emulator, LLMD_PATH) == []
 
 
 async def test_without_the_leader_worker_set_crd_the_spec_is_degraded_and_nothing_runs(
