@@ -38,7 +38,8 @@ from kubellm.sources import HF_CACHE_DIR, MODEL_ROOT, adapter_path, parse_source
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 # A multi-node replica's workers run vLLM's `serve --headless` (the OpenAI server module
 # has no headless mode): they join the leader's torch.distributed group and serve no API.
-VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"
+# Through kubellm's own entry point: vLLM's CLI one fails on the CPU build (headless.py).
+VLLM_HEADLESS_MODULE = "kubellm.engine.headless"
 # What the LeaderWorkerSet controller sets in every container of a group: the leader pod's
 # address (its DNS name) and this pod's index in the group (0: the leader).
 LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
@@ -385,8 +386,8 @@ def build_command(
         )
     rank = group_rank(spec, environ, node_rank=node_rank, master_addr=master_addr)
     worker = rank is not None and rank.node_rank > 0
-    head = [python, "-m", VLLM_CLI_MODULE, "serve"] if worker else [python, "-m", VLLM_MODULE]
-    argv = [*head, "--model", model, *model_args]
+    argv = [python, "-m", VLLM_HEADLESS_MODULE if worker else VLLM_MODULE, "--model", model,
+            *model_args]  # fmt: skip
     argv += ["--served-model-name", target.served_name]
     argv += ["--host", host, "--port", str(port if port is not None else engine.port)]
     # vLLM echoes each request's X-Request-Id: the gateway checks every answer is its own
@@ -476,7 +477,7 @@ def run(plan: LaunchPlan, *, health_url: str | None, log: Any = sys.stderr) -> i
     SIGTERM and SIGINT are forwarded to vLLM, which drains and exits; the launcher
     then exits with vLLM's status.
     """
-    vllm = VLLM_MODULE in plan.argv or VLLM_CLI_MODULE in plan.argv
+    vllm = VLLM_MODULE in plan.argv or VLLM_HEADLESS_MODULE in plan.argv
     if vllm and torchcodec_broken(plan.argv[0]):
         print("kubellm engine: torchcodec cannot load here; audio inputs disabled", file=log)
         plan = with_torchcodec_shim(plan, write_torchcodec_shim(tempfile.mkdtemp("-kubellm")))

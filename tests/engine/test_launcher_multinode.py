@@ -41,7 +41,7 @@ def test_the_leader_serves_the_api_with_the_group_s_launch_flags() -> None:
 def test_a_worker_joins_headless_through_vllm_serve() -> None:
     plan = launcher.build_command(TP8_PP2, environ={**LWS_ENV, "LWS_WORKER_INDEX": "1"})
     assert not plan.serves
-    assert plan.argv[1:4] == ["-m", launcher.VLLM_CLI_MODULE, "serve"]
+    assert plan.argv[1:3] == ["-m", launcher.VLLM_HEADLESS_MODULE]
     assert "--headless" in plan.argv and flag(plan.argv, "--node-rank") == "1"
 
 

@@ -154,8 +154,8 @@ def test_vllms_parser_reads_each_nodes_command_line_as_meant(vllm_parser, shape:
     for rank in range(nodes):
         environ = {"LWS_LEADER_ADDRESS": "big-lws-0.big-lws", "LWS_WORKER_INDEX": str(rank)}
         argv = launcher.build_command(target, environ=environ).argv
-        options = argv[argv.index("serve") + 1 :] if rank else argv[3:]
-        parsed = vllm_parser.parse_args(options)
+        assert argv[2] == (launcher.VLLM_HEADLESS_MODULE if rank else launcher.VLLM_MODULE)
+        parsed = vllm_parser.parse_args(argv[3:])
         args = AsyncEngineArgs.from_cli_args(parsed)
         assert (parsed.headless, args.nnodes, args.node_rank) == (rank > 0, nodes, rank)
         assert (args.master_addr, args.distributed_executor_backend) == ("big-lws-0.big-lws", "mp")
