@@ -58,6 +58,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a replica spanning nodes: the leader's address (default: LWS_LEADER_ADDRESS)",
     )  # fmt: skip
     parser.add_argument(
+        "--master-port", type=int, default=29501, metavar="PORT",
+        help="a replica spanning nodes: the leader's torch.distributed port",
+    )  # fmt: skip
+    parser.add_argument(
         "--train-steps", type=int, metavar="N",
         help="tiny-model: training steps on the bundled corpus (default: a few seconds' worth; "
         "0: random weights)",
@@ -129,7 +133,7 @@ def _vllm(args: argparse.Namespace) -> int:
         host = args.host or "0.0.0.0"
         plan = launcher.build_command(
             target, port=args.port, host=host, kv_events_port=args.kv_events_port,
-            node_rank=args.node_rank, master_addr=args.master_addr,
+            node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
         )  # fmt: skip
     except launcher.LaunchError as error:
         print(f"kubellm engine: {error}", file=sys.stderr)

@@ -129,6 +129,7 @@ class GroupRank:
     nodes: int
     node_rank: int  # 0: the leader, which serves the API
     master_addr: str  # the leader's address, where torch.distributed meets
+    master_port: int = MASTER_PORT
 
 
 def group_rank(
@@ -137,6 +138,7 @@ def group_rank(
     *,
     node_rank: int | None = None,
     master_addr: str | None = None,
+    master_port: int = MASTER_PORT,
 ) -> GroupRank | None:
     """This pod's rank in its group (None for a one-node replica): from the flags, else from
     what the LeaderWorkerSet controller sets (LWS_WORKER_INDEX, LWS_LEADER_ADDRESS)."""
@@ -160,7 +162,7 @@ def group_rank(
         )
     if not 0 <= node_rank < nodes:
         raise LaunchError(f"node rank {node_rank} is outside 0-{nodes - 1} (spec.resources.nodes)")
-    return GroupRank(nodes, node_rank, master_addr)
+    return GroupRank(nodes, node_rank, master_addr, master_port)
 
 
 def parallel_args(spec: LLMDeploymentSpec, rank: GroupRank | None) -> list[str]:
@@ -178,7 +180,7 @@ def parallel_args(spec: LLMDeploymentSpec, rank: GroupRank | None) -> list[str]:
     if rank is not None:
         argv += ["--distributed-executor-backend", "mp", "--nnodes", str(rank.nodes),
                  "--node-rank", str(rank.node_rank), "--master-addr", rank.master_addr,
-                 "--master-port", str(MASTER_PORT)]  # fmt: skip
+                 "--master-port", str(rank.master_port)]  # fmt: skip
         if rank.node_rank > 0:
             argv.append("--headless")
     return argv
@@ -368,6 +370,7 @@ def build_command(
     node_bytes: int | None = None,
     node_rank: int | None = None,
     master_addr: str | None = None,
+    master_port: int = MASTER_PORT,
 ) -> LaunchPlan:
     """The vLLM OpenAI server command for `target`; every engine field maps to one flag.
     `node_bytes`: the NUMA node's memory, for a CPU engine's reservation (default: read).
@@ -384,7 +387,9 @@ def build_command(
             f"spec.engine.blockSize {engine.block_size}: vLLM's CPU backend needs a multiple "
             f"of {CPU_BLOCK_MULTIPLE}"
         )
-    rank = group_rank(spec, environ, node_rank=node_rank, master_addr=master_addr)
+    rank = group_rank(
+        spec, environ, node_rank=node_rank, master_addr=master_addr, master_port=master_port
+    )
     worker = rank is not None and rank.node_rank > 0
     argv = [python, "-m", VLLM_HEADLESS_MODULE if worker else VLLM_MODULE, "--model", model,
             *model_args]  # fmt: skip
