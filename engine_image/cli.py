@@ -70,7 +70,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--profile",
         help="llama-3.1-8b-h100 (the default), llama-3.1-8b-a100, llama-3.1-8b-l4, "
-        "llama-3.1-70b-4xh100, or tiny-cpu (the default for a --spec with resources.gpu.count 0)",
+        "llama-3.1-70b-4xh100, llama-3.1-405b-2x8xh100, or tiny-cpu (the default for a --spec "
+        "with resources.gpu.count 0)",
     )
     sim.add_argument(
         "--slowdown", type=float, default=1.0, metavar="X",
