@@ -209,9 +209,13 @@ def _rolled_out(deployment: Mapping[str, Any] | None) -> bool:
 
 
 def _template_revision(deployment: Mapping[str, Any] | None) -> str | None:
+    """The revision a Deployment's pod template (a LeaderWorkerSet's leader template) runs."""
     if deployment is None:
         return None
-    template = (deployment.get("spec") or {}).get("template") or {}
+    spec = deployment.get("spec") or {}
+    template = (
+        spec.get("template") or (spec.get("leaderWorkerTemplate") or {}).get("leaderTemplate") or {}
+    )
     return ((template.get("metadata") or {}).get("annotations") or {}).get(
         builders.SPEC_HASH_ANNOTATION
     )

@@ -161,3 +161,62 @@ async def test_going_back_to_one_node_replaces_the_groups_with_a_deployment(emul
         )
         await wait_for(lambda: current(emulator, DEPLOYMENTS, ENGINE), what="a Deployment")
         await wait_for(lambda: current(emulator, LWS, GROUPS) is None, what="the LWS deleted")
+
+
+async def test_a_canary_runs_as_a_second_leader_worker_set_and_is_promoted_by_group(
+    emulator, api_client
+):
+    from .test_canary import FakeGateway
+
+    install_lws(emulator)
+    gateway = FakeGateway()
+    document = manifest(EXAMPLE)
+    document["spec"]["replicas"] = 4
+    document["spec"]["rollout"] = {
+        "strategy": "Canary",
+        "steps": [{"weight": 10, "pauseSeconds": 0}, {"weight": 50, "pauseSeconds": 0}],
+        "analysis": {"minRequests": 20},
+    }
+    canary = "llama-405b-canary-lws"
+
+    def groups(name: str) -> int | None:
+        lws = current(emulator, LWS, name)
+        return None if lws is None else lws["spec"]["replicas"]
+
+    async def ready(name: str) -> None:
+        n = groups(name)
+        status = {"replicas": n, "readyReplicas": n, "updatedReplicas": n}
+        path = f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NS}/leaderworkersets/{name}"
+        await patch(api_client, f"{path}/status", {"status": status})
+
+    def rollout() -> dict:
+        return llmd_status(emulator).get("rollout") or {}
+
+    async with running_operator(emulator, figures=gateway, rollout_seconds=0.1):
+        await create(api_client, document)
+        await wait_for(lambda: groups(GROUPS) == 4, what="the stable groups")
+        await ready(GROUPS)
+        await wait_for(lambda: rollout().get("phase") == "Stable", what="Stable")
+        old = template_hash(current(emulator, LWS, GROUPS))
+        source = "hf://meta-llama/Llama-3.1-405B-Instruct-v2"
+        await patch(api_client, LLMD_PATH, {"spec": {"model": {"source": source}}})
+        await wait_for(lambda: groups(canary) == 1, what="a canary group (10% of 4)")
+        new = template_hash(current(emulator, LWS, canary))
+        assert new != old and template_hash(current(emulator, LWS, GROUPS)) == old
+        service = await wait_for(lambda: current(emulator, SERVICES, "llama-405b-engine-canary"))
+        assert service["spec"]["selector"]["kubellm.io/role"] == "leader"
+        await ready(canary)
+        await wait_for(lambda: rollout().get("stepStartedAt"), what="step 1's window")
+        gateway.serve(old, 270)
+        gateway.serve(new, 30)
+        await wait_for(lambda: groups(canary) == 2 and groups(GROUPS) == 2, what="50% by group")
+        assert template_hash(current(emulator, LWS, GROUPS)) == old  # scaled, not rebuilt
+        await ready(canary)
+        await wait_for(lambda: rollout().get("step") == 2 and rollout().get("stepStartedAt"))
+        gateway.serve(old, 100)
+        gateway.serve(new, 100)
+        await wait_for(lambda: template_hash(current(emulator, LWS, GROUPS)) == new,
+                       what="the stable groups on the new revision")  # fmt: skip
+        await ready(GROUPS)
+        await wait_for(lambda: current(emulator, LWS, canary) is None, what="the canary gone")
+        await wait_for(lambda: rollout().get("phase") == "Stable", what="Stable again")
