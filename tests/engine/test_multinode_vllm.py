@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.engines import REPO_ROOT, free_port, running_vllm, tiny_spec
+from tests.fixtures.engines import REPO_ROOT, free_port, running_vllm, stop_launcher, tiny_spec
 
 pytestmark = pytest.mark.vllm
 
@@ -35,13 +34,7 @@ def headless_worker(spec_file: Path, master_port: int, log_path: Path) -> Iterat
     try:
         yield process
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+        stop_launcher(process)
 
 
 def test_a_two_node_pipeline_group_answers_through_its_leader(
