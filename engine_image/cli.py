@@ -48,6 +48,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "gives each replica its own)",
     )  # fmt: skip
     parser.add_argument(
+        "--node-rank", type=int, metavar="N",
+        help="a replica spanning nodes (spec.resources.nodes > 1): this process's rank, 0 the "
+        "leader that serves the API (default: LWS_WORKER_INDEX, set by the LeaderWorkerSet "
+        "controller)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--master-addr", metavar="HOST",
+        help="a replica spanning nodes: the leader's address (default: LWS_LEADER_ADDRESS)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--master-port", type=int, default=29501, metavar="PORT",
+        help="a replica spanning nodes: the leader's torch.distributed port",
+    )  # fmt: skip
+    parser.add_argument(
         "--train-steps", type=int, metavar="N",
         help="tiny-model: training steps on the bundled corpus (default: a few seconds' worth; "
         "0: random weights)",
@@ -56,7 +70,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--profile",
         help="llama-3.1-8b-h100 (the default), llama-3.1-8b-a100, llama-3.1-8b-l4, "
-        "llama-3.1-70b-4xh100, or tiny-cpu (the default for a --spec with resources.gpu.count 0)",
+        "llama-3.1-70b-4xh100, llama-3.1-405b-2x8xh100, or tiny-cpu (the default for a --spec "
+        "with resources.gpu.count 0)",
     )
     sim.add_argument(
         "--slowdown", type=float, default=1.0, metavar="X",
@@ -118,14 +133,16 @@ def _vllm(args: argparse.Namespace) -> int:
             target = launcher.EngineTarget(target.spec, args.served_model_name)
         host = args.host or "0.0.0.0"
         plan = launcher.build_command(
-            target, port=args.port, host=host, kv_events_port=args.kv_events_port
-        )
+            target, port=args.port, host=host, kv_events_port=args.kv_events_port,
+            node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+        )  # fmt: skip
     except launcher.LaunchError as error:
         print(f"kubellm engine: {error}", file=sys.stderr)
         return 1
     port = plan.argv[plan.argv.index("--port") + 1]
     probe_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return launcher.run(plan, health_url=f"http://{probe_host}:{port}/health")
+    health = f"http://{probe_host}:{port}/health" if plan.serves else None
+    return launcher.run(plan, health_url=health)
 
 
 def sim_profile(name: str | None, spec: str | None) -> tuple[sim_profiles.Profile, str | None]:

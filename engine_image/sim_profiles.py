@@ -27,6 +27,11 @@ peak spread over the GPUs, 2,000 tokens of a sequence's KV per decode token; ten
 parallelism adds two all-reduces per layer per step and ~15% prefill loss). The formula
 gives the H100 profile's figures within 5% (tested), so the profiles compare fairly.
 
+`llama-3.1-405b-2x8xh100` adds pipeline parallelism (`_derived(pipeline=2)`): a step visits
+the two stages in turn and pays one hop between nodes. It is conservative: a real engine
+keeps two batches in flight so both stages work at once, which this one-step-at-a-time
+model does not.
+
 `slowed(factor)` multiplies every step cost (a throttled card, a noisy neighbour):
 `kubellm engine --slowdown 1.5`, `kubellm up --sim-slowdown 1,1.5`.
 
@@ -135,6 +140,10 @@ DECODE_CONTEXT_TOKENS = 2000
 # prefill loses ~15% to the same all-reduces on larger messages.
 ALLREDUCE_S = 10e-6
 TP_PREFILL_EFFICIENCY = 0.85
+# Pipeline parallel across nodes: a step visits the stages in turn (each streams its share
+# of the weights), with one send of the activations between stages over the network
+# (kubellm.capacity.Interconnect: ~15 us on 400 Gb/s InfiniBand or RoCE).
+PIPELINE_HOP_S = capacity.Interconnect().inter_node_latency_s
 
 
 def _derived(
@@ -148,19 +157,23 @@ def _derived(
     source: str,
     block_size: int = 16,
     max_num_seqs: int = 256,
+    pipeline: int = 1,
 ) -> Profile:
-    """A profile from the datasheet figures of `gpus` GPUs serving `model` in bf16."""
+    """A profile from the datasheet figures of `gpus` GPUs serving `model` in bf16, in
+    `pipeline` stages of gpus / pipeline tensor-parallel GPUs."""
     shape = capacity.known_model(model)
     weights = capacity.weight_bytes(shape.params, "bf16")
     per_token = capacity.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, 2)
     pool = capacity.kv_pool_bytes(gpus * gpu_gib * capacity.GIB, 0.9, weights)
     bandwidth = bandwidth_gbps * capacity.GB  # bytes/s of one GPU; weights split over gpus
-    tp = gpus > 1
-    step_base = weights / gpus / (bandwidth * BANDWIDTH_SHARE)
+    tensor = gpus // pipeline
+    tp = tensor > 1
+    step_base = pipeline * weights / gpus / (bandwidth * BANDWIDTH_SHARE)  # stages in turn
     step_base += 2 * shape.num_layers * ALLREDUCE_S if tp else 0.0
-    prefill = 2 * shape.params / (gpus * bf16_tflops * 1e12 * FLOPS_SHARE)
+    step_base += (pipeline - 1) * PIPELINE_HOP_S
+    prefill = 2 * shape.params / (tensor * bf16_tflops * 1e12 * FLOPS_SHARE)
     prefill /= TP_PREFILL_EFFICIENCY if tp else 1.0
-    decode = DECODE_CONTEXT_TOKENS * per_token / gpus / bandwidth
+    decode = DECODE_CONTEXT_TOKENS * per_token / tensor / bandwidth
     return Profile(
         name=name,
         block_size=block_size,
@@ -215,6 +228,23 @@ def _h100x4_70b() -> Profile:
     )  # fmt: skip
 
 
+def _h100x16_405b() -> Profile:
+    # Llama 3.1 405B in bf16 (812 GB of weights; KV 2 x 126 layers x 8 KV heads x 128 x 2 B
+    # = 504 KiB per token) on 2 nodes of 8 H100 SXM 80 GB: tensor parallel 8 in a node,
+    # pipeline parallel 2 across. Pool 16 x 80 GiB x 0.9 - 812 GB = 425 GB = about 51,000
+    # blocks. Step base: two stages in turn, each GPU streaming 1/16 of the weights,
+    # 2 x 50.7 GB / (0.7 x 3.35 TB/s) = 43.3 ms, plus 252 all-reduces x 10 us and one hop
+    # of 15 us = 45.8 ms (published 405B bf16 ITL on 2 x 8 H100 at low batch: 40-60 ms);
+    # prefill 2 x 405.9e9 FLOP / (8 x 494 TFLOPS x 0.85) = 242 us per token (a chunk
+    # visits both stages in turn); decode 2,000 x 504 KiB / 8 / 3.35 TB/s = 0.04 ms.
+    return _derived(
+        "llama-3.1-405b-2x8xh100", "llama-3.1-405b", gpus=16, gpu_gib=80,
+        bandwidth_gbps=3350, bf16_tflops=989, pipeline=2,
+        source="kubellm.capacity + NVIDIA H100 SXM datasheet x 16, tensor parallel 8 x "
+        "pipeline parallel 2 (3.35 TB/s, 989 TFLOPS bf16 each)",
+    )  # fmt: skip
+
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
@@ -222,6 +252,7 @@ PROFILES: dict[str, Profile] = {
         _a100_8b(),
         _l4_8b(),
         _h100x4_70b(),
+        _h100x16_405b(),
         Profile(
             name="tiny-cpu",
             block_size=32,  # vLLM's CPU attention needs a multiple of 32

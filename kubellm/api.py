@@ -15,7 +15,7 @@ message, whichever side rejects the manifest.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -44,6 +44,17 @@ _QUANTITY = re.compile(QUANTITY_PATTERN)
 # Integers in a manifest are int64 on the API server (int32 for replica counts).
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
+
+# Bounds on strings, lists and maps, far above real use. A real API server estimates the
+# cost of a CEL rule from them (an unbounded string or list counts as the whole request,
+# 3 MiB) and refuses a CRD whose rules' estimated cost is over its budget; bounds also keep
+# what one manifest may make the operator hold (tests/unit/test_crd.py walks the schema).
+MAX_URL = 2048  # a model or adapter source, the fallback URL
+MAX_NAME = 253  # a Kubernetes object name (DNS subdomain), a model name
+MAX_VALUE = 4096  # a free string: an image reference, one engine argument
+MAX_ARGS = 256  # spec.engine.extraArgs
+MAX_ENTRIES = 64  # tolerations, nodeSelector entries
+MAX_STATUS_SAMPLES = 4096  # the autoscaler's windows: <= 3600 s at one sample per period
 
 
 class Rule:
@@ -135,6 +146,7 @@ class ModelSpec(_Model):
     )
 
     source: str = Field(
+        max_length=MAX_URL,
         description="Where the weights come from: hf://org/name[@revision], "
         "pvc://claim/path, file:///path or s3://bucket/path.",
     )
@@ -178,15 +190,24 @@ class SpeculativeDecoding(_Model):
         description="Speculation method (vLLM speculative_config.method)."
     )
     model: str | None = Field(
-        default=None, description="Draft or head model, when the method needs one."
+        default=None, max_length=MAX_URL, description="Draft or head model, when one is needed."
     )
     num_speculative_tokens: int = Field(default=3, ge=1, le=16)
     prompt_lookup_max: int | None = Field(default=None, ge=1, description="ngram only.")
 
 
 # The vLLM arguments the launcher derives from the spec: extraArgs may not set them again.
-OWNED_ENGINE_ARGS = ("--model", "--port", "--host", "--served-model-name", "--tensor-parallel-size")
-OWNED_SHORT_ARGS = {"-tp": "--tensor-parallel-size"}
+OWNED_ENGINE_ARGS = (
+    "--model", "--port", "--host", "--served-model-name", "--tensor-parallel-size",
+    # the replica's shape and, across pods, its launch (launcher.parallel_args)
+    "--pipeline-parallel-size", "--data-parallel-size", "--enable-expert-parallel",
+    "--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless",
+    "--distributed-executor-backend",
+)  # fmt: skip
+OWNED_SHORT_ARGS = {
+    "-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size",
+    "-dp": "--data-parallel-size", "-n": "--nnodes", "-r": "--node-rank",
+}  # fmt: skip
 
 
 def owned_engine_arg(arg: str) -> str | None:
@@ -230,7 +251,12 @@ class EngineSpec(_Model):
         ),
     )
 
-    image: str = Field(default=DEFAULT_ENGINE_IMAGE, min_length=1, description="Engine image.")
+    image: str = Field(
+        default=DEFAULT_ENGINE_IMAGE,
+        min_length=1,
+        max_length=MAX_VALUE,
+        description="Engine image.",
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto", description="Weight and activation dtype."
     )
@@ -245,7 +271,35 @@ class EngineSpec(_Model):
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="Share of GPU memory vLLM may use."
     )
-    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs one replica spans.")
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="GPUs one tensor-parallel group spans (vLLM --tensor-parallel-size): every "
+        "layer split across them, an all-reduce per layer, so they stay inside one pod "
+        "(fast links).",
+    )
+    pipeline_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Pipeline stages (vLLM --pipeline-parallel-size): the layers split into "
+        "this many consecutive groups of tensorParallelSize GPUs; stages may sit on different "
+        "pods (nodes), passing activations once per step.",
+    )
+    data_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Data-parallel ranks in one replica (vLLM --data-parallel-size): each a "
+        "full copy of the attention with its own KV cache and batch; with expertParallel, "
+        "the experts of a mixture-of-experts model spread over every rank (wide EP).",
+    )
+    expert_parallel: bool = Field(
+        default=False,
+        description="Split a mixture-of-experts model's experts across the replica's GPUs "
+        "instead of tensor-splitting each expert (vLLM --enable-expert-parallel).",
+    )
     prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prefixes.")
     chunked_prefill: ChunkedPrefill = _nested(ChunkedPrefill, "Chunked prefill settings.")
     speculative: SpeculativeDecoding | None = Field(
@@ -265,12 +319,15 @@ class EngineSpec(_Model):
         description="Largest adapter rank the engine accepts (vLLM --max-lora-rank, default 16).",
     )
     port: int = Field(default=8000, ge=1, le=65535, description="Engine HTTP port.")
-    extra_args: list[str] = Field(
+    extra_args: list[Annotated[str, Field(max_length=MAX_VALUE)]] = Field(
         default_factory=list,
+        max_length=MAX_ARGS,
         json_schema_extra={"default": []},
         description="Extra vLLM arguments, passed last, unchanged. The arguments the "
-        "launcher derives from the spec (--model, --port, --host, --served-model-name, "
-        "--tensor-parallel-size, -tp) are refused in any spelling vLLM accepts.",
+        "launcher derives from the spec (--model, --port, --host, --served-model-name, the "
+        "parallel sizes -tp/-pp/-dp, --enable-expert-parallel, and the multi-node launch: "
+        "--nnodes, --node-rank, --master-addr, --master-port, --headless, "
+        "--distributed-executor-backend) are refused in any spelling vLLM accepts.",
     )
 
 
@@ -278,8 +335,13 @@ class EngineSpec(_Model):
 
 
 class GPUResources(_Model):
-    count: int = Field(default=1, ge=0, description="GPUs per replica (0: CPU engine).")
-    resource_name: str = Field(default="nvidia.com/gpu", min_length=1)
+    count: int = Field(
+        default=1,
+        ge=0,
+        le=64,
+        description="GPUs of one pod (0: CPU engine); a replica has count x spec.resources.nodes.",
+    )
+    resource_name: str = Field(default="nvidia.com/gpu", min_length=1, max_length=MAX_NAME)
     memory_gib: float | None = Field(
         default=None, gt=0, alias="memoryGiB", description="Memory of one GPU, for capacity."
     )
@@ -289,15 +351,25 @@ class GPUResources(_Model):
 
 
 class Resources(_Model):
-    gpu: GPUResources = _nested(GPUResources, "GPUs per replica.")
+    gpu: GPUResources = _nested(GPUResources, "GPUs of one pod.")
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Pods (one per node) one replica spans. Over 1, each replica is a "
+        "LeaderWorkerSet group: the leader serves the API, the others join it headless "
+        "(the LeaderWorkerSet controller must be installed; docs/operations.md).",
+    )
     cpu: str | None = Field(
         default=None,
         description="CPU request, a Kubernetes quantity: '8', '500m'.",
+        max_length=64,
         json_schema_extra={"pattern": QUANTITY_PATTERN},
     )
     memory: str | None = Field(
         default=None,
         description="Memory request, a Kubernetes quantity: '64Gi', '512Mi', '4G'.",
+        max_length=64,
         json_schema_extra={"pattern": QUANTITY_PATTERN},
     )
 
@@ -337,8 +409,14 @@ class Autoscaling(_Model):
     target_queue_depth: float = Field(
         default=4, gt=0, description="Waiting requests per replica to aim for."
     )
-    scale_up_stabilization_seconds: int = Field(default=0, ge=0)
-    scale_down_stabilization_seconds: int = Field(default=300, ge=0)
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=3600,
+        description="How long a lower recommendation must hold before replicas are removed "
+        "(at most an hour, as the HorizontalPodAutoscaler's window).",
+    )
     scale_to_zero: bool = Field(default=False, description="Allow zero replicas when idle.")
     idle_seconds_before_zero: int = Field(default=600, ge=0)
     target_requests_per_replica: float | None = Field(
@@ -556,8 +634,8 @@ class Routing(_Model):
 
 
 class SecretKeyRef(_Model):
-    name: str = Field(min_length=1)
-    key: str = Field(default="api-key", min_length=1)
+    name: str = Field(min_length=1, max_length=MAX_NAME)
+    key: str = Field(default="api-key", min_length=1, max_length=MAX_NAME)
 
 
 class Fallback(_Model):
@@ -581,14 +659,19 @@ class Fallback(_Model):
         ),
     )
 
-    url: str | None = Field(default=None, description="Base URL of an OpenAI-compatible API.")
-    model: str | None = Field(default=None, description="Model name at the fallback API.")
+    url: str | None = Field(
+        default=None, max_length=MAX_URL, description="Base URL of an OpenAI-compatible API."
+    )
+    model: str | None = Field(
+        default=None, max_length=MAX_NAME, description="Model name at the fallback API."
+    )
     api_key_secret_ref: SecretKeyRef | None = Field(
         default=None, description="Secret key holding the fallback API key."
     )
     max_concurrency: int = Field(default=64, ge=1)
     triggers: list[Literal["saturated", "no-ready-replicas"]] = Field(
         default_factory=lambda: ["saturated", "no-ready-replicas"],
+        max_length=8,
         json_schema_extra={"default": ["saturated", "no-ready-replicas"]},
         description="When to send a request to the fallback.",
     )
@@ -603,12 +686,16 @@ class SLO(_Model):
 
 
 class Scheduling(_Model):
-    node_selector: dict[str, str] = Field(default_factory=dict, json_schema_extra={"default": {}})
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, max_length=MAX_ENTRIES, json_schema_extra={"default": {}}
+    )
     tolerations: list[dict[str, Any]] = Field(
-        default_factory=list, json_schema_extra={"default": [], "items": {"type": "object"}}
+        default_factory=list,
+        max_length=MAX_ENTRIES,
+        json_schema_extra={"default": [], "items": {"type": "object"}},
     )
     affinity: dict[str, Any] | None = None
-    priority_class_name: str | None = None
+    priority_class_name: str | None = Field(default=None, max_length=MAX_NAME)
 
 
 # The most canary steps a rollout lists: bounds the CEL rules' cost (the ordering rule is
@@ -769,8 +856,27 @@ class LLMDeploymentSpec(_Model):
         Rule(
             "self.engine.tensorParallelSize <= "
             "(self.resources.gpu.count == 0 ? 1 : self.resources.gpu.count)",
-            "spec.engine.tensorParallelSize must not exceed spec.resources.gpu.count",
+            "spec.engine.tensorParallelSize must not exceed spec.resources.gpu.count (a "
+            "tensor-parallel group stays inside one pod)",
             ".engine.tensorParallelSize",
+        ),
+        Rule(
+            "(self.resources.nodes == 1 && self.engine.pipelineParallelSize == 1 "
+            "&& self.engine.dataParallelSize == 1) || self.engine.tensorParallelSize * "
+            "self.engine.pipelineParallelSize * self.engine.dataParallelSize == "
+            "(self.resources.gpu.count == 0 ? 1 : self.resources.gpu.count) * "
+            "self.resources.nodes",
+            "spec.engine.tensorParallelSize x spec.engine.pipelineParallelSize x "
+            "spec.engine.dataParallelSize must equal spec.resources.gpu.count x "
+            "spec.resources.nodes (one rank per GPU of the replica)",
+            ".engine.pipelineParallelSize",
+        ),
+        Rule(
+            "self.resources.nodes == 1 || self.resources.gpu.count == 0 || "
+            "self.resources.gpu.count % self.engine.tensorParallelSize == 0",
+            "spec.resources.gpu.count must be a multiple of spec.engine.tensorParallelSize "
+            "when spec.resources.nodes is over 1 (no tensor-parallel group spans two pods)",
+            ".resources.gpu.count",
         ),
         Rule(
             "!has(self.adapters) || self.adapters.all(a, self.adapters.exists_one(b, "
@@ -831,6 +937,8 @@ class Capacity(_Status):
     kv_bytes_per_request: int | None = None
     weight_bytes: int | None = None
     kv_pool_bytes: int | None = None
+    weight_bytes_per_gpu: int | None = Field(default=None, alias="weightBytesPerGPU")
+    kv_pool_bytes_per_gpu: int | None = Field(default=None, alias="kvPoolBytesPerGPU")
     max_concurrent_sequences: int | None = None
     decode_tokens_per_second_bound: float | None = None
 
@@ -868,17 +976,22 @@ class AutoscalerStatus(_Status):
     kv_cache_usage: float | None = Field(default=None, alias="kvCacheUsage")
     queue_depth: float | None = None
     recommendations: list[AutoscalerRecommendation] | None = Field(
-        default=None, description="Recommendations inside the scale-down window."
+        default=None,
+        max_length=MAX_STATUS_SAMPLES,
+        description="Recommendations inside the scale-down window.",
     )
     idle_since: str | None = Field(default=None, description="Start of the idle period.")
     request_rate: float | None = Field(
         default=None, description="Requests per second arriving at the gateway (last 30 s)."
     )
     request_samples: list[AutoscalerRequestSample] | None = Field(
-        default=None, description="The gateway's request counts inside the rate window."
+        default=None,
+        max_length=MAX_STATUS_SAMPLES,
+        description="The gateway's request counts inside the rate window.",
     )
     gateway_samples: list[AutoscalerGatewaySample] | None = Field(
         default=None,
+        max_length=MAX_STATUS_SAMPLES,
         description="The gateway's admitted, fallback and replica-answered counts inside the "
         "scale-down window.",
     )
@@ -942,8 +1055,9 @@ class RolloutStatus(_Status):
     step_started_at: str | None = Field(
         default=None, description="When the current step's window began (canary ready)."
     )
-    baseline: dict[str, dict[str, float]] | None = Field(
+    baseline: dict[str, Annotated[dict[str, float], Field(max_length=MAX_ENTRIES)]] | None = Field(
         default=None,
+        max_length=MAX_ENTRIES,
         description="The gateway's cumulative counters per revision when the window began.",
     )
     verdict: RolloutVerdict | None = None
@@ -959,6 +1073,7 @@ class RolloutStatus(_Status):
 class LLMDeploymentStatus(_Status):
     conditions: list[Condition] = Field(
         default_factory=list,
+        max_length=16,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     replicas: int | None = None
@@ -969,6 +1084,7 @@ class LLMDeploymentStatus(_Status):
     autoscaler: AutoscalerStatus | None = None
     adapters: list[AdapterStatus] | None = Field(
         default=None,
+        max_length=MAX_ADAPTERS,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
         description="Each adapter of spec.adapters: on how many ready replicas it is loaded "
         "(written by the autoscaler).",

@@ -65,6 +65,12 @@ class ModelShape:
     max_context: int | None = None  # max_position_embeddings, when known
     name: str = "custom"
     num_attention_heads: int | None = None  # query heads, when known (tensor-parallel check)
+    expert_fraction: float = 0.0  # share of the parameters in MoE experts (0: dense)
+
+    @property
+    def hidden_size(self) -> int | None:
+        """The residual stream's width (query heads x head dim), when the heads are known."""
+        return self.num_attention_heads * self.head_dim if self.num_attention_heads else None
 
 
 def estimate_params(config: Mapping[str, Any]) -> float:
@@ -128,6 +134,7 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "llama-2-7b": _llama(4096, 11008, 32, 32, 32, 32000, 4096),
     "llama-3.1-8b": _llama(4096, 14336, 32, 32, 8, 128256, 131072),
     "llama-3.1-70b": _llama(8192, 28672, 80, 64, 8, 128256, 131072),
+    "llama-3.1-405b": _llama(16384, 53248, 126, 128, 8, 128256, 131072),
     "mistral-7b": _llama(4096, 14336, 32, 32, 8, 32000, 32768),
     "qwen2.5-7b": _llama(3584, 18944, 28, 28, 4, 152064, 32768),
 }
@@ -246,6 +253,87 @@ def break_even_utilization(
 
 
 @dataclass(frozen=True)
+class Interconnect:
+    """The links a replica's GPUs talk over, for the communication terms of a decode step.
+
+    Defaults are an H100 node (NVLink 4: 450 GB/s each way; a small NCCL all-reduce costs
+    about 8 us of latency) and a 400 Gb/s InfiniBand or RoCE network between nodes (50 GB/s,
+    about 15 us per send). Decode messages are small, so latency dominates."""
+
+    intra_node_gbps: float = 450.0
+    intra_node_latency_s: float = 8e-6
+    inter_node_gbps: float = 50.0
+    inter_node_latency_s: float = 15e-6
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """The shape of one replica: tensor x pipeline x data parallel ranks, one per GPU."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+    expert: bool = False  # experts split over every rank (needs ModelShape.expert_fraction)
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+
+def weight_bytes_per_gpu(weights: float, shape: ModelShape, par: Parallelism) -> float:
+    """Weights one GPU holds: each DP rank a full copy split over TP x PP GPUs, except,
+    with expert parallelism, the experts, which are split over all TP x PP x DP GPUs."""
+    dense = weights * (1 - shape.expert_fraction) / (par.tensor * par.pipeline)
+    experts = weights * shape.expert_fraction / (par.tensor * par.pipeline)
+    return dense + (experts / par.data if par.expert else experts)
+
+
+def kv_bytes_per_token_per_gpu(shape: ModelShape, kv_bytes: int, par: Parallelism) -> int:
+    """KV one token holds on one GPU: its stage's layers (layers / PP, rounded up) and its
+    share of the KV heads (split over TP, or one replicated head when TP exceeds them)."""
+    layers = math.ceil(shape.num_layers / par.pipeline)
+    heads = math.ceil(shape.num_kv_heads / par.tensor)
+    return kv_bytes_per_token(layers, heads, shape.head_dim, kv_bytes)
+
+
+def allreduce_seconds_per_token(
+    shape: ModelShape, par: Parallelism, link: Interconnect, value_bytes: int = 2
+) -> float:
+    """Tensor parallelism's cost in one decode step of one sequence: two all-reduces per
+    layer (after attention and after the MLP) of one hidden vector, each a latency plus a
+    ring's 2 (TP - 1) / TP of the vector over NVLink. Zero without tensor parallelism."""
+    if par.tensor == 1:
+        return 0.0
+    moved = 2 * (par.tensor - 1) / par.tensor * (shape.hidden_size or 0) * value_bytes
+    return 2 * shape.num_layers * (link.intra_node_latency_s + moved / (link.intra_node_gbps * GB))
+
+
+def pipeline_hop_seconds(
+    shape: ModelShape, par: Parallelism, link: Interconnect, value_bytes: int = 2
+) -> float:
+    """Pipeline parallelism's cost in one decode step: PP - 1 sends of the activations
+    between stages (across nodes)."""
+    vector = (shape.hidden_size or 0) * value_bytes
+    return (par.pipeline - 1) * (link.inter_node_latency_s + vector / (link.inter_node_gbps * GB))
+
+
+def decode_step_seconds(
+    shape: ModelShape, weights: float, bandwidth_gbps: float, par: Parallelism,
+    link: Interconnect = Interconnect(),
+) -> float:  # fmt: skip
+    """One decode step of one sequence: each stage in turn streams its GPUs' weights (the
+    stages run one after another for a token: a pipeline's bubble, which only PP batches in
+    flight fill), plus the all-reduces and the hops between stages."""
+    per_gpu = weight_bytes_per_gpu(weights, shape, par)
+    streaming = par.pipeline * per_gpu / (bandwidth_gbps * GB)
+    return (
+        streaming
+        + allreduce_seconds_per_token(shape, par, link)
+        + pipeline_hop_seconds(shape, par, link)
+    )
+
+
+@dataclass(frozen=True)
 class GPUProfile:
     memory_gib: float = 80.0
     usable_fraction: float = 0.9
@@ -275,6 +363,10 @@ class Plan:
     replicas_needed: int | None
     cost_per_million_tokens: float | None
     break_even_utilization: float | None
+    weight_bytes_per_gpu: int = 0
+    kv_pool_bytes_per_gpu: int = 0
+    allreduce_seconds_per_token: float = 0.0
+    pipeline_hop_seconds: float = 0.0
 
 
 def plan(
@@ -285,8 +377,15 @@ def plan(
     kv_dtype: str = "bf16",
     weights_override: int | None = None,
     tensor_parallel: int = 1,
+    parallel: Parallelism | None = None,
+    link: Interconnect = Interconnect(),
 ) -> Plan:
-    """Size one replica (on `tensor_parallel` GPUs) and the fleet for a workload."""
+    """Size one replica (on `tensor_parallel` GPUs, or the TP x PP x DP GPUs of `parallel`)
+    and the fleet for a workload. The KV pool is per GPU (usable memory less that GPU's
+    weights); a sequence's KV is spread over one DP rank's TP x PP GPUs, so each DP rank
+    holds pool / (KV per token per GPU x context) sequences."""
+    par = parallel or Parallelism(tensor=tensor_parallel)
+    tensor_parallel = par.tensor
     if workload.context_tokens < 1:
         raise CapacityError("context tokens must be at least 1")
     check_tensor_parallel(shape, tensor_parallel)
@@ -304,8 +403,19 @@ def plan(
         if weights_override is not None
         else weight_bytes(shape.params, shape.dtype)
     )
-    pool = kv_pool_bytes(gpu.memory_gib * GIB * tensor_parallel, gpu.usable_fraction, weights)
-    seqs = max_concurrent_sequences(pool, per_request)
+    per_gpu = weight_bytes_per_gpu(weights, shape, par)
+    try:
+        pool_per_gpu = kv_pool_bytes(gpu.memory_gib * GIB, gpu.usable_fraction, per_gpu)
+    except CapacityError as error:
+        raise CapacityError(
+            f"{error}, or pipeline parallelism across nodes (the weights per GPU here: "
+            f"{par.tensor} x {par.pipeline} GPUs share them)"
+        ) from None
+    pool = pool_per_gpu * par.gpus
+    per_token_gpu = kv_bytes_per_token_per_gpu(shape, KV_BYTES[kv_dtype], par)
+    seqs = par.data * max_concurrent_sequences(
+        pool_per_gpu, per_token_gpu * workload.context_tokens
+    )
     if seqs < 1:
         raise CapacityError(
             f"one {workload.context_tokens}-token request needs {per_request / GIB:.2f} GiB of KV "
@@ -315,7 +425,7 @@ def plan(
     replicas = math.ceil(workload.concurrency / seqs) if workload.concurrency else None
     cost = break_even = None
     if gpu.hour_price is not None and workload.throughput_tps:
-        fleet_price = gpu.hour_price * tensor_parallel
+        fleet_price = gpu.hour_price * par.gpus
         cost = cost_per_million_tokens(fleet_price, workload.throughput_tps, workload.utilization)
         if workload.api_price_per_million:
             break_even = break_even_utilization(
@@ -328,13 +438,16 @@ def plan(
         weight_bytes=weights,
         kv_pool_bytes=pool,
         max_concurrent_sequences=seqs,
-        decode_tokens_per_second_bound=decode_tokens_per_second_bound(
-            gpu.bandwidth_gbps * tensor_parallel, weights
-        ),
-        gpus_per_replica=tensor_parallel,
+        decode_tokens_per_second_bound=1
+        / decode_step_seconds(shape, weights, gpu.bandwidth_gbps, par, link),
+        gpus_per_replica=par.gpus,
         replicas_needed=replicas,
         cost_per_million_tokens=cost,
         break_even_utilization=break_even,
+        weight_bytes_per_gpu=round(per_gpu),
+        kv_pool_bytes_per_gpu=pool_per_gpu,
+        allreduce_seconds_per_token=allreduce_seconds_per_token(shape, par, link),
+        pipeline_hop_seconds=pipeline_hop_seconds(shape, par, link),
     )
 
 
@@ -367,7 +480,12 @@ def for_spec(spec: Any) -> dict[str, Any] | None:
         ),
         Workload(context_tokens=engine.max_model_len),
         kv_dtype=kv_dtype,
-        tensor_parallel=engine.tensor_parallel_size,
+        parallel=Parallelism(
+            tensor=engine.tensor_parallel_size,
+            pipeline=engine.pipeline_parallel_size,
+            data=engine.data_parallel_size,
+            expert=engine.expert_parallel,
+        ),
     )
     out: dict[str, Any] = {
         "kvBytesPerToken": result.kv_bytes_per_token,
@@ -376,6 +494,40 @@ def for_spec(spec: Any) -> dict[str, Any] | None:
         "kvPoolBytes": result.kv_pool_bytes,
         "maxConcurrentSequences": result.max_concurrent_sequences,
     }
+    if result.gpus_per_replica > 1:
+        out["weightBytesPerGPU"] = result.weight_bytes_per_gpu
+        out["kvPoolBytesPerGPU"] = result.kv_pool_bytes_per_gpu
     if gpu.bandwidth_gbps:
         out["decodeTokensPerSecondBound"] = round(result.decode_tokens_per_second_bound, 1)
+    return out
+
+
+def shapes(gpus_per_node: int, max_nodes: int) -> list[Parallelism]:
+    """Replica shapes that use every GPU of 1..max_nodes nodes: tensor parallelism a power of
+    two inside a node, pipeline stages for the rest (fewest nodes first, then least TP)."""
+    out = []
+    for nodes in range(1, max_nodes + 1):
+        tensor = 1
+        while tensor <= gpus_per_node:
+            if gpus_per_node % tensor == 0:
+                out.append(Parallelism(tensor=tensor, pipeline=nodes * gpus_per_node // tensor))
+            tensor *= 2
+    return out
+
+
+def compare_shapes(
+    shape: ModelShape, gpu: GPUProfile, workload: Workload, candidates: list[Parallelism],
+    *, kv_dtype: str = "bf16", link: Interconnect = Interconnect(),
+) -> list[tuple[Parallelism, Plan | str]]:  # fmt: skip
+    """Each candidate's plan, or why it cannot run the model (the CapacityError's message)."""
+    out: list[tuple[Parallelism, Plan | str]] = []
+    for par in candidates:
+        if par.pipeline > shape.num_layers:
+            out.append((par, f"more stages ({par.pipeline}) than layers"))
+            continue
+        try:
+            out.append((par, plan(shape, gpu, workload, kv_dtype=kv_dtype, parallel=par,
+                                  link=link)))  # fmt: skip
+        except CapacityError as error:
+            out.append((par, str(error).split(":")[0]))
     return out

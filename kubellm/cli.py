@@ -144,6 +144,16 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
     )
     gpu.add_argument("--gpu-hour-price", type=_POSITIVE, help="dollars per GPU hour")
     gpu.add_argument("--tensor-parallel", type=_COUNT, default=1, help="GPUs per replica")
+    gpu.add_argument(
+        "--pipeline-parallel", type=_COUNT, default=1,
+        help="pipeline stages of tensor-parallel GPU groups (a replica of TP x PP GPUs)",
+    )  # fmt: skip
+    gpu.add_argument(
+        "--compare-shapes", type=_COUNT, metavar="GPUS_PER_NODE",
+        help="compare the replica shapes (TP inside a node, PP across nodes) that fill 1 to "
+        "--max-nodes nodes of this many GPUs",
+    )  # fmt: skip
+    gpu.add_argument("--max-nodes", type=_COUNT, default=4, help="with --compare-shapes")
     work = parser.add_argument_group("workload")
     work.add_argument("--context-tokens", type=_COUNT, default=4096, help="tokens per request")
     work.add_argument("--concurrency", type=_COUNT, help="concurrent requests to serve")
@@ -253,6 +263,58 @@ def _shape(args: argparse.Namespace) -> capacity.ModelShape:
     return shape
 
 
+def _gpu_and_workload(args: argparse.Namespace) -> tuple[capacity.GPUProfile, capacity.Workload]:
+    gpu = capacity.GPUProfile(
+        memory_gib=args.gpu_memory_gib,
+        usable_fraction=args.usable_fraction,
+        bandwidth_gbps=args.bandwidth_gbps,
+        hour_price=args.gpu_hour_price,
+    )
+    return gpu, capacity.Workload(context_tokens=args.context_tokens)
+
+
+def _compare_shapes(args: argparse.Namespace) -> int:
+    """A table of replica shapes: weights and KV pool per GPU, sequences per replica and per
+    GPU, one stream's decode bound; the shape with the most sequences per GPU is named."""
+    try:
+        shape = _shape(args)
+        gpu, workload = _gpu_and_workload(args)
+        rows = capacity.compare_shapes(
+            shape, gpu, workload, capacity.shapes(args.compare_shapes, args.max_nodes),
+            kv_dtype=args.kv_dtype,
+        )  # fmt: skip
+    except capacity.CapacityError as error:
+        print(f"kubellm plan: {error}", file=sys.stderr)
+        return 1
+    print(f"{shape.name}, {args.context_tokens:,}-token requests, {args.gpu_memory_gib:g} GiB "
+          f"GPUs at {args.bandwidth_gbps:g} GB/s, {args.compare_shapes} per node")  # fmt: skip
+    print("| nodes | TP | PP | weights/GPU | KV pool/GPU | seqs/replica | seqs/GPU | "
+          "decode tok/s/stream |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    fits = []
+    for par, result in rows:
+        nodes = par.gpus // args.compare_shapes
+        if isinstance(result, str):
+            print(f"| {nodes} | {par.tensor} | {par.pipeline} | {result} | | | | |")
+            continue
+        per_gpu = result.max_concurrent_sequences / par.gpus
+        fits.append((per_gpu, result.decode_tokens_per_second_bound, par))
+        print(f"| {nodes} | {par.tensor} | {par.pipeline} | "
+              f"{result.weight_bytes_per_gpu / capacity.GIB:.1f} GiB | "
+              f"{result.kv_pool_bytes_per_gpu / capacity.GIB:.1f} GiB | "
+              f"{result.max_concurrent_sequences:,} | {per_gpu:.1f} | "
+              f"{result.decode_tokens_per_second_bound:.1f} |")  # fmt: skip
+    if not fits:
+        print("no shape fits: more nodes (--max-nodes), quantized weights or a shorter context")
+        return 1
+    _, speed, best = max(fits, key=lambda f: (f[0], f[1]))
+    print(
+        f"most sequences per GPU: TP {best.tensor} x PP {best.pipeline} "
+        f"({best.gpus} GPUs, {speed:.1f} tokens/s per stream)"
+    )
+    return 0
+
+
 def _fmt_bytes(value: float) -> str:
     return f"{value / capacity.GIB:,.2f} GiB ({value:,.0f} B)"
 
@@ -265,6 +327,8 @@ def _plan(args: argparse.Namespace) -> int:
         args.trace = Path(args.trace) if args.trace else None
         args.png = Path(args.png) if args.png else None
         return trace_plan.main(args)
+    if args.compare_shapes:
+        return _compare_shapes(args)
     try:
         shape = _shape(args)
         result = capacity.plan(
@@ -284,7 +348,7 @@ def _plan(args: argparse.Namespace) -> int:
             ),
             kv_dtype=args.kv_dtype,
             weights_override=round(args.weights_gib * capacity.GIB) if args.weights_gib else None,
-            tensor_parallel=args.tensor_parallel,
+            parallel=capacity.Parallelism(args.tensor_parallel, args.pipeline_parallel),
         )
     except capacity.CapacityError as error:
         print(f"kubellm plan: {error}", file=sys.stderr)

@@ -5,9 +5,12 @@ so `kubellm render`, the reconciler and the tests all see the same objects.
 
 Children of an `LLMDeployment` named N (all in its namespace, all owned by it):
 - ConfigMap `N-engine-spec`: the engine's view of the spec, mounted at SPEC_DIR.
-- Deployment `N-engine`: the vLLM engine pods.
+- Deployment `N-engine`: the vLLM engine pods; or, when a replica spans pods
+  (spec.resources.nodes > 1), LeaderWorkerSet `N-lws` (leaderworkerset.x-k8s.io/v1): one
+  group of nodes pods per replica, the leader serving the API, the workers joining it
+  headless. Its own headless Service (named like it) gives the pods their DNS names.
 - Service `N-engine`: the engine port, named `http`; EndpointSlices copy its labels,
-  which is how the gateway finds ready replicas.
+  which is how the gateway finds ready replicas (a multi-node replica's leader only).
 - PodDisruptionBudget `N-engine`: at most one engine pod evicted at a time, when
   the deployment can run more than one replica.
 - PodMonitor `N-engine`: only when the Prometheus Operator's CRD is installed.
@@ -44,6 +47,12 @@ RUN_AS_USER = 1000
 MAX_DRAIN_DELAY_SECONDS = 15
 
 PODMONITOR_API_VERSION = "monitoring.coreos.com/v1"
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+# A multi-node replica's pods: kubellm's role label (the LeaderWorkerSet controller adds its
+# own, leaderworkerset.sigs.k8s.io/worker-index, 0 on the leader).
+ROLE_LABEL = "kubellm.io/role"
+LEADER, WORKER = "leader", "worker"
 
 
 class SpecError(ValueError):
@@ -92,6 +101,9 @@ class Options:
     # sha256 of the tenants file the spec's endpointPicker.tenantsSecretRef names (read by
     # the reconciler): the picker pods' checksum/tenants annotation, so a change rolls them
     tenants_checksum: str | None = None
+    # The LeaderWorkerSet CRD is installed (`kubellm render` assumes it); without it a
+    # spec whose replica spans pods is refused (LeaderWorkerSetMissing).
+    leader_worker_set: bool = True
 
 
 # --------------------------------------------------------------------------- names and labels
@@ -125,9 +137,22 @@ def labels(llmd: api.LLMDeployment) -> dict[str, str]:
     return contracts.engine_labels(llmd.metadata.name)
 
 
+def multi_node(llmd: api.LLMDeployment) -> bool:
+    """A replica spans pods: it runs as a LeaderWorkerSet group, not a Deployment's pod."""
+    return llmd.spec.resources.nodes > 1
+
+
+def serving_labels(llmd: api.LLMDeployment, canary: bool = False) -> dict[str, str]:
+    """The pods that serve the API (the Service's, the pool's and status.selector's): every
+    engine pod, or a multi-node replica's leader only (its workers have no HTTP server)."""
+    chosen = canary_labels(llmd) if canary else selector_labels(llmd)
+    return {**chosen, ROLE_LABEL: LEADER} if multi_node(llmd) else chosen
+
+
 def selector_string(llmd: api.LLMDeployment) -> str:
-    """`status.selector`: the engine pods' label selector, for the scale subresource."""
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(llmd).items()))
+    """`status.selector`: the serving pods' label selector, for the scale subresource (one
+    pod per replica, the leader, when a replica spans pods)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(serving_labels(llmd).items()))
 
 
 def owner_reference(llmd: api.LLMDeployment, uid: str) -> dict[str, Any]:
@@ -179,7 +204,7 @@ def spec_configmap(
 OWNED_ENGINE_ARGS = frozenset(api.OWNED_ENGINE_ARGS)
 
 
-def check(llmd: api.LLMDeployment) -> None:
+def check(llmd: api.LLMDeployment, options: Options = Options()) -> None:
     """Raise SpecError for a spec that validates but that the operator cannot realise."""
     source = sources.parse_source(llmd.spec.model.source)
     if source.scheme == "s3":
@@ -193,6 +218,14 @@ def check(llmd: api.LLMDeployment) -> None:
     problem = api.extra_args_problem(llmd.spec.engine.extra_args)  # vLLM's spellings too
     if problem is not None:
         raise SpecError("InvalidEngineArguments", problem)
+    if multi_node(llmd) and not options.leader_worker_set:
+        raise SpecError(
+            "LeaderWorkerSetMissing",
+            f"spec.resources.nodes is {llmd.spec.resources.nodes}: a replica that spans pods "
+            f"runs as a LeaderWorkerSet ({LWS_API_VERSION}), whose CRD is not installed; "
+            "install the LeaderWorkerSet controller (docs/operations.md, 'Serving a model "
+            "larger than one node')",
+        )
 
 
 def check_adapter(adapter: api.Adapter, model_source: str) -> None:
@@ -324,27 +357,20 @@ def kv_event_ports(llmd: api.LLMDeployment) -> list[dict[str, Any]]:
     ]
 
 
-def engine_deployment(
-    llmd: api.LLMDeployment,
-    options: Options = Options(),
-    *,
-    replicas: int | None = None,
-    canary: bool = False,
-) -> dict[str, Any]:
-    """The engine Deployment (`canary`: the canary revision's, beside the stable one), with
-    `replicas` (default spec.replicas: the rollout splits it between the two)."""
+def _pod_template(llmd: api.LLMDeployment, *, canary: bool, role: str | None) -> dict[str, Any]:
+    """The engine pod template: one Deployment pod (`role` None), or a multi-node
+    replica's leader (serves the API: its port, probes and drain delay) or worker (joins
+    the leader headless: no HTTP server, so no port and no probes; ready once running, and
+    the group is ready when the leader is, which needs every worker)."""
     spec = llmd.spec
     port = spec.engine.port
     grace = spec.termination_grace_period_seconds
+    serving = role != WORKER
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": spec.engine.image,
         "imagePullPolicy": "IfNotPresent",
         "command": engine_command(llmd),
-        "ports": [
-            {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
-            *kv_event_ports(llmd),
-        ],
         "env": _env(llmd),
         "resources": _resources(llmd),
         "volumeMounts": [
@@ -353,7 +379,6 @@ def engine_deployment(
             {"name": "dshm", "mountPath": SHM_DIR},
             {"name": "tmp", "mountPath": TMP_DIR},
         ],
-        **_probes(PORT_NAME),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -362,9 +387,15 @@ def engine_deployment(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
-    delay = drain_delay_seconds(grace)
-    if delay > 0:
-        container["lifecycle"] = {"preStop": {"sleep": {"seconds": delay}}}
+    if serving:
+        container["ports"] = [
+            {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
+            *kv_event_ports(llmd),
+        ]
+        container.update(_probes(PORT_NAME))
+        delay = drain_delay_seconds(grace)
+        if delay > 0:
+            container["lifecycle"] = {"preStop": {"sleep": {"seconds": delay}}}
     scheduling = spec.scheduling
     pod_spec: dict[str, Any] = {
         "containers": [container],
@@ -395,16 +426,40 @@ def engine_deployment(
     if scheduling.priority_class_name:
         pod_spec["priorityClassName"] = scheduling.priority_class_name
     revision = spec_hash(llmd)
-    metadata = _metadata(llmd, canary_name(llmd) if canary else engine_name(llmd), options)
-    metadata["labels"][contracts.REVISION_LABEL] = revision
     pod_labels = labels(llmd)
     if canary:
         pod_labels.update({contracts.TRACK_LABEL: contracts.CANARY_TRACK,
                            contracts.REVISION_LABEL: revision})  # fmt: skip
+    if role is not None:
+        pod_labels[ROLE_LABEL] = role
+    annotations = {SPEC_HASH_ANNOTATION: revision}
+    if serving:
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                            "prometheus.io/path": METRICS_PATH})  # fmt: skip
+    return {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def _workload_metadata(llmd: api.LLMDeployment, name: str, options: Options) -> dict[str, Any]:
+    metadata = _metadata(llmd, name, options)
+    metadata["labels"][contracts.REVISION_LABEL] = spec_hash(llmd)
+    return metadata
+
+
+def engine_deployment(
+    llmd: api.LLMDeployment,
+    options: Options = Options(),
+    *,
+    replicas: int | None = None,
+    canary: bool = False,
+) -> dict[str, Any]:
+    """The engine Deployment (`canary`: the canary revision's, beside the stable one), with
+    `replicas` (default spec.replicas: the rollout splits it between the two)."""
+    spec = llmd.spec
+    name = canary_name(llmd) if canary else engine_name(llmd)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": metadata,
+        "metadata": _workload_metadata(llmd, name, options),
         "spec": {
             "replicas": spec.replicas if replicas is None else replicas,
             "selector": {"matchLabels": canary_labels(llmd) if canary else selector_labels(llmd)},
@@ -412,20 +467,77 @@ def engine_deployment(
             "revisionHistoryLimit": 3,
             # Past the startup probe's 30 minutes, a stuck rollout is reported.
             "progressDeadlineSeconds": 2400,
-            "template": {
-                "metadata": {
-                    "labels": pod_labels,
-                    "annotations": {
-                        SPEC_HASH_ANNOTATION: revision,
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(port),
-                        "prometheus.io/path": METRICS_PATH,
-                    },
+            "template": _pod_template(llmd, canary=canary, role=None),
+        },
+    }
+
+
+def lws_name(llmd: api.LLMDeployment, canary: bool = False) -> str:
+    """The LeaderWorkerSet's name. Not the engine Service's: the LWS controller creates a
+    headless Service of its own name for the pods' DNS names (the leader's address)."""
+    return f"{llmd.metadata.name}-{'canary-' if canary else ''}lws"
+
+
+def engine_leader_worker_set(
+    llmd: api.LLMDeployment,
+    options: Options = Options(),
+    *,
+    replicas: int | None = None,
+    canary: bool = False,
+) -> dict[str, Any]:
+    """The engine as a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1): `replicas` groups
+    (the scale subresource's unit) of spec.resources.nodes pods. Workers start with the
+    leader's pod (LeaderCreated: the leader is only ready once they have joined), and a
+    restart of any pod recreates its group (a torch.distributed group does not survive
+    losing a rank). Rolling updates replace whole groups, spec.rollout's maxSurge and
+    maxUnavailable counted in groups."""
+    spec = llmd.spec
+    rollout = spec.rollout
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": LWS_KIND,
+        "metadata": _workload_metadata(llmd, lws_name(llmd, canary), options),
+        "spec": {
+            "replicas": spec.replicas if replicas is None else replicas,
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {
+                    "maxSurge": rollout.max_surge,
+                    "maxUnavailable": rollout.max_unavailable,
                 },
-                "spec": pod_spec,
+            },
+            "leaderWorkerTemplate": {
+                "size": spec.resources.nodes,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": _pod_template(llmd, canary=canary, role=LEADER),
+                "workerTemplate": _pod_template(llmd, canary=canary, role=WORKER),
             },
         },
     }
+
+
+def workload_kind(llmd: api.LLMDeployment) -> tuple[str, str]:
+    """(apiVersion, kind) of the engine workload for this spec's shape."""
+    return (LWS_API_VERSION, LWS_KIND) if multi_node(llmd) else ("apps/v1", "Deployment")
+
+
+def workload_name(llmd: api.LLMDeployment, canary: bool = False) -> str:
+    if multi_node(llmd):
+        return lws_name(llmd, canary)
+    return canary_name(llmd) if canary else engine_name(llmd)
+
+
+def engine_workload(
+    llmd: api.LLMDeployment,
+    options: Options = Options(),
+    *,
+    replicas: int | None = None,
+    canary: bool = False,
+) -> dict[str, Any]:
+    """The engine Deployment, or the LeaderWorkerSet when a replica spans pods."""
+    build = engine_leader_worker_set if multi_node(llmd) else engine_deployment
+    return build(llmd, options, replicas=replicas, canary=canary)
 
 
 # --------------------------------------------------------------------------- service, PDB, monitor
@@ -447,7 +559,7 @@ def engine_service(
         "metadata": metadata,
         "spec": {
             "type": "ClusterIP",
-            "selector": canary_labels(llmd) if canary else selector_labels(llmd),
+            "selector": serving_labels(llmd, canary),
             "ports": [
                 {
                     "name": PORT_NAME,
@@ -492,7 +604,7 @@ def pod_monitor(llmd: api.LLMDeployment, options: Options = Options()) -> dict[s
         "kind": "PodMonitor",
         "metadata": _metadata(llmd, engine_name(llmd), options),
         "spec": {
-            "selector": {"matchLabels": selector_labels(llmd)},
+            "selector": {"matchLabels": serving_labels(llmd)},
             "podMetricsEndpoints": [
                 {
                     "port": PORT_NAME,
@@ -795,7 +907,7 @@ def inference_pool(llmd: api.LLMDeployment, options: Options = Options()) -> dic
         "kind": "InferencePool",
         "metadata": _metadata(llmd, engine_name(llmd), options),
         "spec": {
-            "selector": {"matchLabels": selector_labels(llmd)},
+            "selector": {"matchLabels": serving_labels(llmd)},
             "targetPorts": [{"number": llmd.spec.engine.port}],
             "endpointPickerRef": {
                 "group": "",
@@ -887,6 +999,7 @@ def http_route(llmd: api.LLMDeployment, options: Options = Options()) -> dict[st
 CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("v1", "ConfigMap"),
     ("apps/v1", "Deployment"),
+    (LWS_API_VERSION, LWS_KIND),
     ("v1", "Service"),
     ("policy/v1", "PodDisruptionBudget"),
     (PODMONITOR_API_VERSION, "PodMonitor"),
@@ -905,6 +1018,8 @@ PICKER_KINDS: tuple[tuple[str, str], ...] = (
 
 
 def child_name(llmd: api.LLMDeployment, kind: str) -> str:
+    if kind == LWS_KIND:
+        return lws_name(llmd)
     return spec_configmap_name(llmd) if kind == "ConfigMap" else engine_name(llmd)
 
 
@@ -917,7 +1032,15 @@ CANARY_KINDS: tuple[tuple[str, str], ...] = (
 
 
 def canary_child_name(llmd: api.LLMDeployment, kind: str) -> str:
+    if kind == LWS_KIND:
+        return lws_name(llmd, canary=True)
     return spec_configmap_name(llmd, canary=True) if kind == "ConfigMap" else canary_name(llmd)
+
+
+def canary_kinds(llmd: api.LLMDeployment) -> tuple[tuple[str, str], ...]:
+    """CANARY_KINDS with the engine workload of this spec's shape second."""
+    return tuple((workload_kind(llmd) if kind == "Deployment" else (v, kind))
+                 for v, kind in CANARY_KINDS)  # fmt: skip
 
 
 def build_canary(
@@ -928,17 +1051,17 @@ def build_canary(
     revision and the canary track."""
     return [
         spec_configmap(llmd, options, canary=True),
-        engine_deployment(llmd, options, replicas=replicas, canary=True),
+        engine_workload(llmd, options, replicas=replicas, canary=True),
         engine_service(llmd, options, canary=True),
     ]
 
 
 def build(llmd: api.LLMDeployment, options: Options = Options()) -> list[dict[str, Any]]:
     """Every object the operator wants for `llmd`, in apply order; raise SpecError."""
-    check(llmd)
+    check(llmd, options)
     objects = [
         spec_configmap(llmd, options),
-        engine_deployment(llmd, options),
+        engine_workload(llmd, options),
         engine_service(llmd, options),
     ]
     if wants_disruption_budget(llmd):

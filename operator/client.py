@@ -27,6 +27,7 @@ PLURALS = {
     "PodMonitor": "podmonitors",
     "InferencePool": "inferencepools",
     "HTTPRoute": "httproutes",
+    "LeaderWorkerSet": "leaderworkersets",
     "ServiceAccount": "serviceaccounts",
     "Role": "roles",
     "RoleBinding": "rolebindings",

@@ -37,6 +37,7 @@ CHILD_RESOURCES = (
     ("", "v1", "services"),
     ("", "v1", "configmaps"),
     ("policy", "v1", "poddisruptionbudgets"),
+    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),  # where its CRD is installed
 )
 PODMONITOR_CHECK_SECONDS = 300.0
 # status.rollout phases during which a canary rollout is re-evaluated every rollout_seconds.
@@ -52,6 +53,8 @@ class Runtime:
     queued: set[tuple[str, str]] = field(default_factory=set)
     podmonitor: bool = False
     podmonitor_checked: float = float("-inf")
+    lws: bool = False
+    lws_checked: float = float("-inf")
     retry_seconds: float = 5.0
     # The Inference Extension's InferencePool and Gateway API's HTTPRoute CRDs, checked
     # as rarely as the PodMonitor CRD.
@@ -68,6 +71,13 @@ class Runtime:
             self.podmonitor = await self.client.has_resource(api_version, "podmonitors")
             self.podmonitor_checked = time.monotonic()
         return self.podmonitor
+
+    async def lws_installed(self) -> bool:
+        """The LeaderWorkerSet CRD, checked as rarely as the PodMonitor CRD."""
+        if time.monotonic() - self.lws_checked > PODMONITOR_CHECK_SECONDS:
+            self.lws = await self.client.has_resource(builders.LWS_API_VERSION, "leaderworkersets")
+            self.lws_checked = time.monotonic()
+        return self.lws
 
     async def gateway_crds_installed(self) -> tuple[bool, bool]:
         if time.monotonic() - self.gateway_crds_checked > PODMONITOR_CHECK_SECONDS:
@@ -96,6 +106,7 @@ class Runtime:
                     podmonitor=await self.podmonitor_installed(),
                     inference_pool=pools,
                     http_route=routes,
+                    leader_worker_set=await self.lws_installed(),
                     picker=self.picker,
                     emit=_emit,
                     figures=self.figures,

@@ -71,6 +71,7 @@ async def _observe(
         "PodMonitor": options.podmonitor,
         "InferencePool": options.inference_pool,
         "HTTPRoute": options.inference_pool and options.http_route,
+        builders.LWS_KIND: options.leader_worker_set,
     }
     for api_version, kind in builders.CHILD_KINDS:
         if not installed.get(kind, True):
@@ -189,29 +190,32 @@ def _canary_refs(llmd: api.LLMDeployment) -> list[Ref]:
     ns = llmd.metadata.namespace
     return [
         Ref(v, kind, ns, builders.canary_child_name(llmd, kind))
-        for v, kind in builders.CANARY_KINDS
+        for v, kind in builders.canary_kinds(llmd)
     ]
 
 
 def _rolled_out(deployment: Mapping[str, Any] | None) -> bool:
-    """A Deployment whose controller has seen its template and has every replica updated
-    and ready."""
+    """A Deployment (or LeaderWorkerSet) whose controller has seen its template and has
+    every replica (group) updated and ready."""
     if deployment is None:
         return False
     want = int((deployment.get("spec") or {}).get("replicas") or 0)
     dstatus = deployment.get("status") or {}
-    generation = (deployment.get("metadata") or {}).get("generation", 0)
     return (
-        dstatus.get("observedGeneration", 0) >= generation
+        status.generation_observed(deployment)
         and int(dstatus.get("updatedReplicas") or 0) >= want
         and int(dstatus.get("readyReplicas") or 0) >= want
     )
 
 
 def _template_revision(deployment: Mapping[str, Any] | None) -> str | None:
+    """The revision a Deployment's pod template (a LeaderWorkerSet's leader template) runs."""
     if deployment is None:
         return None
-    template = (deployment.get("spec") or {}).get("template") or {}
+    spec = deployment.get("spec") or {}
+    template = (
+        spec.get("template") or (spec.get("leaderWorkerTemplate") or {}).get("leaderTemplate") or {}
+    )
     return ((template.get("metadata") or {}).get("annotations") or {}).get(
         builders.SPEC_HASH_ANNOTATION
     )
@@ -241,6 +245,7 @@ async def reconcile(
     podmonitor: bool = False,
     inference_pool: bool = False,
     http_route: bool = False,
+    leader_worker_set: bool = False,
     picker: builders.PickerOptions | None = None,
     emit: Emit = _no_events,
     now: Callable[[], str] = utc_now,
@@ -280,6 +285,7 @@ async def reconcile(
             podmonitor=podmonitor,
             inference_pool=inference_pool,
             http_route=http_route,
+            leader_worker_set=leader_worker_set,
             picker=picker or builders.PickerOptions(),
         )
         checksum, tenants_problems = await _tenants(client, llmd, options)
@@ -292,12 +298,15 @@ async def reconcile(
             outcome.problems.append(status.Problem(error.reason, str(error)))
             desired = None
         observed = await _observe(client, llmd, options)
-        deployment_ref = Ref("apps/v1", "Deployment", namespace, builders.engine_name(llmd))
+        deployment_ref = Ref(*builders.workload_kind(llmd), namespace,
+                             builders.workload_name(llmd))  # fmt: skip
         deployment = observed.get(deployment_ref)
         old_rollout = old_status.get("rollout") or {}
         canary_refs = _canary_refs(llmd)
         if llmd.spec.rollout.strategy == "Canary" or old_rollout.get("canaryRevision"):
-            for ref in canary_refs:  # read only where a canary may exist
+            for ref in canary_refs:
+                if ref.kind == builders.LWS_KIND and not options.leader_worker_set:
+                    continue  # read only where a canary may exist
                 observed[ref] = await client.get(ref.api_version, ref.kind, ref.namespace,
                                                  ref.name)  # fmt: skip
         canary_live = observed.get(canary_refs[1])

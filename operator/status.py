@@ -129,6 +129,18 @@ def _deployment_condition(deployment: Mapping[str, Any] | None, kind: str) -> di
     return {}
 
 
+def generation_observed(workload: Mapping[str, Any] | None) -> bool:
+    """Whether the workload's controller has seen its latest spec. A Deployment says so in
+    status.observedGeneration; LeaderWorkerSet v1 has no such field, so its status (groups
+    ready and updated) is taken as current."""
+    if workload is None:
+        return False
+    observed = (workload.get("status") or {}).get("observedGeneration")
+    if observed is None and workload.get("kind") == "LeaderWorkerSet":
+        return True
+    return int(observed or 0) >= int((workload.get("metadata") or {}).get("generation", 0))
+
+
 def conditions(
     *,
     desired_replicas: int,
@@ -141,9 +153,7 @@ def conditions(
     ready = int(dstatus.get("readyReplicas") or 0)
     updated = int(dstatus.get("updatedReplicas") or 0)
     total = int(dstatus.get("replicas") or 0)
-    rolled = deployment is not None and dstatus.get("observedGeneration", 0) >= deployment.get(
-        "metadata", {}
-    ).get("generation", 0)
+    rolled = generation_observed(deployment)
     deadline = _deployment_condition(deployment, "Progressing").get("reason") == (
         "ProgressDeadlineExceeded"
     )

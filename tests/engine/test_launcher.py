@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -46,6 +47,12 @@ TABLE = [
     ({"gpuMemoryUtilization": 0.85}, "--gpu-memory-utilization", "0.85"),
     ({}, "--tensor-parallel-size", "1"),
     ({"tensorParallelSize": 4}, "--tensor-parallel-size", "4"),
+    ({}, "--pipeline-parallel-size", None),
+    ({"pipelineParallelSize": 2}, "--pipeline-parallel-size", "2"),
+    ({}, "--data-parallel-size", None),
+    ({"dataParallelSize": 2}, "--data-parallel-size", "2"),
+    ({}, "--enable-expert-parallel", None),
+    ({"expertParallel": True}, "--enable-expert-parallel", ""),
     ({}, "--enable-prefix-caching", ""),
     ({"prefixCaching": False}, "--no-enable-prefix-caching", ""),
     ({}, "--enable-chunked-prefill", ""),
@@ -105,8 +112,9 @@ def test_the_table_has_a_row_for_every_engine_field() -> None:
 def test_every_engine_field_maps_to_its_vllm_flag(
     engine: dict[str, Any], flag: str, expected: str | None
 ) -> None:
-    tp = engine.get("tensorParallelSize", 1)
-    resources = {"gpu": {"count": tp}} if tp > 1 else {}
+    shape = ("tensorParallelSize", "pipelineParallelSize", "dataParallelSize")
+    gpus = math.prod(engine.get(size, 1) for size in shape)
+    resources = {"gpu": {"count": gpus}} if gpus > 1 else {}
     argv = launcher.build_command(_target(engine, resources=resources), environ={}).argv
     if expected is None:
         assert flag not in argv

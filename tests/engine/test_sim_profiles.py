@@ -12,6 +12,7 @@ H100 = sim_profiles.get("llama-3.1-8b-h100")
 A100 = sim_profiles.get("llama-3.1-8b-a100")
 L4 = sim_profiles.get("llama-3.1-8b-l4")
 H100X4_70B = sim_profiles.get("llama-3.1-70b-4xh100")
+H100X16_405B = sim_profiles.get("llama-3.1-405b-2x8xh100")
 
 
 def test_the_formula_gives_the_hand_derived_h100_profile_within_five_percent() -> None:
@@ -31,6 +32,9 @@ TABLE = [
     (L4, 16.06e9 / (0.7 * 300e9), 2 * 8.03e9 / (0.5 * 121e12), 262e6 / 300e9, 3400),
     (H100X4_70B, 35.3e9 / (0.7 * 3350e9) + 160 * 10e-6,
      2 * 70.6e9 / (4 * 0.5 * 989e12 * 0.85), 655e6 / 4 / 3350e9, 32068),
+    (H100X16_405B, 2 * 50.7e9 / (0.7 * 3350e9) + 252 * 10e-6 + 15e-6,
+     2 * 405.9e9 / (8 * 0.5 * 989e12 * 0.85), 2000 * 516096 / 8 / 3350e9,
+     (16 * 72 * 2**30 - 811.8e9) // (516096 * 16)),
 ]  # fmt: skip
 
 

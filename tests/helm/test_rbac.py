@@ -42,6 +42,7 @@ CONTRACT: dict[str, set[Grant]] = {
         ("", "services", APPLY),
         ("", "configmaps", APPLY),
         ("policy", "poddisruptionbudgets", APPLY),
+        ("leaderworkerset.x-k8s.io", "leaderworkersets", APPLY),  # replicas spanning pods
         ("monitoring.coreos.com", "podmonitors", ("get", "patch", "delete")),
         ("inference.networking.k8s.io", "inferencepools", ("get", "patch", "delete")),
         ("gateway.networking.k8s.io", "httproutes", ("get", "patch", "delete")),

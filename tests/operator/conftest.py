@@ -132,6 +132,20 @@ def writes_since(emulator: Emulator, start: int) -> list[str]:
     ]
 
 
+async def writes_over_resyncs(emulator: Emulator, llmd_path: str, passes: int = 3) -> list[str]:
+    """The writes made while the resync timer runs `passes` more reconciles (each reads the
+    LLMDeployment at `llmd_path` fresh): none, for an unchanged object."""
+    mark = len(list(emulator))
+    reads = f"GET {llmd_path}"
+    await wait_for(
+        lambda: (
+            [f"{_method(r)} {r.url.path}" for r in list(emulator)[mark:]].count(reads) >= passes
+        ),
+        what=f"{passes} resync passes",
+    )
+    return writes_since(emulator, mark)
+
+
 @pytest.fixture
 async def emulator() -> AsyncIterator[Emulator]:
     async with Emulator() as emu, kmock.Server(emu):

@@ -130,3 +130,70 @@ def test_status_capacity_from_spec() -> None:
     assert capacity.for_spec(manifests.parse(doc).spec)["kvBytesPerToken"] == 262_144
     del doc["spec"]["model"]["architecture"]
     assert capacity.for_spec(manifests.parse(doc).spec) is None
+
+
+LLAMA_405B = capacity.ModelShape(
+    num_layers=126, num_kv_heads=8, head_dim=128, params=405.9e9, num_attention_heads=128
+)
+H100 = capacity.GPUProfile(memory_gib=80, usable_fraction=0.9, bandwidth_gbps=3350)
+
+
+def test_405b_needs_a_second_node_and_fits_with_pipeline_parallelism() -> None:
+    with pytest.raises(capacity.CapacityError, match="pipeline parallelism"):
+        capacity.plan(LLAMA_405B, H100, capacity.Workload(8192), tensor_parallel=8)
+    shape = capacity.Parallelism(tensor=8, pipeline=2)
+    result = capacity.plan(LLAMA_405B, H100, capacity.Workload(8192), parallel=shape)
+    assert result.gpus_per_replica == 16
+    assert result.weight_bytes_per_gpu == pytest.approx(result.weight_bytes / 16, abs=1)
+    usable = 80 * GIB * 0.9
+    assert result.kv_pool_bytes_per_gpu == round(usable - result.weight_bytes / 16)
+    assert result.kv_pool_bytes == 16 * result.kv_pool_bytes_per_gpu
+    # one GPU holds half the layers and one of the 8 KV heads of every token it serves
+    per_token_gpu = capacity.kv_bytes_per_token(63, 1, 128, 2)
+    assert result.max_concurrent_sequences == result.kv_pool_bytes_per_gpu // (per_token_gpu * 8192)
+
+
+def test_decode_step_adds_the_stages_the_all_reduces_and_the_hops() -> None:
+    link = capacity.Interconnect()
+    weights = capacity.weight_bytes(LLAMA_405B.params, "bf16")
+    flat = capacity.decode_step_seconds(
+        LLAMA_405B, weights, 3350, capacity.Parallelism(tensor=16), link
+    )
+    piped = capacity.decode_step_seconds(
+        LLAMA_405B, weights, 3350, capacity.Parallelism(tensor=8, pipeline=2), link
+    )
+    streaming = weights / (8 * 3350 * GB)  # two stages of W/16, one after the other
+    allreduce = capacity.allreduce_seconds_per_token(
+        LLAMA_405B, capacity.Parallelism(tensor=8, pipeline=2), link
+    )
+    hops = capacity.pipeline_hop_seconds(
+        LLAMA_405B, capacity.Parallelism(tensor=8, pipeline=2), link
+    )
+    assert piped == pytest.approx(streaming + allreduce + hops)
+    assert 2 * 126 * link.intra_node_latency_s < allreduce < 2 * 126 * 2 * link.intra_node_latency_s
+    assert hops > link.inter_node_latency_s
+    # a pipeline's stages take turns for one token: the bandwidth of 16 GPUs is not reached
+    assert piped > flat - capacity.allreduce_seconds_per_token(
+        LLAMA_405B, capacity.Parallelism(tensor=16), link
+    )
+    assert capacity.allreduce_seconds_per_token(LLAMA_405B, capacity.Parallelism(), link) == 0
+
+
+def test_expert_parallelism_spreads_the_experts_over_every_rank() -> None:
+    moe = capacity.ModelShape(
+        num_layers=61, num_kv_heads=128, head_dim=128, params=671e9, expert_fraction=0.95
+    )
+    weights = capacity.weight_bytes(moe.params, "fp8")
+    replicated = capacity.weight_bytes_per_gpu(weights, moe, capacity.Parallelism(data=16))
+    wide = capacity.weight_bytes_per_gpu(weights, moe, capacity.Parallelism(data=16, expert=True))
+    assert replicated == pytest.approx(weights)
+    assert wide == pytest.approx(weights * 0.05 + weights * 0.95 / 16)
+
+
+def test_shapes_fill_whole_nodes_with_tensor_parallelism_inside_a_node() -> None:
+    found = capacity.shapes(gpus_per_node=8, max_nodes=2)
+    assert all(p.gpus in (8, 16) and p.tensor <= 8 for p in found)
+    assert capacity.Parallelism(tensor=8, pipeline=2) in found
+    rows = dict(capacity.compare_shapes(LLAMA_405B, H100, capacity.Workload(8192), found))
+    assert isinstance(rows[capacity.Parallelism(tensor=8)], str)  # one node: no fit
+    assert isinstance(rows[capacity.Parallelism(tensor=8, pipeline=2)], capacity.Plan)

@@ -105,3 +105,18 @@ def test_every_subcommand_has_help(command: str) -> None:
     assert result.returncode == 0, result.stderr
     assert "usage: kubellm" in result.stdout
     assert len(result.stdout.splitlines()) > 2
+
+
+def test_plan_compares_shapes_across_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, "plan", "--model", "llama-3.1-405b", "--compare-shapes", "8",
+        "--max-nodes", "2", "--context-tokens", "8192", "--bandwidth-gbps", "3350",
+    )  # fmt: skip
+    assert code == 0
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
+    rows = [[cell.strip() for cell in row] for row in rows[2:]]  # past the header
+    one_node = [row for row in rows if row[0] == "1"]
+    assert one_node and all("do not fit" in row[3] for row in one_node)
+    two = {(row[1], row[2]): float(row[7]) for row in rows if row[0] == "2"}
+    assert two["8", "2"] > two["4", "4"] > two["2", "8"]  # TP inside a node is the speed
+    assert "TP 8 x PP 2" in out.splitlines()[-1]

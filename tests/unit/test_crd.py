@@ -128,3 +128,71 @@ def test_every_cel_rule_message_names_a_spec_field(committed_crd: dict) -> None:
     assert len(rules) >= 6
     for rule in rules:
         assert re.search(r"spec\.[a-zA-Z.]+", rule["message"]), rule
+
+
+def _rule_names(node: dict) -> set[str]:
+    """The field names the node's CEL rules read (every `.name` in their expressions)."""
+    rules = node.get("x-kubernetes-validations", [])
+    return {m for r in rules for m in re.findall(r"\.([A-Za-z_]\w*)", r["rule"])}
+
+
+def _touched_strings(node: dict, names: set[str], path: str):
+    """Strings under `node` that a rule reading `names` can reach (following only those
+    names through objects and list items: conservative, a name read anywhere counts)."""
+    if node.get("type") == "string":
+        yield path, node
+    for name, sub in node.get("properties", {}).items():
+        if name in names:
+            yield from _touched_strings(sub, names, f"{path}.{name}")
+    if "items" in node:
+        yield from _touched_strings(node["items"], names, f"{path}[]")
+
+
+def unbounded(schema: dict) -> list[str]:
+    """What a real API server would estimate at the request-size limit: a string a CEL rule
+    reads or a pattern matches without maxLength (an enum is bounded by its values), a list
+    without maxItems, a map without maxProperties. Each problem names its field."""
+    problems = []
+    for path, node in _walk(schema):
+        if node.get("type") == "array" and "maxItems" not in node:
+            problems.append(f"{path}: a list without maxItems")
+        if isinstance(node.get("additionalProperties"), dict) and "maxProperties" not in node:
+            problems.append(f"{path}: a map without maxProperties")
+        if node.get("type") == "string" and "pattern" in node and "maxLength" not in node:
+            problems.append(f"{path}: a string with a pattern and no maxLength")
+        names = _rule_names(node)
+        if path == "" and names:  # root rules: self is the object; follow spec and metadata
+            names |= {"spec", "metadata"}
+        for spath, sub in _touched_strings(node, names, path) if names else ():
+            if "maxLength" not in sub and "enum" not in sub and spath.startswith(".spec"):
+                problems.append(f"{spath}: a string a CEL rule reads, without maxLength")
+    return sorted(set(problems))
+
+
+def test_every_string_rules_read_and_every_list_and_map_are_bounded(committed_crd: dict) -> None:
+    """An API server refuses a CRD whose rules' estimated cost is over its budget, and
+    estimates an unbounded string or list at the request's size limit (3 MiB)."""
+    assert unbounded(crd_validation.schema_of(committed_crd)) == []
+
+
+def test_the_bound_walk_finds_an_unbounded_field() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "spec": {
+                "type": "object",
+                "x-kubernetes-validations": [{"rule": "self.url.startsWith('http')"}],
+                "properties": {
+                    "url": {"type": "string"},
+                    "args": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+                    "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "name": {"type": "string", "pattern": "^a$"},
+                },
+            }
+        },
+    }
+    assert unbounded(schema) == [
+        ".spec.labels: a map without maxProperties",
+        ".spec.name: a string with a pattern and no maxLength",
+        ".spec.url: a string a CEL rule reads, without maxLength",
+    ]

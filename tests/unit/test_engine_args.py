@@ -27,6 +27,15 @@ REFUSED = [
     ["-tp", "2"],
     ["--port", "9"],
     ["--model", "other/weights"],
+    ["-pp", "2"],
+    ["--pipeline_parallel_size=2"],
+    ["--data-parallel-size", "2"],
+    ["--enable-expert-parallel"],
+    ["--nnodes", "2"],
+    ["--node-rank", "1"],
+    ["--master-addr", "10.0.0.1"],
+    ["--headless"],
+    ["--distributed-executor-backend", "ray"],
 ]
 ACCEPTED = [
     ["--enforce-eager"],
@@ -86,6 +95,9 @@ needs_vllm = pytest.mark.skipif(
 )
 OWNED_DESTS = {
     "served_model_name": None, "host": None, "port": 8000, "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1, "data_parallel_size": 1, "enable_expert_parallel": False,
+    "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": 29501,
+    "headless": False, "distributed_executor_backend": None,
 }  # fmt: skip
 
 
@@ -117,3 +129,39 @@ def test_vllms_parser_agrees_with_the_refusals(vllm_parser) -> None:
         assert vllm_sets(vllm_parser, args), f"vLLM does not read {args} as an owned option"
     for args in ACCEPTED:
         assert not vllm_sets(vllm_parser, args), f"vLLM reads {args} as an owned option"
+
+
+# Replica shapes (engine, nodes, GPUs per pod): 405B on 2x8 (TP 8, PP 2), a DeepSeek-class
+# MoE served wide (DP 2 x TP 8 with expert parallelism) on 2x8, TP 4 x PP 4 on 4x4.
+SHAPES = {
+    "tp8-pp2": ({"tensorParallelSize": 8, "pipelineParallelSize": 2}, 2, 8),
+    "dp2-tp8-ep": ({"tensorParallelSize": 8, "dataParallelSize": 2, "expertParallel": True}, 2, 8),
+    "tp4-pp4": ({"tensorParallelSize": 4, "pipelineParallelSize": 4}, 4, 4),
+}
+
+
+@needs_vllm
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_vllms_parser_reads_each_nodes_command_line_as_meant(vllm_parser, shape: str) -> None:
+    from kubellm.engine import launcher
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    engine, nodes, gpus = SHAPES[shape]
+    target = launcher.parse_target({
+        "model": {"source": "hf://org/big", "servedName": "big"}, "engine": engine,
+        "resources": {"nodes": nodes, "gpu": {"count": gpus}},
+    })  # fmt: skip
+    for rank in range(nodes):
+        environ = {"LWS_LEADER_ADDRESS": "big-lws-0.big-lws", "LWS_WORKER_INDEX": str(rank)}
+        argv = launcher.build_command(target, environ=environ).argv
+        assert argv[2] == (launcher.VLLM_HEADLESS_MODULE if rank else launcher.VLLM_MODULE)
+        parsed = vllm_parser.parse_args(argv[3:])
+        args = AsyncEngineArgs.from_cli_args(parsed)
+        assert (parsed.headless, args.nnodes, args.node_rank) == (rank > 0, nodes, rank)
+        assert (args.master_addr, args.distributed_executor_backend) == ("big-lws-0.big-lws", "mp")
+        assert args.tensor_parallel_size == engine["tensorParallelSize"]
+        assert args.pipeline_parallel_size == engine.get("pipelineParallelSize", 1)
+        assert args.data_parallel_size == engine.get("dataParallelSize", 1)
+        assert args.enable_expert_parallel is engine.get("expertParallel", False)
+        world = args.tensor_parallel_size * args.pipeline_parallel_size * args.data_parallel_size
+        assert world == nodes * gpus and world % args.nnodes == 0  # vLLM's own launch check
