@@ -146,8 +146,9 @@ class LocalRuntime:
         changes = []
         wanted = {m.metadata.name: m for m in manifests}
         for name in list(self.deployments):
-            if name not in wanted:
+            if name not in wanted:  # removed or renamed: its canary's replicas go too
                 self.supervisor.forget(name)
+                self.supervisor.forget(self.deployments[name].canary_key)
                 del self.deployments[name]
                 changes.append(f"{name} removed")
         for name, manifest in wanted.items():
