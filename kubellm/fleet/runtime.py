@@ -148,7 +148,9 @@ class LocalRuntime:
         for name in list(self.deployments):
             if name not in wanted:  # removed or renamed: its canary's replicas go too
                 self.supervisor.forget(name)
-                self.supervisor.forget(self.deployments[name].canary_key)
+                canary = self.deployments[name].canary_key
+                if canary in self.supervisor.desired:
+                    self.supervisor.forget(canary)
                 del self.deployments[name]
                 changes.append(f"{name} removed")
         for name, manifest in wanted.items():
