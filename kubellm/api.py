@@ -636,12 +636,6 @@ class RolloutQuality(_Model):
     """Thresholds on the canary's answers to mirrored requests, compared with the stable
     revision's answers to the same requests (greedy or seeded decoding)."""
 
-    first_tokens: int = Field(
-        default=16,
-        ge=1,
-        le=4096,
-        description="k: a mirrored request agrees when both answers' first k tokens agree.",
-    )
     min_agreement: float = Field(
         default=0.9,
         ge=0,
@@ -780,6 +774,13 @@ class RolloutShadow(_Model):
         le=10_000,
         description="Mirrored requests in flight at once per gateway; past it (or while the "
         "canary queues) a mirror is shed, never the stable answer.",
+    )
+    first_tokens: int = Field(
+        default=16,
+        ge=1,
+        le=256,
+        description="k: a mirrored request agrees when both revisions' greedy answers agree "
+        "on their first k tokens. Both are asked for at most 2k tokens.",
     )
 
 
@@ -1103,6 +1104,10 @@ class RolloutStatus(_Status):
     )
     last_step_weight: int | None = Field(
         default=None, description="While promoting: the canary's weight at its last step."
+    )
+    shadow: RolloutShadow | None = Field(
+        default=None,
+        description="While a step runs: the mirror the gateways run (spec.rollout.shadow).",
     )
 
 

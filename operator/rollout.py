@@ -322,7 +322,7 @@ def _merged(counters: Counters, metric: str) -> dict[float, float]:
 
 
 def quality_verdict(
-    canary: Counters, stable: Counters | None, analysis: api.RolloutAnalysis
+    canary: Counters, stable: Counters | None, analysis: api.RolloutAnalysis, first_tokens: int
 ) -> Verdict | None:
     """The answer-quality gate on mirrored requests: None when it passes (or is not set),
     else an Inconclusive (too few mirrored requests, a class not mirrored) or a Fail."""
@@ -347,7 +347,7 @@ def quality_verdict(
             "prompts; the quality gate waits until every class the model serves is seen",
             canary, stable,
         )  # fmt: skip
-    agreed = sum(v for k, v in d.items() if k.startswith("agreed|"))
+    agreed = sum(v for key, v in d.items() if key.startswith("agreed|"))
     bound = wilson_upper(agreed, total, analysis.significance)
     if bound < quality.min_agreement:
         worst = min(mirrored, key=lambda size: d.get(f"agreed|{size}", 0.0) / mirrored[size])
@@ -356,7 +356,7 @@ def quality_verdict(
             "Fail", "CanaryAnswersDiffer",
             f"agreement {agreed / total:.0%} < {quality.min_agreement:.0%} on {total:.0f} "
             f"mirrored requests (upper bound {bound:.0%}); greedy answers differ within the "
-            f"first {quality.first_tokens} tokens in {differ:.0%} of {worst} prompts "
+            f"first {first_tokens} tokens in {differ:.0%} of {worst} prompts "
             "(spec.rollout.analysis.quality.minAgreement); check the revision's "
             "quantization, dtype or checkpoint", canary, stable,
         )  # fmt: skip
@@ -390,8 +390,10 @@ def analyse(
     stable: Counters | None,
     analysis: api.RolloutAnalysis,
     slo: api.SLO,
+    first_tokens: int = api.RolloutShadow().first_tokens,
 ) -> Verdict:
-    """The canary's verdict over one window (figures in, verdict out).
+    """The canary's verdict over one window (figures in, verdict out); `first_tokens`:
+    the mirror's k (spec.rollout.shadow.firstTokens), for the quality gate's message.
 
     Inconclusive until the canary answered `minRequests`. Then Fail on a significantly
     higher error rate. Inconclusive until it answered `minClients` distinct clients and
@@ -489,7 +491,7 @@ def analyse(
             canary,
             stable,
         )
-    gate = quality_verdict(canary, stable, analysis)
+    gate = quality_verdict(canary, stable, analysis, first_tokens)
     if gate is not None:
         return gate
     return Verdict(
@@ -674,6 +676,10 @@ def decide(
             "the spec again to start a new revision, or `kubellm rollout promote`",
         )
 
+    if rollout.shadow is not None:  # the gateways mirror while the step runs
+        old["shadow"] = rollout.shadow.model_dump(by_alias=True)
+    else:
+        old.pop("shadow", None)
     index = max(1, min(int(old.get("step") or 1), len(steps))) - 1
     step = steps[index]
     stable_replicas, canary_replicas = split(total, step.weight)
@@ -702,6 +708,7 @@ def decide(
         _stable_window(seen.counters, old.get("baseline"), desired),
         rollout.analysis,
         spec.slo,
+        (rollout.shadow or api.RolloutShadow()).first_tokens,
     )
     if verdict.result == "Fail":
         return rolled_back(verdict.reason, verdict.message, verdict)
