@@ -8,7 +8,8 @@ key falls in the canary's share of a fixed hash space:
     canary  iff  bucket(key) < weight x 100,   bucket(key) = SHA-256(key) mod 10,000
 
 The key is the request's session (the `x-session-id` header or the body's `user`), else
-its whole prompt (the last prefix chunk's chain hash), else its home key. So a session
+its whole prompt (a hash of its text; the prefix chunks leave a prompt's tail out), else
+its home key. So a session
 stays on one revision; every gateway replica agrees without shared state; and as the
 weight grows, keys already on the canary stay there (the share only adds keys). A hot
 prefix (one system prompt before every long prompt) does not move as one: its prompts
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from kubellm.gateway.discovery.base import CanarySplit, ModelTarget
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.scorers.prefix import prompt_text
 from kubellm.gateway.routing.slo import STABLE_REVISION
 
 if TYPE_CHECKING:
@@ -53,6 +55,9 @@ def request_key(request: RoutingRequest) -> str:
     hot prefix's prompts split by weight), else its prompt's home."""
     if request.session:
         return f"session:{request.session}"
+    if request.body is not None:  # the whole prompt: its tail too (chunks leave it out)
+        text = prompt_text(dict(request.body))
+        return f"prompt:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
     if request.chunk_hashes:
         return f"prompt:{request.chunk_hashes[-1]}"
     if request.affinity_key is not None:
