@@ -641,7 +641,8 @@ class RolloutQuality(_Model):
         ge=0,
         le=1,
         description="The share of mirrored requests whose first k tokens agree must be at "
-        "least this (its lower confidence bound, at analysis.significance).",
+        "least this: the gate fails when even the share's upper confidence bound (at "
+        "analysis.significance) is below it.",
     )
     min_token_agreement: float = Field(
         default=0.9,
