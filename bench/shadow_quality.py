@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tests.fixtures import engines
 
+    engines.VLLM_START_TIMEOUT_S = 900.0  # a first start compiles (minutes on a busy machine)
     base = engines.ensure_tiny_model()
     texts = prompts(args.requests)
     with tempfile.TemporaryDirectory() as tmp:
