@@ -719,6 +719,40 @@ class CanaryStep(_Model):
     )
 
 
+class RolloutQuality(_Model):
+    """Thresholds on the canary's answers to mirrored requests, compared with the stable
+    revision's answers to the same requests (greedy or seeded decoding)."""
+
+    min_agreement: float = Field(
+        default=0.9,
+        ge=0,
+        le=1,
+        description="The share of mirrored requests whose first k tokens agree must be at "
+        "least this: the gate fails when even the share's upper confidence bound (at "
+        "analysis.significance) is below it.",
+    )
+    min_token_agreement: float = Field(
+        default=0.9,
+        ge=0,
+        le=1,
+        description="The share of compared token positions that agree must be at least this.",
+    )
+    max_divergence: float = Field(
+        default=0.1,
+        ge=0,
+        le=100,
+        description="With logprobs: the mean divergence (nats per token) of the canary's "
+        "token distributions from the stable one's on the stable answer's tokens may be at "
+        "most this.",
+    )
+    min_mirrored_requests: int = Field(
+        default=50,
+        ge=1,
+        le=1_000_000,
+        description="Mirrored requests compared in the window before a quality verdict.",
+    )
+
+
 class RolloutAnalysis(_Model):
     """What a canary step must hold over its window, against the stable revision (from the
     gateway's per-revision figures). A failed check rolls the canary back at once; too few
@@ -757,6 +791,84 @@ class RolloutAnalysis(_Model):
         description="The canary's SLO error-budget burn rate ((1 - share of requests meeting "
         "slo.ttftSeconds and slo.itlSeconds) / (1 - slo.objective)) may exceed the stable "
         "revision's by at most this much.",
+    )
+    min_clients: int = Field(
+        default=5,
+        ge=1,
+        le=1_000_000,
+        description="Distinct clients (tenants where tenants are declared, else sessions or "
+        "prompts) the canary must have answered in the window before a verdict: one client "
+        "never decides a rollout.",
+    )
+    min_class_requests: int = Field(
+        default=10,
+        ge=1,
+        le=1_000_000,
+        description="Answers the canary needs in each prompt-size class the model serves "
+        "(see minClassShare) before a verdict; also the streamed answers each side needs in "
+        "a class before its latencies are compared.",
+    )
+    min_class_share: float = Field(
+        default=0.05,
+        ge=0,
+        le=1,
+        description="A prompt-size class carrying at least this share of the stable "
+        "revision's answers must be seen by the canary (minClassRequests) before a verdict.",
+    )
+    significance: float = Field(
+        default=0.01,
+        gt=0,
+        lt=0.5,
+        description="The false-alarm rate of the latency test (one-sided Mann-Whitney per "
+        "class and figure, Bonferroni-corrected): a slower canary fails only when its "
+        "slowdown is this unlikely under no difference.",
+    )
+    min_ttft_difference_seconds: float = Field(
+        default=0.05,
+        ge=0,
+        le=3600,
+        alias="minTTFTDifferenceSeconds",
+        description="A TTFT ratio over maxTTFTRatio counts only when the medians also differ "
+        "by more than this (a few ms of noise are no regression).",
+    )
+    min_itl_difference_seconds: float = Field(
+        default=0.005,
+        ge=0,
+        le=60,
+        alias="minITLDifferenceSeconds",
+        description="A time-per-token ratio over maxITLRatio counts only when the medians "
+        "also differ by more than this.",
+    )
+    quality: RolloutQuality | None = Field(
+        default=None,
+        description="The answer-quality gate on mirrored requests (spec.rollout.shadow); "
+        "unset: no quality gate.",
+    )
+
+
+class RolloutShadow(_Model):
+    """The shadow step: a bounded sample of the stable revision's live requests is sent to
+    the canary as well; the client gets the stable answer, the canary's is only compared."""
+
+    share: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="The share of stable requests mirrored to the canary.",
+    )
+    max_concurrency: int = Field(
+        default=4,
+        ge=1,
+        le=10_000,
+        description="Mirrored requests in flight at once per gateway; past it (or while the "
+        "canary queues) a mirror is shed, never the stable answer.",
+    )
+    first_tokens: int = Field(
+        default=16,
+        ge=1,
+        le=256,
+        description="k: a mirrored request agrees when both revisions' greedy answers agree "
+        "on their first k tokens. Both are asked for at most 2k tokens.",
     )
 
 
@@ -816,6 +928,11 @@ class Rollout(_Model):
     )
     analysis: RolloutAnalysis = _nested(
         RolloutAnalysis, "Canary only: what each step must hold against the stable revision."
+    )
+    shadow: RolloutShadow | None = Field(
+        default=None,
+        description="Canary only: mirror a sample of the stable revision's traffic to the "
+        "canary (its answers are compared, never returned); unset: no mirror.",
     )
 
 
@@ -1017,6 +1134,18 @@ class AdapterStatus(_Status):
     replicas: int = 0
 
 
+class RevisionClassFigures(_Status):
+    """One revision's figures in one prompt-size class over a canary step's window."""
+
+    requests: int = 0
+    ttft_median_seconds: float | None = Field(
+        default=None, alias="ttftMedianSeconds", description="Streamed answers' median TTFT."
+    )
+    tpot_median_seconds: float | None = Field(
+        default=None, description="Streamed answers' median time per output token."
+    )
+
+
 class RevisionFigures(_Status):
     """One revision's figures over a canary step's window (from the gateway's counters)."""
 
@@ -1025,6 +1154,29 @@ class RevisionFigures(_Status):
     slo_met: int = Field(default=0, alias="sloMet")
     ttft_seconds: float | None = Field(default=None, description="Mean time to first token.")
     itl_seconds: float | None = Field(default=None, description="Mean inter-token latency.")
+    clients: int | None = Field(default=None, description="Distinct clients answered.")
+    classes: dict[str, RevisionClassFigures] | None = Field(
+        default=None,
+        max_length=8,
+        description="Per prompt-size class: answers and the streamed answers' medians.",
+    )
+    mirrored: int | None = Field(
+        default=None, description="Mirrored requests compared (the canary's shadow answers)."
+    )
+    agreement: float | None = Field(
+        default=None, description="Share of mirrored requests whose first k tokens agree."
+    )
+    token_agreement: float | None = Field(
+        default=None, description="Share of compared token positions that agree."
+    )
+    divergence: float | None = Field(
+        default=None, description="Mean divergence from the stable answer (nats per token)."
+    )
+    speedup: float | None = Field(
+        default=None,
+        description="Stable's median time per output token over the canary's, on mirrored "
+        "requests (above 1: the canary is faster).",
+    )
 
 
 class RolloutVerdict(_Status):
@@ -1067,6 +1219,10 @@ class RolloutStatus(_Status):
     )
     last_step_weight: int | None = Field(
         default=None, description="While promoting: the canary's weight at its last step."
+    )
+    shadow: RolloutShadow | None = Field(
+        default=None,
+        description="While a step runs: the mirror the gateways run (spec.rollout.shadow).",
     )
 
 

@@ -65,6 +65,19 @@ GATEWAY_REVISION_REQUESTS = "kubellm_gateway_revision_requests_total"
 GATEWAY_REVISION_SLO_MET = "kubellm_gateway_revision_slo_met_requests_total"
 GATEWAY_REVISION_TTFT = "kubellm_gateway_revision_time_to_first_token_seconds"
 GATEWAY_REVISION_ITL = "kubellm_gateway_revision_inter_token_latency_seconds"
+GATEWAY_REVISION_CLASS_REQUESTS = "kubellm_gateway_revision_class_requests_total"
+GATEWAY_REVISION_CLIENTS = "kubellm_gateway_revision_clients_total"
+GATEWAY_REVISION_STREAM_TTFT = "kubellm_gateway_revision_stream_ttft_seconds"
+GATEWAY_REVISION_TPOT = "kubellm_gateway_revision_time_per_output_token_seconds"
+# The shadow step's mirror (gateway/routing/mirror.py), per canary revision and class.
+GATEWAY_MIRROR_REQUESTS = "kubellm_gateway_mirror_compared_total"
+GATEWAY_MIRROR_SHED = "kubellm_gateway_mirror_shed_total"
+GATEWAY_MIRROR_AGREED = "kubellm_gateway_mirror_agreed_total"
+GATEWAY_MIRROR_TOKENS = "kubellm_gateway_mirror_tokens_total"
+GATEWAY_MIRROR_TOKENS_AGREED = "kubellm_gateway_mirror_tokens_agreed_total"
+GATEWAY_MIRROR_DIVERGENCE = "kubellm_gateway_mirror_divergence_nats"
+GATEWAY_MIRROR_TPOT = "kubellm_gateway_mirror_time_per_output_token_seconds"
+GATEWAY_MIRROR_STABLE_TPOT = "kubellm_gateway_mirror_stable_time_per_output_token_seconds"
 # Process-wide health of the gateway itself (no model labels).
 # One series per engine endpoint the gateway knows: state=ready|draining|ejected|down, value 1
 # (diagnose and dashboards find a gateway's engines here, without being told their ports).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping, Sequence
 
 import httpx
@@ -41,7 +42,10 @@ def parse(text: str, model: str, namespace: str | None = None) -> dict[str, Coun
     }
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == metrics.GATEWAY_REVISION_REQUESTS:
+            key = detail_key(sample.name, sample.labels)
+            if key is not None:
+                add(sample.labels, key, sample.value)
+            elif sample.name == metrics.GATEWAY_REVISION_REQUESTS:
                 add(sample.labels, "requests", sample.value)
                 if sample.labels.get("outcome") == "error":
                     add(sample.labels, "errors", sample.value)
@@ -53,7 +57,43 @@ def parse(text: str, model: str, namespace: str | None = None) -> dict[str, Coun
                         add(sample.labels, f"{key}_sum", sample.value)
                     elif sample.name == f"{base}_count":
                         add(sample.labels, f"{key}_count", sample.value)
-    return {revision: Counters(**values) for revision, values in fields.items()}
+    return {revision: counters(values) for revision, values in fields.items()}
+
+
+def counters(values: Mapping[str, float]) -> Counters:
+    """Counters from the summed fields (the detail keys apart)."""
+    return Counters.from_status(values) or Counters()
+
+
+# The per-class series of the analysis (Counters.detail), by metric: the detail key's head.
+DETAIL_SERIES = {
+    metrics.GATEWAY_REVISION_CLASS_REQUESTS: "class_requests",
+    metrics.GATEWAY_REVISION_CLIENTS: "clients",
+    f"{metrics.GATEWAY_REVISION_STREAM_TTFT}_bucket": "stream_ttft",
+    f"{metrics.GATEWAY_REVISION_TPOT}_bucket": "tpot",
+    metrics.GATEWAY_MIRROR_REQUESTS: "mirrored",
+    metrics.GATEWAY_MIRROR_AGREED: "agreed",
+    metrics.GATEWAY_MIRROR_TOKENS: "tokens",
+    metrics.GATEWAY_MIRROR_TOKENS_AGREED: "tokens_agreed",
+    f"{metrics.GATEWAY_MIRROR_DIVERGENCE}_sum": "divergence_sum",
+    f"{metrics.GATEWAY_MIRROR_DIVERGENCE}_count": "divergence_count",
+    f"{metrics.GATEWAY_MIRROR_TPOT}_bucket": "mirror_tpot",
+    f"{metrics.GATEWAY_MIRROR_STABLE_TPOT}_bucket": "mirror_stable_tpot",
+}
+
+
+def detail_key(name: str, labels: Mapping[str, str]) -> str | None:
+    """The Counters.detail key of one sample of a per-class series; None for others."""
+    head = DETAIL_SERIES.get(name)
+    if head is None:
+        return None
+    parts = [head]
+    if "class" in labels:
+        parts.append(labels["class"])
+    if "le" in labels:
+        bound = float(labels["le"])
+        parts.append("+Inf" if math.isinf(bound) else repr(bound))
+    return "|".join(parts)
 
 
 async def _bounded_get(
@@ -117,12 +157,16 @@ def _label_value(value: str) -> str:
 
 
 def prometheus_queries(namespace: str, model: str) -> dict[str, str]:
-    """The PromQL of each Counters field: the gateways' counters summed over their replicas."""
+    """The PromQL of each Counters field: the gateways' counters summed over their replicas
+    (the per-class series by class and bucket too)."""
     where = f'{{namespace="{_label_value(namespace)}",model="{_label_value(model)}"}}'
-    return {
+    queries = {
         key: f"sum by (revision{', outcome' if split else ''}) ({name}{where})"
         for key, name, split in PROMETHEUS_SERIES
     }
+    for name in DETAIL_SERIES:
+        queries[name] = f"sum by (revision, class, le) ({name}{where})"
+    return queries
 
 
 def from_prometheus(answers: Mapping[str, object]) -> dict[str, Counters]:
@@ -139,11 +183,12 @@ def from_prometheus(answers: Mapping[str, object]) -> dict[str, Counters]:
             number = float(value[1])
             if not revision or number != number:  # no label, or NaN
                 continue
+            field = detail_key(key, labels) or key
             bucket = fields.setdefault(revision, {})
-            bucket[key] = bucket.get(key, 0.0) + number
+            bucket[field] = bucket.get(field, 0.0) + number
             if key == "requests" and labels.get("outcome") == "error":
                 bucket["errors"] = bucket.get("errors", 0.0) + number
-    return {revision: Counters(**values) for revision, values in fields.items()}
+    return {revision: counters(values) for revision, values in fields.items()}
 
 
 class PrometheusFigures:

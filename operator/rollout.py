@@ -21,11 +21,13 @@ from __future__ import annotations
 import datetime
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Any, Literal
 
 from kubellm import api
 from kubellm.contracts import ROLLOUT_ACTION_ANNOTATION
+from kubellm.metrics import histogram_quantile
 
 Mode = Literal["rolling", "canary", "promoting"]
 Result = Literal["Pass", "Fail", "Inconclusive"]
@@ -36,7 +38,13 @@ Result = Literal["Pass", "Fail", "Inconclusive"]
 
 @dataclass(frozen=True)
 class Counters:
-    """One revision's cumulative counters at the gateway (or their change over a window)."""
+    """One revision's cumulative counters at the gateway (or their change over a window).
+
+    `detail` holds the per-class figures the verdict is drawn from, flat (status keeps it
+    as numbers): `class_requests|CLASS`, `clients`, `stream_ttft|CLASS|LE` and
+    `tpot|CLASS|LE` (cumulative histogram buckets, LE `+Inf` last), and the mirror's
+    `mirrored|CLASS`, `agreed|CLASS`, `tokens`, `tokens_agreed`, `divergence_sum`,
+    `divergence_count`, `mirror_tpot|CLASS|LE`, `mirror_stable_tpot|CLASS|LE`."""
 
     requests: float = 0.0  # answered by a replica of the revision
     errors: float = 0.0  # of those, failed (5xx, stream errors)
@@ -45,30 +53,42 @@ class Counters:
     ttft_count: float = 0.0
     itl_sum: float = 0.0
     itl_count: float = 0.0
+    detail: Mapping[str, float] = field(default_factory=dict)
+
+    def _scalars(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in _SCALARS}
 
     def minus(self, earlier: Counters | None) -> Counters:
         """The change since `earlier`; a counter that went down (a gateway restart) counts
         from zero, as Prometheus' increase() does."""
         if earlier is None:
             return self
-        values = {}
-        for key, now in asdict(self).items():
-            before = getattr(earlier, key)
-            values[key] = now - before if now >= before else now
-        return Counters(**values)
+
+        def less(now: float, before: float) -> float:
+            return now - before if now >= before else now
+
+        values = {k: less(v, getattr(earlier, k)) for k, v in self._scalars().items()}
+        detail = {k: less(v, earlier.detail.get(k, 0.0)) for k, v in self.detail.items()}
+        return Counters(**values, detail=detail)
 
     def plus(self, other: Counters) -> Counters:
-        return Counters(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
+        detail = dict(self.detail)
+        for key, value in other.detail.items():
+            detail[key] = detail.get(key, 0.0) + value
+        values = {k: v + getattr(other, k) for k, v in self._scalars().items()}
+        return Counters(**values, detail=detail)
 
     def to_status(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items()}
+        return {**{k: float(v) for k, v in self._scalars().items()}, **self.detail}
 
     @classmethod
     def from_status(cls, data: Mapping[str, Any] | None) -> Counters | None:
         if not isinstance(data, Mapping):
             return None
-        known = {k: float(data[k]) for k in asdict(cls()) if isinstance(data.get(k), int | float)}
-        return cls(**known)
+        numbers = {k: float(v) for k, v in data.items()
+                   if isinstance(v, int | float) and math.isfinite(v)}  # fmt: skip
+        known = {k: numbers.pop(k) for k in _SCALARS if k in numbers}
+        return cls(**known, detail=numbers)
 
     @property
     def error_rate(self) -> float:
@@ -89,6 +109,25 @@ class Counters:
         missed = max(0.0, self.requests - self.slo_met) / self.requests
         return missed / (1.0 - objective)
 
+    # ------------------------------------------------------------ per-class figures
+
+    def classes(self) -> list[str]:
+        """The prompt-size classes with answers, in a fixed order."""
+        return sorted({k.split("|")[1] for k in self.detail if k.startswith("class_requests|")})
+
+    def class_requests(self, size: str) -> float:
+        return self.detail.get(f"class_requests|{size}", 0.0)
+
+    @property
+    def clients(self) -> float:
+        return self.detail.get("clients", 0.0)
+
+    def histogram(self, metric: str, size: str) -> dict[float, float]:
+        """Cumulative bucket counts {upper bound: count} of `metric` in class `size`."""
+        prefix = f"{metric}|{size}|"
+        return {float(k[len(prefix):]): v for k, v in self.detail.items()
+                if k.startswith(prefix)}  # fmt: skip
+
     def figures(self) -> dict[str, Any]:
         """`status.rollout.verdict.canary|stable` (api.RevisionFigures)."""
         out: dict[str, Any] = {
@@ -100,7 +139,23 @@ class Counters:
             out["ttftSeconds"] = round(self.ttft, 6)
         if self.itl is not None:
             out["itlSeconds"] = round(self.itl, 6)
+        if self.detail:
+            out["clients"] = int(self.clients)
+            classes = {}
+            for size in self.classes():
+                row: dict[str, Any] = {"requests": int(self.class_requests(size))}
+                for metric, key in (("stream_ttft", "ttftMedianSeconds"),
+                                    ("tpot", "tpotMedianSeconds")):  # fmt: skip
+                    median = histogram_quantile(0.5, self.histogram(metric, size).items())
+                    if median is not None:
+                        row[key] = round(median, 6)
+                classes[size] = row
+            out["classes"] = classes
+        out.update(quality_figures(self))
         return out
+
+
+_SCALARS = ("requests", "errors", "slo_met", "ttft_sum", "ttft_count", "itl_sum", "itl_count")
 
 
 @dataclass(frozen=True)
@@ -129,18 +184,223 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 1000:.0f} ms"
 
 
+# --------------------------------------------------------------------------- statistics
+
+
+def _counts(cumulative: Mapping[float, float], bounds: list[float]) -> list[float]:
+    """Per-bucket counts over `bounds` (sorted) from cumulative counts (missing: carried)."""
+    out, last, carried = [], 0.0, 0.0
+    for bound in bounds:
+        carried = cumulative.get(bound, carried)
+        out.append(max(0.0, carried - last))
+        last = max(last, carried)
+    return out
+
+
+def mann_whitney_z(canary: Mapping[float, float], stable: Mapping[float, float]) -> float:
+    """The one-sided Mann-Whitney z of `canary` over `stable` (cumulative histograms with
+    the same bounds): above 0 when the canary's values tend to be larger. Values in one
+    bucket are ties (midranks, with the tie-corrected variance); 0 when either is empty."""
+    bounds = sorted(set(canary) | set(stable))
+    c, s = _counts(canary, bounds), _counts(stable, bounds)
+    n1, n2 = sum(c), sum(s)
+    total = n1 + n2
+    if n1 <= 0 or n2 <= 0 or total < 2:
+        return 0.0
+    u, below = 0.0, 0.0
+    for ci, si in zip(c, s, strict=True):
+        u += ci * (below + si / 2)
+        below += si
+    ties = sum((ci + si) ** 3 - (ci + si) for ci, si in zip(c, s, strict=True))
+    variance = n1 * n2 / 12 * ((total + 1) - ties / (total * (total - 1)))
+    if variance <= 0:
+        return 0.0
+    return (u - n1 * n2 / 2) / math.sqrt(variance)
+
+
+def critical_z(significance: float, comparisons: int) -> float:
+    """The one-sided z a comparison must pass, Bonferroni-corrected over `comparisons`."""
+    return NormalDist().inv_cdf(1 - significance / max(comparisons, 1))
+
+
+def wilson_upper(successes: float, trials: float, significance: float) -> float:
+    """The one-sided upper confidence bound on a share (Wilson score interval)."""
+    if trials <= 0:
+        return 1.0
+    z = NormalDist().inv_cdf(1 - significance)
+    share = successes / trials
+    centre = share + z * z / (2 * trials)
+    spread = z * math.sqrt(share * (1 - share) / trials + z * z / (4 * trials * trials))
+    return min(1.0, (centre + spread) / (1 + z * z / trials))
+
+
+@dataclass(frozen=True)
+class Regression:
+    size: str
+    name: str  # TTFT or ITL
+    canary: float  # medians
+    stable: float
+    z: float
+
+
+def latency_regressions(
+    canary: Counters, stable: Counters, analysis: api.RolloutAnalysis
+) -> tuple[list[Regression], int]:
+    """Streamed answers' TTFT and time per token compared class by class: a regression is
+    a median over the allowed ratio AND over the absolute floor AND a significant
+    Mann-Whitney z. Returns the regressions and how many comparisons were made."""
+    checks = (
+        ("TTFT", "stream_ttft", analysis.max_ttft_ratio, analysis.min_ttft_difference_seconds),
+        ("ITL", "tpot", analysis.max_itl_ratio, analysis.min_itl_difference_seconds),
+    )
+    pairs = []
+    for size in canary.classes():
+        for name, metric, ratio, floor in checks:
+            mine, theirs = canary.histogram(metric, size), stable.histogram(metric, size)
+            if min(max(mine.values(), default=0), max(theirs.values(), default=0)) >= (
+                analysis.min_class_requests
+            ):
+                pairs.append((size, name, mine, theirs, ratio, floor))
+    limit = critical_z(analysis.significance, len(pairs))
+    found = []
+    for size, name, mine, theirs, ratio, floor in pairs:
+        m, t = histogram_quantile(0.5, mine.items()), histogram_quantile(0.5, theirs.items())
+        if m is None or t is None or m <= t * ratio or m - t <= floor:
+            continue
+        z = mann_whitney_z(mine, theirs)
+        if z > limit:
+            found.append(Regression(size, name, m, t, z))
+    return found, len(pairs)
+
+
+def uncovered(
+    seen: Mapping[str, float], stable: Counters, analysis: api.RolloutAnalysis
+) -> list[str]:
+    """The prompt-size classes the model serves (at least minClassShare of the stable
+    answers) where the canary has `seen` fewer than minClassRequests requests."""
+    total = sum(stable.class_requests(size) for size in stable.classes())
+    return [
+        size
+        for size in stable.classes()
+        if total
+        and stable.class_requests(size) / total >= analysis.min_class_share
+        and seen.get(size, 0.0) < analysis.min_class_requests
+    ]
+
+
+# --------------------------------------------------------------------------- answer quality
+
+
+def quality_figures(counters: Counters) -> dict[str, Any]:
+    """The mirror's figures of a revision (api.RevisionFigures' quality fields)."""
+    d = counters.detail
+    mirrored = sum(v for k, v in d.items() if k.startswith("mirrored|"))
+    if not mirrored:
+        return {}
+    agreed = sum(v for k, v in d.items() if k.startswith("agreed|"))
+    out: dict[str, Any] = {"mirrored": int(mirrored), "agreement": round(agreed / mirrored, 4)}
+    if d.get("tokens"):
+        out["tokenAgreement"] = round(d.get("tokens_agreed", 0.0) / d["tokens"], 4)
+    if d.get("divergence_count"):
+        out["divergence"] = round(d.get("divergence_sum", 0.0) / d["divergence_count"], 6)
+    mine = _merged(counters, "mirror_tpot")
+    theirs = _merged(counters, "mirror_stable_tpot")
+    m, t = histogram_quantile(0.5, mine.items()), histogram_quantile(0.5, theirs.items())
+    if m and t:
+        out["speedup"] = round(t / m, 3)
+    return out
+
+
+def _merged(counters: Counters, metric: str) -> dict[float, float]:
+    out: dict[float, float] = {}
+    for key, value in counters.detail.items():
+        parts = key.split("|")
+        if parts[0] == metric and len(parts) == 3:
+            bound = float(parts[2])
+            out[bound] = out.get(bound, 0.0) + value
+    return out
+
+
+def quality_verdict(
+    canary: Counters, stable: Counters | None, analysis: api.RolloutAnalysis, first_tokens: int
+) -> Verdict | None:
+    """The answer-quality gate on mirrored requests: None when it passes (or is not set),
+    else an Inconclusive (too few mirrored requests, a class not mirrored) or a Fail."""
+    quality = analysis.quality
+    if quality is None:
+        return None
+    d = canary.detail
+    mirrored = {k.split("|")[1]: v for k, v in d.items() if k.startswith("mirrored|")}
+    total = sum(mirrored.values())
+    if total < quality.min_mirrored_requests:
+        return Verdict(
+            "Inconclusive", "TooFewMirroredRequests",
+            f"{total:.0f} of the {quality.min_mirrored_requests} mirrored requests the "
+            "quality gate needs (spec.rollout.analysis.quality.minMirroredRequests; is "
+            "spec.rollout.shadow set?)", canary, stable,
+        )  # fmt: skip
+    missing = uncovered(mirrored, stable or Counters(), analysis)
+    if missing:
+        return Verdict(
+            "Inconclusive", "ClassNotMirrored",
+            f"the mirror compared fewer than {analysis.min_class_requests} {', '.join(missing)} "
+            "prompts; the quality gate waits until every class the model serves is seen",
+            canary, stable,
+        )  # fmt: skip
+    agreed = sum(v for key, v in d.items() if key.startswith("agreed|"))
+    bound = wilson_upper(agreed, total, analysis.significance)
+    if bound < quality.min_agreement:
+        worst = min(mirrored, key=lambda size: d.get(f"agreed|{size}", 0.0) / mirrored[size])
+        differ = 1 - d.get(f"agreed|{worst}", 0.0) / mirrored[worst]
+        return Verdict(
+            "Fail", "CanaryAnswersDiffer",
+            f"agreement {agreed / total:.0%} < {quality.min_agreement:.0%} on {total:.0f} "
+            f"mirrored requests (upper bound {bound:.0%}); greedy answers differ within the "
+            f"first {first_tokens} tokens in {differ:.0%} of {worst} prompts "
+            "(spec.rollout.analysis.quality.minAgreement); check the revision's "
+            "quantization, dtype or checkpoint", canary, stable,
+        )  # fmt: skip
+    tokens = d.get("tokens", 0.0)
+    if tokens and wilson_upper(d.get("tokens_agreed", 0.0), tokens, analysis.significance) < (
+        quality.min_token_agreement
+    ):
+        return Verdict(
+            "Fail", "CanaryTokensDiffer",
+            f"per-token agreement {d.get('tokens_agreed', 0.0) / tokens:.0%} < "
+            f"{quality.min_token_agreement:.0%} over {tokens:.0f} tokens of {total:.0f} "
+            "mirrored requests (spec.rollout.analysis.quality.minTokenAgreement)",
+            canary, stable,
+        )  # fmt: skip
+    count = d.get("divergence_count", 0.0)
+    if count and d.get("divergence_sum", 0.0) / count > quality.max_divergence:
+        return Verdict(
+            "Fail", "CanaryDiverges",
+            f"mean divergence {d['divergence_sum'] / count:.3f} nats/token > "
+            f"{quality.max_divergence:g} over {count:.0f} tokens of {total:.0f} mirrored "
+            "requests (spec.rollout.analysis.quality.maxDivergence)", canary, stable,
+        )  # fmt: skip
+    return None
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
 def analyse(
     canary: Counters | None,
     stable: Counters | None,
     analysis: api.RolloutAnalysis,
     slo: api.SLO,
+    first_tokens: int = api.RolloutShadow().first_tokens,
 ) -> Verdict:
-    """The canary's verdict over one window (figures in, verdict out).
+    """The canary's verdict over one window (figures in, verdict out); `first_tokens`:
+    the mirror's k (spec.rollout.shadow.firstTokens), for the quality gate's message.
 
-    Inconclusive until the canary answered `minRequests`; then Fail on the first check it
-    breaks (error rate over stable's + maxErrorRate; mean TTFT or ITL over max...Ratio x
-    stable's, when stable has figures to compare with; burn rate more than maxBurnRate over
-    stable's), else Pass."""
+    Inconclusive until the canary answered `minRequests`. Then Fail on a significantly
+    higher error rate. Inconclusive until it answered `minClients` distinct clients and
+    `minClassRequests` in every prompt-size class the model serves. Then Fail on a latency
+    regression (streamed answers, class by class, medians over the ratio and the floor
+    and a significant Mann-Whitney test), on the burn rate, or on the quality gate; else
+    Pass."""
     if canary is None:
         return Verdict(
             "Inconclusive",
@@ -157,8 +417,14 @@ def analyse(
             canary,
             stable,
         )
-    stable_errors = stable.error_rate if stable is not None else 0.0
-    if canary.error_rate > stable_errors + analysis.max_error_rate:
+    stable = stable if stable is not None else Counters()
+    stable_errors = stable.error_rate
+    # a canary error rate over the allowance, and not plausibly stable's (a few errors of a
+    # small window are no evidence): the rate's lower confidence bound is over it too
+    lower = 1 - wilson_upper(canary.requests - canary.errors, canary.requests,
+                             analysis.significance)  # fmt: skip
+    allowed = stable_errors + analysis.max_error_rate
+    if canary.error_rate > allowed and lower > stable_errors:
         return Verdict(
             "Fail",
             "CanaryErrorRate",
@@ -168,28 +434,52 @@ def analyse(
             canary,
             stable,
         )
-    checks = (
-        ("TTFT", canary.ttft, stable.ttft if stable else None, analysis.max_ttft_ratio,
-         "maxTTFTRatio"),
-        ("ITL", canary.itl, stable.itl if stable else None, analysis.max_itl_ratio,
-         "maxITLRatio"),
-    )  # fmt: skip
-    for name, mine, theirs, limit, knob in checks:
-        if mine is not None and theirs:
-            ratio = mine / theirs
-            if ratio > limit:
-                return Verdict(
-                    "Fail",
-                    f"Canary{name}Regression",
-                    f"the canary's mean {name} is {ratio:.2f}x the stable revision's "
-                    f"({_ms(mine)} vs {_ms(theirs)} over {canary.requests:.0f} requests; "
-                    f"allowed {limit:g}x, spec.rollout.analysis.{knob}); check the new "
-                    "revision's engine settings (quantization, kvCacheDtype, image)",
-                    canary,
-                    stable,
-                )
+    if stable.requests < analysis.min_requests:
+        return Verdict(
+            "Inconclusive", "TooFewStableRequests",
+            f"the stable revision answered {stable.requests:.0f} requests in the window, "
+            f"fewer than the {analysis.min_requests} a comparison needs", canary, stable,
+        )  # fmt: skip
+    if not canary.detail:
+        return Verdict(
+            "Inconclusive", "NoClassFigures",
+            "the gateway sends no per-class figures (kubellm_gateway_revision_clients_total): "
+            "upgrade it, or `kubellm rollout promote`", canary, stable,
+        )  # fmt: skip
+    if canary.clients < analysis.min_clients:
+        return Verdict(
+            "Inconclusive", "TooFewClients",
+            f"the canary answered {canary.clients:.0f} distinct clients of the "
+            f"{analysis.min_clients} a verdict needs (spec.rollout.analysis.minClients)",
+            canary, stable,
+        )  # fmt: skip
+    missing = uncovered({c: canary.class_requests(c) for c in canary.classes()}, stable, analysis)
+    if missing:
+        return Verdict(
+            "Inconclusive", "ClassNotCovered",
+            f"the canary answered fewer than {analysis.min_class_requests} {', '.join(missing)} "
+            f"prompts, a class the model serves (spec.rollout.analysis.minClassRequests, "
+            "minClassShare); the step waits until it has", canary, stable,
+        )  # fmt: skip
+    found, compared = latency_regressions(canary, stable, analysis)
+    if found:
+        worst = max(found, key=lambda r: r.canary / r.stable)
+        ttft = worst.name == "TTFT"
+        knob = "maxTTFTRatio" if ttft else "maxITLRatio"
+        limit = analysis.max_ttft_ratio if ttft else analysis.max_itl_ratio
+        return Verdict(
+            "Fail",
+            f"Canary{worst.name}Regression",
+            f"the canary's median {worst.name} on streamed {worst.size} prompts is "
+            f"{worst.canary / worst.stable:.2f}x the stable revision's ({_ms(worst.canary)} "
+            f"vs {_ms(worst.stable)}, Mann-Whitney z {worst.z:.1f}; allowed {limit:g}x, "
+            f"spec.rollout.analysis.{knob}); check the new revision's engine settings "
+            "(quantization, kvCacheDtype, image)",
+            canary,
+            stable,
+        )
     burn = canary.burn_rate(slo.objective)
-    stable_burn = stable.burn_rate(slo.objective) if stable is not None else 0.0
+    stable_burn = stable.burn_rate(slo.objective)
     if burn - stable_burn > analysis.max_burn_rate:
         return Verdict(
             "Fail",
@@ -201,13 +491,15 @@ def analyse(
             canary,
             stable,
         )
+    gate = quality_verdict(canary, stable, analysis, first_tokens)
+    if gate is not None:
+        return gate
     return Verdict(
         "Pass",
         "AnalysisPassed",
-        f"over {canary.requests:.0f} requests: errors {canary.error_rate:.1%} (stable "
-        f"{stable_errors:.1%}), TTFT {_ms(canary.ttft)} (stable "
-        f"{_ms(stable.ttft if stable else None)}), ITL {_ms(canary.itl)} (stable "
-        f"{_ms(stable.itl if stable else None)}), burn {burn:.1f}x",
+        f"over {canary.requests:.0f} requests from {canary.clients:.0f} clients: errors "
+        f"{canary.error_rate:.1%} (stable {stable_errors:.1%}), {compared} latency "
+        f"comparisons by class with no significant regression, burn {burn:.1f}x",
         canary,
         stable,
     )
@@ -384,6 +676,10 @@ def decide(
             "the spec again to start a new revision, or `kubellm rollout promote`",
         )
 
+    if rollout.shadow is not None:  # the gateways mirror while the step runs
+        old["shadow"] = rollout.shadow.model_dump(by_alias=True)
+    else:
+        old.pop("shadow", None)
     index = max(1, min(int(old.get("step") or 1), len(steps))) - 1
     step = steps[index]
     stable_replicas, canary_replicas = split(total, step.weight)
@@ -412,6 +708,7 @@ def decide(
         _stable_window(seen.counters, old.get("baseline"), desired),
         rollout.analysis,
         spec.slo,
+        (rollout.shadow or api.RolloutShadow()).first_tokens,
     )
     if verdict.result == "Fail":
         return rolled_back(verdict.reason, verdict.message, verdict)

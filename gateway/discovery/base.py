@@ -70,6 +70,11 @@ class CanarySplit:
 
     revision: str
     weight: int
+    # The shadow step (status.rollout.shadow): the share of stable requests mirrored to the
+    # canary and the mirrored requests one gateway keeps in flight (routing/mirror.py).
+    shadow_share: float = 0.0
+    shadow_concurrency: int = 0
+    shadow_tokens: int = 16  # k: the first tokens whose agreement is counted
 
 
 @dataclass(frozen=True)
@@ -131,8 +136,24 @@ def canary_split(rollout: Mapping[str, object] | None) -> CanarySplit | None:
     if phase == "RolledBack":
         return CanarySplit(revision, 0)
     if phase == "Progressing" and isinstance(weight, int) and not isinstance(weight, bool):
-        return CanarySplit(revision, max(0, min(100, weight)))
+        share, concurrency, tokens = _shadow(rollout.get("shadow"))
+        return CanarySplit(revision, max(0, min(100, weight)), share, concurrency, tokens)
     return None
+
+
+def _shadow(shadow: object) -> tuple[float, int, int]:
+    """(share, concurrency, k) of status.rollout.shadow; no mirror when absent or malformed."""
+    off = (0.0, 0, 16)
+    if not isinstance(shadow, Mapping):
+        return off
+    share, concurrency = shadow.get("share"), shadow.get("maxConcurrency")
+    tokens = shadow.get("firstTokens", 16)
+    if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share <= 1:
+        return off
+    for count in (concurrency, tokens):
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            return off
+    return float(share), min(concurrency, 10_000), min(tokens, 256)
 
 
 def find_model(

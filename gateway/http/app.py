@@ -45,7 +45,7 @@ from kubellm.gateway.protocol import assemble, errors
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.headers import first_values
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
-from kubellm.gateway.routing import slo, usage
+from kubellm.gateway.routing import mirror, slo, usage
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Ticket
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.router import routing_request
@@ -87,6 +87,11 @@ class Gateway:
         self._client = client  # https replicas', the fallback API's and scraping's client
         self._replicas: upstream.Pool | None = None  # the plain-http replicas' client
         self.pace = relay.Pace()  # replicas' gaps within whole answers: what a stall is
+        # the canary's shadow step (routing/mirror.py)
+        self.mirror = mirror.Mirror(
+            mirror.metrics_for(self.metrics.registry), mirror.aiohttp_post(lambda: self.client),
+            self.scheduler.load,
+        )  # fmt: skip
 
     @property
     def load(self) -> LoadView:
@@ -113,6 +118,7 @@ class Gateway:
         self.scheduler.start(self.client)
 
     async def stop(self) -> None:
+        await self.mirror.aclose()
         await self.scheduler.stop()
         if self._client is not None:
             await self._client.close()
@@ -275,6 +281,8 @@ class Gateway:
             opened = await relay.open_upstream(forward, ticket, self.replicas, self.client)
         except relay.AllUpstreamsFailed as failed:
             return await call.error(ticket.attempts_failed(len(failed.failures)))
+        if target.canary is not None:  # the shadow step: after the request went out
+            self.mirror.offer(target, opened.url, call.path, body, routing.prompt_chars)
         if opened.assembled:
             assert opened.body is not None
             opened.response.close()

@@ -50,9 +50,8 @@ from typing import TYPE_CHECKING, Any
 from kubellm.gateway.discovery.base import ModelTarget
 from kubellm.gateway.protocol import errors
 from kubellm.gateway.protocol.errors import GatewayError
-from kubellm.gateway.routing import usage
+from kubellm.gateway.routing import revisions, usage
 from kubellm.gateway.routing.admission import Route
-from kubellm.gateway.routing.revisions import revision_label
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.slo import TOKEN, RequestRecord, StreamTiming
 
@@ -237,7 +236,8 @@ class Ticket:
             self._core.hold(url)
         attempt = self._attempt = Attempt(self, url, self._core.acquire(url))
         self.sent = True
-        self.record.revision = revision_label(self.target, url)  # canary analysis
+        tenant = self.caller.tenant.name if self.caller is not None else None
+        revisions.attribute(self.record, self.target, url, self.routing, tenant)  # analysis
         if self.done:  # finished meanwhile: nothing may stay held
             attempt.release()
         return attempt
@@ -463,7 +463,7 @@ class Ticket:
             met = whole and ttft <= max(slo.ttft_seconds, budget)
             if met:
                 series.goodput.inc()
-            self.record.revision_observed(ttft, (), met)
+            self.record.revision_observed(ttft, (), met, streamed=False)
             self.good = met
         else:
             self.ttft = timing.ttft

@@ -8,11 +8,18 @@ key falls in the canary's share of a fixed hash space:
     canary  iff  bucket(key) < weight x 100,   bucket(key) = SHA-256(key) mod 10,000
 
 The key is the request's session (the `x-session-id` header or the body's `user`), else
-its prompt's home key (the first prefix chunk's hash: what prompts sharing a system
-prompt have in common). So a session, and a shared prefix, stay on one revision and their
-KV cache is not built on both; every gateway replica agrees without shared state; and as
-the weight grows, keys already on the canary stay there (the share only adds keys). The
-traffic share is by keys, not requests: a hot prefix moves as one.
+its whole prompt (a hash of its text; the prefix chunks leave a prompt's tail out), else
+its home key. So a session
+stays on one revision; every gateway replica agrees without shared state; and as the
+weight grows, keys already on the canary stay there (the share only adds keys). A hot
+prefix (one system prompt before every long prompt) does not move as one: its prompts
+split by weight, so the canary sees the request classes the model serves, at the cost of
+that prefix's KV cache being built once on each revision.
+
+The analysis' figures (operator/rollout.py) are counted per prompt-size class
+(`size_class`) and per client (`client_key`: the tenant where tenants are declared, else
+the split key): `slo.Ledger` counts at most `CLIENT_CAP` answers of one client per revision
+and step in the latency figures, and how many distinct clients each revision answered.
 
 Weight 0 (rolled back) sends nothing to the canary; when the chosen side has no candidate
 (the canary is not ready yet, or a revision's replicas are all ejected), the other side
@@ -27,10 +34,11 @@ from typing import TYPE_CHECKING, TypeVar
 
 from kubellm.gateway.discovery.base import CanarySplit, ModelTarget
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.scorers.prefix import prompt_text
 from kubellm.gateway.routing.slo import STABLE_REVISION
 
 if TYPE_CHECKING:
-    from kubellm.gateway.routing.slo import GatewayMetrics
+    from kubellm.gateway.routing.slo import GatewayMetrics, RequestRecord
 
 BUCKETS = 10_000
 
@@ -43,9 +51,15 @@ def bucket(key: str) -> int:
 
 
 def request_key(request: RoutingRequest) -> str:
-    """The key a request sticks to a revision by: its session, else its prompt's home."""
+    """The key a request sticks to a revision by: its session, else its whole prompt (a
+    hot prefix's prompts split by weight), else its prompt's home."""
     if request.session:
         return f"session:{request.session}"
+    if request.body is not None:  # the whole prompt: its tail too (chunks leave it out)
+        text = prompt_text(dict(request.body))
+        return f"prompt:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    if request.chunk_hashes:
+        return f"prompt:{request.chunk_hashes[-1]}"
     if request.affinity_key is not None:
         return f"prefix:{request.affinity_key}"
     return ""
@@ -107,3 +121,41 @@ def for_request(
     revisions = {e.url: e.revision for e in target.endpoints}
     by_position = {i: revisions.get(c.url) for i, c in enumerate(candidates)}
     return choose(candidates, by_position, target.canary, request_key(request))
+
+
+# --------------------------------------------------------------------------- analysis figures
+
+# Prompt-size classes (characters, about 4 per token): like is compared with like.
+SIZE_CLASSES = (("short", 2_000), ("medium", 16_000), ("long", None))
+
+
+def size_class(prompt_chars: int) -> str:
+    """The prompt-size class of a prompt of `prompt_chars` characters."""
+    for name, below in SIZE_CLASSES:
+        if below is None or prompt_chars < below:
+            return name
+    return SIZE_CLASSES[-1][0]
+
+
+def client_key(request: RoutingRequest, tenant: str | None) -> str:
+    """Who a request counts as in the analysis: its tenant (a declared, authenticated
+    identity a client cannot multiply), else the key it was split by."""
+    return f"tenant:{tenant}" if tenant else request_key(request)
+
+
+def attribute(
+    record: RequestRecord,
+    target: ModelTarget,
+    url: str,
+    request: RoutingRequest,
+    tenant: str | None,
+) -> None:
+    """An attempt goes to `url`: the request's record counts in that endpoint's revision,
+    with its step, client and prompt-size class while a canary splits the model."""
+    record.revision = revision_label(target, url)
+    split = target.canary
+    if record.revision is None or split is None:
+        record.sample = None
+        return
+    step = (target.served_name, record.revision, split.revision, split.weight)
+    record.sample = (step, client_key(request, tenant), size_class(request.prompt_chars))

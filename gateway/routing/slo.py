@@ -135,6 +135,34 @@ class TargetMetrics:
 
 
 STABLE_REVISION = "stable"  # the revision label of endpoints without one (the stable side)
+# The per-class analysis histograms: 1.5x apart, fine enough for a 1.5x ratio test.
+CLASS_TTFT_BUCKETS = tuple(round(0.005 * 1.5**i, 6) for i in range(24))  # 5 ms .. 56 s
+CLASS_TPOT_BUCKETS = tuple(round(0.001 * 1.5**i, 6) for i in range(20))  # 1 ms .. 2.2 s
+CLIENT_CAP = 5  # answers of one client per revision and step counted in the latency figures
+LEDGER_CLIENTS = 50_000  # clients remembered per revision and step; beyond, one shared key
+LEDGER_STEPS = 8  # (model, revision, weight) steps remembered
+
+
+class Ledger:
+    """Per (model, revision, step weight): how many answers of each client were counted.
+    Bounded: LEDGER_STEPS steps (oldest forgotten), LEDGER_CLIENTS clients each (the rest
+    share one key, so a flood of fresh keys cannot grow it)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[tuple, dict[str, int]] = {}
+
+    def count(self, step: tuple, client: str) -> tuple[bool, bool]:
+        """One answer of `client` in `step`: (first of this client, counted in latency)."""
+        seen = self.steps.get(step)
+        if seen is None:
+            while len(self.steps) >= LEDGER_STEPS:
+                del self.steps[next(iter(self.steps))]
+            seen = self.steps[step] = {}
+        if client not in seen and len(seen) >= LEDGER_CLIENTS:
+            client = "overflow"
+        n = seen.get(client, 0)
+        seen[client] = n + 1
+        return n == 0, n < CLIENT_CAP
 
 
 class RevisionMetrics:
@@ -165,6 +193,33 @@ class RevisionMetrics:
             metrics.GATEWAY_REVISION_ITL, "Time between streamed chunks, per revision.", names,
             buckets=_ITL, registry=registry,
         )  # fmt: skip
+        # The canary analysis' figures: per prompt-size class, one client's answers counted
+        # at most CLIENT_CAP times per step (routing/revisions.py, operator/rollout.py).
+        classed = [*names, "class"]
+        self.class_requests = Counter(
+            _name(metrics.GATEWAY_REVISION_CLASS_REQUESTS, "_total"),
+            "Answers of the revision per prompt-size class (streamed or not).",
+            classed, registry=registry,
+        )  # fmt: skip
+        self.clients = Counter(
+            _name(metrics.GATEWAY_REVISION_CLIENTS, "_total"),
+            "Distinct clients (tenants, else sessions or prompts) the revision answered in "
+            "each canary step.",
+            names, registry=registry,
+        )  # fmt: skip
+        self.stream_ttft = Histogram(
+            metrics.GATEWAY_REVISION_STREAM_TTFT,
+            "Streamed answers' time to first token, per revision and prompt-size class "
+            "(at most CLIENT_CAP answers of one client per step).",
+            classed, buckets=CLASS_TTFT_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            metrics.GATEWAY_REVISION_TPOT,
+            "Streamed answers' mean time per output token after the first, per revision and "
+            "prompt-size class (at most CLIENT_CAP answers of one client per step).",
+            classed, buckets=CLASS_TPOT_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.ledger = Ledger()
 
 
 def create(registry: CollectorRegistry | None = None) -> GatewayMetrics:
@@ -323,7 +378,7 @@ class RequestRecord:
     """One request's accounting in a deployment's series: pending while it lives, then
     its outcome (route, status) and end-to-end time counted exactly once."""
 
-    __slots__ = ("arrived", "finished", "revision", "series")
+    __slots__ = ("arrived", "finished", "revision", "sample", "series")
 
     def __init__(self, series: TargetMetrics, arrived: float) -> None:
         self.series = series
@@ -332,6 +387,8 @@ class RequestRecord:
         # During a canary rollout: the revision of the replica that answers (set once the
         # replica is known: Scheduler.routed's caller), counted in the per-revision series.
         self.revision: str | None = None
+        # and its (step, client, prompt-size class) for the analysis' figures
+        self.sample: tuple[tuple, str, str] | None = None
         series.pending.inc()
 
     def finish(self, route: str, code: int) -> None:
@@ -347,7 +404,9 @@ class RequestRecord:
             outcome = "error" if code >= 500 else "ok"
             per_revision.requests.labels(*series.labels, self.revision, outcome).inc()
 
-    def revision_observed(self, ttft: float | None, gaps: Sequence[float], met: bool) -> None:
+    def revision_observed(
+        self, ttft: float | None, gaps: Sequence[float], met: bool, streamed: bool = True
+    ) -> None:
         """An answer's TTFT, ITL gaps and SLO outcome in its revision's series, while a
         canary rollout splits the model (nothing otherwise)."""
         series = self.series
@@ -360,3 +419,13 @@ class RequestRecord:
         per_revision.itl.labels(*names).observe_all(gaps)
         if met:
             per_revision.slo_met.labels(*names).inc()
+        if self.sample is not None:
+            step, client, size = self.sample
+            first, counted = per_revision.ledger.count(step, client)
+            per_revision.class_requests.labels(*names, size).inc()
+            if first:
+                per_revision.clients.labels(*names).inc()
+            if counted and streamed and ttft is not None:  # like with like: streamed TTFT
+                per_revision.stream_ttft.labels(*names, size).observe(ttft)
+                if gaps:
+                    per_revision.tpot.labels(*names, size).observe(sum(gaps) / len(gaps))

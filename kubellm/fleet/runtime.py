@@ -146,8 +146,11 @@ class LocalRuntime:
         changes = []
         wanted = {m.metadata.name: m for m in manifests}
         for name in list(self.deployments):
-            if name not in wanted:
+            if name not in wanted:  # removed or renamed: its canary's replicas go too
                 self.supervisor.forget(name)
+                canary = self.deployments[name].canary_key
+                if canary in self.supervisor.desired:
+                    self.supervisor.forget(canary)
                 del self.deployments[name]
                 changes.append(f"{name} removed")
         for name, manifest in wanted.items():

@@ -14,6 +14,7 @@ from kubellm.contracts import revision
 from kubellm.fleet import status
 from kubellm.fleet.processes import Replica, Supervisor, restart_delay
 from kubellm.fleet.runtime import LocalBackend, LocalRuntime, secret_env_var
+from tests.fixtures.canary import c
 
 
 def test_histogram_quantile_interpolates_like_prometheus() -> None:
@@ -165,8 +166,7 @@ def _mark_ready(supervisor: Supervisor, key: str, tmp_path: Path) -> None:
 
 
 def _served(requests: int, ttft: float) -> Counters:
-    return Counters(requests=requests, slo_met=requests, ttft_sum=ttft * requests,
-                    ttft_count=requests, itl_sum=0.05 * requests, itl_count=requests)  # fmt: skip
+    return c(requests=requests, ttft=ttft)
 
 
 async def test_the_local_fleet_runs_a_canary_beside_the_stable_replicas(tmp_path: Path) -> None:
@@ -210,3 +210,23 @@ async def test_the_local_fleet_runs_a_canary_beside_the_stable_replicas(tmp_path
     assert "m--canary" not in supervisor.commands and supervisor.desired["m"] == 4
     assert runtime.deployments["m"].rollout_status["phase"] == "Stable"
     assert runtime.gateway_targets()["m"].canary is None
+
+
+@pytest.mark.parametrize("renamed", [False, True])
+async def test_a_deployment_removed_or_renamed_mid_rollout_takes_its_canary_with_it(
+    tmp_path: Path, renamed: bool
+) -> None:
+    supervisor = Supervisor(tmp_path / "logs")
+    runtime = LocalRuntime(supervisor, tmp_path, engine="sim")
+    runtime.apply([_canary_llmd("file:///v1")])
+    _mark_ready(supervisor, "m", tmp_path)
+    runtime.apply([_canary_llmd("file:///v2")])
+    runtime.tend_rollout({}, 101.0)
+    assert supervisor.desired["m--canary"] == 1 and "m--canary" in supervisor.commands
+    other = _canary_llmd("file:///v2").model_copy(deep=True)
+    other.metadata.name = "n"
+    changes = runtime.apply([other] if renamed else [])
+    assert "m removed" in changes
+    runtime.tend_rollout({}, 102.0)
+    assert supervisor.desired["m--canary"] == 0 and "m--canary" not in supervisor.commands
+    assert supervisor.desired["m"] == 0

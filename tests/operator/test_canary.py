@@ -47,6 +47,9 @@ MANIFEST: dict[str, Any] = {
 }
 
 
+from tests.fixtures.canary import c  # noqa: E402
+
+
 class FakeGateway:
     """The gateway's cumulative per-revision counters, as the test sets them."""
 
@@ -59,11 +62,7 @@ class FakeGateway:
     def serve(self, revision: str, requests: int, ttft: float = 0.2, errors: int = 0) -> None:
         """`requests` more answers from `revision` with mean TTFT `ttft`."""
         before = self.counters.get(revision, Counters())
-        self.counters[revision] = before.plus(
-            Counters(requests=requests, errors=errors, slo_met=requests - errors,
-                     ttft_sum=ttft * requests, ttft_count=requests,
-                     itl_sum=0.05 * requests, itl_count=requests)
-        )  # fmt: skip
+        self.counters[revision] = before.plus(c(requests=requests, errors=errors, ttft=ttft))
 
 
 def rollout_status(emulator) -> dict[str, Any]:

@@ -10,22 +10,10 @@ from kubellm.operator import builders, figures, rollout
 from kubellm.operator.rollout import Counters, Observation
 
 from kubellm import api, metrics
+from tests.fixtures.canary import c
 
 ANALYSIS = api.RolloutAnalysis(minRequests=20)
 SLO = api.SLO(ttftSeconds=1.0, itlSeconds=0.1, objective=0.99)
-
-
-def c(requests=100, errors=0, met=None, ttft=0.2, itl=0.05) -> Counters:
-    """Counters of `requests` answers with mean TTFT/ITL `ttft`/`itl` (10 gaps each)."""
-    return Counters(
-        requests=requests,
-        errors=errors,
-        slo_met=requests - errors if met is None else met,
-        ttft_sum=ttft * requests,
-        ttft_count=requests,
-        itl_sum=itl * requests * 10,
-        itl_count=requests * 10,
-    )
 
 
 @pytest.mark.parametrize(
@@ -42,7 +30,10 @@ def c(requests=100, errors=0, met=None, ttft=0.2, itl=0.05) -> Counters:
         (c(ttft=0.3), c(ttft=0.2), "Pass", "AnalysisPassed"),  # 1.5x: at the limit
         (c(ttft=0.6), c(ttft=0.2), "Fail", "CanaryTTFTRegression"),  # 3x slower steps
         (c(itl=0.15), c(itl=0.05), "Fail", "CanaryITLRegression"),
-        (c(ttft=0.6), Counters(), "Pass", "AnalysisPassed"),  # nothing to compare with
+        (c(ttft=0.6), Counters(), "Inconclusive", "TooFewStableRequests"),
+        (c(clients=4), c(), "Inconclusive", "TooFewClients"),
+        (Counters(requests=100), c(), "Inconclusive", "NoClassFigures"),  # an old gateway
+        (c(ttft=0.03), c(ttft=0.014), "Pass", "AnalysisPassed"),  # 2.1x, but 16 ms: the floor
         (c(met=90), c(met=100), "Fail", "CanarySLOBurn"),  # 10% missed: burn 10x > 2x
         (c(met=90), c(met=90), "Pass", "AnalysisPassed"),  # stable burns as fast: traffic
         (c(met=97), c(met=100), "Fail", "CanarySLOBurn"),  # 3x over stable's 0x
@@ -60,8 +51,11 @@ def test_analysis_verdict(canary, stable, result, reason):
 def test_verdict_figures_go_to_status():
     verdict = rollout.analyse(c(ttft=0.6), c(ttft=0.2), ANALYSIS, SLO)
     out = verdict.to_status("2026-01-01T00:00:00Z")
-    assert out["canary"] == {"requests": 100, "errors": 0, "sloMet": 100, "ttftSeconds": 0.6,
-                             "itlSeconds": 0.05}  # fmt: skip
+    assert {k: out["canary"][k] for k in ("requests", "errors", "sloMet", "ttftSeconds",
+            "itlSeconds", "clients")} == {"requests": 100, "errors": 0, "sloMet": 100,
+            "ttftSeconds": 0.6, "itlSeconds": 0.05, "clients": 10}  # fmt: skip
+    short = out["canary"]["classes"]["short"]
+    assert short["requests"] == 100 and 0.5 < short["ttftMedianSeconds"] < 0.7
     assert out["stable"]["ttftSeconds"] == 0.2
     api.RolloutVerdict.model_validate(out)
 
@@ -329,7 +323,8 @@ async def test_prometheus_figures_over_http_and_a_broken_server():
     source = figures.PrometheusFigures("http://prometheus.invalid:9090/")
     source.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
     got = await source("ns", "d", "m")
-    assert got is not None and got["c"].requests == 7 and len(asked) == 6
+    assert got is not None and got["c"].requests == 7
+    assert len(asked) == len(figures.prometheus_queries("ns", "m"))
     source.http = httpx.AsyncClient(
         transport=httpx.MockTransport(lambda r: httpx.Response(200, text="<html>"))
     )
