@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kubellm.gateway.protocol.errors import GatewayError
@@ -47,6 +47,15 @@ class TenancySettings:
     tenants: Tenants
     flow: flows.FlowSettings = field(default_factory=flows.FlowSettings)
     redis_url: str | None = None  # quotas shared by every gateway replica naming it
+
+
+def bounded(settings: TenancySettings, max_queue: int) -> TenancySettings:
+    """`settings` with flow control's bounds at most the scheduler's `--max-queue`: with
+    tenants the queue bound is flow control's, so a full queue sheds a lower band's (or a
+    hog's) newest waiter for a newcomer instead of refusing whoever comes next."""
+    f = settings.flow
+    flow = replace(f, max_band=min(f.max_band, max_queue), max_total=min(f.max_total, max_queue))
+    return replace(settings, flow=flow)
 
 
 @dataclass(eq=False)
