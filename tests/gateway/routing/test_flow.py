@@ -3,6 +3,7 @@ lift of a joining tenant, bounds with drop reasons, sheddable first, the headroo
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from math import inf
 
@@ -17,6 +18,7 @@ from kubellm.gateway.routing.flow import (
     drained,
     estimate_prompt_tokens,
     expected_output_tokens,
+    owner_of,
 )
 from kubellm.gateway.routing.scorers.base import Candidate
 
@@ -122,8 +124,12 @@ def test_fifo_within_a_tenant():
 @pytest.mark.parametrize(
     ("queued", "new_band", "dropped", "reason"),
     [
-        # the band is full: the newcomer is dropped
-        ([(0, "x")] * 2, 0, "new", "band-full"),
+        # the band is full of one tenant's waiters: its newest makes way for another tenant
+        ([(0, "x")] * 2, 0, "x", "shed"),
+        # the band is shared evenly: the newcomer is dropped
+        ([(0, "x"), (0, "new")], 0, "new", "band-full"),
+        # one tenant holds the newcomer's band: its newest goes
+        ([(0, "x"), (1, "y"), (1, "y")], 1, "y", "shed"),
         # the model's queue is full: the newest sheddable waiter below goes
         ([(-1, "batch"), (-1, "batch2"), (5, "x")], 10, "batch2", "shed"),
         # nothing below the newcomer is sheddable: the newcomer is dropped
@@ -145,7 +151,7 @@ def test_bounds_drop_with_a_reason_sheddable_first(queued, new_band, dropped, re
     assert [w.tenant for w in out] == [dropped]
     assert waiters[dropped].dropped == reason
     if dropped != "new":
-        assert new.dropped is None and len(flow) == 3
+        assert new.dropped is None and len(flow) == len(queued)
 
 
 def test_leave_is_idempotent_and_empties_the_queues():
@@ -415,3 +421,45 @@ def test_weights_2_1_1_under_the_budget_give_50_25_25_of_the_service_in_flight(w
 )
 def test_expected_output_tokens(body, tokens):
     assert expected_output_tokens(body) == tokens
+
+
+def test_fairness_ids_split_a_tenants_share_instead_of_multiplying_it():
+    """Issue 39 item 3: tenant a sends each request under a fresh fairness id, tenant b
+    (equal weight) under none; both always backlogged. Dispatch order and the fair
+    in-flight budget both share by tenant: each gets half the service."""
+    flow = Flow()
+    served = {"a": 0.0, "b": 0.0}
+    fresh = itertools.count()
+
+    def send(tenant: str) -> None:
+        name = f"a/{next(fresh)}" if tenant == "a" else "b"
+        flow.join(Waiter(name, 0, 1.0, 100, service=100))
+
+    for _ in range(8):
+        send("a")
+        send("b")
+    running: deque[Waiter] = deque()
+    for _ in range(2000):
+        while len(running) < 8:
+            head = flow.head(held=flow.held(400))
+            if head is None:
+                break
+            flow.leave(head)
+            flow.charge(head.tenant, head.cost, head.weight)
+            flow.started(0, head.tenant, head.service)
+            running.append(head)
+            served[owner_of(head.tenant)] += head.cost
+        done = running.popleft()
+        flow.ended(0, done.tenant, done.service)
+        send(owner_of(done.tenant))
+    assert served["a"] / sum(served.values()) == pytest.approx(0.5, abs=0.05), served
+
+
+def test_a_tenants_flows_share_its_turns_by_their_own_counters():
+    flow = Flow()
+    for name in ("t/x", "t/x", "t/y", "u"):
+        flow.join(waiter(name))
+    order = drain(flow, n=4)
+    assert [owner_of(t) for t in order[:2]] in (["t", "u"], ["u", "t"])  # tenants alternate
+    assert sorted(order) == ["t/x", "t/x", "t/y", "u"]
+    assert order.index("t/y") < order.index("t/x", order.index("t/x") + 1)  # flows alternate
