@@ -359,17 +359,28 @@ def drained(debt: float, elapsed: float, rate: float) -> float:
     return max(0.0, debt - max(0.0, elapsed) * rate)
 
 
-DEFAULT_OUTPUT_TOKENS = 256  # a request naming no max_tokens is expected to answer this many
+DEFAULT_OUTPUT_TOKENS = 256  # a request naming no max_tokens, of a tenant not seen answer more
+# each answer of a tenant lowers its remembered largest output by this factor (half-life
+# ~34 answers): a tenant whose answers grow long is counted at their length at once
+OUTPUT_DECAY = 0.98
 
 
-def expected_output_tokens(body: Mapping[str, Any] | None) -> int:
-    """The answer a request may have: its `max_completion_tokens` or `max_tokens`, else
-    `DEFAULT_OUTPUT_TOKENS` (its fair in-flight budget counts it until it ends)."""
+def expected_output_tokens(body: Mapping[str, Any] | None, observed: float | None = None) -> int:
+    """The answer a request may have: its `max_completion_tokens` or `max_tokens`; without
+    them its tenant's recent largest answer (`observed`, see `observed_output`), at least
+    `DEFAULT_OUTPUT_TOKENS`: leaving `max_tokens` out does not make a request look cheap to
+    the fair in-flight budget, which counts this until the request ends."""
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name) if body else None
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
-    return DEFAULT_OUTPUT_TOKENS
+    return max(DEFAULT_OUTPUT_TOKENS, math.ceil(observed or 0))
+
+
+def observed_output(previous: float | None, completion: float) -> float:
+    """A tenant's remembered largest output after an answer of `completion` tokens: a
+    maximum that decays by `OUTPUT_DECAY` per answer."""
+    return max(float(completion), (previous or 0.0) * OUTPUT_DECAY)
 
 
 def estimate_prompt_tokens(body: Mapping[str, Any] | None) -> int:

@@ -150,6 +150,7 @@ class Tenancy:
         self.limiter = quota.Limiter(store)
         self.metrics = TenantMetrics(registry)
         self.flows: dict[str, flows.Flow] = {}
+        self.outputs: dict[str, float] = {}  # tenant -> its recent largest answer (tokens)
         self._tasks: set[asyncio.Task[None]] = set()
         for tenant in self.tenants.tenants:  # every declared tenant shows, even at 0
             for code_route in ("replica", "fallback"):
@@ -178,7 +179,7 @@ class Tenancy:
         tenant = caller.tenant
         parsed = body if isinstance(body, dict) else None
         caller.estimate = flows.estimate_prompt_tokens(parsed)
-        output = flows.expected_output_tokens(parsed)
+        output = flows.expected_output_tokens(parsed, self.outputs.get(tenant.name))
         caller.service = caller.estimate + flows.OUTPUT_WEIGHT * output
         rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
         try:
@@ -260,6 +261,7 @@ class Tenancy:
         m.tokens.labels(name, ticket.route, "prompt").inc(prompt)
         m.tokens.labels(name, ticket.route, "completion").inc(completion)
         if ticket.route == "replica":
+            self.outputs[name] = flows.observed_output(self.outputs.get(name), completion)
             served = prompt + flows.OUTPUT_WEIGHT * completion - caller.charged
             self.flow(ticket.target.served_name).charge(caller.flow, served, caller.tenant.weight)
         elif caller.tenant.fallback.kind == "budget":

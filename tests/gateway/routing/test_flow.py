@@ -4,6 +4,7 @@ lift of a joining tenant, bounds with drop reasons, sheddable first, the headroo
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from math import inf
 
@@ -18,6 +19,7 @@ from kubellm.gateway.routing.flow import (
     drained,
     estimate_prompt_tokens,
     expected_output_tokens,
+    observed_output,
     owner_of,
 )
 from kubellm.gateway.routing.scorers.base import Candidate
@@ -463,3 +465,13 @@ def test_a_tenants_flows_share_its_turns_by_their_own_counters():
     assert [owner_of(t) for t in order[:2]] in (["t", "u"], ["u", "t"])  # tenants alternate
     assert sorted(order) == ["t/x", "t/x", "t/y", "u"]
     assert order.index("t/y") < order.index("t/x", order.index("t/x") + 1)  # flows alternate
+
+
+def test_a_tenants_observed_output_counts_for_a_request_without_max_tokens():
+    observed = None
+    for completion in (100, 3000, 50, 50):
+        observed = observed_output(observed, completion)
+    assert 2800 < observed < 3000  # the largest, decaying
+    assert expected_output_tokens({}, observed) == math.ceil(observed)
+    assert expected_output_tokens({"max_tokens": 10}, observed) == 10  # named: as named
+    assert expected_output_tokens({}, 10) == DEFAULT_OUTPUT_TOKENS  # never below the default
