@@ -76,7 +76,10 @@ class FlowSettings:
     ttl_seconds: float = 60.0  # the longest wait of a sheddable request (llm-d's default)
     headroom_below: int = 0  # bands below this dispatch only under the lower line
     headroom_kv: float = 0.8
-    headroom_load: float | None = None  # requests per replica; None: no bound by count
+    headroom_load: float | None = None  # requests per replica; None: learnt (`Flow.learn`)
+    # without headroom_load: this share of each replica's slots, learnt from its scrapes,
+    # is kept free of sheddable work (12 of maxNumSeqs 16)
+    headroom_reserve: float = 0.25
     # a replica where a high-band stream awaits its first token takes no low band meanwhile
     hold_prefill: bool = True
     # low-band prompt tokens per second a replica is sent at most (None: no bound)
@@ -111,6 +114,8 @@ class Flow:
     # band -> flow -> expected service of its requests dispatched to replicas, not ended
     in_flight: dict[int, dict[str, float]] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)  # tenant -> weight
+    # replica URL -> its request slots (maxNumSeqs) as learnt from its scrapes (`learn`)
+    slots: dict[str, float] = field(default_factory=dict)
     _seq: Any = field(default_factory=itertools.count)
 
     def __len__(self) -> int:
@@ -292,6 +297,15 @@ class Flow:
                 out.add((band, flow))
         return frozenset(out)
 
+    def learn(self, candidates: list[Candidate]) -> None:
+        """Learn each replica's slots: while its engine queues (waiting >= 1), the requests
+        it runs are all it takes (vLLM's maxNumSeqs, or fewer when its KV cache is full)."""
+        for c in candidates:
+            if c.waiting is not None and c.waiting >= 1 and c.running:
+                self.slots[c.url] = max(self.slots.get(c.url, 0.0), c.running)
+        if len(self.slots) > MAX_FLOWS:
+            self.slots = {c.url: self.slots[c.url] for c in candidates if c.url in self.slots}
+
     def charge(self, tenant: str, tokens: float, weight: float) -> None:
         """Add served tokens (prompt + 2 x output, or a correction) to the counters of flow
         `tenant`: its tenant's (divided by `weight`) and its own within its tenant."""
@@ -336,10 +350,15 @@ def allowances(
 
 
 def below_line(
-    candidate: Candidate, settings: FlowSettings, prefilling: int = 0, debt: float = 0.0
+    candidate: Candidate,
+    settings: FlowSettings,
+    prefilling: int = 0,
+    debt: float = 0.0,
+    slots: float | None = None,
 ) -> bool:
     """Whether a low band may dispatch to `candidate`: no engine queue, KV usage under the
-    lower line, load under `headroom_load` when set (unknown figures count as below), with
+    lower line, load under `headroom_load` when set, else under (1 - `headroom_reserve`)
+    of its learnt `slots` when known (unknown figures count as below), with
     `hold_prefill` no high-band stream there awaiting its first token (`prefilling`), and
     with `headroom_prefill_rate` its low-band prefill debt drained (`debt`, `drained`)."""
     if prefilling > 0 and settings.hold_prefill:
@@ -351,6 +370,8 @@ def below_line(
     if candidate.kv_usage is not None and candidate.kv_usage >= settings.headroom_kv:
         return False
     limit = settings.headroom_load
+    if limit is None and slots:
+        limit = max(1.0, math.floor(slots * (1 - settings.headroom_reserve)))
     return limit is None or candidate.load < limit
 
 

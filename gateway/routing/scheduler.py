@@ -308,11 +308,16 @@ class Scheduler:
                             fallback = None
                     elif waiter.band < flow_settings.headroom_below:
                         held = self.prefilling
+                        flow.learn(candidates)
                         below = [
                             c
                             for c in open_
                             if flows.below_line(
-                                c, flow_settings, held.get(c.url, 0), self.debt(c.url, now)
+                                c,
+                                flow_settings,
+                                held.get(c.url, 0),
+                                self.debt(c.url, now),
+                                flow.slots.get(c.url),
                             )
                         ]
                         if open_ and not below:  # room kept for high bands: wait for it,

@@ -475,3 +475,17 @@ def test_a_tenants_observed_output_counts_for_a_request_without_max_tokens():
     assert expected_output_tokens({}, observed) == math.ceil(observed)
     assert expected_output_tokens({"max_tokens": 10}, observed) == 10  # named: as named
     assert expected_output_tokens({}, 10) == DEFAULT_OUTPUT_TOKENS  # never below the default
+
+
+def test_without_headroom_load_a_quarter_of_the_learnt_slots_is_kept_for_high_bands():
+    """Issue 38: a tenants file alone keeps headroom. A replica queueing with 16 running
+    has 16 slots; sheddable work then goes there only under 12 requests."""
+    flow, settings = Flow(), FlowSettings()
+    idle = Candidate(url="a", load=13, waiting=0, running=13, kv_usage=0.1)
+    assert below_line(idle, settings, slots=flow.slots.get("a"))  # nothing learnt: no bound
+    flow.learn([Candidate(url="a", load=18, waiting=2, running=16, kv_usage=0.5)])
+    assert flow.slots == {"a": 16}
+    assert not below_line(idle, settings, slots=flow.slots.get("a"))
+    assert below_line(idle._replace(load=11), settings, slots=flow.slots.get("a"))
+    explicit = FlowSettings(headroom_load=14)  # the flag, when given, decides
+    assert below_line(idle, explicit, slots=16)
