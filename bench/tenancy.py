@@ -350,7 +350,7 @@ def diagnosed(args: argparse.Namespace, fleet: Fleet, work: Any) -> dict[str, An
 
 # The gateways compared: today's (no tenants); with tenants, the prefill hold and the
 # prefill budget (--headroom-prefill-rate); and with tenants as before those two (flow.py).
-CONTENDERS = ("fair", "tenants", "before", "today")
+CONTENDERS = ("shipped", "fair", "tenants", "before", "today")
 
 
 def contender(name: str, tenants: list[dict],
@@ -358,6 +358,8 @@ def contender(name: str, tenants: list[dict],
     """A contender's tenants (None: today's gateway) and its gateway flags."""
     if name == "today":
         return None, []
+    if name == "shipped":  # the tenants file and no other flag: the shipped defaults
+        return tenants, []
     if name == "before":
         return tenants, ["--no-headroom-hold-prefill"]
     if name == "fair":  # tenants with the fair in-flight budget (flow.py)
@@ -375,7 +377,7 @@ def interference(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
     tenants = [{"name": "interactive", "priority": 10}, {"name": "batch", "priority": -1}]
     for name in args.order.split(","):
         declared, extra = contender(name, tenants, args)
-        if declared is not None:
+        if declared is not None and name != "shipped":
             extra = [*extra, "--headroom-load", str(args.headroom_load)]
         with Fleet(args, [dict(t) for t in declared] if declared else None, extra,
                    args.ttft_slo) as fleet:  # fmt: skip
@@ -391,7 +393,7 @@ def interference(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
 async def fair_phase(args: argparse.Namespace, url: str, seed: int) -> dict[str, Any]:
     s = args.time_scale
     rng = random.Random(seed)
-    sizes = {"small": 200, "medium": 2000, "large": 8000}
+    sizes = fair_sizes(args)
     results: dict[str, list[dict]] = {t: [] for t in sizes}
     start = time.monotonic()
     until = start + args.seconds * s
@@ -409,12 +411,23 @@ async def fair_phase(args: argparse.Namespace, url: str, seed: int) -> dict[str,
     values = [shares[t] / weights[t] for t in shares]
     jain = sum(values) ** 2 / (len(values) * sum(v * v for v in values)) if any(values) else 0
     refused = sum(not r["ok"] for rs in results.values() for r in rs)
+    statuses: dict[str, int] = {}
+    for rs in results.values():
+        for r in rs:
+            if not r["ok"]:
+                statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
     seconds = args.seconds
-    return {"shares": shares, "jain": jain, "refused": refused,
+    return {"shares": shares, "jain": jain, "refused": refused, "statuses": statuses,
             "service_per_s": total / seconds,
             "prompt_per_s": sum(sizes[t] * len(rs) for t, rs in done.items()) / seconds,
             "output_per_s": sum(r["tokens"] for rs in done.values() for r in rs) / seconds,
             }  # fmt: skip
+
+
+def fair_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """The fairness tenants' prompt tokens (--fair-sizes small,medium,large)."""
+    values = [int(x) for x in args.fair_sizes.split(",")]
+    return dict(zip(("small", "medium", "large"), values, strict=True))
 
 
 def fair_weights(args: argparse.Namespace) -> dict[str, float]:
@@ -430,7 +443,9 @@ def fairness(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
     extra = ["--max-in-flight", str(args.fair_in_flight or args.max_num_seqs)]
     for name in args.order.split(","):
         declared, flags = contender(name, tenants, args)
-        with Fleet(args, [dict(t) for t in declared] if declared else None, [*extra, *flags],
+        if name != "shipped":
+            flags = [*extra, *flags]
+        with Fleet(args, [dict(t) for t in declared] if declared else None, flags,
                    args.seconds * 2) as fleet:  # fmt: skip
             row = asyncio.run(fair_phase(args, fleet.gateway, seed))
             row["waited"] = mean_waits(fleet)
@@ -657,6 +672,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fair-weights", default="1,1,1", help="fairness: weights of small,medium,large"
     )
+    parser.add_argument(
+        "--fair-sizes", default="200,2000,8000", help="fairness: prompt tokens of each tenant"
+    )
     parser.add_argument("--join-after", type=float, default=10.0, help="join: sim s")
     parser.add_argument("--join-seconds", type=float, default=30.0, help="join: sim s after")
     parser.add_argument("--join-window", type=float, default=5.0, help="join: share window")
@@ -674,7 +692,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--itl-slo", type=float, default=0.05, help="simulated s")
     parser.add_argument("--timeout", type=float, default=120.0, help="per request, sim s")
     parser.add_argument(
-        "--order", default="tenants,before,today", help=f"contenders: {', '.join(CONTENDERS)}"
+        "--order",
+        default="shipped,tenants,before,today",
+        help=f"contenders: {', '.join(CONTENDERS)} (shipped: the tenants file, no other flag)",
     )
     parser.add_argument("--quota-tpm", type=int, default=30000, help="tokens per minute")
     parser.add_argument("--quota-seconds", type=float, default=120.0, help="wall s")
@@ -724,9 +744,10 @@ def main(argv: list[str] | None = None) -> int:
             out.setdefault("fairness", []).extend(rows)
             print(
                 f"fairness, seed {seed}: 3 tenants x {args.fair_outstanding} outstanding "
-                f"(weights {args.fair_weights}), 200/2000/8000-token prompts, 100-token "
-                f"answers, {args.seconds:g} sim s, {args.fair_in_flight or args.max_num_seqs} "
-                f"in flight per replica at most; fair: {args.fair_in_flight_tokens:g} tokens"
+                f"(weights {args.fair_weights}), {args.fair_sizes.replace(',', '/')}-token "
+                f"prompts, 100-token answers (not streamed), {args.seconds:g} sim s; but "
+                f"shipped: {args.fair_in_flight or args.max_num_seqs} in flight per replica at "
+                f"most; fair: {args.fair_in_flight_tokens:g} tokens"
             )
             print(f"{'contender':9} {'small':>7} {'medium':>7} {'large':>7} {'jain':>6} "
                   f"{'refused':>7} {'service/s':>9} {'prompt/s':>8} {'output/s':>8}  "
@@ -738,7 +759,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['contender']:9} {sh['small']:>7.1%} {sh['medium']:>7.1%} "
                     f"{sh['large']:>7.1%} {r['jain']:>6.3f} {r['refused']:>7} "
                     f"{r['service_per_s']:>9.0f} {r['prompt_per_s']:>8.0f} "
-                    f"{r['output_per_s']:>8.0f}  {waits}",
+                    f"{r['output_per_s']:>8.0f}  {waits}  failed by status "
+                    f"{r.get('statuses') or '-'}",
                     flush=True,
                 )
         if "join" in scenarios:
