@@ -342,6 +342,24 @@ def test_bands_are_bounded_separately():
 COST = {"small": 400, "medium": 2200, "large": 8200}  # service tokens per request
 
 
+def fill(
+    flow: Flow, running: deque[Waiter], slots: int | None, capacity: float | None
+) -> list[Waiter]:
+    """Dispatch in flow order (under the budget `capacity`, None: none) until `running`
+    holds `slots` (None: no bound) or nothing may go; the waiters dispatched."""
+    sent = []
+    while slots is None or len(running) < slots:
+        head = flow.head(held=flow.held(capacity) if capacity else frozenset())
+        if head is None:
+            break
+        flow.leave(head)
+        flow.charge(head.tenant, head.cost, head.weight)
+        flow.started(0, head.tenant, head.service)
+        running.append(head)
+        sent.append(head)
+    return sent
+
+
 def serve(
     capacity: float | None,
     weights: dict[str, float] | None = None,
@@ -362,14 +380,7 @@ def serve(
             flow.join(Waiter(tenant, 0, weights[tenant], c, service=c))
     mean = dict.fromkeys(COST, 0.0)
     for _ in range(rounds):
-        while slots is None or len(running) < slots:
-            head = flow.head(held=flow.held(capacity) if capacity else frozenset())
-            if head is None:
-                break
-            flow.leave(head)
-            flow.charge(head.tenant, head.cost, head.weight)
-            flow.started(0, head.tenant, head.service)
-            running.append(head)
+        fill(flow, running, slots, capacity)
         for tenant in COST:
             mean[tenant] += flow.in_flight.get(0, {}).get(tenant, 0.0) / rounds
         done = running.popleft()
@@ -442,14 +453,7 @@ def test_fairness_ids_split_a_tenants_share_instead_of_multiplying_it():
         send("b")
     running: deque[Waiter] = deque()
     for _ in range(2000):
-        while len(running) < 8:
-            head = flow.head(held=flow.held(400))
-            if head is None:
-                break
-            flow.leave(head)
-            flow.charge(head.tenant, head.cost, head.weight)
-            flow.started(0, head.tenant, head.service)
-            running.append(head)
+        for head in fill(flow, running, 8, 400):
             served[owner_of(head.tenant)] += head.cost
         done = running.popleft()
         flow.ended(0, done.tenant, done.service)
