@@ -110,6 +110,7 @@ class Fleet:
         self.processes: list[subprocess.Popen] = []
         self.engines: list[str] = []
         self.gateway = ""
+        self.metrics = ""  # the gateway's /metrics (its own port: tenants keep it off the API's)
         self.tmp = tempfile.TemporaryDirectory()
 
     def _spawn(self, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -156,9 +157,11 @@ class Fleet:
             "slo": {"ttftSeconds": self.ttft * a.time_scale,
                     "itlSeconds": a.itl_slo * a.time_scale},
         }]}))  # fmt: skip
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
+        self.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         command = [
             sys.executable, "-m", "kubellm.gateway.cli", "--port", str(port),
+            "--metrics-port", str(metrics_port),
             "--static", str(tmp / "static.yaml"), "--scrape-interval", "0.25", *self.extra,
         ]  # fmt: skip
         if self.tenants is not None:
@@ -312,8 +315,8 @@ def snapshot(fleet: Fleet) -> dict[str, dict[tuple, float]]:
               "kubellm_gateway_tenant_queue_seconds_bucket",
               "vllm:time_to_first_token_seconds_bucket"}  # fmt: skip
     out: dict[str, dict[tuple, float]] = {}
-    for url in [fleet.gateway, *fleet.engines]:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
+    for url in [fleet.metrics, *(f"{e}/metrics" for e in fleet.engines)]:
+        text = httpx.get(url, timeout=10).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name in wanted:
@@ -461,7 +464,7 @@ def mean_waits(fleet: Fleet) -> dict[str, float]:
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
     name = "kubellm_gateway_tenant_queue_seconds"
-    for family in text_string_to_metric_families(httpx.get(f"{fleet.gateway}/metrics").text):
+    for family in text_string_to_metric_families(httpx.get(fleet.metrics).text):
         for sample in family.samples:
             tenant = sample.labels.get("tenant")
             if sample.name == f"{name}_sum":
