@@ -110,6 +110,7 @@ class Fleet:
         self.processes: list[subprocess.Popen] = []
         self.engines: list[str] = []
         self.gateway = ""
+        self.metrics = ""  # the gateway's /metrics (its own port: tenants keep it off the API's)
         self.tmp = tempfile.TemporaryDirectory()
 
     def _spawn(self, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -156,9 +157,11 @@ class Fleet:
             "slo": {"ttftSeconds": self.ttft * a.time_scale,
                     "itlSeconds": a.itl_slo * a.time_scale},
         }]}))  # fmt: skip
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
+        self.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         command = [
             sys.executable, "-m", "kubellm.gateway.cli", "--port", str(port),
+            "--metrics-port", str(metrics_port),
             "--static", str(tmp / "static.yaml"), "--scrape-interval", "0.25", *self.extra,
         ]  # fmt: skip
         if self.tenants is not None:
@@ -312,8 +315,8 @@ def snapshot(fleet: Fleet) -> dict[str, dict[tuple, float]]:
               "kubellm_gateway_tenant_queue_seconds_bucket",
               "vllm:time_to_first_token_seconds_bucket"}  # fmt: skip
     out: dict[str, dict[tuple, float]] = {}
-    for url in [fleet.gateway, *fleet.engines]:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
+    for url in [fleet.metrics, *(f"{e}/metrics" for e in fleet.engines)]:
+        text = httpx.get(url, timeout=10).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name in wanted:
@@ -350,7 +353,7 @@ def diagnosed(args: argparse.Namespace, fleet: Fleet, work: Any) -> dict[str, An
 
 # The gateways compared: today's (no tenants); with tenants, the prefill hold and the
 # prefill budget (--headroom-prefill-rate); and with tenants as before those two (flow.py).
-CONTENDERS = ("fair", "tenants", "before", "today")
+CONTENDERS = ("shipped", "fair", "tenants", "before", "today")
 
 
 def contender(name: str, tenants: list[dict],
@@ -358,6 +361,8 @@ def contender(name: str, tenants: list[dict],
     """A contender's tenants (None: today's gateway) and its gateway flags."""
     if name == "today":
         return None, []
+    if name == "shipped":  # the tenants file and no other flag: the shipped defaults
+        return tenants, []
     if name == "before":
         return tenants, ["--no-headroom-hold-prefill"]
     if name == "fair":  # tenants with the fair in-flight budget (flow.py)
@@ -375,7 +380,7 @@ def interference(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
     tenants = [{"name": "interactive", "priority": 10}, {"name": "batch", "priority": -1}]
     for name in args.order.split(","):
         declared, extra = contender(name, tenants, args)
-        if declared is not None:
+        if declared is not None and name != "shipped":
             extra = [*extra, "--headroom-load", str(args.headroom_load)]
         with Fleet(args, [dict(t) for t in declared] if declared else None, extra,
                    args.ttft_slo) as fleet:  # fmt: skip
@@ -391,7 +396,7 @@ def interference(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
 async def fair_phase(args: argparse.Namespace, url: str, seed: int) -> dict[str, Any]:
     s = args.time_scale
     rng = random.Random(seed)
-    sizes = {"small": 200, "medium": 2000, "large": 8000}
+    sizes = fair_sizes(args)
     results: dict[str, list[dict]] = {t: [] for t in sizes}
     start = time.monotonic()
     until = start + args.seconds * s
@@ -409,12 +414,23 @@ async def fair_phase(args: argparse.Namespace, url: str, seed: int) -> dict[str,
     values = [shares[t] / weights[t] for t in shares]
     jain = sum(values) ** 2 / (len(values) * sum(v * v for v in values)) if any(values) else 0
     refused = sum(not r["ok"] for rs in results.values() for r in rs)
+    statuses: dict[str, int] = {}
+    for rs in results.values():
+        for r in rs:
+            if not r["ok"]:
+                statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
     seconds = args.seconds
-    return {"shares": shares, "jain": jain, "refused": refused,
+    return {"shares": shares, "jain": jain, "refused": refused, "statuses": statuses,
             "service_per_s": total / seconds,
             "prompt_per_s": sum(sizes[t] * len(rs) for t, rs in done.items()) / seconds,
             "output_per_s": sum(r["tokens"] for rs in done.values() for r in rs) / seconds,
             }  # fmt: skip
+
+
+def fair_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """The fairness tenants' prompt tokens (--fair-sizes small,medium,large)."""
+    values = [int(x) for x in args.fair_sizes.split(",")]
+    return dict(zip(("small", "medium", "large"), values, strict=True))
 
 
 def fair_weights(args: argparse.Namespace) -> dict[str, float]:
@@ -430,7 +446,9 @@ def fairness(args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
     extra = ["--max-in-flight", str(args.fair_in_flight or args.max_num_seqs)]
     for name in args.order.split(","):
         declared, flags = contender(name, tenants, args)
-        with Fleet(args, [dict(t) for t in declared] if declared else None, [*extra, *flags],
+        if name != "shipped":
+            flags = [*extra, *flags]
+        with Fleet(args, [dict(t) for t in declared] if declared else None, flags,
                    args.seconds * 2) as fleet:  # fmt: skip
             row = asyncio.run(fair_phase(args, fleet.gateway, seed))
             row["waited"] = mean_waits(fleet)
@@ -446,7 +464,7 @@ def mean_waits(fleet: Fleet) -> dict[str, float]:
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
     name = "kubellm_gateway_tenant_queue_seconds"
-    for family in text_string_to_metric_families(httpx.get(f"{fleet.gateway}/metrics").text):
+    for family in text_string_to_metric_families(httpx.get(fleet.metrics).text):
         for sample in family.samples:
             tenant = sample.labels.get("tenant")
             if sample.name == f"{name}_sum":
@@ -657,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fair-weights", default="1,1,1", help="fairness: weights of small,medium,large"
     )
+    parser.add_argument(
+        "--fair-sizes", default="200,2000,8000", help="fairness: prompt tokens of each tenant"
+    )
     parser.add_argument("--join-after", type=float, default=10.0, help="join: sim s")
     parser.add_argument("--join-seconds", type=float, default=30.0, help="join: sim s after")
     parser.add_argument("--join-window", type=float, default=5.0, help="join: share window")
@@ -674,7 +695,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--itl-slo", type=float, default=0.05, help="simulated s")
     parser.add_argument("--timeout", type=float, default=120.0, help="per request, sim s")
     parser.add_argument(
-        "--order", default="tenants,before,today", help=f"contenders: {', '.join(CONTENDERS)}"
+        "--order",
+        default="shipped,tenants,before,today",
+        help=f"contenders: {', '.join(CONTENDERS)} (shipped: the tenants file, no other flag)",
     )
     parser.add_argument("--quota-tpm", type=int, default=30000, help="tokens per minute")
     parser.add_argument("--quota-seconds", type=float, default=120.0, help="wall s")
@@ -724,9 +747,10 @@ def main(argv: list[str] | None = None) -> int:
             out.setdefault("fairness", []).extend(rows)
             print(
                 f"fairness, seed {seed}: 3 tenants x {args.fair_outstanding} outstanding "
-                f"(weights {args.fair_weights}), 200/2000/8000-token prompts, 100-token "
-                f"answers, {args.seconds:g} sim s, {args.fair_in_flight or args.max_num_seqs} "
-                f"in flight per replica at most; fair: {args.fair_in_flight_tokens:g} tokens"
+                f"(weights {args.fair_weights}), {args.fair_sizes.replace(',', '/')}-token "
+                f"prompts, 100-token answers (not streamed), {args.seconds:g} sim s; but "
+                f"shipped: {args.fair_in_flight or args.max_num_seqs} in flight per replica at "
+                f"most; fair: {args.fair_in_flight_tokens:g} tokens"
             )
             print(f"{'contender':9} {'small':>7} {'medium':>7} {'large':>7} {'jain':>6} "
                   f"{'refused':>7} {'service/s':>9} {'prompt/s':>8} {'output/s':>8}  "
@@ -738,7 +762,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['contender']:9} {sh['small']:>7.1%} {sh['medium']:>7.1%} "
                     f"{sh['large']:>7.1%} {r['jain']:>6.3f} {r['refused']:>7} "
                     f"{r['service_per_s']:>9.0f} {r['prompt_per_s']:>8.0f} "
-                    f"{r['output_per_s']:>8.0f}  {waits}",
+                    f"{r['output_per_s']:>8.0f}  {waits}  failed by status "
+                    f"{r.get('statuses') or '-'}",
                     flush=True,
                 )
         if "join" in scenarios:

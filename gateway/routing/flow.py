@@ -76,7 +76,10 @@ class FlowSettings:
     ttl_seconds: float = 60.0  # the longest wait of a sheddable request (llm-d's default)
     headroom_below: int = 0  # bands below this dispatch only under the lower line
     headroom_kv: float = 0.8
-    headroom_load: float | None = None  # requests per replica; None: no bound by count
+    headroom_load: float | None = None  # requests per replica; None: learnt (`Flow.learn`)
+    # without headroom_load: this share of each replica's slots, learnt from its scrapes,
+    # is kept free of sheddable work (12 of maxNumSeqs 16)
+    headroom_reserve: float = 0.25
     # a replica where a high-band stream awaits its first token takes no low band meanwhile
     hold_prefill: bool = True
     # low-band prompt tokens per second a replica is sent at most (None: no bound)
@@ -106,10 +109,13 @@ class Flow:
 
     settings: FlowSettings = field(default_factory=FlowSettings)
     queues: dict[int, dict[str, deque[Waiter]]] = field(default_factory=dict)
-    vtc: dict[str, float] = field(default_factory=dict)
+    vtc: dict[str, float] = field(default_factory=dict)  # tenant -> its counter (by weight)
+    flow_vtc: dict[str, float] = field(default_factory=dict)  # flow -> its counter in its tenant
     # band -> flow -> expected service of its requests dispatched to replicas, not ended
     in_flight: dict[int, dict[str, float]] = field(default_factory=dict)
-    weights: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)  # tenant -> weight
+    # replica URL -> its request slots (maxNumSeqs) as learnt from its scrapes (`learn`)
+    slots: dict[str, float] = field(default_factory=dict)
     _seq: Any = field(default_factory=itertools.count)
 
     def __len__(self) -> int:
@@ -123,35 +129,60 @@ class Flow:
 
     def join(self, waiter: Waiter) -> list[Waiter]:
         """Queue `waiter`; returns the waiters dropped to bound the queues (`waiter` itself
-        when it cannot be kept), each with its `dropped` reason set."""
+        when it cannot be kept), each with its `dropped` reason set. A full band sheds the
+        newest waiter of its tenant holding the most places per weight (`_hog`), else the
+        newcomer is refused (`band-full`); a full model sheds the newest waiter of the
+        lowest sheddable band below the newcomer's (`_victim`), else a hog of its own band,
+        else refuses it (`queue-full`)."""
         s = self.settings
-        if self.band_length(waiter.band) >= s.max_band:
-            waiter.dropped = "band-full"
-            return [waiter]
         shed: list[Waiter] = []
-        if len(self) >= s.max_total:
-            victim = self._victim(waiter.band)
+        for reason in ("band-full", "queue-full"):
+            if reason == "band-full":
+                if self.band_length(waiter.band) < s.max_band:
+                    continue
+                victim = self._hog(waiter)
+            else:
+                if len(self) < s.max_total:
+                    continue
+                victim = self._victim(waiter.band) or self._hog(waiter)
             if victim is None:
-                waiter.dropped = "queue-full"
-                return [waiter]
+                waiter.dropped = reason
+                return [*shed, waiter]
             victim.dropped = "shed"
             self.leave(victim)
             shed.append(victim)
+        owner = owner_of(waiter.tenant)
         backlogged = self.backlogged()
-        if len(self.vtc) > MAX_FLOWS:  # flows named by fairness ids: forget the idle ones
-            self.vtc = {t: v for t, v in self.vtc.items() if t in backlogged}
-        if waiter.tenant not in backlogged:  # VTC's lift: no credit for idle time
-            floor = min((self.vtc.get(t, 0.0) for t in backlogged), default=None)
-            if floor is not None:
-                self.vtc[waiter.tenant] = max(self.vtc.get(waiter.tenant, 0.0), floor)
+        owners = {owner_of(t) for t in backlogged}
+        if len(self.flow_vtc) > MAX_FLOWS:  # flows named by fairness ids: forget the idle ones
+            self.flow_vtc = {t: v for t, v in self.flow_vtc.items() if t in backlogged}
+        if owner not in owners:  # VTC's lift: no credit for idle time
+            _lift(self.vtc, owner, [self.vtc.get(o, 0.0) for o in owners])
+        if waiter.tenant not in backlogged:  # nor for a new flow of the tenant's own
+            mine = [self.flow_vtc.get(t, 0.0) for t in backlogged if owner_of(t) == owner]
+            _lift(self.flow_vtc, waiter.tenant, mine)
         waiter.seq = next(self._seq)
-        self.weights[waiter.tenant] = waiter.weight
-        if len(self.weights) > MAX_FLOWS:
-            active = backlogged | {t for band in self.in_flight.values() for t in band}
-            self.weights = {t: w for t, w in self.weights.items() if t in active}
-            self.weights[waiter.tenant] = waiter.weight
+        self.weights[owner] = waiter.weight
         self.queues.setdefault(waiter.band, {}).setdefault(waiter.tenant, deque()).append(waiter)
         return shed
+
+    def _hog(self, waiter: Waiter) -> Waiter | None:
+        """The newest waiter of the tenant holding the most of `waiter`'s band per unit of
+        weight, when it holds more than `waiter`'s tenant would by joining (one tenant
+        cannot keep a band's whole queue from another)."""
+        held: dict[str, list[Waiter]] = {}
+        for flow, queue in self.queues.get(waiter.band, {}).items():
+            held.setdefault(owner_of(flow), []).extend(queue)
+        owner = owner_of(waiter.tenant)
+        mine = (len(held.get(owner, [])) + 1) / max(waiter.weight, 1e-9)
+        worst = max(
+            (o for o in held if o != owner),
+            key=lambda o: len(held[o]) / self.weights.get(o, 1.0),
+            default=None,
+        )
+        if worst is None or len(held[worst]) / self.weights.get(worst, 1.0) <= mine:
+            return None
+        return max(held[worst], key=lambda w: w.seq)
 
     def _victim(self, band: int) -> Waiter | None:
         """The newest waiter of the lowest sheddable band below `band`."""
@@ -183,14 +214,15 @@ class Flow:
     def head(
         self, fallback: bool = False, held: frozenset[tuple[int, str]] = frozenset()
     ) -> Waiter | None:
-        """The waiter that dispatches next: the highest band, the lowest counter in it
-        (ties: the earlier arrival), its tenant's oldest request. `fallback`: among those
+        """The waiter that dispatches next: the highest band, the tenant with the lowest
+        counter in it, that tenant's flow with the lowest counter (ties: the earlier
+        arrival), the flow's oldest request. `fallback`: among those
         whose tenant may use the fallback API (who goes there next: a `never` tenant's
         request waiting for a replica does not hold the fallback from lower bands).
         `held`: (band, flow) pairs at their fair in-flight allowance (`held`), passed over."""
         for band in sorted(self.queues, reverse=True):
             best: Waiter | None = None
-            best_key: tuple[float, int] | None = None
+            best_key: tuple[float, float, int] | None = None
             for tenant, queue in self.queues[band].items():
                 if (band, tenant) in held:
                     continue
@@ -199,7 +231,11 @@ class Flow:
                     first = next((w for w in queue if w.fallback), None)
                     if first is None:
                         continue
-                key = (self.vtc.get(tenant, 0.0), first.seq)
+                key = (
+                    self.vtc.get(owner_of(tenant), 0.0),
+                    self.flow_vtc.get(tenant, 0.0),
+                    first.seq,
+                )
                 if best_key is None or key < best_key:
                     best, best_key = first, key
             if best is not None:
@@ -225,39 +261,68 @@ class Flow:
                 del self.in_flight[band]
 
     def held(self, capacity: float) -> frozenset[tuple[int, str]]:
-        """The (band, flow) pairs whose next request would take the flow past its fair
-        share of `capacity` (service tokens in flight, per band): see `allowances`. A band
-        with one active flow holds none; nor is a flow that is the least served of the
-        band's active flows (its counter the lowest) and under its allowance: requests are
-        whole, so an allowance of 1.5 of a tenant's requests would hold it at one (and one
-        of 0.8 at none); while it is behind, the counter lets it round up by one request,
-        and its service follows its share, not the rounding. With nothing in flight a tie
-        for the lowest counter is enough (a joiner's counter is lifted to the lowest)."""
+        """The (band, flow) pairs whose next request would take the flow's tenant past its
+        fair share of `capacity` (service tokens in flight, per band): see `allowances`;
+        tenants share by weight, whatever number of flows (fairness ids) each sends. A band
+        with one active tenant holds none; nor is a tenant that is the least served of the
+        band's active tenants (its counter the lowest) and under its allowance: requests
+        are whole, so an allowance of 1.5 of a tenant's requests would hold it at one (and
+        one of 0.8 at none); while it is behind, the counter lets it round up by one
+        request, and its service follows its share, not the rounding. With nothing in
+        flight a tie for the lowest counter is enough (a joiner's counter is lifted)."""
         out: set[tuple[int, str]] = set()
         for band, queues in self.queues.items():
-            running = self.in_flight.get(band, {})
-            active = set(running) | {t for t, q in queues.items() if q}
+            running: dict[str, float] = {}
+            for flow, service in self.in_flight.get(band, {}).items():
+                owner = owner_of(flow)
+                running[owner] = running.get(owner, 0.0) + service
+            waiting = {owner_of(t) for t, q in queues.items() if q}
+            active = set(running) | waiting
             if len(active) < 2:
                 continue
-            demands = {t: math.inf if queues.get(t) else running[t] for t in active}
-            weights = {t: self.weights.get(t, 1.0) for t in active}
+            demands = {o: math.inf if o in waiting else running[o] for o in active}
+            weights = {o: self.weights.get(o, 1.0) for o in active}
             allowed = allowances(capacity, weights, demands)
-            for tenant, queue in queues.items():
-                have = running.get(tenant, 0.0)
-                if not queue or have + queue[0].service <= allowed[tenant]:
+            for flow, queue in queues.items():
+                owner = owner_of(flow)
+                have = running.get(owner, 0.0)
+                if not queue or have + queue[0].service <= allowed[owner]:
                     continue
-                counter = self.vtc.get(tenant, 0.0)
-                others = [self.vtc.get(t, 0.0) for t in active if t != tenant]
+                counter = self.vtc.get(owner, 0.0)
+                others = [self.vtc.get(o, 0.0) for o in active if o != owner]
                 if have <= 0 and all(counter <= c for c in others):
                     continue  # nothing in flight and the least served: it goes
-                if 0 < have < allowed[tenant] and all(counter < c for c in others):
+                if 0 < have < allowed[owner] and all(counter < c for c in others):
                     continue  # the least served: behind its share, it may round up
-                out.add((band, tenant))
+                out.add((band, flow))
         return frozenset(out)
 
+    def learn(self, candidates: list[Candidate]) -> None:
+        """Learn each replica's slots: while its engine queues (waiting >= 1), the requests
+        it runs are all it takes (vLLM's maxNumSeqs, or fewer when its KV cache is full)."""
+        for c in candidates:
+            if c.waiting is not None and c.waiting >= 1 and c.running:
+                self.slots[c.url] = max(self.slots.get(c.url, 0.0), c.running)
+        if len(self.slots) > MAX_FLOWS:
+            self.slots = {c.url: self.slots[c.url] for c in candidates if c.url in self.slots}
+
     def charge(self, tenant: str, tokens: float, weight: float) -> None:
-        """Add served tokens (prompt + 2 x output, or a correction) to `tenant`'s counter."""
-        self.vtc[tenant] = self.vtc.get(tenant, 0.0) + tokens / weight
+        """Add served tokens (prompt + 2 x output, or a correction) to the counters of flow
+        `tenant`: its tenant's (divided by `weight`) and its own within its tenant."""
+        owner = owner_of(tenant)
+        self.vtc[owner] = self.vtc.get(owner, 0.0) + tokens / weight
+        self.flow_vtc[tenant] = self.flow_vtc.get(tenant, 0.0) + tokens
+
+
+def owner_of(flow: str) -> str:
+    """The tenant of a flow (`tenants.flow_id`: the tenant's name, or `name/fairness-id`)."""
+    return flow.partition("/")[0]
+
+
+def _lift(counters: dict[str, float], name: str, backlogged: list[float]) -> None:
+    """VTC's rule for a joiner: its counter is at least the lowest of the backlogged."""
+    if backlogged:
+        counters[name] = max(counters.get(name, 0.0), min(backlogged))
 
 
 def allowances(
@@ -285,10 +350,15 @@ def allowances(
 
 
 def below_line(
-    candidate: Candidate, settings: FlowSettings, prefilling: int = 0, debt: float = 0.0
+    candidate: Candidate,
+    settings: FlowSettings,
+    prefilling: int = 0,
+    debt: float = 0.0,
+    slots: float | None = None,
 ) -> bool:
     """Whether a low band may dispatch to `candidate`: no engine queue, KV usage under the
-    lower line, load under `headroom_load` when set (unknown figures count as below), with
+    lower line, load under `headroom_load` when set, else under (1 - `headroom_reserve`)
+    of its learnt `slots` when known (unknown figures count as below), with
     `hold_prefill` no high-band stream there awaiting its first token (`prefilling`), and
     with `headroom_prefill_rate` its low-band prefill debt drained (`debt`, `drained`)."""
     if prefilling > 0 and settings.hold_prefill:
@@ -300,6 +370,8 @@ def below_line(
     if candidate.kv_usage is not None and candidate.kv_usage >= settings.headroom_kv:
         return False
     limit = settings.headroom_load
+    if limit is None and slots:
+        limit = max(1.0, math.floor(slots * (1 - settings.headroom_reserve)))
     return limit is None or candidate.load < limit
 
 
@@ -308,17 +380,28 @@ def drained(debt: float, elapsed: float, rate: float) -> float:
     return max(0.0, debt - max(0.0, elapsed) * rate)
 
 
-DEFAULT_OUTPUT_TOKENS = 256  # a request naming no max_tokens is expected to answer this many
+DEFAULT_OUTPUT_TOKENS = 256  # a request naming no max_tokens, of a tenant not seen answer more
+# each answer of a tenant lowers its remembered largest output by this factor (half-life
+# ~34 answers): a tenant whose answers grow long is counted at their length at once
+OUTPUT_DECAY = 0.98
 
 
-def expected_output_tokens(body: Mapping[str, Any] | None) -> int:
-    """The answer a request may have: its `max_completion_tokens` or `max_tokens`, else
-    `DEFAULT_OUTPUT_TOKENS` (its fair in-flight budget counts it until it ends)."""
+def expected_output_tokens(body: Mapping[str, Any] | None, observed: float | None = None) -> int:
+    """The answer a request may have: its `max_completion_tokens` or `max_tokens`; without
+    them its tenant's recent largest answer (`observed`, see `observed_output`), at least
+    `DEFAULT_OUTPUT_TOKENS`: leaving `max_tokens` out does not make a request look cheap to
+    the fair in-flight budget, which counts this until the request ends."""
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name) if body else None
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
-    return DEFAULT_OUTPUT_TOKENS
+    return max(DEFAULT_OUTPUT_TOKENS, math.ceil(observed or 0))
+
+
+def observed_output(previous: float | None, completion: float) -> float:
+    """A tenant's remembered largest output after an answer of `completion` tokens: a
+    maximum that decays by `OUTPUT_DECAY` per answer."""
+    return max(float(completion), (previous or 0.0) * OUTPUT_DECAY)
 
 
 def estimate_prompt_tokens(body: Mapping[str, Any] | None) -> int:

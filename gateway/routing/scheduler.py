@@ -42,7 +42,7 @@ from kubellm.gateway.routing.revisions import revisions_failed
 from kubellm.gateway.routing.router import Router
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.settings import SchedulerSettings
-from kubellm.gateway.routing.tenancy import Caller, Tenancy
+from kubellm.gateway.routing.tenancy import Caller, Tenancy, bounded
 
 __all__ = ["Scheduler", "SchedulerSettings", "labels"]
 
@@ -90,7 +90,9 @@ class Scheduler:
         self.completions = CompletionRate()  # replica answers finished: predicts queue waits
         self._changed = asyncio.Event()
         self.load.on_release(self.wake)
-        self.tenancy = Tenancy(s.tenancy, self.metrics.registry) if s.tenancy else None
+        self.tenancy = (
+            Tenancy(bounded(s.tenancy, s.max_queue), self.metrics.registry) if s.tenancy else None
+        )  # flow control bounds the queues with tenants (`tenancy.bounded`)
         # replica -> high-band streams sent there still awaiting their first token (flow.py,
         # `hold_prefill`): low bands do not dispatch there meanwhile
         self.prefilling: dict[str, int] = {}
@@ -266,7 +268,7 @@ class Scheduler:
             if shed:
                 self.wake()  # shed waiters look again, and go
             if waiter.dropped:
-                return Route.REJECT, waiter.dropped, [], target
+                return Route.REJECT, waiter.dropped, [], target, None
             ttl = flow_settings.ttl_seconds  # sheddable: may wait its band's TTL
             budget = ttl if caller.priority < 0 else min(budget, ttl)
         deadline = start + budget
@@ -295,7 +297,7 @@ class Scheduler:
                 fallback = target.fallback if fallback_allowed else None
                 if tenancy is not None:
                     if waiter.dropped:  # shed while waiting
-                        return Route.REJECT, waiter.dropped, [], target
+                        return Route.REJECT, waiter.dropped, [], target, None
                     capped = frozenset[tuple[int, str]]()
                     if flow_settings.fair_in_flight_tokens:  # fair in-flight budget
                         capacity = flow_settings.fair_in_flight_tokens * len(candidates)
@@ -306,11 +308,16 @@ class Scheduler:
                             fallback = None
                     elif waiter.band < flow_settings.headroom_below:
                         held = self.prefilling
+                        flow.learn(candidates)
                         below = [
                             c
                             for c in open_
                             if flows.below_line(
-                                c, flow_settings, held.get(c.url, 0), self.debt(c.url, now)
+                                c,
+                                flow_settings,
+                                held.get(c.url, 0),
+                                self.debt(c.url, now),
+                                flow.slots.get(c.url),
                             )
                         ]
                         if open_ and not below:  # room kept for high bands: wait for it,
@@ -318,7 +325,7 @@ class Scheduler:
                             wake_in = self.drain_in(open_, now)  # or for a debt to drain
                         open_ = below
                 waiting = self.queued.get(model, 0)
-                room = queued or waiting < self.settings.max_queue
+                room = queued or tenancy is not None or waiting < self.settings.max_queue
                 position = waiting if queued else waiting + 1
                 rate = 0.0 if open_ else self.completions.rate(c.url for c in candidates)
                 predicted = None

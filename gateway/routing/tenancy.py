@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kubellm.gateway.protocol.errors import GatewayError
@@ -47,6 +47,15 @@ class TenancySettings:
     tenants: Tenants
     flow: flows.FlowSettings = field(default_factory=flows.FlowSettings)
     redis_url: str | None = None  # quotas shared by every gateway replica naming it
+
+
+def bounded(settings: TenancySettings, max_queue: int) -> TenancySettings:
+    """`settings` with flow control's bounds at most the scheduler's `--max-queue`: with
+    tenants the queue bound is flow control's, so a full queue sheds a lower band's (or a
+    hog's) newest waiter for a newcomer instead of refusing whoever comes next."""
+    f = settings.flow
+    flow = replace(f, max_band=min(f.max_band, max_queue), max_total=min(f.max_total, max_queue))
+    return replace(settings, flow=flow)
 
 
 @dataclass(eq=False)
@@ -141,6 +150,7 @@ class Tenancy:
         self.limiter = quota.Limiter(quota.Breaker(store, registry))  # fails open at once
         self.metrics = TenantMetrics(registry)
         self.flows: dict[str, flows.Flow] = {}
+        self.outputs: dict[str, float] = {}  # tenant -> its recent largest answer (tokens)
         self._tasks: set[asyncio.Task[None]] = set()
         for tenant in self.tenants.tenants:  # every declared tenant shows, even at 0
             for code_route in ("replica", "fallback"):
@@ -169,7 +179,7 @@ class Tenancy:
         tenant = caller.tenant
         parsed = body if isinstance(body, dict) else None
         caller.estimate = flows.estimate_prompt_tokens(parsed)
-        output = flows.expected_output_tokens(parsed)
+        output = flows.expected_output_tokens(parsed, self.outputs.get(tenant.name))
         caller.service = caller.estimate + flows.OUTPUT_WEIGHT * output
         rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
         reservation = quota.Reservation(caller.estimate + usage.output_bound(parsed))
@@ -255,6 +265,7 @@ class Tenancy:
         m.tokens.labels(name, ticket.route, "prompt").inc(prompt)
         m.tokens.labels(name, ticket.route, "completion").inc(completion)
         if ticket.route == "replica" and status == 200:
+            self.outputs[name] = flows.observed_output(self.outputs.get(name), completion)
             served_service = prompt + flows.OUTPUT_WEIGHT * completion - caller.charged
             flow = self.flow(ticket.target.served_name)
             flow.charge(caller.flow, served_service, caller.tenant.weight)

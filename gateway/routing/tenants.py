@@ -32,8 +32,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
 from kubellm.gateway.protocol import errors
+
+from kubellm import manifests
 
 # The header a request lowers its priority with.
 PRIORITY_HEADER = "x-kubellm-priority"
@@ -172,15 +173,16 @@ def flow_id(tenant: Tenant, fairness_id: str | None) -> str:
 
 
 def load(path: str) -> Tenants:
-    """Read a tenants file (see the module); errors name the file and the field."""
+    """Read a tenants file (see the module) with the manifests' strict loader (a duplicated
+    key, an alias bomb, deep nesting or a second document is refused by line, as a
+    manifest is); errors name the file, the line or the field."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
-    except OSError as error:
-        raise TenantsError(f"{path}: {error.strerror or error}") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise TenantsError(f"{path}: not YAML: {error}") from None
-    return parse(data, path)
+        documents = manifests.read_documents(path)
+    except manifests.ManifestError as error:
+        raise TenantsError(str(error).replace("not valid YAML", "not YAML")) from None
+    if len(documents) != 1:
+        raise TenantsError(f"{path}: expected one YAML document, found {len(documents)}")
+    return parse(documents[0], path)
 
 
 def parse(data: Any, source: str = "tenants") -> Tenants:

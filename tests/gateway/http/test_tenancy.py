@@ -464,3 +464,25 @@ def test_a_tenant_at_its_fair_in_flight_share_waits_while_the_replica_has_room(e
         ]
         wait_until(lambda: len(other.bodies) == 4, 5, "all three sent at once")
         assert [f.result(timeout=30).status_code for f in futures] == [200] * 4
+
+
+def test_a_request_without_max_tokens_counts_as_its_tenants_recent_answers(engines, gateway):
+    """Issue 39 item 4: leaving `max_tokens` out does not make a request look cheap to the
+    fair in-flight budget. After a 600-token answer, the tenant's next request without
+    `max_tokens` holds at least 2 x 600 service tokens in flight (it held 2 x 256)."""
+    ((engine, server),) = engines(1)
+    engine.behaviour.tokens = 600
+    gw = gateway(
+        {"tiny": model("tiny", [server], slo=SLO(ttft_seconds=20))},
+        tenancy=TenancySettings(declared().tenants, FlowSettings(ttl_seconds=30)),
+    )
+    flow = gw.gateway.scheduler.tenancy.flow("tiny")
+    assert chat(gw, "chat-app", "first").status_code == 200
+    engine.behaviour.tokens = 1
+    engine.behaviour.first_byte_delay = 3  # the next one stays in flight a while
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        second = pool.submit(chat, gw, "chat-app", "second")
+        wait_until(lambda: flow.in_flight.get(10), 10, "the second in flight")
+        held = flow.in_flight[10]["chat-app"]
+        assert second.result(timeout=30).status_code == 200
+    assert held >= 2 * 600

@@ -3,6 +3,8 @@ lift of a joining tenant, bounds with drop reasons, sheddable first, the headroo
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import deque
 from math import inf
 
@@ -17,6 +19,8 @@ from kubellm.gateway.routing.flow import (
     drained,
     estimate_prompt_tokens,
     expected_output_tokens,
+    observed_output,
+    owner_of,
 )
 from kubellm.gateway.routing.scorers.base import Candidate
 
@@ -122,8 +126,12 @@ def test_fifo_within_a_tenant():
 @pytest.mark.parametrize(
     ("queued", "new_band", "dropped", "reason"),
     [
-        # the band is full: the newcomer is dropped
-        ([(0, "x")] * 2, 0, "new", "band-full"),
+        # the band is full of one tenant's waiters: its newest makes way for another tenant
+        ([(0, "x")] * 2, 0, "x", "shed"),
+        # the band is shared evenly: the newcomer is dropped
+        ([(0, "x"), (0, "new")], 0, "new", "band-full"),
+        # one tenant holds the newcomer's band: its newest goes
+        ([(0, "x"), (1, "y"), (1, "y")], 1, "y", "shed"),
         # the model's queue is full: the newest sheddable waiter below goes
         ([(-1, "batch"), (-1, "batch2"), (5, "x")], 10, "batch2", "shed"),
         # nothing below the newcomer is sheddable: the newcomer is dropped
@@ -145,7 +153,7 @@ def test_bounds_drop_with_a_reason_sheddable_first(queued, new_band, dropped, re
     assert [w.tenant for w in out] == [dropped]
     assert waiters[dropped].dropped == reason
     if dropped != "new":
-        assert new.dropped is None and len(flow) == 3
+        assert new.dropped is None and len(flow) == len(queued)
 
 
 def test_leave_is_idempotent_and_empties_the_queues():
@@ -334,6 +342,24 @@ def test_bands_are_bounded_separately():
 COST = {"small": 400, "medium": 2200, "large": 8200}  # service tokens per request
 
 
+def fill(
+    flow: Flow, running: deque[Waiter], slots: int | None, capacity: float | None
+) -> list[Waiter]:
+    """Dispatch in flow order (under the budget `capacity`, None: none) until `running`
+    holds `slots` (None: no bound) or nothing may go; the waiters dispatched."""
+    sent = []
+    while slots is None or len(running) < slots:
+        head = flow.head(held=flow.held(capacity) if capacity else frozenset())
+        if head is None:
+            break
+        flow.leave(head)
+        flow.charge(head.tenant, head.cost, head.weight)
+        flow.started(0, head.tenant, head.service)
+        running.append(head)
+        sent.append(head)
+    return sent
+
+
 def serve(
     capacity: float | None,
     weights: dict[str, float] | None = None,
@@ -354,14 +380,7 @@ def serve(
             flow.join(Waiter(tenant, 0, weights[tenant], c, service=c))
     mean = dict.fromkeys(COST, 0.0)
     for _ in range(rounds):
-        while slots is None or len(running) < slots:
-            head = flow.head(held=flow.held(capacity) if capacity else frozenset())
-            if head is None:
-                break
-            flow.leave(head)
-            flow.charge(head.tenant, head.cost, head.weight)
-            flow.started(0, head.tenant, head.service)
-            running.append(head)
+        fill(flow, running, slots, capacity)
         for tenant in COST:
             mean[tenant] += flow.in_flight.get(0, {}).get(tenant, 0.0) / rounds
         done = running.popleft()
@@ -415,3 +434,62 @@ def test_weights_2_1_1_under_the_budget_give_50_25_25_of_the_service_in_flight(w
 )
 def test_expected_output_tokens(body, tokens):
     assert expected_output_tokens(body) == tokens
+
+
+def test_fairness_ids_split_a_tenants_share_instead_of_multiplying_it():
+    """Issue 39 item 3: tenant a sends each request under a fresh fairness id, tenant b
+    (equal weight) under none; both always backlogged. Dispatch order and the fair
+    in-flight budget both share by tenant: each gets half the service."""
+    flow = Flow()
+    served = {"a": 0.0, "b": 0.0}
+    fresh = itertools.count()
+
+    def send(tenant: str) -> None:
+        name = f"a/{next(fresh)}" if tenant == "a" else "b"
+        flow.join(Waiter(name, 0, 1.0, 100, service=100))
+
+    for _ in range(8):
+        send("a")
+        send("b")
+    running: deque[Waiter] = deque()
+    for _ in range(2000):
+        for head in fill(flow, running, 8, 400):
+            served[owner_of(head.tenant)] += head.cost
+        done = running.popleft()
+        flow.ended(0, done.tenant, done.service)
+        send(owner_of(done.tenant))
+    assert served["a"] / sum(served.values()) == pytest.approx(0.5, abs=0.05), served
+
+
+def test_a_tenants_flows_share_its_turns_by_their_own_counters():
+    flow = Flow()
+    for name in ("t/x", "t/x", "t/y", "u"):
+        flow.join(waiter(name))
+    order = drain(flow, n=4)
+    assert [owner_of(t) for t in order[:2]] in (["t", "u"], ["u", "t"])  # tenants alternate
+    assert sorted(order) == ["t/x", "t/x", "t/y", "u"]
+    assert order.index("t/y") < order.index("t/x", order.index("t/x") + 1)  # flows alternate
+
+
+def test_a_tenants_observed_output_counts_for_a_request_without_max_tokens():
+    observed = None
+    for completion in (100, 3000, 50, 50):
+        observed = observed_output(observed, completion)
+    assert 2800 < observed < 3000  # the largest, decaying
+    assert expected_output_tokens({}, observed) == math.ceil(observed)
+    assert expected_output_tokens({"max_tokens": 10}, observed) == 10  # named: as named
+    assert expected_output_tokens({}, 10) == DEFAULT_OUTPUT_TOKENS  # never below the default
+
+
+def test_without_headroom_load_a_quarter_of_the_learnt_slots_is_kept_for_high_bands():
+    """Issue 38: a tenants file alone keeps headroom. A replica queueing with 16 running
+    has 16 slots; sheddable work then goes there only under 12 requests."""
+    flow, settings = Flow(), FlowSettings()
+    idle = Candidate(url="a", load=13, waiting=0, running=13, kv_usage=0.1)
+    assert below_line(idle, settings, slots=flow.slots.get("a"))  # nothing learnt: no bound
+    flow.learn([Candidate(url="a", load=18, waiting=2, running=16, kv_usage=0.5)])
+    assert flow.slots == {"a": 16}
+    assert not below_line(idle, settings, slots=flow.slots.get("a"))
+    assert below_line(idle._replace(load=11), settings, slots=flow.slots.get("a"))
+    explicit = FlowSettings(headroom_load=14)  # the flag, when given, decides
+    assert below_line(idle, explicit, slots=16)

@@ -142,6 +142,31 @@ def test_load_reads_a_file_and_names_it(tmp_path):
         tenants.load(str(tmp_path / "missing.yaml"))
 
 
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        # a bad merge: `tenants:` twice; a plain YAML load keeps the second list only
+        ("tenants:\n  - name: a\ntenants:\n  - name: b\n", "line 3: duplicate key 'tenants'"),
+        ("tenants:\n  - name: a\n    priority: 1\n    priority: 2\n", "line 4: duplicate key"),
+        (
+            "l0: &l0 [x, x, x, x, x, x, x, x, x, x]\n"
+            + "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 5))
+            + "tenants: [*l4]\n",
+            "aliasing",
+        ),
+        ("tenants:\n  - name: a\n---\ntenants:\n  - name: b\n", "one YAML document"),
+        ("", "one YAML document"),
+    ],
+)
+def test_the_file_is_read_strictly_and_refused_by_line(tmp_path, text, words):
+    """Issue 39 item 12: the tenants file goes through the manifests' strict loader."""
+    path = tmp_path / "tenants.yaml"
+    path.write_text(text)
+    with pytest.raises(tenants.TenantsError, match=r"tenants\.yaml") as error:
+        tenants.load(str(path))
+    assert words in str(error.value)
+
+
 def test_an_objective_may_lower_the_priority_never_raise_it():
     declared = tenants.parse({**DOC, "objectives": {"batch": -3, "urgent": 100}})
     chat = declared.tenants[0]
