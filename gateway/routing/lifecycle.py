@@ -54,6 +54,7 @@ from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.slo import TOKEN, RequestRecord, StreamTiming
 
 if TYPE_CHECKING:
+    from kubellm.gateway.routing.dispatch import Decision
     from kubellm.gateway.routing.scheduler import Scheduler
     from kubellm.gateway.routing.tenancy import Caller
 
@@ -125,16 +126,16 @@ class Ticket:
         "_body",
         "_carry",
         "_core",
-        "_dispatch",
         "_fallback",
-        "_hold",
         "_recorded",
         "_size",
         "_usage",
         "arrived",
         "caller",
+        "dispatch",
         "done",
         "good",
+        "hold",
         "order",
         "reason",
         "record",
@@ -178,38 +179,32 @@ class Ticket:
         self._size = 0
         self._carry = b""
         self._usage: dict[str, int] | None = None
-        # latency prediction: (url, features at dispatch, when sent, streaming yet)
-        self._dispatch: list[Any] | None = None
-        # the replica this request holds low bands off while its prefill runs (tenancy)
-        self._hold: str | None = None
+        # the current attempt's, for the gates (routing/gates): the latency prediction's
+        # (url, features at dispatch, when sent, streaming yet), and the replica this
+        # request holds low bands off while its prefill runs (tenancy)
+        self.dispatch: list[Any] | None = None
+        self.hold: str | None = None
         self.caller: Caller | None = None  # its tenant (tenancy.py), when tenants are declared
         self.good = False  # the answer met the SLO (goodput)
         self.ttft: float | None = None  # the TTFT counted in the model's series, if any
 
     # ------------------------------------------------------------ admission (the core's)
 
-    def _admitted(
-        self,
-        route: Route,
-        reason: str,
-        order: list[Candidate],
-        target: ModelTarget,
-        loading: str | None = None,
-    ) -> None:
+    def _admitted(self, decision: Decision, target: ModelTarget) -> None:
         core = self._core
         self.target = target
-        self.reason = reason
-        if route is Route.REPLICA:
+        reason = self.reason = decision.reason
+        if decision.route is Route.REPLICA:
             self.route = "replica"
-            self.order = order
-        elif route is Route.FALLBACK:
+            self.order = decision.order
+        elif decision.route is Route.FALLBACK:
             self.route = "fallback"
             self._fallback = core.fallback_slot(target.served_name)
             core.metrics.fallback.labels(*self.record.series.labels, reason).inc()
         else:  # saturated (or shed by flow control): 429, come back soon; no replica: 503
             status = 503 if reason == "no-ready-replicas" else 429
             retry = core.settings.retry_after_seconds
-            self.fail(errors.overloaded(target.served_name, retry, status, loading))
+            self.fail(errors.overloaded(target.served_name, retry, status, decision.loading))
 
     # ------------------------------------------------------------ the front end's calls
 
@@ -222,11 +217,11 @@ class Ticket:
         if still held, is freed: one attempt holds a slot at a time)."""
         if self._attempt is not None:
             self._attempt.abandon()
-        self._end_dispatch()
-        self._dispatch = [url, self._core.dispatched(self, url), time.monotonic(), False]
-        if not self.done and self._core.holds_prefill(self):
-            self._hold = url
-            self._core.hold(url)
+        gates = self._core.gates
+        for gate in gates:
+            gate.over(self)
+        for gate in gates:
+            gate.sent(self, url)
         attempt = self._attempt = Attempt(self, url, self._core.acquire(url))
         self.record.revision = revision_label(self.target, url)  # canary analysis
         if self.done:  # finished meanwhile: nothing may stay held
@@ -275,11 +270,9 @@ class Ticket:
         if TOKEN.search(data) is not None:
             now = time.monotonic() if now is None else now
             timing = self.timing
-            if timing.first is None and self._dispatch is not None:
-                self._dispatch[3] = True  # its prefill is done
-                dispatch = self._dispatch  # (url, its Dispatch, when sent, started)
-                self._core.predictions.started(dispatch[0], dispatch[1], now - dispatch[2])
-                self._unhold()
+            if timing.first is None:  # the attempt's prefill is done
+                for gate in self._core.gates:
+                    gate.first_token(self, now)
             if data.count(b"\n\n") == 1:
                 timing.token(now)
             else:  # ITL per event: the events of one piece arrived together
@@ -336,23 +329,23 @@ class Ticket:
             self._fallback = None
         status = self.status
         if not status:  # nothing reached the client: it left
-            self._end_dispatch()
+            self._over(False)
             self.record.finish("none", 499)
-            self._core.ended(self)
+            self._ended()
             return
         if broken is not None:
             self.timing.failed(broken)
         core = self._core
         if self.served is not None and status < 500:
             core.completed(self.served)
+        whole = self.refusal is None and broken is None and not client_gone
         if self.refusal is None:
-            self._observe(status, broken is None and not client_gone)
-            self._learn(status, broken is None and not client_gone)
-        self._end_dispatch()
+            self._observe(status, whole)
+        self._over(whole and status == 200)
         if broken is not None and status < 400:
             status = 502  # the answer started and broke: a server-side failure
         self.record.finish(self.route, status)
-        self._core.ended(self)
+        self._ended()
 
     def tokens(self) -> dict[str, int]:
         """The answer's prompt and completion tokens: its `usage` where it had one, else
@@ -363,33 +356,16 @@ class Ticket:
             return self._usage
         return {"completion": self.timing.chunks}
 
-    # ------------------------------------------------------------ latency prediction
+    # ------------------------------------------------------------ the gates'
 
-    def _unhold(self) -> None:
-        """Its prefill is done (or its attempt over): low bands may use its replica again."""
-        url, self._hold = self._hold, None
-        if url is not None:
-            self._core.unhold(url)
+    def _over(self, learn: bool) -> None:
+        """The current attempt owes no more prefill (`learn`: the answer ended whole)."""
+        for gate in self._core.gates:
+            gate.over(self, learn)
 
-    def _end_dispatch(self) -> None:
-        """The current attempt owes no more prefill (it streamed, failed or ended)."""
-        self._unhold()
-        dispatch, self._dispatch = self._dispatch, None
-        if dispatch is not None and not dispatch[3]:
-            self._core.predictions.abandoned(dispatch[0], dispatch[1])
-
-    def _learn(self, status: int, whole: bool) -> None:
-        """A whole streamed answer from the replica it was sent to: the prediction's error,
-        and the model learns (TTFT from the dispatch, not the arrival: admission's wait
-        is not the replica's)."""
-        dispatch, timing = self._dispatch, self.timing
-        if dispatch is None or self._body is not None or not whole or status != 200:
-            return
-        if timing.first is None or dispatch[0] != self.served:
-            return
-        self._core.answered(
-            self.target, dispatch[0], dispatch[1], timing.first - dispatch[2], timing.mean_itl
-        )
+    def _ended(self) -> None:
+        for gate in self._core.gates:
+            gate.ended(self)
 
     # ------------------------------------------------------------ the SLO outcome
 
