@@ -91,3 +91,34 @@ def test_a_dispatch_counts_the_tenant_in_flight():
     decision = admit_once(p, [gate], router())
     assert decision is not None and decision.route is Route.REPLICA
     assert caller.holding is not None and caller.charged == 10
+
+
+async def test_a_request_dropped_by_flow_control_is_refused_with_429():
+    """Through the scheduler: a request whose band is full is dropped at once, a 429 that
+    says why (on main the drop path returned four values where admit unpacked five: a
+    500 from the front end)."""
+    import asyncio
+
+    from kubellm.gateway.discovery.base import FixedDiscovery
+    from kubellm.gateway.routing.flow import DROP_HEADER
+    from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings
+
+    settings = TenancySettings(tenants.parse(DOC), FlowSettings(max_band=1, ttl_seconds=30))
+    model = target()
+    scheduler = Scheduler(FixedDiscovery({"m": model}), SchedulerSettings(tenancy=settings))
+    assert scheduler.tenancy is not None
+    free = scheduler.tenancy.tenants.get("free")
+    assert free is not None
+    routing = make_pass(model, []).routing
+    scheduler.flow.prefilling.update({A: 1, B: 1})  # the free band waits: both replicas held
+    first = asyncio.create_task(scheduler.admit(model, routing, caller=Caller(free, -1, "free")))
+    while not scheduler.queued.get("m"):  # the first one waits in its band
+        await asyncio.sleep(0.01)
+    ticket = await scheduler.admit(model, routing, caller=Caller(free, -1, "free"))
+    assert ticket.refusal is not None and ticket.refusal.status == 429
+    assert ticket.refusal.headers[DROP_HEADER] == "band-full"
+    scheduler.flow.prefilling.clear()  # the high band's streams began: the first one goes
+    scheduler.wake()
+    ticket = await asyncio.wait_for(first, 60)
+    assert ticket.route == "replica"
+    ticket.finish()
