@@ -239,6 +239,7 @@ def test_overflow_goes_to_the_fallback_through_the_production_admission() -> Non
 def test_the_admission_is_the_gateways_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every decision of the simulated gateway is production's pass (`admit_once`)."""
     from kubellm.gateway.routing import dispatch
+
     from kubellm.simulation import gateway
 
     calls = []
