@@ -15,7 +15,6 @@ the model's speed factors are published.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -54,7 +53,7 @@ class SloGate(Gate):
         if candidate is None:  # a replica the front end chose itself
             candidate = Candidate(url=url, in_flight=self.in_flight(url))
         dispatch = self.predictions.sent(url, ticket.routing, candidate)
-        ticket.dispatch = [url, dispatch, time.monotonic(), False]
+        ticket.dispatch = [url, dispatch, self.predictions.clock(), False]
 
     def first_token(self, ticket: Ticket, now: float) -> None:
         dispatch = ticket.dispatch  # (url, its Dispatch, when sent, started)
