@@ -41,9 +41,7 @@ from kubellm.gateway.routing.tenancy import Caller, Tenancy
 
 __all__ = ["Scheduler", "SchedulerSettings", "labels"]
 
-from prometheus_client.core import GaugeMetricFamily
-
-from kubellm.metrics import GATEWAY_ENDPOINT_IN_FLIGHT, parse_lora_info
+from kubellm.metrics import parse_lora_info
 
 
 class Scheduler:
@@ -90,7 +88,7 @@ class Scheduler:
             SloGate(self.predictions, labels, lambda url: self.load.in_flight.get(url, 0)),
         )
         self._tasks: list[asyncio.Task[None]] = []
-        self.metrics.registry.register(_InFlightCollector(self.load))
+        self.metrics.registry.register(slo.InFlightCollector(self.load.in_flight))
 
     def in_flight(self) -> dict[str, int]:
         """This front end's requests in flight per replica URL (those with any)."""
@@ -335,24 +333,3 @@ class Scheduler:
                 self.wake()
 
         return release
-
-
-class _InFlightCollector:
-    """`kubellm_gateway_endpoint_in_flight{url}`, read from the load view when scraped."""
-
-    def __init__(self, load: LoadView) -> None:
-        self.load = load
-
-    def describe(self) -> list[GaugeMetricFamily]:
-        return []
-
-    def collect(self) -> list[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            GATEWAY_ENDPOINT_IN_FLIGHT,
-            "This front end's requests in flight on each engine endpoint (slots held).",
-            labels=["url"],
-        )
-        for url, count in sorted(list(self.load.in_flight.items())):
-            if count > 0:
-                family.add_metric([slo.without_credentials(url)], count)
-        return [family]
