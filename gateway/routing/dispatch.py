@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from kubellm.gateway.routing.lifecycle import Ticket
     from kubellm.gateway.routing.tenancy import Caller
 
-__all__ = ["WAKE_IN", "Decision", "Gate", "Pass", "Router", "admit_once"]
+__all__ = ["WAKE_IN", "Decision", "Gate", "Hooks", "Pass", "Router", "admit_once"]
 
 WAKE_IN = 0.5  # a waiting request passes again at least this often (seconds)
 
@@ -146,6 +146,23 @@ class Gate:
         """The request ended (counted)."""
 
 
+class Hooks:
+    """The gates' hooks that do something, per hook, in the gates' order (a ticket calls
+    these on every request: no call to a hook a gate left as it is)."""
+
+    def __init__(self, gates: Sequence[Gate]) -> None:
+        def overriding(name: str) -> tuple[Callable[..., Any], ...]:
+            base = getattr(Gate, name)
+            return tuple(getattr(g, name) for g in gates if getattr(type(g), name) is not base)
+
+        self.enter = overriding("enter")
+        self.leave = overriding("leave")
+        self.sent = overriding("sent")
+        self.first_token = overriding("first_token")
+        self.over = overriding("over")
+        self.ended = overriding("ended")
+
+
 def admit_once(p: Pass, gates: Sequence[Gate], router: Router) -> Decision | None:
     """One pass of admission for `p`: a decision, or None (wait, and pass again)."""
     if p.dropped is not None:
@@ -173,10 +190,10 @@ def admit_once(p: Pass, gates: Sequence[Gate], router: Router) -> Decision | Non
     if verdict.route is Route.QUEUE:
         return None
     order = router.order(p.target, p.routing, open_) if open_ else []
-    if order:  # then the saturated ones (alive, so better than no answer), its revision's
-        chosen = {c.url for c in order}  # first, the other revision's only after them all
-        own = {c.url for c in router.narrow(p.target, p.routing, candidates)}
-        rest = [c for c in candidates if c.url not in chosen]
+    if order and len(order) < len(candidates):  # then the saturated ones (alive, so better
+        chosen = {c.url for c in order}  # than no answer), its revision's first, the other
+        own = {c.url for c in router.narrow(p.target, p.routing, candidates)}  # revision's
+        rest = [c for c in candidates if c.url not in chosen]  # only after them all
         order += [c for c in rest if c.url in own] + [c for c in rest if c.url not in own]
     decision = Decision(verdict.route, verdict.reason, order)
     for gate in gates:

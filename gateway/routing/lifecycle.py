@@ -217,11 +217,11 @@ class Ticket:
         if still held, is freed: one attempt holds a slot at a time)."""
         if self._attempt is not None:
             self._attempt.abandon()
-        gates = self._core.gates
-        for gate in gates:
-            gate.over(self)
-        for gate in gates:
-            gate.sent(self, url)
+        hooks = self._core.hooks
+        for over in hooks.over:
+            over(self)
+        for sent in hooks.sent:
+            sent(self, url)
         attempt = self._attempt = Attempt(self, url, self._core.acquire(url))
         self.record.revision = revision_label(self.target, url)  # canary analysis
         if self.done:  # finished meanwhile: nothing may stay held
@@ -271,8 +271,8 @@ class Ticket:
             now = time.monotonic() if now is None else now
             timing = self.timing
             if timing.first is None:  # the attempt's prefill is done
-                for gate in self._core.gates:
-                    gate.first_token(self, now)
+                for first_token in self._core.hooks.first_token:
+                    first_token(self, now)
             if data.count(b"\n\n") == 1:
                 timing.token(now)
             else:  # ITL per event: the events of one piece arrived together
@@ -360,12 +360,12 @@ class Ticket:
 
     def _over(self, learn: bool) -> None:
         """The current attempt owes no more prefill (`learn`: the answer ended whole)."""
-        for gate in self._core.gates:
-            gate.over(self, learn)
+        for over in self._core.hooks.over:
+            over(self, learn)
 
     def _ended(self) -> None:
-        for gate in self._core.gates:
-            gate.ended(self)
+        for ended in self._core.hooks.ended:
+            ended(self)
 
     # ------------------------------------------------------------ the SLO outcome
 

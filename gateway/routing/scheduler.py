@@ -25,7 +25,7 @@ import aiohttp
 from kubellm.gateway.discovery.base import Discovery, Endpoint, ModelTarget
 from kubellm.gateway.routing import adapters, engine_api, slo
 from kubellm.gateway.routing.admission import CompletionRate, Route
-from kubellm.gateway.routing.dispatch import WAKE_IN, Decision, Pass, admit_once
+from kubellm.gateway.routing.dispatch import WAKE_IN, Decision, Hooks, Pass, admit_once
 from kubellm.gateway.routing.gates.adapters import AdapterGate
 from kubellm.gateway.routing.gates.flow import FlowGate
 from kubellm.gateway.routing.gates.slo import SloGate
@@ -80,13 +80,14 @@ class Scheduler:
         self._changed = asyncio.Event()
         self.load.on_release(self.wake)
         self.tenancy = Tenancy(s.tenancy, self.metrics.registry) if s.tenancy else None
-        # the pass's gates, in order (routing/dispatch.py)
+        # the pass's gates, in order (routing/dispatch.py); flow control only with tenants
         self.flow = FlowGate(self.tenancy, self.wake)
         self.gates = (
             AdapterGate(self.adapters, self.adapter_loads, self.adapter_metrics, labels),
-            self.flow,
+            *((self.flow,) if self.tenancy is not None else ()),
             SloGate(self.predictions, labels, lambda url: self.load.in_flight.get(url, 0)),
         )
+        self.hooks = Hooks(self.gates)
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics.registry.register(slo.InFlightCollector(self.load.in_flight))
 
@@ -243,8 +244,8 @@ class Scheduler:
         )  # fmt: skip
         queued = False
         try:
-            for gate in self.gates:
-                gate.enter(p)
+            for enter in self.hooks.enter:
+                enter(p)
             while True:
                 changed = self._changed
                 if queued:  # re-read: endpoints may have appeared (scale from zero) or gone
@@ -277,8 +278,8 @@ class Scheduler:
         finally:
             if queued:
                 self.queued[model] -= 1
-            for gate in self.gates:
-                gate.leave(p)
+            for leave in self.hooks.leave:
+                leave(p)
 
     # ---------------------------------------------------------------- outcomes
 
