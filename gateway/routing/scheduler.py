@@ -4,8 +4,12 @@ Both front ends drive it the same way: `admit(target, routing, ...)` waits (boun
 until the request can go somewhere and returns a `lifecycle.Ticket` that owns the rest of
 the request's life (a replica route with the candidates best first, the fallback API with
 its concurrency slot held, or a refusal: 429 when saturated, 503 when no replica exists).
-The ticket calls back into the scheduler (`acquire`, `failed`, `succeeded`, `routed`,
-`completed`, `fallback_slot`); front ends do not.
+Where it goes is the admission pass's answer (`dispatch.admit_once` with the gates of
+`routing/gates/`, in order: adapters, flow when tenants are declared, slo); the scheduler
+holds the state they read and runs the wait loop. The ticket tells the gates of its
+attempts (`dispatch.Hooks`) and calls back into the scheduler for slots and health
+(`acquire`, `failed`, `succeeded`, `routed`, `completed`, `fallback_slot`); front ends do
+not.
 
 The HTTP front end (`kubellm.gateway.http`) sends the bytes itself; the endpoint picker
 (`kubellm.gateway.epp`) answers with the chosen endpoints and lets Envoy send them.
