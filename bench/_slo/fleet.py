@@ -3,9 +3,11 @@ simulated clock, routing with the gateway's own code.
 
 Replicas are `kubellm.engine.sim_core.Engine`s (the simulator's pure core: paged KV,
 prefix cache, token-budget scheduler, step times from a profile). kubellm's policies are
-the shipped `Router` (`router.order` over candidates built from the replicas' state) with
-its `Predictions` fed exactly as the ticket feeds them (sent at dispatch, started at the
-first token, answered with TTFT from dispatch and the mean ITL). Engine figures are
+the shipped admission pass (`dispatch.admit_once` with the SLO gate, over candidates
+built from the replicas' state; no fallback, and every request goes to a replica: no
+replica counts as saturated) and the ticket's own feedback to the latency model, the SLO
+gate's hooks (sent at dispatch, the first token, the whole answer: TTFT from dispatch
+and the mean ITL). Engine figures are
 scraped every `scrape_interval` simulated seconds (the gateway's default 1 s), the
 gateway's own in-flight counts are exact, as in the gateway.
 
@@ -28,13 +30,15 @@ from dataclasses import dataclass, field
 from kubellm.engine import sim_core
 from kubellm.engine.sim_profiles import Profile
 from kubellm.gateway.discovery.base import Endpoint, ModelTarget
-from kubellm.gateway.routing.latency import Dispatch
+from kubellm.gateway.routing.dispatch import Pass, admit_once
+from kubellm.gateway.routing.gates.slo import SloGate
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.router import Router, routing_request
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 from kubellm import api
+from kubellm.simulation.gateway import NEVER_SATURATED
 
 KUBELLM_POLICIES = ("prefix-aware", "least-load", "slo-aware", "round-robin")
 PEER_POLICIES = ("power_of_two", "cache_aware")
@@ -60,11 +64,26 @@ class Outcome:
     tokens: int = 0
     predicted_ttft: float | None = None
     predicted_itl: float | None = None
-    dispatch: Dispatch | None = None
+    # what the SLO gate reads of a ticket: the request, its order, the gate's record of
+    # the attempt (url, Dispatch, when sent, started), the replica that answers
+    routing: RoutingRequest | None = None
+    order: list[Candidate] = field(default_factory=list)
+    dispatch: list[object] | None = None
+    served: str | None = None
+    target: ModelTarget | None = None
+    stream = True
     # Fleet(present=N), every N-th request: the TTFT it would have had had nothing arrived
     # after it (the replica's exact state at dispatch, run forward on a copy): the most
     # any prediction made at dispatch can know
     present_ttft: float | None = None
+
+    @property
+    def timing(self) -> Outcome:  # the ticket's StreamTiming: first, mean_itl
+        return self
+
+    @property
+    def chunks(self) -> int:  # the ticket's StreamTiming: events that carried text
+        return self.tokens
 
     @property
     def ttft(self) -> float | None:
@@ -139,6 +158,7 @@ class Fleet:
             slo=slo,
         )
         self.outstanding = [0] * len(self.replicas)  # the peers' own counts
+        self.gates = (SloGate(self.router.predictions, lambda t: ("m", "", "")),)
 
     # ------------------------------------------------------------ routing
 
@@ -152,13 +172,19 @@ class Fleet:
         return out
 
     def choose(self, request: RoutingRequest) -> tuple[int, list[Candidate]]:
+        """The replica for `request` and the candidates it was chosen among."""
         candidates = self._candidates()
         if self.policy == "power_of_two":
             a, b = self.rng.sample(range(len(self.replicas)), 2)
             return (a if self.outstanding[a] <= self.outstanding[b] else b), candidates
         if self.policy == "cache_aware":
             return self._cache_aware(request), candidates
-        order = self.router.order(self.target, request, candidates)
+        p = Pass(self.target, request, self.now, self.now + self.slo.ttft_seconds, True,
+                 NEVER_SATURATED)  # fmt: skip
+        p.refresh(self.target, candidates, self.now, None, 0, 1, True)
+        decision = admit_once(p, self.gates, self.router)
+        assert decision is not None  # never saturated: a replica
+        order = decision.order
         urls = [r.url for r in self.replicas]
         return urls.index(order[0].url), candidates
 
@@ -197,8 +223,9 @@ class Fleet:
             t += self.scrape_interval
         result = Run()
         step_end = [0.0] * len(self.replicas)  # when each replica's step in progress ends
-        live: dict[str, tuple[Outcome, Dispatch]] = {}
+        live: dict[str, Outcome] = {}
         predictions = self.router.predictions
+        (slo,) = self.gates
         counter = 0
         while events:
             now, _, kind, payload = heapq.heappop(events)
@@ -217,15 +244,16 @@ class Fleet:
                 if on_decision is not None:
                     on_decision()
                 replica = self.replicas[index]
-                candidate = next(c for c in candidates if c.url == replica.url)
-                dispatch = predictions.sent(replica.url, request, candidate)
-                predicted = predictions.model.predict(replica.url, dispatch)
+                outcome = Outcome(job, index, now, routing=request, order=candidates,
+                                  served=replica.url, target=self.target)  # fmt: skip
+                slo.sent(outcome, replica.url)  # type: ignore[arg-type]
+                assert outcome.dispatch is not None
+                predicted = predictions.model.predict(replica.url, outcome.dispatch[1])
+                outcome.predicted_ttft, outcome.predicted_itl = predicted
                 self.router.routed(request, replica.url, [r.url for r in self.replicas])
                 counter += 1
                 rid = f"r{counter}"
-                outcome = Outcome(job, index, now, predicted_ttft=predicted[0],
-                                  predicted_itl=predicted[1], dispatch=dispatch)  # fmt: skip
-                live[rid] = (outcome, dispatch)
+                live[rid] = outcome
                 result.outcomes.append(outcome)
                 replica.in_flight += 1
                 self.outstanding[index] += 1
@@ -247,26 +275,20 @@ class Fleet:
                 index, step = payload  # type: ignore[misc]
                 replica = self.replicas[index]
                 for request_, _token in step.tokens:
-                    outcome, dispatch = live[request_.request_id]
+                    outcome = live[request_.request_id]
                     if outcome.first is None:
                         outcome.first = now
-                        if self.streamed:
-                            predictions.started(replica.url, dispatch, now - outcome.sent)
+                        if self.streamed:  # a whole answer's first token teaches nothing
+                            slo.first_token(outcome, now)  # type: ignore[arg-type]
                     outcome.last = now
                     outcome.tokens += 1
                 for request_ in step.finished:
-                    outcome, dispatch = live.pop(request_.request_id)
+                    outcome = live.pop(request_.request_id)
                     replica.in_flight -= 1
                     self.outstanding[index] -= 1
-                    if not self.streamed:
-                        predictions.abandoned(replica.url, dispatch)
-                        continue
-                    # every policy's answers train the model (its MAPE is reported for all)
-                    predictions.answered(
-                        ("m", "", ""), replica.url, dispatch,
-                        None if outcome.first is None else outcome.first - outcome.sent,
-                        outcome.mean_itl, outcome.tokens,
-                    )  # fmt: skip
+                    # every policy's answers train the model (its MAPE is reported for all);
+                    # a whole (non-streamed) answer, as in the gateway, only ends its attempt
+                    slo.over(outcome, learn=self.streamed)  # type: ignore[arg-type]
                 if replica.engine.has_work:
                     push(now, "step", index)
                 else:

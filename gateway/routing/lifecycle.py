@@ -56,6 +56,7 @@ from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.slo import TOKEN, RequestRecord, StreamTiming
 
 if TYPE_CHECKING:
+    from kubellm.gateway.routing.dispatch import Decision
     from kubellm.gateway.routing.scheduler import Scheduler
     from kubellm.gateway.routing.tenancy import Caller
 
@@ -129,16 +130,16 @@ class Ticket:
         "_body",
         "_carry",
         "_core",
-        "_dispatch",
         "_fallback",
-        "_hold",
         "_recorded",
         "_size",
         "_usage",
         "arrived",
         "caller",
+        "dispatch",
         "done",
         "good",
+        "hold",
         "order",
         "reason",
         "record",
@@ -184,39 +185,33 @@ class Ticket:
         self._size = 0
         self._carry = b""
         self._usage: dict[str, int] | None = None
-        # latency prediction: (url, features at dispatch, when sent, streaming yet, what
-        # its first token taught the model)
-        self._dispatch: list[Any] | None = None
-        # the replica this request holds low bands off while its prefill runs (tenancy)
-        self._hold: str | None = None
+        # the current attempt's, for the gates (routing/gates): the latency prediction's
+        # (url, features at dispatch, when sent, streaming yet, what its first token
+        # taught the model), and the replica this request holds low bands off while its
+        # prefill runs (tenancy)
+        self.dispatch: list[Any] | None = None
+        self.hold: str | None = None
         self.caller: Caller | None = None  # its tenant (tenancy.py), when tenants are declared
         self.good = False  # the answer met the SLO (goodput)
         self.ttft: float | None = None  # the TTFT counted in the model's series, if any
 
     # ------------------------------------------------------------ admission (the core's)
 
-    def _admitted(
-        self,
-        route: Route,
-        reason: str,
-        order: list[Candidate],
-        target: ModelTarget,
-        loading: str | None = None,
-    ) -> None:
+    def _admitted(self, decision: Decision, target: ModelTarget) -> None:
         core = self._core
         self.target = target
-        self.reason = reason
-        if route is Route.REPLICA:
+        reason = self.reason = decision.reason
+        if decision.route is Route.REPLICA:
             self.route = "replica"
-            self.order = order
-        elif route is Route.FALLBACK:
+            self.order = decision.order
+        elif decision.route is Route.FALLBACK:
             self.route = "fallback"
             self._fallback = core.fallback_slot(target.served_name)
             core.metrics.fallback.labels(*self.record.series.labels, reason).inc()
         else:  # saturated (or shed by flow control): 429, come back soon; no replica: 503
             status = 503 if reason == "no-ready-replicas" else 429
             retry = core.settings.retry_after_seconds
-            self.fail(errors.overloaded(target.served_name, retry, status, loading))
+            self.fail(errors.overloaded(target.served_name, retry, status, decision.loading))
 
     # ------------------------------------------------------------ the front end's calls
 
@@ -229,11 +224,11 @@ class Ticket:
         if still held, is freed: one attempt holds a slot at a time)."""
         if self._attempt is not None:
             self._attempt.abandon()
-        self._end_dispatch()
-        self._dispatch = [url, self._core.dispatched(self, url), time.monotonic(), False, None]
-        if not self.done and self._core.holds_prefill(self):
-            self._hold = url
-            self._core.hold(url)
+        hooks = self._core.hooks
+        for over in hooks.over:
+            over(self)
+        for sent in hooks.sent:
+            sent(self, url)
         attempt = self._attempt = Attempt(self, url, self._core.acquire(url))
         self.sent = True
         tenant = self.caller.tenant.name if self.caller is not None else None
@@ -284,13 +279,9 @@ class Ticket:
         if TOKEN.search(data) is not None:
             now = time.monotonic() if now is None else now
             timing = self.timing
-            if timing.first is None and self._dispatch is not None:
-                self._dispatch[3] = True  # its prefill is done
-                dispatch = self._dispatch  # (url, its Dispatch, when sent, started, learnt)
-                dispatch[4] = self._core.predictions.started(
-                    dispatch[0], dispatch[1], now - dispatch[2]
-                )
-                self._unhold()
+            if timing.first is None:  # the attempt's prefill is done
+                for first_token in self._core.hooks.first_token:
+                    first_token(self, now)
             if data.count(b"\n\n") == 1:
                 timing.token(now)
             else:  # ITL per event: the events of one piece arrived together
@@ -347,7 +338,7 @@ class Ticket:
             self._fallback = None
         status = self.status
         if not status:  # nothing reached the client: it left
-            self._end_dispatch()
+            self._over(False)
             self.record.finish("none", 499)
             self._ended()
             return
@@ -358,23 +349,24 @@ class Ticket:
             core.completed(self.served)
         if self.served is not None:
             self._verdict(broken is not None or status == 502, client_gone)
+        whole = self.refusal is None and broken is None and not client_gone
         if self.refusal is None:
             try:
-                self._observe(status, broken is None and not client_gone)
-                self._learn(status, broken is None and not client_gone)
+                self._observe(status, whole)
             except Exception:  # the answer and its record stand whatever the accounting does
                 log.exception("the SLO accounting of a request failed")
-        self._end_dispatch()
+        self._over(whole and status == 200)
         if broken is not None and status < 400:
             status = 502  # the answer started and broke: a server-side failure
         self.record.finish(self.route, status)
         self._ended()
 
     def _ended(self) -> None:
-        try:
-            self._core.ended(self)
-        except Exception:
-            log.exception("the tenant accounting of a request failed")
+        for ended in self._core.hooks.ended:
+            try:
+                ended(self)
+            except Exception:  # the request's record stands whatever the accounting does
+                log.exception("the tenant accounting of a request failed")
 
     def generated(self, events: int) -> None:
         """A non-streamed answer the client left mid-way had this many events carrying
@@ -398,20 +390,12 @@ class Ticket:
             return found["prompt"] or estimate, found["completion"]
         return estimate, self.timing.chunks
 
-    # ------------------------------------------------------------ latency prediction
+    # ------------------------------------------------------------ the gates'
 
-    def _unhold(self) -> None:
-        """Its prefill is done (or its attempt over): low bands may use its replica again."""
-        url, self._hold = self._hold, None
-        if url is not None:
-            self._core.unhold(url)
-
-    def _end_dispatch(self) -> None:
-        """The current attempt owes no more prefill (it streamed, failed or ended)."""
-        self._unhold()
-        dispatch, self._dispatch = self._dispatch, None
-        if dispatch is not None and not dispatch[3]:
-            self._core.predictions.abandoned(dispatch[0], dispatch[1])
+    def _over(self, learn: bool) -> None:
+        """The current attempt owes no more prefill (`learn`: the answer ended whole)."""
+        for over in self._core.hooks.over:
+            over(self, learn)
 
     def _verdict(self, failed: bool, client_gone: bool) -> None:
         """The outlier verdict on the replica that answered, at the end of its answer: a
@@ -423,25 +407,11 @@ class Ticket:
         assert url is not None
         if failed:
             core.failed(url)
-            dispatch = self._dispatch
+            dispatch = self.dispatch
             if dispatch is not None and dispatch[0] == url and dispatch[3]:
                 core.predictions.broken(url, dispatch[1], dispatch[4])
         elif not client_gone:
             core.succeeded(url)
-
-    def _learn(self, status: int, whole: bool) -> None:
-        """A whole streamed answer from the replica it was sent to: the prediction's error,
-        and the model learns (TTFT from the dispatch, not the arrival: admission's wait
-        is not the replica's)."""
-        dispatch, timing = self._dispatch, self.timing
-        if dispatch is None or self._body is not None or not whole or status != 200:
-            return
-        if timing.first is None or dispatch[0] != self.served:
-            return
-        self._core.answered(
-            self.target, dispatch[0], dispatch[1], timing.first - dispatch[2], timing.mean_itl,
-            timing.chunks,
-        )  # fmt: skip
 
     # ------------------------------------------------------------ the SLO outcome
 

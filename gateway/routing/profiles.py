@@ -52,10 +52,16 @@ Members and what they tell each other through the request's `Cycle`:
 - lora-affinity: `adapters.AdapterScorer` with the placement plan over all the model's
   replicas, for requests naming an adapter (off with `--adapter-routing blind`).
 
+- revision: while a canary rollout splits the model, the candidates of the revision the
+  request goes to (`revisions.for_request`). It is registered `every_profile`: such a
+  filter narrows the candidates before any other member binds, and what it drops is not
+  even a last resort (the picker appends what the profile's own filters drop; the
+  scheduler's retry tail is narrowed alike, `Profiles.narrow`).
+
 Adding a filter or a profile is a change to one file, this one (or a module of its own
 imported here): `register` the member (`every_profile=True`: a filter every profile
-applies first, as a revision filter for canaries would be), or `declare` a profile; a
-member has one method, `bind(cycle)`, that returns its filter or scorer for a request.
+applies first, outright), or `declare` a profile; a member has one method, `bind(cycle)`,
+that returns its filter or scorer for a request.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ from kubellm.gateway.routing.adapters import AdapterScorer
 from kubellm.gateway.routing.latency import slo_scores
 from kubellm.gateway.routing.precise import PreciseRouting
 from kubellm.gateway.routing.predicted import Predictions
+from kubellm.gateway.routing.revisions import for_request as revision_candidates
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest, Scorer
 from kubellm.gateway.routing.scorers.bounded_load import (
@@ -276,6 +283,14 @@ class _Slo:
         return Scored("slo", slo_scores({url: cost for url, (cost, _, _) in costs.items()}))
 
 
+class _Revision:
+    def bind(self, cycle: Cycle) -> Scorer | Filter | None:
+        if cycle.target.canary is None:
+            return None
+        target, request = cycle.target, cycle.request
+        return lambda candidates, _bound: revision_candidates(target, request, candidates)
+
+
 def either(a: Filter, b: Filter) -> Filter:
     """The candidates that either filter keeps."""
 
@@ -288,6 +303,7 @@ def either(a: Filter, b: Filter) -> Filter:
     return keep
 
 
+register("revision", every_profile=True)(lambda shared: _Revision())
 register("bounded-load")(lambda shared: _BoundedLoad())
 register("prefix")(_Prefix)
 register("lora-affinity")(_AdapterAffinity)
@@ -358,10 +374,11 @@ class Profiles:
         self._bound: dict[str, tuple[list[_Entry], list[_Entry]]] = {
             name: (
                 [_entry(self.members[m], w) for m, w in spec.scorers],
-                [_entry(self.members[m], 0.0) for m in (*EVERY_PROFILE, *spec.filters)],
+                [_entry(self.members[m], 0.0) for m in spec.filters],
             )
             for name, spec in PROFILES.items()
         }
+        self._narrowing = [self.members[m] for m in EVERY_PROFILE]
 
     def choose(self, target: ModelTarget, request: RoutingRequest) -> str:
         """The profile for this request: the model's policy, or its `cold` choice."""
@@ -401,8 +418,22 @@ class Profiles:
         name: str | None = None,
     ) -> list[Candidate]:
         """The candidates best first for this request (`name`: this profile, not the
-        chosen one)."""
+        chosen one), among those the every-profile filters keep (`narrow`)."""
+        candidates = self.narrow(target, request, candidates)
         profile, request = self.bind(
             name or self.choose(target, request), target, request, candidates
         )
         return pick(profile, request, candidates, target.routing.load_bound, rng)
+
+    def narrow(
+        self, target: ModelTarget, request: RoutingRequest, candidates: Sequence[Candidate]
+    ) -> Sequence[Candidate]:
+        """`candidates` as the every-profile filters (the revision filter) keep them."""
+        if not self._narrowing:
+            return candidates
+        cycle = Cycle(target, request, candidates)
+        for member in self._narrowing:
+            keep = member.bind(cycle)
+            if keep is not None:
+                cycle.candidates = keep(cycle.candidates, target.routing.load_bound)  # type: ignore[call-arg]
+        return cycle.candidates

@@ -19,7 +19,6 @@ from kubellm.gateway.routing.outliers import OutlierDetector
 from kubellm.gateway.routing.precise import PreciseRouting
 from kubellm.gateway.routing.predicted import Predictions
 from kubellm.gateway.routing.profiles import HOLDER_SHARE, HOLDER_SLACK, Profiles, Shared
-from kubellm.gateway.routing.revisions import for_request as revision_candidates
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight
@@ -113,11 +112,16 @@ class Router:
         self, target: ModelTarget, request: RoutingRequest, candidates: Sequence[Candidate]
     ) -> list[Candidate]:
         """The candidates best first for `request`: its profile's (`routing/profiles.py`,
-        the one place that answers which replica gets a request)."""
-        # A canary rollout's split narrows the candidates first: the other revision's
-        # replicas are not even a last resort (routing/revisions.py).
-        candidates = revision_candidates(target, request, candidates)
+        the one place that answers which replica gets a request). A canary rollout's split
+        narrows the candidates first (the `revision` filter): the other revision's
+        replicas are not even a last resort."""
         return self.profiles.order(target, request, candidates, self.rng)
+
+    def narrow(
+        self, target: ModelTarget, request: RoutingRequest, candidates: Sequence[Candidate]
+    ) -> list[Candidate]:
+        """`candidates` narrowed as `order` narrows them first (the revision filter)."""
+        return list(self.profiles.narrow(target, request, candidates))
 
     def unshared(self, request: RoutingRequest) -> bool:
         """A cold prompt (this gateway never routed its first chunk) of a model whose

@@ -4,8 +4,12 @@ Both front ends drive it the same way: `admit(target, routing, ...)` waits (boun
 until the request can go somewhere and returns a `lifecycle.Ticket` that owns the rest of
 the request's life (a replica route with the candidates best first, the fallback API with
 its concurrency slot held, or a refusal: 429 when saturated, 503 when no replica exists).
-The ticket calls back into the scheduler (`acquire`, `failed`, `succeeded`, `routed`,
-`completed`, `fallback_slot`); front ends do not.
+Where it goes is the admission pass's answer (`dispatch.admit_once` with the gates of
+`routing/gates/`, in order: adapters, flow when tenants are declared, slo); the scheduler
+holds the state they read and runs the wait loop. The ticket tells the gates of its
+attempts (`dispatch.Hooks`) and calls back into the scheduler for slots and health
+(`acquire`, `failed`, `succeeded`, `routed`, `completed`, `fallback_slot`); front ends do
+not.
 
 The HTTP front end (`kubellm.gateway.http`) sends the bytes itself; the endpoint picker
 (`kubellm.gateway.epp`) answers with the chosen endpoints and lets Envoy send them.
@@ -24,16 +28,11 @@ from typing import Any
 import aiohttp
 from kubellm.gateway.discovery.base import Discovery, Endpoint, ModelTarget
 from kubellm.gateway.routing import adapters, engine_api, slo
-from kubellm.gateway.routing import flow as flows
-from kubellm.gateway.routing.admission import (
-    CompletionRate,
-    Decision,
-    Route,
-    decide,
-    predicted_wait,
-    saturated,
-)
-from kubellm.gateway.routing.latency import Dispatch
+from kubellm.gateway.routing.admission import CompletionRate, Route
+from kubellm.gateway.routing.dispatch import WAKE_IN, Decision, Hooks, Pass, admit_once
+from kubellm.gateway.routing.gates.adapters import AdapterGate
+from kubellm.gateway.routing.gates.flow import FlowGate
+from kubellm.gateway.routing.gates.slo import SloGate
 from kubellm.gateway.routing.lifecycle import Attempt, Ticket, labels
 from kubellm.gateway.routing.load import LoadView, scrape_loop
 from kubellm.gateway.routing.outliers import OutlierDetector
@@ -46,12 +45,7 @@ from kubellm.gateway.routing.tenancy import Caller, Tenancy, bounded
 
 __all__ = ["Scheduler", "SchedulerSettings", "labels"]
 
-from prometheus_client.core import GaugeMetricFamily
-
-from kubellm.metrics import GATEWAY_ENDPOINT_IN_FLIGHT, parse_lora_info
-
-# How often (answers) the replicas' speed factors are recomputed for /metrics.
-SPEED_EVERY = 16
+from kubellm.metrics import parse_lora_info
 
 
 class Scheduler:
@@ -74,7 +68,6 @@ class Scheduler:
             presume_home=s.front_ends > 1,
         )  # fmt: skip
         self.predictions = self.router.predictions
-        self._answers = 0
         self.adapters = adapters.AdapterView(stale_after=s.stale_after)
         self.adapter_metrics = adapters.AdapterMetrics.create(self.metrics.registry)
         self.adapter_loads = adapters.AdapterLoads(
@@ -93,13 +86,16 @@ class Scheduler:
         self.tenancy = (
             Tenancy(bounded(s.tenancy, s.max_queue), self.metrics.registry) if s.tenancy else None
         )  # flow control bounds the queues with tenants (`tenancy.bounded`)
-        # replica -> high-band streams sent there still awaiting their first token (flow.py,
-        # `hold_prefill`): low bands do not dispatch there meanwhile
-        self.prefilling: dict[str, int] = {}
-        # replica -> (low-band prompt tokens owed, when) under `headroom_prefill_rate`
-        self.low_prefill: dict[str, tuple[float, float]] = {}
+        # the pass's gates, in order (routing/dispatch.py); flow control only with tenants
+        self.flow = FlowGate(self.tenancy, self.wake)
+        self.gates = (
+            AdapterGate(self.adapters, self.adapter_loads, self.adapter_metrics, labels),
+            *((self.flow,) if self.tenancy is not None else ()),
+            SloGate(self.predictions, labels, lambda url: self.load.in_flight.get(url, 0)),
+        )
+        self.hooks = Hooks(self.gates)
         self._tasks: list[asyncio.Task[None]] = []
-        self.metrics.registry.register(_InFlightCollector(self.load))
+        self.metrics.registry.register(slo.InFlightCollector(self.load.in_flight))
 
     def in_flight(self) -> dict[str, int]:
         """This front end's requests in flight per replica URL (those with any)."""
@@ -167,9 +163,8 @@ class Scheduler:
         """Endpoints appeared, left or were ejected."""
         self.wake()
         self.update_ready_gauge()
-        urls = self.engine_urls()
         self.predictions.follow(self.discovery.snapshot().values())  # priors; forgets the rest
-        self.low_prefill = {u: owed for u, owed in self.low_prefill.items() if u in urls}
+        self.flow.forget(set(self.engine_urls()))
 
     def update_ready_gauge(self) -> None:
         rows = []
@@ -203,8 +198,8 @@ class Scheduler:
         caller: Caller | None = None,
     ) -> Ticket:
         """Wait (bounded by the TTFT target, or the scale-from-zero wait while the model
-        has no replica) until the request can go somewhere (see `admission.decide`), and
-        return its ticket. `arrived`: when the request arrived (its TTFT starts there);
+        has no replica) until the request can go somewhere (the pass, `dispatch.admit_once`),
+        and return its ticket. `arrived`: when the request arrived (its TTFT starts there);
         `stream`: it asked for a stream; `fallback` False: this front end cannot reach
         the fallback API (the model is admitted as if it had none). A refused ticket is
         finished already and carries the error in `refusal`; a caller cancelled while
@@ -220,15 +215,13 @@ class Scheduler:
                     ticket.fail(refusal)
                     return ticket
                 fallback = fallback and caller.fallback_ok
-            route, reason, order, target, loading = await self._decide(
-                target, routing, fallback, caller
-            )
+            decision, target = await self._wait(target, routing, fallback, caller)
         except BaseException:
             ticket.finish()
             raise
-        ticket._admitted(route, reason, order, target, loading)
-        if caller is not None and self.tenancy is not None and route is Route.REJECT:
-            self.tenancy.dropped(caller, reason, ticket.refusal)
+        ticket._admitted(decision, target)
+        if caller is not None and self.tenancy is not None and decision.route is Route.REJECT:
+            self.tenancy.dropped(caller, decision.reason, ticket.refusal)
         return ticket
 
     def identify(self, headers: Mapping[str, str]) -> Caller | None:
@@ -238,264 +231,70 @@ class Scheduler:
             return None
         return self.tenancy.identify(headers)
 
-    def ended(self, ticket: Ticket) -> None:
-        """A ticket finished: its tenant's usage and counters (the ticket calls this)."""
-        if ticket.caller is not None and self.tenancy is not None:
-            holding = ticket.caller.holding
-            self.tenancy.ended(ticket, ticket.caller)
-            if holding is not None and self.tenancy.settings.flow.fair_in_flight_tokens:
-                self.wake()  # a tenant held at its fair in-flight share may go now
-
-    async def _decide(
+    async def _wait(
         self,
         target: ModelTarget,
         routing: RoutingRequest,
         fallback_allowed: bool,
-        caller: Caller | None = None,
-    ) -> tuple[Route, str, list[Candidate], ModelTarget, str | None]:
-        model = target.served_name
+        caller: Caller | None,
+    ) -> tuple[Decision, ModelTarget]:
+        """The wait loop: the pass again whenever capacity may have freed (or 0.5 s went
+        by) until it decides; an adapter load it names is awaited (bounded) first."""
+        model, s = target.served_name, self.settings
         start = time.monotonic()
         candidates = self.router.candidates(target)
-        ready_now = bool(candidates)
-        budget = target.slo.ttft_seconds if ready_now else self.settings.zero_replica_wait_seconds
-        tenancy = self.tenancy if caller is not None else None
-        if tenancy is not None:  # flow control: queues per band x tenant (flow.py)
-            assert caller is not None
-            flow_settings = tenancy.settings.flow
-            flow = tenancy.flow(model)
-            waiter = tenancy.waiter(caller)
-            shed = flow.join(waiter)
-            if shed:
-                self.wake()  # shed waiters look again, and go
-            if waiter.dropped:
-                return Route.REJECT, waiter.dropped, [], target, None
-            ttl = flow_settings.ttl_seconds  # sheddable: may wait its band's TTL
-            budget = ttl if caller.priority < 0 else min(budget, ttl)
-        deadline = start + budget
+        budget = target.slo.ttft_seconds if candidates else s.zero_replica_wait_seconds
+        p = Pass(
+            target, routing, start, start + budget, bool(candidates), s.thresholds, caller,
+            self.completions.rate,
+        )  # fmt: skip
         queued = False
-        loaded = False  # an adapter was loaded for this request
+        flowing = self.tenancy is not None and caller is not None  # flow control's queues
         try:
+            for enter in self.hooks.enter:
+                enter(p)
             while True:
                 changed = self._changed
-                wake_in = 0.5
                 if queued:  # re-read: endpoints may have appeared (scale from zero) or gone
                     target = self.discovery.snapshot().get(model, target)
                     candidates = self.router.candidates(target)
-                if routing.adapter is not None and candidates:
-                    candidates, loading = await self.adapter_holders(
-                        target, routing.adapter, candidates, deadline
-                    )
-                    loaded = loaded or loading
-                    loads = self.adapter_loads
-                    if not candidates and (
-                        loads.loader is None or (loading and loads.failed(routing.adapter))
-                    ):  # no replica has it and none will load it now (it failed, or this
-                        deadline = time.monotonic()  # front end cannot load): no waiting
-                thresholds = self.settings.thresholds
-                open_ = [c for c in candidates if not saturated(c, thresholds)]
-                now = time.monotonic()
-                fallback = target.fallback if fallback_allowed else None
-                if tenancy is not None:
-                    if waiter.dropped:  # shed while waiting
-                        return Route.REJECT, waiter.dropped, [], target, None
-                    capped = frozenset[tuple[int, str]]()
-                    if flow_settings.fair_in_flight_tokens:  # fair in-flight budget
-                        capacity = flow_settings.fair_in_flight_tokens * len(candidates)
-                        capped = flow.held(capacity)
-                    if flow.head(held=capped) is not waiter:  # not its turn for a replica:
-                        open_ = []  # wait, and the fallback only when next in line for it
-                        if flow.head(fallback=True, held=capped) is not waiter:
-                            fallback = None
-                    elif waiter.band < flow_settings.headroom_below:
-                        held = self.prefilling
-                        flow.learn(candidates)
-                        below = [
-                            c
-                            for c in open_
-                            if flows.below_line(
-                                c,
-                                flow_settings,
-                                held.get(c.url, 0),
-                                self.debt(c.url, now),
-                                flow.slots.get(c.url),
-                            )
-                        ]
-                        if open_ and not below:  # room kept for high bands: wait for it,
-                            fallback = None  # the paid API is not for sheddable overflow
-                            wake_in = self.drain_in(open_, now)  # or for a debt to drain
-                        open_ = below
                 waiting = self.queued.get(model, 0)
-                room = queued or tenancy is not None or waiting < self.settings.max_queue
-                position = waiting if queued else waiting + 1
-                rate = 0.0 if open_ else self.completions.rate(c.url for c in candidates)
-                predicted = None
-                if target.routing.policy == "slo-aware" and open_:
-                    predicted = self.best_ttft(target, routing, open_)
-                decision = decide(
-                    ready=len(candidates),
-                    unsaturated=len(open_),
-                    fallback=fallback,
-                    fallback_in_flight=self.fallback_in_flight.get(model, 0),
-                    may_wait=room and now < deadline,
-                    wait=predicted_wait(position, rate),
-                    budget_left=deadline - now if ready_now else 0.0,
-                    predicted_ttft=predicted,
-                )
-                if decision.route is not Route.QUEUE:
-                    order = self.router.order(target, routing, open_) if open_ else []
-                    if order:  # the saturated ones last: alive, so better than no answer
-                        chosen = {c.url for c in order}
-                        order += [c for c in candidates if c.url not in chosen]
-                    waited = now - start
-                    self.metrics.target(labels(target)).queue_wait.observe(waited)
-                    pending = None
-                    if tenancy is not None:
-                        assert caller is not None
-                        if decision == Decision(Route.REJECT, "saturated") and now >= deadline:
-                            decision = Decision(Route.REJECT, "ttl")
-                        is_replica = decision.route is Route.REPLICA
-                        tenancy.dispatched(model, caller, waited, is_replica)
-                    if routing.adapter is not None:
-                        self.adapter_placed(target, routing.adapter, decision.route, order, loaded)
-                        if decision.route is Route.REJECT and self.adapter_loads.pending(
-                            routing.adapter
-                        ):
-                            pending = routing.adapter
-                    return decision.route, decision.reason, order, target, pending
+                p.refresh(
+                    target, candidates, time.monotonic(),
+                    target.fallback if fallback_allowed else None,
+                    self.fallback_in_flight.get(model, 0),
+                    waiting if queued else waiting + 1,
+                    queued or flowing or waiting < s.max_queue,  # with tenants: flow's bound
+                )  # fmt: skip
+                decision = admit_once(p, self.gates, self.router)
+                if decision is not None:
+                    if p.dropped is None:
+                        self.metrics.target(labels(target)).queue_wait.observe(p.now - start)
+                    return decision, target
+                if p.awaiting is not None:  # an adapter load, until the deadline
+                    with contextlib.suppress(TimeoutError):
+                        left = max(p.deadline - time.monotonic(), 0.001)
+                        await asyncio.wait_for(asyncio.shield(p.awaiting), timeout=left)
+                    p.waited = True
+                    continue
                 if not queued:
                     queued = True
                     self.queued[model] = self.queued.get(model, 0) + 1
                 with contextlib.suppress(TimeoutError):
-                    timeout = min(deadline - now, 0.5, wake_in)
+                    timeout = min(p.deadline - p.now, WAKE_IN, p.wake_in)
                     await asyncio.wait_for(changed.wait(), timeout=max(timeout, 0.001))
         finally:
             if queued:
                 self.queued[model] -= 1
-            if tenancy is not None:
-                flow.leave(waiter)
-                if len(flow):
-                    self.wake()  # the next in line looks now
-
-    async def adapter_holders(
-        self, target: ModelTarget, name: str, candidates: list[Candidate], deadline: float
-    ) -> tuple[list[Candidate], bool]:
-        """The candidates that have adapter `name` registered, and whether a load was needed.
-
-        When none has it, it is loaded on the least-loaded candidate (or the load already
-        under way is joined) and the request waits for it until `deadline`; when the
-        expected load time does not fit before the deadline and the model has a fallback,
-        it does not wait (the load goes on, for the requests after it)."""
-        holders = [c for c in candidates if self.adapters.has(c.url, name)]
-        ref = target.adapter(name)
-        if holders or not candidates or ref is None or self.adapter_loads.loader is None:
-            return holders, False
-        urls = {c.url for c in candidates}
-        pending = [u for u in self.adapter_loads.pending(name) if u in urls]
-        if pending:
-            task = self.adapter_loads.start(pending[0], name, ref.path, labels(target))
-        else:  # not where a load of it failed lately (retried after RETRY_FAILED_LOAD_S)
-            fresh = [c for c in candidates if not self.adapter_loads.failed(name, c.url)]
-            chosen = adapters.load_target(name, fresh)
-            if chosen is None:
-                return [], True
-            task = self.adapter_loads.start(chosen.url, name, ref.path, labels(target))
-        left = deadline - time.monotonic()
-        if left <= 0 or (target.fallback and self.adapter_loads.expected_seconds > left):
-            return [], True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(task), timeout=left)
-        return [c for c in candidates if self.adapters.has(c.url, name)], True
-
-    def adapter_placed(
-        self, target: ModelTarget, name: str, route: Route, order: list[Candidate], loaded: bool
-    ) -> None:
-        """Count where a request naming an adapter went; remember the replica it goes to."""
-        if route is Route.REPLICA and order:
-            slots = self.adapters.slots(order[0].url, 1)  # vLLM reports max_lora
-            self.adapters.sent(order[0].url, name, slots)
-            kind = "loaded" if loaded else "resident"
-        else:
-            kind = "fallback" if route is Route.FALLBACK else "refused"
-        self.adapter_metrics.requests.labels(*labels(target), name, kind).inc()
-
-    def best_ttft(
-        self, target: ModelTarget, routing: RoutingRequest, candidates: list[Candidate]
-    ) -> float:
-        """The lowest predicted TTFT among `candidates` (slo-aware admission)."""
-        slo = target.slo
-        costs = self.predictions.costs(routing, candidates, slo.ttft_seconds, slo.itl_seconds)
-        return min(ttft for _, ttft, _ in costs.values())
+            for leave in self.hooks.leave:
+                leave(p)
 
     # ---------------------------------------------------------------- outcomes
 
-    def debt(self, url: str, now: float) -> float:
-        """The low-band prompt tokens `url` still owes under the prefill budget."""
-        rate = self.tenancy.settings.flow.headroom_prefill_rate if self.tenancy else None
-        owed = self.low_prefill.get(url)
-        if not rate or owed is None:
-            return 0.0
-        return flows.drained(owed[0], now - owed[1], rate)
-
-    def drain_in(self, candidates: list[Candidate], now: float) -> float:
-        """Seconds until the first of `candidates` has drained its low-band debt."""
-        rate = self.tenancy.settings.flow.headroom_prefill_rate if self.tenancy else None
-        if not rate:
-            return 0.5
-        owed = [d for d in (self.debt(c.url, now) for c in candidates) if d > 0]
-        return min(owed) / rate if owed else 0.5
-
-    def dispatched(self, ticket: Ticket, url: str) -> Dispatch:
-        """An attempt of `ticket` starts on `url`: the replica's state for its prediction,
-        and a low-band request's prompt charged to the replica's prefill budget."""
-        caller, tenancy = ticket.caller, self.tenancy
-        if caller is not None and tenancy is not None:
-            flow = tenancy.settings.flow
-            if flow.headroom_prefill_rate and caller.priority < flow.headroom_below:
-                now = time.monotonic()
-                owed = self.debt(url, now) + max(1, caller.estimate)
-                self.low_prefill[url] = (owed, now)
-        candidate = next((c for c in ticket.order if c.url == url), None)
-        if candidate is None:  # a replica the front end chose itself
-            candidate = Candidate(url=url, in_flight=self.load.in_flight.get(url, 0))
-        return self.predictions.sent(url, ticket.routing, candidate)
-
-    def answered(
-        self,
-        target: ModelTarget,
-        url: str,
-        dispatch: Dispatch,
-        ttft: float,
-        itl: float | None,
-        tokens: int | None = None,
-    ) -> None:
-        """A whole streamed answer of `url` (`tokens` events carrying text): the
-        prediction's error, and the model learns; every SPEED_EVERY answers the model's
-        speed factors are published."""
-        names = labels(target)
-        self.predictions.answered(names, url, dispatch, ttft, itl, tokens)
-        self._answers += 1
-        if self._answers % SPEED_EVERY == 0:
-            self.predictions.publish_speed(names, [e.url for e in target.endpoints])
-
-    def holds_prefill(self, ticket: Ticket) -> bool:
-        """Whether `ticket`'s attempts keep low bands off their replica until its first
-        token: a stream of a band at or above the headroom line, with `hold_prefill` on."""
-        caller, tenancy = ticket.caller, self.tenancy
-        if caller is None or tenancy is None or not ticket.stream:
-            return False
-        flow = tenancy.settings.flow
-        return flow.hold_prefill and caller.priority >= flow.headroom_below
-
-    def hold(self, url: str) -> None:
-        self.prefilling[url] = self.prefilling.get(url, 0) + 1
-
-    def unhold(self, url: str) -> None:
-        left = self.prefilling.get(url, 0) - 1
-        if left > 0:
-            self.prefilling[url] = left
-        else:
-            self.prefilling.pop(url, None)
-            self.wake()  # low bands may go there now
+    @property
+    def prefilling(self) -> dict[str, int]:
+        """Replica -> high-band streams there awaiting their first token (the flow gate)."""
+        return self.flow.prefilling
 
     def acquire(self, url: str) -> Callable[[], None]:
         """Count one request on replica `url`; the returned callback releases it (once)."""
@@ -543,24 +342,3 @@ class Scheduler:
                 self.wake()
 
         return release
-
-
-class _InFlightCollector:
-    """`kubellm_gateway_endpoint_in_flight{url}`, read from the load view when scraped."""
-
-    def __init__(self, load: LoadView) -> None:
-        self.load = load
-
-    def describe(self) -> list[GaugeMetricFamily]:
-        return []
-
-    def collect(self) -> list[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            GATEWAY_ENDPOINT_IN_FLIGHT,
-            "This front end's requests in flight on each engine endpoint (slots held).",
-            labels=["url"],
-        )
-        for url, count in sorted(list(self.load.in_flight.items())):
-            if count > 0:
-                family.add_metric([slo.without_credentials(url)], count)
-        return [family]

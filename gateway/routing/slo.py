@@ -17,6 +17,7 @@ from typing import Any
 
 from kubellm.gateway.routing.histogram import Histogram
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from kubellm import metrics
@@ -429,3 +430,25 @@ class RequestRecord:
                 per_revision.stream_ttft.labels(*names, size).observe(ttft)
                 if gaps:
                     per_revision.tpot.labels(*names, size).observe(sum(gaps) / len(gaps))
+
+
+class InFlightCollector:
+    """`kubellm_gateway_endpoint_in_flight{url}`, read from a front end's in-flight counts
+    (url -> requests) when scraped."""
+
+    def __init__(self, in_flight: dict[str, int]) -> None:
+        self.in_flight = in_flight
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            metrics.GATEWAY_ENDPOINT_IN_FLIGHT,
+            "This front end's requests in flight on each engine endpoint (slots held).",
+            labels=["url"],
+        )
+        for url, count in sorted(list(self.in_flight.items())):
+            if count > 0:
+                family.add_metric([without_credentials(url)], count)
+        return [family]

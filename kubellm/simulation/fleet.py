@@ -10,16 +10,16 @@ Simulated clock only: nothing sleeps, nothing listens. The parts:
   then *ready*. A scale-down removes starting replicas first (as a
   ReplicaSet does), then the newest ready ones, which *drain*: the gateway
   stops routing to them and they leave once their in-flight requests finish.
-- routing: the gateway's least-load rule, approximated: each request goes to
-  the ready replica with the fewest requests in flight (waiting + running).
-  No prefix-aware scoring (the traces share no prefixes). Without a fallback
-  every request is served by the fleet, so a late scale-up shows as TTFT.
-  With one (`FleetConfig.fallback`), the gateway's own admission decides
-  (`gateway.py`: production's `decide`, `saturated`, `predicted_wait`,
-  `CompletionRate`): an unsaturated replica, a short wait in the gateway's
-  queue, the fallback API (its modelled latency, at most maxConcurrency at
-  once), or a refusal (the SLO missed). Engine load is read at the instant
-  of the decision (production reads scrapes corrected by what it sent).
+- routing: the gateway's own admission pass (`gateway.py`: production's
+  `dispatch.admit_once` with the shipped router's least-load profile; no
+  prefix-aware scoring, the traces share no prefixes). Without a fallback no
+  replica counts as saturated, so every request is served by the fleet and a
+  late scale-up shows as TTFT. With one (`FleetConfig.fallback`) the pass
+  decides as in production: an unsaturated replica, a short wait in the
+  gateway's queue, the fallback API (its modelled latency, at most
+  maxConcurrency at once), or a refusal (the SLO missed). Engine load is read
+  at the instant of the decision (production reads scrapes corrected by what
+  it sent).
 - the control loop: every `period` seconds it renders each ready replica's
   /metrics in vLLM's exposition format, parses it with the autoscaler's own
   `observe.engine_load`, builds the `Observation` the real loop builds
@@ -219,8 +219,9 @@ class Fleet:
         self._queued: list[tuple[int, float]] = []
         self._fallback_in_flight = 0
         self._recheck_at: float | None = None
-        self._completions = gw.CompletionRate(gw.COMPLETION_WINDOW, clock=lambda: self._now)
-        self._fallback_target = config.fallback.target() if config.fallback else None
+        self._completions = gw.CompletionRate(clock=lambda: self._now)
+        fallback = config.fallback.target() if config.fallback else None
+        self._gateway = gw.Gateway(config.slo, fallback)
         self._window_fallback = 0
         for _ in range(config.initial_replicas):
             self._add_replica(0.0, ready=True)
@@ -268,14 +269,10 @@ class Fleet:
 
     def _arrive(self, index: int, arrival: Arrival) -> None:
         self._window_arrivals += 1
-        if self.config.fallback is not None:
-            self._admit(index, arrival.time, None)
-            return
-        ready = [r for r in self.replicas if r.state == READY]
-        if not ready:  # only when scaled to zero; not modelled (min replicas >= 1 here)
+        if self.config.fallback is None and not any(r.state == READY for r in self.replicas):
+            # only when scaled to zero; not modelled (min replicas >= 1 here)
             raise RuntimeError("no ready replica: scale-to-zero is not simulated")
-        self._to_replica(index, min(ready, key=lambda r: r.in_flight), arrival.time)
-        self._check_queue(arrival.time, ready)
+        self._admit(index, arrival.time, None)
 
     def _to_replica(self, index: int, replica: Replica, now: float) -> None:
         arrival = self.arrivals[index]
@@ -289,48 +286,34 @@ class Fleet:
     # ------------------------------------------------------------------ the gateway
 
     def _admit(self, index: int, now: float, deadline: float | None) -> bool:
-        """One pass of the gateway's `admit` loop for one request, with production's
-        `decide`. `deadline` is None for a new request. True when it left the queue."""
+        """One pass of the gateway's admission for one request (production's pass).
+        `deadline` is None for a new request. True when it left the queue."""
         ready = [r for r in self.replicas if r.state == READY]
-        thresholds = gw.Thresholds()
         candidates = [
             gw.Candidate(
                 url=str(r.index),
+                load=float(r.in_flight),
                 in_flight=r.in_flight,
                 waiting=float(len(r.engine.waiting)),
                 kv_usage=r.engine.kv_cache_usage(),
+                running=float(len(r.engine.running)),
             )
             for r in ready
         ]
-        open_ = [c for c in candidates if not gw.saturated(c, thresholds)]
-        queued = deadline is not None
-        if deadline is None:  # its wait budget: the TTFT target (no replica: the zero wait)
-            deadline = now + (self.config.slo.ttft_seconds if ready else 60.0)
-        waiting = len(self._queued)
-        room = queued or waiting < gw.MAX_QUEUE
-        position = waiting if queued else waiting + 1
-        rate = 0.0 if open_ else self._completions.rate(c.url for c in candidates)
-        decision = gw.decide(
-            ready=len(candidates),
-            unsaturated=len(open_),
-            fallback=self._fallback_target,
-            fallback_in_flight=self._fallback_in_flight,
-            may_wait=room and now < deadline,
-            wait=gw.predicted_wait(position, rate),
-            budget_left=deadline - now if ready else 0.0,
-        )
-        route = decision.route
-        if route is gw.Route.QUEUE:
-            if not queued:
-                self._queued.append((index, deadline))
+        decision, deadline_ = self._gateway.admit(
+            candidates, now, deadline, len(self._queued), self._fallback_in_flight,
+            self._completions,
+        )  # fmt: skip
+        if decision is None:  # it waits in the gateway's queue
+            if deadline is None:
+                self._queued.append((index, deadline_))
                 self._schedule_recheck(now)
             return False
-        if route is gw.Route.REPLICA:
-            best = min(open_, key=lambda c: c.in_flight)  # least-load among the open ones
-            self._to_replica(index, self.replicas[int(best.url)], now)
+        if decision.route is gw.Route.REPLICA:
+            self._to_replica(index, self.replicas[int(decision.order[0].url)], now)
             if ready:
                 self._check_queue(now, ready)
-        elif route is gw.Route.FALLBACK:
+        elif decision.route is gw.Route.FALLBACK:
             self._to_fallback(index, now)
         else:  # REJECT: 429 (saturated) or 503 (no replica): the SLO is missed
             self.result.rejected += 1

@@ -1,16 +1,15 @@
-"""The gateway's admission and fallback, as the fleet simulation runs them.
+"""The gateway in the fleet simulation: production's admission pass on the simulated clock.
 
-The admission decision is production's own: `decide`, `saturated`,
-`predicted_wait` and `CompletionRate` (on the simulated clock), imported from
-the gateway in this one place. The gateway's routing moved from
-`kubellm.gateway.fallback` to `kubellm.gateway.routing.admission`; either
-path works. The bench is not a component, so it may import the gateway.
+Each decision is production's own pass (`kubellm.gateway.routing.dispatch.admit_once`:
+`saturated`, `decide`, `predicted_wait`, the profile's order from the shipped `Router`,
+least-load, and `CompletionRate` on the simulated clock), with the gateway's default
+settings (`SchedulerSettings`: the queue bound, the scale-from-zero wait; the pass's
+look-again interval). The bench is not a component, so it may import the gateway.
 
-What the simulation adds around it (`Admission` in fleet.py drives it):
-- the loop of `admit`: a request that `decide` queues waits in the gateway's
-  queue and is decided again whenever a replica finishes a step that freed
-  a slot, a fallback request ends, or half a second passes (production waits
-  for a load-view change or 0.5 s);
+What the simulation adds around it (fleet.py drives it):
+- the loop of `admit`: a request the pass queues waits in the gateway's queue and passes
+  again whenever a replica finishes a step that freed a slot, a fallback request ends, or
+  half a second passes (production waits for a load-view change or 0.5 s);
 - the fallback API's latency (`ApiModel`): a modelled TTFT and ITL, flags with
   documented defaults; a request served there meets the SLO when the wait in
   the gateway plus the API's TTFT meets the TTFT target and the API's ITL the
@@ -19,26 +18,70 @@ What the simulation adds around it (`Admission` in fleet.py drives it):
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 
-try:  # the gateway's routing package (since the request-path hardening)
-    from kubellm.gateway.routing import admission as _admission
-except ImportError:  # before the move
-    from kubellm.gateway import fallback as _admission  # type: ignore[no-redef]
+from kubellm import api
+from kubellm.gateway.discovery.base import FallbackTarget, ModelTarget
+from kubellm.gateway.routing.admission import CompletionRate, Route
+from kubellm.gateway.routing.dispatch import WAKE_IN, Decision, Pass, admit_once
+from kubellm.gateway.routing.load import LoadView
+from kubellm.gateway.routing.outliers import OutlierDetector
+from kubellm.gateway.routing.router import Router
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.settings import SchedulerSettings, Thresholds
 
-Candidate = _admission.Candidate
-CompletionRate = _admission.CompletionRate
-FallbackTarget = _admission.FallbackTarget
-Route = _admission.Route
-Thresholds = _admission.Thresholds
-decide = _admission.decide
-predicted_wait = _admission.predicted_wait
-saturated = _admission.saturated
+__all__ = ["ApiModel", "Candidate", "CompletionRate", "Gateway", "Route"]
 
-# The gateway's defaults (kubellm gateway's settings), mirrored for the simulation.
-MAX_QUEUE = 256  # waiting requests per model
-RECHECK_SECONDS = 0.5  # a queued request looks again at least this often
-COMPLETION_WINDOW = 10.0  # CompletionRate's default window
+SETTINGS = SchedulerSettings()  # the gateway's defaults
+# Without a fallback the simulation sends every request to a replica (it queues there):
+# no replica counts as saturated.
+NEVER_SATURATED = Thresholds(max_waiting=math.inf, max_kv_usage=math.inf, max_in_flight=None)
+
+
+class Gateway:
+    """One model's admission on the simulated clock: the shipped router (least-load) and
+    pass, the fallback as the gateway sees it (None: every request to a replica)."""
+
+    def __init__(self, slo: api.SLO, fallback: FallbackTarget | None, seed: int = 0) -> None:
+        self.router = Router(LoadView(), OutlierDetector(), random.Random(seed))
+        self.target = ModelTarget(
+            "sim", "sim", routing=api.Routing(policy="least-load"), slo=slo, fallback=fallback
+        )
+        self.request = RoutingRequest("sim")  # the traces share no prefixes
+        self.thresholds = SETTINGS.thresholds if fallback is not None else NEVER_SATURATED
+
+    def admit(
+        self,
+        candidates: list[Candidate],
+        now: float,
+        deadline: float | None,
+        queue: int,
+        fallback_in_flight: int,
+        rate: CompletionRate,
+    ) -> tuple[Decision | None, float]:
+        """One pass for a request (`deadline` None: it just arrived; else it is queued,
+        `queue` the requests queued, itself included): the decision (None: it waits) and
+        its deadline (the TTFT target, or the scale-from-zero wait with no replica)."""
+        queued = deadline is not None
+        if deadline is None:
+            budget = (
+                self.target.slo.ttft_seconds if candidates else SETTINGS.zero_replica_wait_seconds
+            )
+            deadline = now + budget
+        p = Pass(
+            self.target, self.request, now, deadline, bool(candidates), self.thresholds,
+            rate=rate.rate,
+        )  # fmt: skip
+        p.refresh(
+            self.target, candidates, now, self.target.fallback, fallback_in_flight,
+            queue if queued else queue + 1, queued or queue < SETTINGS.max_queue,
+        )  # fmt: skip
+        return admit_once(p, (), self.router), deadline
+
+
+RECHECK_SECONDS = WAKE_IN  # a queued request looks again at least this often
 
 
 @dataclass(frozen=True)
@@ -65,7 +108,7 @@ class ApiModel:
             + output_tokens * self.output_price_per_million
         ) / 1e6
 
-    def target(self) -> object:
+    def target(self) -> FallbackTarget:
         """The gateway's view of the fallback: the production `FallbackTarget`."""
         return FallbackTarget(
             url="http://fallback.invalid/v1", max_concurrency=self.max_concurrency

@@ -83,9 +83,11 @@ def test_fixed_fleet_never_changes_replicas() -> None:
 
 
 def test_scale_down_drains_in_flight_requests_before_removing_a_replica() -> None:
-    # High, then almost nothing; no scale-down window, so the fleet shrinks inside the trace.
-    high, duration = 2.5 * CAPACITY, 150.0
-    trace = traces.Trace("drop", duration, lambda t: high if t < 60 else 0.2, high, "")
+    # High, then low (0.3 x a replica's capacity: the gateway's least-load keeps every
+    # replica busy, so the one removed has requests in flight); no scale-down window, so the
+    # fleet shrinks inside the trace.
+    high, low, duration = 2.5 * CAPACITY, 0.3 * CAPACITY, 150.0
+    trace = traces.Trace("drop", duration, lambda t: high if t < 60 else low, high, "")
     config = fleet_config(initial=3, scale_down_stabilization_seconds=0)
     result = run(trace, config, policies.get("kv-queue"))
 
@@ -246,15 +248,22 @@ def test_overflow_goes_to_the_fallback_through_the_production_admission() -> Non
     assert result.met > alone.met
 
 
-def test_the_admission_is_the_gateways_own() -> None:
+def test_the_admission_is_the_gateways_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every decision of the simulated gateway is production's pass (`admit_once`)."""
+    from kubellm.gateway.routing import dispatch
+
     from kubellm.simulation import gateway
 
-    try:
-        from kubellm.gateway.routing import admission
-    except ImportError:
-        from kubellm.gateway import fallback as admission  # type: ignore[no-redef]
-    assert gateway.decide is admission.decide and gateway.saturated is admission.saturated
-    assert gateway.CompletionRate is admission.CompletionRate
+    calls = []
+
+    def counted(*args: object) -> object:
+        calls.append(args)
+        return dispatch.admit_once(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gateway, "admit_once", counted)
+    trace = traces.Trace("flat", 10.0, lambda t: 2.0, 2.0, "")
+    result = run(trace, fleet_config(), policies.get("kv-queue"))
+    assert result.requests and len(calls) >= result.requests
 
 
 def test_cost_is_gpu_hours_plus_the_tokens_the_api_served() -> None:

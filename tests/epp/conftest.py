@@ -22,7 +22,7 @@ from kubellm.gateway.epp import envoy
 
 from tests.fixtures.engines import REPO_ROOT, free_port, wait_until
 
-START_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 120.0  # a deadline for a hang, not for speed (CI runs loaded)
 
 
 def responds(url: str) -> bool:

@@ -208,3 +208,38 @@ def test_a_canary_answering_5xx_is_counted_even_when_a_retry_saves_the_request(e
     verdict = rollout.analyse(counted["new"], counted["stable"],
                               api.RolloutAnalysis(minRequests=1), api.SLO())  # fmt: skip
     assert verdict.reason == "CanaryErrorRate"
+
+
+async def test_a_retry_tries_its_own_revision_before_the_other():
+    """Through the scheduler and its ticket (what the front ends retry down): the replicas
+    to try are the assigned revision's, open ones best first, then its saturated ones; the
+    other revision's come only after every one of its own (a canary answering 5xx on its
+    only replica is retried on the stable one: the test above)."""
+    from kubellm.gateway.discovery.base import FixedDiscovery
+    from kubellm.gateway.routing.admission import Thresholds
+    from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings
+
+    stable = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    canary = ["http://10.0.0.3:8000", "http://10.0.0.4:8000"]
+    target = ModelTarget(
+        "m", "m",
+        endpoints=(*(Endpoint(u) for u in stable), *(Endpoint(u, revision="new") for u in canary)),
+        canary=CanarySplit("new", 50),
+    )  # fmt: skip
+    settings = SchedulerSettings(thresholds=Thresholds(max_in_flight=1))
+    scheduler = Scheduler(FixedDiscovery({"m": target}), settings)
+    for url in (stable[0], canary[0]):  # one replica of each side saturated
+        scheduler.acquire(url)
+    seen = {True: 0, False: 0}
+    for i in range(24):
+        request = routing_request("m", {"prompt": f"system prompt {i} " * 40}, session=None)
+        side = revisions.to_canary(revisions.request_key(request), 50)
+        own, other = (canary, stable) if side else (stable, canary)
+        ticket = await scheduler.admit(target, request)
+        assert ticket.route == "replica"
+        assert ticket.urls() == [own[1], own[0], *other] or ticket.urls() == [
+            own[1], own[0], *reversed(other)
+        ], (i, side, ticket.urls())  # fmt: skip
+        ticket.finish()
+        seen[side] += 1
+    assert seen[True] and seen[False]  # both sides taken by these prompts
