@@ -968,6 +968,72 @@ class Adapter(_Model):
     )
 
 
+# --------------------------------------------------------------------------- prefill/decode
+
+
+class KVConnector(_Model):
+    """How a prefill replica's KV cache reaches a decode replica: vLLM's
+    `--kv-transfer-config` on both roles (prefill `kv_producer`, decode `kv_consumer`)."""
+
+    type: Literal["Nixl", "LMCache", "Mooncake", "P2pNccl", "Example"] = Field(
+        default="Nixl",
+        description="The vLLM KV connector: Nixl (NixlConnector, the default on GPUs), "
+        "LMCache, Mooncake, P2pNccl, or Example (vLLM's storage-based debug connector).",
+    )
+    extra_config: dict[str, Annotated[str, Field(max_length=MAX_VALUE)]] = Field(
+        default_factory=dict,
+        max_length=MAX_ENTRIES,
+        json_schema_extra={"default": {}},
+        description="Entries of the connector's kv_connector_extra_config, passed through.",
+    )
+    link_bandwidth_gbps: float | None = Field(
+        default=None,
+        gt=0,
+        alias="linkBandwidthGBps",
+        description="The KV link's bandwidth between a prefill and a decode pod, GB/s "
+        "(unset: the GPU profile's figure for the connector's transport).",
+    )
+
+
+class PrefillEngine(_Model):
+    """Engine settings that differ on the prefill role; unset ones are spec.engine's."""
+
+    tensor_parallel_size: int | None = Field(default=None, ge=1, le=64)
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, description="The prefill role's token budget per engine step."
+    )
+    max_num_seqs: int | None = Field(default=None, ge=1)
+
+
+class Prefill(_Model):
+    """A prefill role beside the decode role. With `spec.prefill` set, the replicas of
+    the rest of the spec (`spec.replicas`, `engine`, `resources`, `autoscaling`) are the
+    decode role; a request is split (prompt on a prefill replica, its KV moved to the
+    decode replica) when the gateway predicts the split serves it and the requests
+    already decoding better than local prefill (`Conditional`), or always (`Always`)."""
+
+    split: Literal["Conditional", "Always"] = Field(
+        default="Conditional",
+        description="When a request's prefill runs on the prefill role: Conditional "
+        "(when the prediction says it pays) or Always (for comparison).",
+    )
+    replicas: int = Field(default=1, ge=0, le=INT32_MAX, description="Desired prefill replicas.")
+    engine: PrefillEngine = _nested(PrefillEngine, "Engine overrides for the prefill role.")
+    resources: Resources | None = Field(
+        default=None, description="Resources of one prefill replica (unset: spec.resources)."
+    )
+    autoscaling: Autoscaling | None = Field(
+        default=None,
+        description="Scale the prefill role on its queued prefill work; off when absent.",
+    )
+    kv_connector: KVConnector = Field(
+        default_factory=KVConnector,
+        alias="kvConnector",
+        json_schema_extra={"default": {}},
+        description="How the KV cache moves from prefill to decode.",
+    )
+
+
 class LLMDeploymentSpec(_Model):
     rules = (
         Rule(
@@ -996,6 +1062,21 @@ class LLMDeploymentSpec(_Model):
             ".resources.gpu.count",
         ),
         Rule(
+            "!has(self.prefill) || self.resources.nodes == 1",
+            "spec.prefill cannot be combined with spec.resources.nodes over 1 (a prefill/decode "
+            "pair of multi-node replicas is not supported yet)",
+            ".prefill",
+        ),
+        Rule(
+            "!has(self.prefill) || !has(self.prefill.engine.tensorParallelSize) || "
+            "self.prefill.engine.tensorParallelSize <= (has(self.prefill.resources) ? "
+            "(self.prefill.resources.gpu.count == 0 ? 1 : self.prefill.resources.gpu.count) : "
+            "(self.resources.gpu.count == 0 ? 1 : self.resources.gpu.count))",
+            "spec.prefill.engine.tensorParallelSize must not exceed the prefill pod's GPUs "
+            "(spec.prefill.resources.gpu.count, else spec.resources.gpu.count)",
+            ".prefill.engine.tensorParallelSize",
+        ),
+        Rule(
             "!has(self.adapters) || self.adapters.all(a, self.adapters.exists_one(b, "
             "b.name == a.name))",
             "spec.adapters names must be unique",
@@ -1021,6 +1102,11 @@ class LLMDeploymentSpec(_Model):
     )
     routing: Routing = _nested(Routing, "How the gateway picks a replica.")
     fallback: Fallback | None = Field(default=None, description="Overflow to an external API.")
+    prefill: Prefill | None = Field(
+        default=None,
+        description="A prefill role (prefill/decode disaggregation); the rest of the spec is "
+        "then the decode role. Absent: every replica serves both phases.",
+    )
     slo: SLO = _nested(SLO, "Latency targets for goodput, metrics and alerts.")
     scheduling: Scheduling = _nested(Scheduling, "Where engine pods may run.")
     rollout: Rollout = _nested(

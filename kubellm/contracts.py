@@ -41,6 +41,13 @@ PORT_NAME = "http"
 REVISION_LABEL = "kubellm.io/revision"
 TRACK_LABEL = "kubellm.io/track"
 CANARY_TRACK = "canary"
+# Prefill/decode disaggregation (spec.prefill): the prefill role's Deployment, pods, Service and
+# PDB carry ROLE_LABEL=prefill, the decode role's (the rest of the spec) ROLE_LABEL=decode; the
+# Services' EndpointSlices copy it, which is how the gateway tells the roles apart. Unlabelled
+# engines serve both phases (aggregated).
+ROLE_LABEL = "kubellm.io/role"
+PREFILL_ROLE = "prefill"
+DECODE_ROLE = "decode"
 # `kubellm rollout abort|promote NAME` sets it; the operator acts once and removes it.
 ROLLOUT_ACTION_ANNOTATION = "kubellm.io/rollout-action"
 ROLLOUT_ACTIONS = ("abort", "promote")
