@@ -153,7 +153,7 @@ PIPELINE_HOP_S = capacity.Interconnect().inter_node_latency_s
 
 def _derived(
     name: str,
-    model: str,
+    model: str | capacity.ModelShape,
     *,
     gpus: int,
     gpu_gib: float,
@@ -166,7 +166,7 @@ def _derived(
 ) -> Profile:
     """A profile from the datasheet figures of `gpus` GPUs serving `model` in bf16, in
     `pipeline` stages of gpus / pipeline tensor-parallel GPUs."""
-    shape = capacity.known_model(model)
+    shape = capacity.known_model(model) if isinstance(model, str) else model
     weights = capacity.weight_bytes(shape.params, "bf16")
     per_token = capacity.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, 2)
     pool = capacity.kv_pool_bytes(gpus * gpu_gib * capacity.GIB, 0.9, weights)
@@ -191,6 +191,31 @@ def _derived(
         decode_token_s=round(decode, 7),
         source=source,
     )
+
+
+def for_shape(
+    shape: capacity.ModelShape,
+    tensor: int,
+    pipeline: int,
+    *,
+    gpu_gib: float,
+    bandwidth_gbps: float,
+    bf16_tflops: float,
+    max_num_seqs: int = 256,
+) -> Profile:
+    """A replica of `shape` in bf16 on tensor x pipeline GPUs of the given datasheet, by the
+    formula the named profiles are derived with (`kubellm plan --trace --compare-shapes`).
+    CapacityError when the weights leave no KV pool."""
+    profile = _derived(
+        f"{shape.name}-tp{tensor}-pp{pipeline}", shape, gpus=tensor * pipeline, gpu_gib=gpu_gib,
+        bandwidth_gbps=bandwidth_gbps, bf16_tflops=bf16_tflops, pipeline=pipeline,
+        max_num_seqs=max_num_seqs,
+        source=f"kubellm.capacity + {tensor * pipeline} GPUs of {gpu_gib:g} GiB, "
+        f"{bandwidth_gbps:g} GB/s, {bf16_tflops:g} TFLOPS bf16 (datasheet)",
+    )  # fmt: skip
+    if profile.num_blocks <= 0:
+        raise capacity.CapacityError(f"weights do not fit TP {tensor} x PP {pipeline}")
+    return profile
 
 
 def _a100_8b() -> Profile:
