@@ -161,9 +161,10 @@ def _adapter_target(item: dict[str, Any]) -> AdapterTarget | None:
 
 
 def slice_endpoints(item: dict[str, Any]) -> list[Endpoint]:
-    """The engine endpoints of one EndpointSlice, on its port named `http`; ready means
-    ready and not terminating."""
+    """The engine endpoints of one EndpointSlice, on its port named `http` and its
+    data-parallel ranks' ports, named by their replica (pod or LeaderWorkerSet group: the
+    loop folds a replica's ranks into one); ready means ready and not terminating."""
     return [
-        Endpoint(name=e.name, metrics_url=f"{e.url}/metrics", ready=e.routable)
+        Endpoint(name=e.replica, metrics_url=f"{e.url}/metrics", ready=e.routable)
         for e in contracts.slice_endpoints(item)
     ]

@@ -139,10 +139,10 @@ class Autoscaler:
     async def _one(self, target: Target, gateway_text: str | None) -> Outcome:
         endpoints = [e for e in await self.backend.endpoints(target) if e.ready]
         texts = await asyncio.gather(*(self._scrape(e.metrics_url) for e in endpoints))
-        replicas = [
+        replicas = observe.fold_ranks(
             observe.replica_metrics(e.name, e.metrics_url, text)
             for e, text in zip(endpoints, texts, strict=True)
-        ]
+        )
         pending = _pending(gateway_text, target)
         now = self.clock()
         window, counted = _request_window(gateway_text, target, now)
@@ -150,7 +150,7 @@ class Autoscaler:
         observation = p.Observation(
             now=now,
             current_replicas=target.replicas,
-            replicas=tuple(replicas),
+            replicas=replicas,
             gateway_pending=pending,
             request_rate=window.rate if counted else None,
             recent_request_rate=window.recent if counted else None,

@@ -151,6 +151,30 @@ def replica_metrics(name: str, url: str, text: str | None) -> ReplicaMetrics:
         return ReplicaMetrics(name=name, fresh=False)
 
 
+def fold_ranks(ranks: Iterable[ReplicaMetrics]) -> tuple[ReplicaMetrics, ...]:
+    """One ReplicaMetrics per replica from per-endpoint ones: the data-parallel ranks of a
+    replica (endpoints sharing its name) add their waiting and running requests and average
+    their KV-cache usage (each rank holds its own pool, all of one size); the replica's load
+    is unknown when any rank's is. Replicas keep their first rank's order. Pure."""
+    groups: dict[str, list[ReplicaMetrics]] = {}
+    for rank in ranks:
+        groups.setdefault(rank.name, []).append(rank)
+    out = []
+    for name, members in groups.items():
+        if len(members) == 1:
+            out.append(members[0])
+        elif not all(m.fresh for m in members):
+            out.append(ReplicaMetrics(name=name, fresh=False))
+        else:
+            out.append(ReplicaMetrics(
+                name=name, fresh=True,
+                waiting=sum(m.waiting for m in members),
+                running=sum(m.running for m in members),
+                kv_cache_usage=sum(m.kv_cache_usage for m in members) / len(members),
+            ))  # fmt: skip
+    return tuple(out)
+
+
 async def replica(client: httpx.AsyncClient, name: str, url: str) -> ReplicaMetrics:
     """Scrape one engine; a replica with unknown load (fresh=False) on any failure."""
     return replica_metrics(name, url, await scrape(client, url))

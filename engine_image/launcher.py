@@ -32,14 +32,15 @@ import yaml
 
 from kubellm import manifests
 from kubellm.api import LLMDeployment, LLMDeploymentSpec
-from kubellm.contracts import max_loras
+from kubellm.contracts import dp_ranks_per_pod, max_loras
 from kubellm.sources import HF_CACHE_DIR, MODEL_ROOT, adapter_path, parse_source
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 # A multi-node replica's workers run vLLM's `serve --headless` (the OpenAI server module
 # has no headless mode): they join the leader's torch.distributed group and serve no API.
-# Through kubellm's own entry point: vLLM's CLI one fails on the CPU build (headless.py).
-VLLM_HEADLESS_MODULE = "kubellm.engine.headless"
+# A pod's several data-parallel ranks run under `serve`'s supervisor likewise. Through
+# kubellm's own entry point: vLLM's CLI one fails on the CPU build (headless.py).
+VLLM_SERVE_MODULE = VLLM_HEADLESS_MODULE = "kubellm.engine.headless"
 # What the LeaderWorkerSet controller sets in every container of a group: the leader pod's
 # address (its DNS name) and this pod's index in the group (0: the leader).
 LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
@@ -175,15 +176,35 @@ def parallel_args(spec: LLMDeploymentSpec, rank: GroupRank | None) -> list[str]:
         argv += ["--pipeline-parallel-size", str(engine.pipeline_parallel_size)]
     if engine.data_parallel_size > 1:
         argv += ["--data-parallel-size", str(engine.data_parallel_size)]
+    argv += rank_endpoint_args(spec, rank)
     if engine.expert_parallel:
         argv.append("--enable-expert-parallel")
     if rank is not None:
         argv += ["--distributed-executor-backend", "mp", "--nnodes", str(rank.nodes),
                  "--node-rank", str(rank.node_rank), "--master-addr", rank.master_addr,
                  "--master-port", str(rank.master_port)]  # fmt: skip
-        if rank.node_rank > 0:
+        if not serves(spec, rank):
             argv.append("--headless")
     return argv
+
+
+def serves(spec: LLMDeploymentSpec, rank: GroupRank | None) -> bool:
+    """This pod runs API servers: a one-pod replica, a group's leader, or any pod of a group
+    whose data-parallel ranks are endpoints of their own (contracts.dp_ranks_per_pod)."""
+    return rank is None or rank.node_rank == 0 or dp_ranks_per_pod(spec) > 0
+
+
+def rank_endpoint_args(spec: LLMDeploymentSpec, rank: GroupRank | None) -> list[str]:
+    """vLLM's external load balancing when data-parallel ranks are endpoints: a pod with
+    several local ranks runs vLLM's supervisor, one API server per rank on --port + i
+    (--data-parallel-multi-port-external-lb; vLLM numbers them from node rank x local
+    ranks); a pod holding one rank serves it as --data-parallel-rank (its node rank)."""
+    local = dp_ranks_per_pod(spec)
+    if local >= 2:
+        return ["--data-parallel-size-local", str(local), "--data-parallel-multi-port-external-lb"]
+    if local == 1:
+        return ["--data-parallel-rank", str(rank.node_rank if rank else 0)]
+    return []
 
 
 # --------------------------------------------------------------------------- reading the spec
@@ -390,8 +411,11 @@ def build_command(
     rank = group_rank(
         spec, environ, node_rank=node_rank, master_addr=master_addr, master_port=master_port
     )
-    worker = rank is not None and rank.node_rank > 0
-    argv = [python, "-m", VLLM_HEADLESS_MODULE if worker else VLLM_MODULE, "--model", model,
+    worker = not serves(spec, rank)
+    # vLLM's `serve` command (not its OpenAI server module) runs headless workers and the
+    # supervisor of a pod's data-parallel ranks
+    serve_command = worker or dp_ranks_per_pod(spec) >= 2
+    argv = [python, "-m", VLLM_SERVE_MODULE if serve_command else VLLM_MODULE, "--model", model,
             *model_args]  # fmt: skip
     argv += ["--served-model-name", target.served_name]
     argv += ["--host", host, "--port", str(port if port is not None else engine.port)]

@@ -32,6 +32,11 @@ the two stages in turn and pays one hop between nodes. It is conservative: a rea
 keeps two batches in flight so both stages work at once, which this one-step-at-a-time
 model does not.
 
+`deepseek-v3-dp16-ep-2x8xh100` is one data-parallel attention rank of DeepSeek-V3 served
+wide (DP 16 x EP 16 on 2 x 8 H100, each rank an endpoint of its own): its own weights and
+KV pool per GPU, a step that streams them and pays the exposed part of the experts'
+all-to-all (`_h100x16_deepseek_dp_ep` has the figures and sources).
+
 `slowed(factor)` multiplies every step cost (a throttled card, a noisy neighbour):
 `kubellm engine --slowdown 1.5`, `kubellm up --sim-slowdown 1,1.5`.
 
@@ -148,7 +153,7 @@ PIPELINE_HOP_S = capacity.Interconnect().inter_node_latency_s
 
 def _derived(
     name: str,
-    model: str,
+    model: str | capacity.ModelShape,
     *,
     gpus: int,
     gpu_gib: float,
@@ -161,7 +166,7 @@ def _derived(
 ) -> Profile:
     """A profile from the datasheet figures of `gpus` GPUs serving `model` in bf16, in
     `pipeline` stages of gpus / pipeline tensor-parallel GPUs."""
-    shape = capacity.known_model(model)
+    shape = capacity.known_model(model) if isinstance(model, str) else model
     weights = capacity.weight_bytes(shape.params, "bf16")
     per_token = capacity.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, 2)
     pool = capacity.kv_pool_bytes(gpus * gpu_gib * capacity.GIB, 0.9, weights)
@@ -186,6 +191,31 @@ def _derived(
         decode_token_s=round(decode, 7),
         source=source,
     )
+
+
+def for_shape(
+    shape: capacity.ModelShape,
+    tensor: int,
+    pipeline: int,
+    *,
+    gpu_gib: float,
+    bandwidth_gbps: float,
+    bf16_tflops: float,
+    max_num_seqs: int = 256,
+) -> Profile:
+    """A replica of `shape` in bf16 on tensor x pipeline GPUs of the given datasheet, by the
+    formula the named profiles are derived with (`kubellm plan --trace --compare-shapes`).
+    CapacityError when the weights leave no KV pool."""
+    profile = _derived(
+        f"{shape.name}-tp{tensor}-pp{pipeline}", shape, gpus=tensor * pipeline, gpu_gib=gpu_gib,
+        bandwidth_gbps=bandwidth_gbps, bf16_tflops=bf16_tflops, pipeline=pipeline,
+        max_num_seqs=max_num_seqs,
+        source=f"kubellm.capacity + {tensor * pipeline} GPUs of {gpu_gib:g} GiB, "
+        f"{bandwidth_gbps:g} GB/s, {bf16_tflops:g} TFLOPS bf16 (datasheet)",
+    )  # fmt: skip
+    if profile.num_blocks <= 0:
+        raise capacity.CapacityError(f"weights do not fit TP {tensor} x PP {pipeline}")
+    return profile
 
 
 def _a100_8b() -> Profile:
@@ -245,6 +275,63 @@ def _h100x16_405b() -> Profile:
     )  # fmt: skip
 
 
+# DeepSeek-V3 (DeepSeek-V3 technical report, arXiv 2412.19437, and its config.json): 671 B
+# parameters, 37 B active per token, 61 layers (the first 3 dense, 58 MoE with 256 routed
+# experts of intermediate size 2,048 on a hidden size of 7,168, 8 active per token, plus
+# one shared expert), weights in FP8 (1 byte each). MLA caches one 512-dim latent plus a
+# 64-dim rotary key per layer and token: 61 x 576 x 2 B = 70,272 B in bf16, which is
+# kubellm.capacity's formula with one "KV head" of 288 dims (K and V counted twice).
+DEEPSEEK_V3_PARAMS = 671e9
+DEEPSEEK_V3_ACTIVE_PARAMS = 37e9
+DEEPSEEK_V3_LAYERS = 61
+DEEPSEEK_V3_ROUTED_EXPERT_PARAMS = 256 * 58 * 3 * 7168 * 2048  # 653.9 B
+# DeepEP's published low-latency kernels (github.com/deepseek-ai/DeepEP README, H800 with
+# 400 Gb/s CX7 InfiniBand, 128 tokens per batch, 8 experts each, hidden 7,168): EP16
+# dispatch ~173 us and combine ~314 us per MoE layer.
+EP16_DISPATCH_S, EP16_COMBINE_S = 173e-6, 314e-6
+# DeepSeek's inference system overlaps the all-to-all with compute on a second micro-batch
+# (two-batch overlap, "DeepSeek-V3/R1 Inference System Overview", 2025): we count half of
+# it as exposed.
+EP_EXPOSED_SHARE = 0.5
+
+
+def _h100x16_deepseek_dp_ep() -> Profile:
+    # One data-parallel attention rank (TP 1) of DeepSeek-V3 served wide on 2 nodes of 8
+    # H100 SXM 80 GB: DP 16 x EP 16. Each GPU holds the non-expert weights whole (671 B -
+    # 653.9 B routed = 17.1 B: attention, the dense layers, shared experts, embeddings) and
+    # a 16th of the routed experts (40.9 B): 58.0 GB in FP8. KV pool 80 GiB x 0.9 - 58.0 GB
+    # = 19.3 GB = 275,000 tokens = about 17,000 blocks of 16, its own (every rank is a
+    # replica to the gateway). Step base: the rank streams its weights, 58.0 GB / (0.7 x
+    # 3.35 TB/s) = 24.7 ms (at decode batches every local expert is hit), plus the exposed
+    # half of 58 dispatch + combine all-to-alls, 58 x 487 us / 2 = 14.1 ms: 38.9 ms,
+    # 26 tokens/s per stream (DeepSeek reports 20-22 tokens/s per user for its own
+    # deployment, at larger batches). Prefill 2 x 37 B active FLOP per token at ~50% of
+    # 1,979 TFLOPS dense FP8 = 75 us per token; decode: 2,000 tokens of latent KV, 2,000 x
+    # 70,272 B / 3.35 TB/s = 0.04 ms per token.
+    gpu, gpus = capacity.GIB * 80, 16
+    local = DEEPSEEK_V3_PARAMS - DEEPSEEK_V3_ROUTED_EXPERT_PARAMS * (1 - 1 / gpus)
+    weights = capacity.weight_bytes(local, "fp8")
+    per_token = capacity.kv_bytes_per_token(DEEPSEEK_V3_LAYERS, 1, 288, 2)
+    pool = capacity.kv_pool_bytes(gpu, 0.9, weights)
+    bandwidth = 3350 * capacity.GB
+    all_to_all = (DEEPSEEK_V3_LAYERS - 3) * (EP16_DISPATCH_S + EP16_COMBINE_S)
+    step_base = weights / (bandwidth * BANDWIDTH_SHARE) + EP_EXPOSED_SHARE * all_to_all
+    return Profile(
+        name="deepseek-v3-dp16-ep-2x8xh100",
+        block_size=16,
+        num_blocks=pool // (per_token * 16),
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=8192,
+        step_base_s=round(step_base, 5),
+        prefill_token_s=round(2 * DEEPSEEK_V3_ACTIVE_PARAMS / (1979e12 * FLOPS_SHARE), 8),
+        decode_token_s=round(DECODE_CONTEXT_TOKENS * per_token / bandwidth, 7),
+        source="one DP-attention rank of DeepSeek-V3 (FP8, MLA) at DP 16 x EP 16 on 2 x 8 "
+        "H100 SXM: DeepSeek-V3 report + config, NVIDIA H100 datasheet (3.35 TB/s, 1,979 "
+        "TFLOPS FP8), DeepEP's EP16 all-to-all latencies",
+    )
+
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
@@ -253,6 +340,7 @@ PROFILES: dict[str, Profile] = {
         _l4_8b(),
         _h100x4_70b(),
         _h100x16_405b(),
+        _h100x16_deepseek_dp_ep(),
         Profile(
             name="tiny-cpu",
             block_size=32,  # vLLM's CPU attention needs a multiple of 32

@@ -151,9 +151,15 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument(
         "--compare-shapes", type=_COUNT, metavar="GPUS_PER_NODE",
         help="compare the replica shapes (TP inside a node, PP across nodes) that fill 1 to "
-        "--max-nodes nodes of this many GPUs",
+        "--max-nodes nodes of this many GPUs; with --trace, by simulated goodput per GPU-hour "
+        "at the SLO on the trace (smaller replicas too)",
     )  # fmt: skip
     gpu.add_argument("--max-nodes", type=_COUNT, default=4, help="with --compare-shapes")
+    gpu.add_argument(
+        "--gpu-tflops", type=_POSITIVE,
+        help="dense bf16 TFLOPS of one GPU (--trace --compare-shapes: the simulated replicas' "
+        "prefill; default 989, an H100 SXM)",
+    )  # fmt: skip
     work = parser.add_argument_group("workload")
     work.add_argument("--context-tokens", type=_COUNT, default=4096, help="tokens per request")
     work.add_argument("--concurrency", type=_COUNT, help="concurrent requests to serve")
@@ -320,6 +326,14 @@ def _fmt_bytes(value: float) -> str:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.trace and args.compare_shapes:
+        from kubellm.simulation import shapes
+
+        try:
+            return shapes.main(args, _shape(args))
+        except capacity.CapacityError as error:
+            print(f"kubellm plan: {error}", file=sys.stderr)
+            return 1
     if args.trace or args.calibrate:
         # the fleet simulation composes components: imported here, for this command only
         from kubellm.simulation import plan as trace_plan

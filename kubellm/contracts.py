@@ -99,18 +99,74 @@ def engine_labels(name: str) -> dict[str, str]:
     }
 
 
+# --------------------------------------------------------------------------- data-parallel ranks
+
+# With spec.engine.dataParallelSize > 1, each data-parallel rank whose GPUs lie inside one pod
+# runs an API server of its own (vLLM's external load balancing): the pod's first local rank
+# on the port named `http`, its others on `http-dp<i>` (spec.engine.port + i). Each rank is
+# then an endpoint of its own for the gateway, so prefix routing reaches the rank holding the
+# blocks; the autoscaler folds a replica's ranks back into one replica (`replica_key`).
+RANK_PORT_PREFIX = "http-dp"
+# The Gateway API Inference Extension's InferencePool lists at most 8 target ports.
+MAX_RANK_PORTS = 8
+
+
+def dp_ranks_per_pod(spec: api.LLMDeploymentSpec) -> int:
+    """Data-parallel ranks one engine pod serves as endpoints of their own: 0 with one rank
+    (dataParallelSize 1), on a CPU engine, or when a rank's GPUs (TP x PP) do not fit whole
+    inside a pod (the ranks then stay behind the leader's internal balancer, one endpoint)."""
+    engine, gpus = spec.engine, spec.resources.gpu.count
+    per_rank = engine.tensor_parallel_size * engine.pipeline_parallel_size
+    if engine.data_parallel_size == 1 or gpus == 0 or gpus % per_rank:
+        return 0
+    return min(gpus // per_rank, engine.data_parallel_size)
+
+
+def serving_ports(spec: api.LLMDeploymentSpec) -> list[tuple[str, int]]:
+    """(name, port) of each API server of one serving engine pod: `http` on
+    spec.engine.port, then `http-dp<i>` on port + i for the pod's other local ranks."""
+    port = spec.engine.port
+    ranks = range(1, dp_ranks_per_pod(spec))
+    return [(PORT_NAME, port), *((f"{RANK_PORT_PREFIX}{i}", port + i) for i in ranks)]
+
+
+def is_serving_port(name: object) -> bool:
+    """An engine API port's name: `http`, or a data-parallel rank's `http-dp<i>`."""
+    if not isinstance(name, str):
+        return False
+    rank = name.removeprefix(RANK_PORT_PREFIX)
+    return name == PORT_NAME or (rank != name and rank.isdigit() and rank[0] != "0")
+
+
+def replica_key(pod: str) -> str:
+    """The replica an engine pod belongs to: the pod itself, or for a LeaderWorkerSet's pod
+    (`<lws>-<group>` the leader, `<lws>-<group>-<worker>` a worker, LWS's naming) its group,
+    named by the leader."""
+    head, _, tail = pod.rpartition("-")
+    stem, _, group = head.rpartition("-")
+    if tail.isdigit() and group.isdigit() and stem.endswith("-lws"):
+        return head
+    return pod
+
+
 # --------------------------------------------------------------------------- EndpointSlices
 
 
 @dataclass(frozen=True)
 class SliceEndpoint:
-    """One engine of an EndpointSlice: where it listens and its conditions."""
+    """One engine of an EndpointSlice: where it listens and its conditions. A pod serving
+    several data-parallel ranks is one SliceEndpoint per rank (per port)."""
 
     name: str  # the pod (targetRef), else the address
     url: str  # http://host:port, no path
     ready: bool
     serving: bool
     terminating: bool
+
+    @property
+    def replica(self) -> str:
+        """The replica (pod, or LeaderWorkerSet group) this endpoint is a part of."""
+        return replica_key(self.name)
 
     @property
     def routable(self) -> bool:
@@ -124,15 +180,17 @@ class SliceEndpoint:
 
 
 def slice_endpoints(slice_: Mapping[str, Any]) -> list[SliceEndpoint]:
-    """The engines of one EndpointSlice on its port named `http` (none without that port).
+    """The engines of one EndpointSlice on its port named `http` and its data-parallel
+    ranks' `http-dp<i>` ports, one per address and port (none without an `http` port).
 
     Conditions as Kubernetes defines them: an absent `ready` means ready, an absent
     `serving` means what `ready` says, an absent `terminating` means not terminating.
     Only an endpoint's first address is used (the others are the same pod)."""
-    port = next(
-        (p.get("port") for p in slice_.get("ports") or [] if p.get("name") == PORT_NAME), None
-    )
-    if port is None:
+    named = {p.get("name"): p.get("port") for p in slice_.get("ports") or []}
+    ports = sorted((n, p) for n, p in named.items() if is_serving_port(n) and isinstance(p, int))[
+        :MAX_RANK_PORTS
+    ]
+    if PORT_NAME not in named:
         return []
     out = []
     for item in slice_.get("endpoints") or []:
@@ -142,15 +200,16 @@ def slice_endpoints(slice_: Mapping[str, Any]) -> list[SliceEndpoint]:
         host = f"[{addresses[0]}]" if ":" in addresses[0] else addresses[0]
         conditions = item.get("conditions") or {}
         ready = conditions.get("ready") is not False
-        out.append(
-            SliceEndpoint(
-                name=(item.get("targetRef") or {}).get("name") or addresses[0],
-                url=f"http://{host}:{port}",
-                ready=ready,
-                serving=conditions.get("serving", ready) is not False,
-                terminating=conditions.get("terminating") is True,
+        for _, port in ports:
+            out.append(
+                SliceEndpoint(
+                    name=(item.get("targetRef") or {}).get("name") or addresses[0],
+                    url=f"http://{host}:{port}",
+                    ready=ready,
+                    serving=conditions.get("serving", ready) is not False,
+                    terminating=conditions.get("terminating") is True,
+                )
             )
-        )
     return out
 
 

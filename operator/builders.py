@@ -142,17 +142,35 @@ def multi_node(llmd: api.LLMDeployment) -> bool:
     return llmd.spec.resources.nodes > 1
 
 
-def serving_labels(llmd: api.LLMDeployment, canary: bool = False) -> dict[str, str]:
-    """The pods that serve the API (the Service's, the pool's and status.selector's): every
-    engine pod, or a multi-node replica's leader only (its workers have no HTTP server)."""
+def workers_serve(llmd: api.LLMDeployment) -> bool:
+    """Every pod of a multi-node group serves API servers: its data-parallel ranks are
+    endpoints of their own (contracts.dp_ranks_per_pod), not only the leader's."""
+    return multi_node(llmd) and contracts.dp_ranks_per_pod(llmd.spec) > 0
+
+
+def serving_labels(
+    llmd: api.LLMDeployment, canary: bool = False, *, leaders: bool = False
+) -> dict[str, str]:
+    """The pods that serve the API (the Service's, the pool's): every engine pod, or a
+    multi-node replica's leader only (its workers have no HTTP server) unless its workers
+    serve data-parallel ranks. `leaders`: one pod per replica (status.selector's)."""
     chosen = canary_labels(llmd) if canary else selector_labels(llmd)
-    return {**chosen, ROLE_LABEL: LEADER} if multi_node(llmd) else chosen
+    if multi_node(llmd) and (leaders or not workers_serve(llmd)):
+        return {**chosen, ROLE_LABEL: LEADER}
+    return chosen
 
 
 def selector_string(llmd: api.LLMDeployment) -> str:
-    """`status.selector`: the serving pods' label selector, for the scale subresource (one
-    pod per replica, the leader, when a replica spans pods)."""
-    return ",".join(f"{k}={v}" for k, v in sorted(serving_labels(llmd).items()))
+    """`status.selector`: the label selector of one pod per replica (the leader when a
+    replica spans pods), for the scale subresource."""
+    return ",".join(f"{k}={v}" for k, v in sorted(serving_labels(llmd, leaders=True).items()))
+
+
+def container_ports(llmd: api.LLMDeployment) -> list[dict[str, Any]]:
+    """A serving pod's API ports: `http`, and `http-dp<i>` for each further data-parallel
+    rank it serves (contracts.serving_ports)."""
+    ports = contracts.serving_ports(llmd.spec)
+    return [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports]
 
 
 def owner_reference(llmd: api.LLMDeployment, uid: str) -> dict[str, Any]:
@@ -218,6 +236,21 @@ def check(llmd: api.LLMDeployment, options: Options = Options()) -> None:
     problem = api.extra_args_problem(llmd.spec.engine.extra_args)  # vLLM's spellings too
     if problem is not None:
         raise SpecError("InvalidEngineArguments", problem)
+    ranks = contracts.dp_ranks_per_pod(llmd.spec)
+    if ranks > contracts.MAX_RANK_PORTS:
+        raise SpecError(
+            "TooManyRankEndpoints",
+            f"spec.engine.dataParallelSize: {ranks} data-parallel ranks per pod, each an "
+            f"endpoint on a port of its own; an InferencePool lists at most "
+            f"{contracts.MAX_RANK_PORTS} ports (raise tensorParallelSize or use more nodes)",
+        )
+    if ranks and llmd.spec.routing.prefix_index == "precise":
+        raise SpecError(
+            "UnsupportedRankKVEvents",
+            "spec.routing.prefixIndex precise with data-parallel ranks as endpoints: each "
+            "rank publishes KV events on a port of its own, which kubellm does not wire yet; "
+            "use prefixIndex approximate",
+        )
     if multi_node(llmd) and not options.leader_worker_set:
         raise SpecError(
             "LeaderWorkerSetMissing",
@@ -365,7 +398,7 @@ def _pod_template(llmd: api.LLMDeployment, *, canary: bool, role: str | None) ->
     spec = llmd.spec
     port = spec.engine.port
     grace = spec.termination_grace_period_seconds
-    serving = role != WORKER
+    serving = role != WORKER or workers_serve(llmd)
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": spec.engine.image,
@@ -388,10 +421,7 @@ def _pod_template(llmd: api.LLMDeployment, *, canary: bool, role: str | None) ->
         },
     }
     if serving:
-        container["ports"] = [
-            {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
-            *kv_event_ports(llmd),
-        ]
+        container["ports"] = [*container_ports(llmd), *kv_event_ports(llmd)]
         container.update(_probes(PORT_NAME))
         delay = drain_delay_seconds(grace)
         if delay > 0:
@@ -561,12 +591,8 @@ def engine_service(
             "type": "ClusterIP",
             "selector": serving_labels(llmd, canary),
             "ports": [
-                {
-                    "name": PORT_NAME,
-                    "port": llmd.spec.engine.port,
-                    "targetPort": PORT_NAME,
-                    "protocol": "TCP",
-                }
+                {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+                for name, port in contracts.serving_ports(llmd.spec)
             ],
         },
     }
@@ -607,7 +633,7 @@ def pod_monitor(llmd: api.LLMDeployment, options: Options = Options()) -> dict[s
             "selector": {"matchLabels": serving_labels(llmd)},
             "podMetricsEndpoints": [
                 {
-                    "port": PORT_NAME,
+                    "port": port_name,
                     "path": METRICS_PATH,
                     "interval": "15s",
                     # The chart's alerts and dashboard select engines by job and deployment.
@@ -626,6 +652,7 @@ def pod_monitor(llmd: api.LLMDeployment, options: Options = Options()) -> dict[s
                         },
                     ],
                 }
+                for port_name, _ in contracts.serving_ports(llmd.spec)
             ],
         },
     }
@@ -908,7 +935,7 @@ def inference_pool(llmd: api.LLMDeployment, options: Options = Options()) -> dic
         "metadata": _metadata(llmd, engine_name(llmd), options),
         "spec": {
             "selector": {"matchLabels": serving_labels(llmd)},
-            "targetPorts": [{"number": llmd.spec.engine.port}],
+            "targetPorts": [{"number": port} for _, port in contracts.serving_ports(llmd.spec)],
             "endpointPickerRef": {
                 "group": "",
                 "kind": "Service",

@@ -136,6 +136,28 @@ def vllm_missing() -> str | None:
     return None
 
 
+def group_refusal(deployments: list, engine: str) -> str | None:
+    """Why `kubellm up --engine vllm` cannot run a replica that spans nodes: the local fleet
+    runs one engine process per replica, and a vLLM group of one process per node (leader
+    and headless workers) on one machine would need that machine to hold every node's
+    share. The simulator stands in for a whole group (one simulated engine per replica on
+    the group's profile)."""
+    if engine != "vllm":
+        return None
+    for manifest in deployments:
+        nodes = manifest.spec.resources.nodes
+        if nodes > 1:
+            return (
+                f"{manifest.metadata.name}: spec.resources.nodes is {nodes}: the local fleet "
+                "runs one vLLM process per replica, not a group of one per node; serve it on "
+                "a cluster with the LeaderWorkerSet controller (docs/operations.md, 'Serving "
+                "a model larger than one node'), or simulate it here with --engine sim "
+                "(one simulated engine per group; --sim-profile llama-3.1-405b-2x8xh100 or "
+                "deepseek-v3-dp16-ep-2x8xh100 for its hardware)"
+            )
+    return None
+
+
 def prepare_models(deployments: list, engine: str, run_dir: str = ".kubellm/run") -> list[str]:
     """Build the tiny checkpoint where a manifest asks for it and it is missing."""
     from kubellm import sources
@@ -228,6 +250,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if not deployments:
         print("kubellm up: no LLMDeployment in the given files", file=sys.stderr)
+        return 1
+    if why := group_refusal(deployments, args.engine):
+        print(f"kubellm up: {why}", file=sys.stderr)
         return 1
     if args.engine == "vllm" and (why := vllm_missing()):
         print(f"kubellm up: {why}", file=sys.stderr)

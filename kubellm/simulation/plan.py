@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kubellm import api, manifests
+from kubellm.engine.sim_profiles import Profile
 from kubellm.simulation import calibrate, experiment, traces
 from kubellm.simulation.fleet import Fleet
 from kubellm.simulation.gateway import ApiModel
@@ -190,9 +192,11 @@ def calibrate_capacity(
     seed: int = 0,
     objective: float = OBJECTIVE,
     slowdown: float = 1.0,
+    profile: Profile | None = None,
 ) -> float:
-    """Requests/s one simulated replica serves with `objective` of requests meeting `slo`,
-    for requests sized as the trace's (drawn from them, Poisson arrivals), to 0.1 req/s."""
+    """Requests/s one simulated replica (`profile`, default the plan's 8B replica) serves
+    with `objective` of requests meeting `slo`, for requests sized as the trace's (drawn
+    from them, Poisson arrivals), to 0.1 req/s."""
     rng = random.Random(f"calibrate/{seed}")
     sizes = [(a.prompt_tokens, a.output_tokens) for a in arrivals]
 
@@ -206,6 +210,8 @@ def calibrate_capacity(
         if not out:
             return True
         config = experiment.config(slo=slo, slowdown=slowdown)
+        if profile is not None:
+            config = dataclasses.replace(config, profile=profile.slowed(slowdown))
         result = Fleet(config, None, out, CALIBRATION_SECONDS).run()
         return result.met >= objective * result.requests
 

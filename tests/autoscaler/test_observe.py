@@ -122,3 +122,17 @@ async def test_a_replica_that_floods_trickles_or_nests_its_answer_is_unknown() -
     finally:
         server.close()
         await server.wait_closed()
+
+
+def test_a_replicas_data_parallel_ranks_fold_into_one_replica():
+    from kubellm.autoscaler.policy import ReplicaMetrics as R
+
+    ranks = [R("g0", True, waiting=2, running=4, kv_cache_usage=0.2),
+             R("solo", True, waiting=1, running=1, kv_cache_usage=0.9),
+             R("g0", True, waiting=3, running=6, kv_cache_usage=0.6),
+             R("g1", True, waiting=5), R("g1", False)]  # fmt: skip
+    assert observe.fold_ranks(ranks) == (
+        R("g0", True, waiting=5, running=10, kv_cache_usage=0.4),
+        R("solo", True, waiting=1, running=1, kv_cache_usage=0.9),
+        R("g1", False),  # one rank unknown: the replica's load is unknown
+    )

@@ -72,3 +72,22 @@ def test_one_node_replicas_have_no_multi_node_flags() -> None:
     ).argv
     for name in ("--nnodes", "--node-rank", "--master-addr", "--headless"):
         assert name not in argv
+
+
+def test_data_parallel_ranks_inside_pods_make_every_pod_serve_its_ranks() -> None:
+    wide = target({"tensorParallelSize": 1, "dataParallelSize": 16, "expertParallel": True},
+                  nodes=2, gpus=8)  # fmt: skip
+    worker = launcher.build_command(wide, environ={**LWS_ENV, "LWS_WORKER_INDEX": "1"})
+    assert worker.serves and "--headless" not in worker.argv
+    assert worker.argv[1:3] == ["-m", launcher.VLLM_SERVE_MODULE]  # vLLM's rank supervisor
+    assert flag(worker.argv, "--data-parallel-size-local") == "8"
+    assert "--data-parallel-multi-port-external-lb" in worker.argv
+    one_rank_each = target({"tensorParallelSize": 8, "dataParallelSize": 2}, nodes=2, gpus=8)
+    plan = launcher.build_command(one_rank_each, environ={**LWS_ENV, "LWS_WORKER_INDEX": "1"})
+    assert plan.serves and flag(plan.argv, "--data-parallel-rank") == "1"
+    assert plan.argv[2] == launcher.VLLM_MODULE
+    behind_leader = target({"tensorParallelSize": 8, "pipelineParallelSize": 2,
+                            "dataParallelSize": 2}, nodes=4, gpus=8)  # fmt: skip
+    plan = launcher.build_command(behind_leader, environ={**LWS_ENV, "LWS_WORKER_INDEX": "1"})
+    assert not plan.serves and "--headless" in plan.argv  # ranks span pods: internal LB
+    assert "--data-parallel-rank" not in plan.argv

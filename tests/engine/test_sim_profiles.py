@@ -13,6 +13,7 @@ A100 = sim_profiles.get("llama-3.1-8b-a100")
 L4 = sim_profiles.get("llama-3.1-8b-l4")
 H100X4_70B = sim_profiles.get("llama-3.1-70b-4xh100")
 H100X16_405B = sim_profiles.get("llama-3.1-405b-2x8xh100")
+DEEPSEEK_RANK = sim_profiles.get("deepseek-v3-dp16-ep-2x8xh100")
 
 
 def test_the_formula_gives_the_hand_derived_h100_profile_within_five_percent() -> None:
@@ -35,6 +36,9 @@ TABLE = [
     (H100X16_405B, 2 * 50.7e9 / (0.7 * 3350e9) + 252 * 10e-6 + 15e-6,
      2 * 405.9e9 / (8 * 0.5 * 989e12 * 0.85), 2000 * 516096 / 8 / 3350e9,
      (16 * 72 * 2**30 - 811.8e9) // (516096 * 16)),
+    # one DP rank of DeepSeek-V3 at DP 16 x EP 16: 17.1 B shared + 653.9 B / 16 routed in FP8
+    (DEEPSEEK_RANK, 58.0e9 / (0.7 * 3350e9) + 58 * 487e-6 / 2, 2 * 37e9 / (0.5 * 1979e12),
+     2000 * 61 * 576 * 2 / 3350e9, (72 * 2**30 - 58.0e9) // (61 * 576 * 2 * 16)),
 ]  # fmt: skip
 
 

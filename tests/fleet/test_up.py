@@ -221,6 +221,24 @@ def test_a_port_clash_names_the_port_and_suggests_another(tmp_path: Path) -> Non
     assert not (tmp_path / "run" / "fleet.json").exists()  # nothing was started
 
 
+def test_a_replica_spanning_nodes_is_refused_with_vllm_and_says_what_to_do(tmp_path: Path):
+    manifest = write_manifest(tmp_path / "big.yaml", "big", {
+        "model": {"source": "file:///nonexistent/big"},
+        "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2},
+        "resources": {"nodes": 2, "gpu": {"count": 8}},
+    })  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "kubellm.cli", "up", "--engine", "vllm", "--port", "1",
+         "--run-dir", str(tmp_path / "run"), "-f", str(manifest)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "big: spec.resources.nodes is 2" in result.stderr
+    assert "--engine sim" in result.stderr and "LeaderWorkerSet" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "fleet.json").exists()  # nothing was started
+
+
 def test_up_help_explains_every_option_with_its_default() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "kubellm.cli", "up", "--help"],

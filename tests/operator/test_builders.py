@@ -357,6 +357,23 @@ def test_spec_hash_changes_with_the_engine_but_not_with_scaling_or_routing():
             "spec.engine.extraArgs",
         ),
         ({"engine": {"extraArgs": ["--model", "x"]}}, "InvalidEngineArguments", "--model"),
+        (
+            {
+                "engine": {"tensorParallelSize": 1, "dataParallelSize": 16},
+                "resources": {"gpu": {"count": 16}},
+            },
+            "TooManyRankEndpoints",
+            "spec.engine.dataParallelSize",
+        ),
+        (
+            {
+                "engine": {"tensorParallelSize": 1, "dataParallelSize": 8},
+                "resources": {"gpu": {"count": 8}},
+                "routing": {"prefixIndex": "precise"},
+            },
+            "UnsupportedRankKVEvents",
+            "spec.routing.prefixIndex",
+        ),
     ],
 )
 def test_unrealisable_specs_raise_a_spec_error_naming_the_field(spec, reason, field):

@@ -220,3 +220,72 @@ async def test_a_canary_runs_as_a_second_leader_worker_set_and_is_promoted_by_gr
         await ready(GROUPS)
         await wait_for(lambda: current(emulator, LWS, canary) is None, what="the canary gone")
         await wait_for(lambda: rollout().get("phase") == "Stable", what="Stable again")
+
+
+def wide_moe() -> dict:
+    """A DeepSeek-class MoE served wide on 2x8 GPUs: 16 data-parallel attention ranks (TP 1)
+    with expert parallelism, each rank an endpoint of its own."""
+    document = manifest(EXAMPLE)
+    document["spec"]["engine"].update(
+        {"tensorParallelSize": 1, "pipelineParallelSize": 1, "dataParallelSize": 16,
+         "expertParallel": True}
+    )  # fmt: skip
+    return document
+
+
+def endpoint_slice(service: dict, pods: dict[str, str]) -> dict:
+    """What Kubernetes' EndpointSlice controller writes for `service` and its pods
+    (name -> address): the Service's ports by name, its labels, one endpoint per pod."""
+    return {
+        "metadata": {"namespace": NS, "labels": service["metadata"]["labels"]},
+        "ports": [{"name": p["name"], "port": p["port"]} for p in service["spec"]["ports"]],
+        "endpoints": [
+            {"addresses": [ip], "conditions": {"ready": True}, "targetRef": {"name": pod}}
+            for pod, ip in pods.items()
+        ],
+    }
+
+
+async def test_data_parallel_ranks_are_endpoints_of_every_pod_and_one_replica_to_scale(
+    emulator, api_client
+):
+    from kubellm.autoscaler import kube_backend
+    from kubellm.autoscaler.observe import fold_ranks
+    from kubellm.autoscaler.policy import ReplicaMetrics
+    from kubellm.gateway.discovery import kubernetes as discovery
+
+    install_lws(emulator)
+    async with running_operator(emulator):
+        await create(api_client, wide_moe())
+        lws = await wait_for(lambda: current(emulator, LWS, GROUPS), what="the LeaderWorkerSet")
+        service = await wait_for(lambda: current(emulator, SERVICES, ENGINE), what="the Service")
+        await wait_for(lambda: llmd_status(emulator).get("selector"), what="status.selector")
+        template = lws["spec"]["leaderWorkerTemplate"]
+        for role in ("leaderTemplate", "workerTemplate"):  # every pod serves 8 ranks
+            (container,) = template[role]["spec"]["containers"]
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            assert ports == {"http": 8000, **{f"http-dp{i}": 8000 + i for i in range(1, 8)}}
+            assert container["readinessProbe"]["httpGet"]["port"] == "http"
+        assert "kubellm.io/role" not in service["spec"]["selector"]  # leaders and workers
+        assert "kubellm.io/role=leader" in llmd_status(emulator)["selector"]  # scale: groups
+        assert [p["targetPort"] for p in service["spec"]["ports"]][1:] == [
+            f"http-dp{i}" for i in range(1, 8)
+        ]
+        deployment = current(emulator, f"{api.GROUP}/{api.VERSION}/{api.PLURAL}", NAME)
+    # the gateway: one endpoint per rank of the group's two pods
+    pods = {f"{GROUPS}-0": "10.0.0.1", f"{GROUPS}-0-1": "10.0.0.2"}
+    slice_ = endpoint_slice(service, pods)
+    (target,) = discovery.build_targets(
+        discovery.parse_deployments([deployment]), [slice_], {}
+    ).values()
+    assert len(target.endpoints) == 16
+    assert {e.url for e in target.endpoints} == {
+        f"http://{ip}:{8000 + i}" for ip in pods.values() for i in range(8)
+    }
+    # the autoscaler: the 16 ranks are one replica (the group), their load added up
+    endpoints = kube_backend.slice_endpoints(slice_)
+    assert {e.name for e in endpoints} == {f"{GROUPS}-0"}
+    ranks = [ReplicaMetrics(e.name, True, waiting=1, running=2, kv_cache_usage=0.5)
+             for e in endpoints]  # fmt: skip
+    (replica,) = fold_ranks(ranks)
+    assert (replica.waiting, replica.running, replica.kv_cache_usage) == (16, 32, 0.5)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from kubellm.operator import builders
 
-from kubellm import api
+from kubellm import api, contracts
 from tests.fixtures.engines import REPO_ROOT
 
 REFUSED = [
@@ -132,11 +132,14 @@ def test_vllms_parser_agrees_with_the_refusals(vllm_parser) -> None:
 
 
 # Replica shapes (engine, nodes, GPUs per pod): 405B on 2x8 (TP 8, PP 2), a DeepSeek-class
-# MoE served wide (DP 2 x TP 8 with expert parallelism) on 2x8, TP 4 x PP 4 on 4x4.
+# MoE served wide (DP 2 x TP 8 with expert parallelism) on 2x8, TP 4 x PP 4 on 4x4, and the
+# MoE as 16 data-parallel attention ranks (TP 1) on 2x8 and 8 on one node of 8.
 SHAPES = {
     "tp8-pp2": ({"tensorParallelSize": 8, "pipelineParallelSize": 2}, 2, 8),
     "dp2-tp8-ep": ({"tensorParallelSize": 8, "dataParallelSize": 2, "expertParallel": True}, 2, 8),
     "tp4-pp4": ({"tensorParallelSize": 4, "pipelineParallelSize": 4}, 4, 4),
+    "dp16-ep": ({"tensorParallelSize": 1, "dataParallelSize": 16, "expertParallel": True}, 2, 8),
+    "dp8-ep": ({"tensorParallelSize": 1, "dataParallelSize": 8, "expertParallel": True}, 1, 8),
 }
 
 
@@ -151,13 +154,21 @@ def test_vllms_parser_reads_each_nodes_command_line_as_meant(vllm_parser, shape:
         "model": {"source": "hf://org/big", "servedName": "big"}, "engine": engine,
         "resources": {"nodes": nodes, "gpu": {"count": gpus}},
     })  # fmt: skip
+    local = contracts.dp_ranks_per_pod(target.spec)  # DP ranks each pod serves as endpoints
     for rank in range(nodes):
         environ = {"LWS_LEADER_ADDRESS": "big-lws-0.big-lws", "LWS_WORKER_INDEX": str(rank)}
         argv = launcher.build_command(target, environ=environ).argv
-        assert argv[2] == (launcher.VLLM_HEADLESS_MODULE if rank else launcher.VLLM_MODULE)
+        headless = rank > 0 and not local
+        serve = headless or local > 1
+        assert argv[2] == (launcher.VLLM_SERVE_MODULE if serve else launcher.VLLM_MODULE)
         parsed = vllm_parser.parse_args(argv[3:])
         args = AsyncEngineArgs.from_cli_args(parsed)
-        assert (parsed.headless, args.nnodes, args.node_rank) == (rank > 0, nodes, rank)
+        assert parsed.headless is headless
+        assert_rank_endpoints(parsed, target.spec, first_rank=rank * local)
+        if nodes == 1:
+            assert args.nnodes == 1 and args.distributed_executor_backend is None
+            continue
+        assert (args.nnodes, args.node_rank) == (nodes, rank)
         assert (args.master_addr, args.distributed_executor_backend) == ("big-lws-0.big-lws", "mp")
         assert args.tensor_parallel_size == engine["tensorParallelSize"]
         assert args.pipeline_parallel_size == engine.get("pipelineParallelSize", 1)
@@ -165,3 +176,28 @@ def test_vllms_parser_reads_each_nodes_command_line_as_meant(vllm_parser, shape:
         assert args.enable_expert_parallel is engine.get("expertParallel", False)
         world = args.tensor_parallel_size * args.pipeline_parallel_size * args.data_parallel_size
         assert world == nodes * gpus and world % args.nnodes == 0  # vLLM's own launch check
+
+
+def assert_rank_endpoints(parsed, spec, first_rank: int) -> None:
+    """The API servers vLLM starts for this pod's command line are, rank by rank, on the
+    ports the operator names (contracts.serving_ports), as data-parallel ranks first_rank,
+    first_rank + 1, ...: vLLM's own supervisor arithmetic (multi-port external LB) or its
+    single external-LB rank."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers import dp_supervisor
+
+    ports = [port for _, port in contracts.serving_ports(spec)]
+    local = contracts.dp_ranks_per_pod(spec)
+    if local == 0:
+        assert parsed.data_parallel_rank is None and ports == [parsed.port]
+        assert not parsed.data_parallel_multi_port_external_lb
+        return
+    ServeSubcommand().validate(parsed)  # vLLM's own checks of the LB mode's flags
+    if local == 1:
+        assert (parsed.data_parallel_rank, parsed.port, ports) == (first_rank, ports[0], ports)
+        return
+    assert parsed.data_parallel_multi_port_external_lb
+    children = [dp_supervisor._build_vllm_dp_server_args(parsed, i) for i in range(local)]
+    assert [c.port for c in children] == ports
+    assert [c.data_parallel_rank for c in children] == list(range(first_rank, first_rank + local))
+    assert all(c.data_parallel_external_lb and c.data_parallel_size_local == 1 for c in children)
