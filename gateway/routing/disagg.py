@@ -1,0 +1,149 @@
+"""Prefill/decode disaggregation, decided per request (pure; issue 41).
+
+The decode replica is picked as for any request (prefix, load, SLO: the admission pass);
+then `decide` says whether the prompt's uncached part is computed there (local) or on the
+best prefill replica with its KV cache moved over the link (split):
+
+    transfer   = KV bytes per token x uncached tokens / link bytes per second
+    split TTFT = the prefill replica's predicted TTFT (its queue and the prompt)
+               + transfer + one step of the decode replica (the first token it makes)
+    local TTFT = the decode replica's predicted TTFT (the latency model's)
+    harm       = the ITL of the streams already decoding there while the prompt's chunks
+                 ride in their steps: step + prefill_token_s x min(uncached, step budget)
+
+Conditional: split when the local prefill would push the streams decoding there past the
+ITL target (harm > ITL target) or when the split's TTFT is clearly better (MARGIN); but
+never onto a prefill pool so busy that the split misses the TTFT target the local prefill
+would meet or beat (`prefill-busy`). Always: split whenever a prefill replica is ready
+(for comparison, as production-stack and vllm-router do).
+
+Each decision has a reason, counted by the front ends (`kubellm_gateway_disagg_decisions_total`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from kubellm.gateway.discovery.base import PrefillSplit
+    from kubellm.gateway.routing.predicted import Predictions
+    from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+
+__all__ = ["MARGIN", "REASONS", "Inputs", "Verdict", "decide", "plan"]
+
+# The split's TTFT must beat the local one by this share to be worth a second leg when no
+# stream is harmed (a prediction's error is 20-40%: bench/slo_routing.py).
+MARGIN = 0.3
+# A prompt whose uncached part is under this is computed where it decodes: the ITL harm of
+# one chunk this small is under a millisecond on every profile, and a second leg costs an
+# HTTP round trip and a KV handshake.
+MIN_SPLIT_TOKENS = 128
+
+REASONS = (
+    "no-prefill-replica", "always", "short-prompt", "cached-prefix", "prefill-busy",
+    "itl-harm", "faster-ttft", "no-gain",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What one decision reads (seconds, tokens, bytes)."""
+
+    prompt_tokens: int
+    uncached_tokens: int  # on the chosen decode replica
+    local_ttft: float  # predicted on the decode replica with the prompt computed there
+    decode_step_s: float  # one decode step there now (its batch's)
+    decode_batch: float  # streams already decoding there
+    prefill_token_s: float  # one prompt token's compute there
+    step_tokens: int  # the prompt tokens one step computes at most (chunked prefill)
+    prefill_ttft: float | None  # the best prefill replica's predicted TTFT; None: none ready
+    kv_bytes_per_token: int
+    link_bytes_per_s: float
+    ttft_target: float
+    itl_target: float
+    split: Literal["Conditional", "Always"] = "Conditional"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    split: bool
+    reason: str
+    transfer_s: float = 0.0
+    split_ttft: float = 0.0
+    local_itl_harm: float = 0.0  # the ITL the streams there would see with local prefill
+
+
+def decide(x: Inputs) -> Verdict:
+    """Split or local, and why."""
+    if x.prefill_ttft is None:
+        return Verdict(False, "no-prefill-replica")
+    transfer = x.kv_bytes_per_token * x.uncached_tokens / x.link_bytes_per_s
+    split_ttft = x.prefill_ttft + transfer + x.decode_step_s
+    chunk = min(x.uncached_tokens, x.step_tokens)
+    harm = x.decode_step_s + x.prefill_token_s * chunk if x.decode_batch >= 1 else 0.0
+
+    def verdict(split: bool, reason: str) -> Verdict:
+        return Verdict(split, reason, transfer, split_ttft, harm)
+
+    if x.split == "Always":
+        return verdict(True, "always")
+    if x.uncached_tokens < MIN_SPLIT_TOKENS:
+        cached = x.prompt_tokens - x.uncached_tokens >= MIN_SPLIT_TOKENS
+        return verdict(False, "cached-prefix" if cached else "short-prompt")
+    harmful = harm > x.itl_target
+    faster = split_ttft < x.local_ttft * (1.0 - MARGIN)
+    if not (harmful or faster):
+        mostly_cached = x.prompt_tokens >= 2 * x.uncached_tokens
+        short = chunk * x.prefill_token_s <= x.decode_step_s
+        return verdict(
+            False, "cached-prefix" if mostly_cached else "short-prompt" if short else "no-gain"
+        )
+    if split_ttft > x.ttft_target and split_ttft > x.local_ttft:
+        return verdict(False, "prefill-busy")
+    return verdict(True, "itl-harm" if harmful else "faster-ttft")
+
+
+def plan(
+    predictions: Predictions,
+    request: RoutingRequest,
+    decode: Candidate,
+    prefills: Sequence[Candidate],
+    settings: PrefillSplit,
+    ttft_target: float,
+    itl_target: float,
+) -> tuple[Verdict, str | None]:
+    """The decision for `request` on decode replica `decode`, from the latency model's
+    state, and the prefill replica it would use (the lowest predicted TTFT; None: none)."""
+    model = predictions.model
+    here = predictions.dispatch(decode.url, request, decode)
+    local_ttft, _ = model.predict(decode.url, here)
+    replica = model.replicas.get(decode.url) or model.unseen(decode.url)
+    step, prefill = replica.speed
+    prior = replica.prior
+    best, best_ttft = None, None
+    for c in prefills:
+        # the prefill replica computes the whole uncached prompt (its own prefix cache aside)
+        ttft, _ = model.predict(c.url, predictions.dispatch(c.url, request, c))
+        if best_ttft is None or ttft < best_ttft:
+            best, best_ttft = c.url, ttft
+    batch = here.batch - 1.0
+    verdict = decide(
+        Inputs(
+            prompt_tokens=here.prompt_tokens,
+            uncached_tokens=here.uncached,
+            local_ttft=local_ttft,
+            decode_step_s=step * (prior.step_base_s + prior.decode_token_s * here.batch),
+            decode_batch=batch,
+            prefill_token_s=prefill * prior.prefill_token_s,
+            step_tokens=prior.max_num_batched_tokens,
+            prefill_ttft=best_ttft,
+            kv_bytes_per_token=settings.kv_bytes_per_token,
+            link_bytes_per_s=settings.link_bytes_per_s,
+            ttft_target=ttft_target,
+            itl_target=itl_target,
+            split=settings.split,
+        )
+    )
+    return verdict, best if verdict.split else None
