@@ -26,12 +26,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from kubellm import metrics
+
 if TYPE_CHECKING:
     from kubellm.gateway.discovery.base import PrefillSplit
     from kubellm.gateway.routing.predicted import Predictions
     from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
-__all__ = ["MARGIN", "REASONS", "Inputs", "Verdict", "decide", "plan"]
+__all__ = ["MARGIN", "REASONS", "DisaggMetrics", "Inputs", "Verdict", "decide", "plan"]
 
 # The split's TTFT must beat the local one by this share to be worth a second leg when no
 # stream is harmed (a prediction's error is 20-40%: bench/slo_routing.py).
@@ -147,3 +151,38 @@ def plan(
         )
     )
     return verdict, best if verdict.split else None
+
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+
+
+class DisaggMetrics:
+    """The split's metrics, per model (`lifecycle.labels`: model, namespace, deployment)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        names = ["model", "deployment", "namespace"]
+        self.decisions = Counter(
+            metrics.GATEWAY_DISAGG_DECISIONS,
+            "Split decisions of requests to models with a prefill role, by reason.",
+            [*names, "split", "reason"], registry=registry,
+        )  # fmt: skip
+        self.legs = Counter(
+            metrics.GATEWAY_DISAGG_LEGS,
+            "Legs of split requests by role and outcome (prefill failed: computed locally).",
+            [*names, "role", "outcome"], registry=registry,
+        )  # fmt: skip
+        self.prefill = Histogram(
+            metrics.GATEWAY_DISAGG_PREFILL,
+            "Seconds of each prefill leg that returned its KV cache's params.",
+            names, buckets=_SECONDS, registry=registry,
+        )  # fmt: skip
+        self.transfer = Histogram(
+            metrics.GATEWAY_DISAGG_TRANSFER,
+            "Seconds each split request's KV transfer takes as predicted (KV bytes / link).",
+            names, buckets=_SECONDS, registry=registry,
+        )  # fmt: skip
+
+    def decided(self, labels: tuple[str, str, str], verdict: Verdict) -> None:
+        self.decisions.labels(*labels, str(verdict.split).lower(), verdict.reason).inc()
+        if verdict.split:
+            self.transfer.labels(*labels).observe(verdict.transfer_s)
