@@ -379,7 +379,7 @@ def main() -> None:
                 rows.append((shape, best))
             print(f"\n### {wl}: compute bound {cap:.1f} req/s (every GPU busy, no SLO)")
             print("| shape | P:D | goodput req/s | SLO-met req/s at 1.3x agg knee | TTFT p50 | "
-                  "TTFT p99 | ITL p99 of streams beside a >=2k-token prefill step (else all) | split share |"
+                  "TTFT p99 | ITL p99 beside a >=2k-token prefill (else all) | split share |"
                   " reasons |")  # fmt: skip
             print("|---|---|---|---|---|---|---|---|---|")
             knee = None
