@@ -22,20 +22,39 @@ Each decision has a reason, counted by the front ends (`kubellm_gateway_disagg_d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
 
+from kubellm.gateway.protocol.kv_transfer import kv_params_of, prefill_body
+from kubellm.gateway.routing.lifecycle import labels
+from kubellm.gateway.routing.predicted import CHARS_PER_TOKEN
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kubellm import metrics
 
 if TYPE_CHECKING:
     from kubellm.gateway.discovery.base import PrefillSplit
+    from kubellm.gateway.routing.lifecycle import Ticket
     from kubellm.gateway.routing.predicted import Predictions
+    from kubellm.gateway.routing.scheduler import Scheduler
     from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
-__all__ = ["MARGIN", "REASONS", "DisaggMetrics", "Inputs", "Verdict", "decide", "plan"]
+# A front end's way to send a prefill leg: (URL, body, deadline seconds) -> the answer's
+# body when its status is 200; None on another status or any error of its client.
+Post = Callable[[str, bytes, float], Awaitable[bytes | None]]
+
+__all__ = [
+    "MARGIN", "PREFILL_DEADLINE_FACTOR", "REASONS", "DisaggMetrics", "Inputs", "Post", "Verdict",
+    "decide", "plan", "prefill_leg",
+]  # fmt: skip
+
+# The prefill leg may take this many times its predicted split TTFT (at least the TTFT
+# target) before the request falls back to local prefill: past it the prediction was
+# wrong by more than the model's worst error, and the decode replica is a sure answer.
+PREFILL_DEADLINE_FACTOR = 3.0
 
 # The split's TTFT must beat the local one by this share to be worth a second leg when no
 # stream is harmed (a prediction's error is 20-40%: bench/slo_routing.py).
@@ -186,3 +205,58 @@ class DisaggMetrics:
         self.decisions.labels(*labels, str(verdict.split).lower(), verdict.reason).inc()
         if verdict.split:
             self.transfer.labels(*labels).observe(verdict.transfer_s)
+
+
+async def prefill_leg(
+    scheduler: Scheduler,
+    disagg: DisaggMetrics,
+    ticket: Ticket,
+    decode: Candidate,
+    path: str,
+    body: dict[str, Any],
+    post: Post,
+) -> dict[str, Any] | None:
+    """Decide for the admitted `ticket` (its decode replica `decode`; tenancy, quotas and
+    flow control counted the request once, at admission) and, on a split, send the prefill
+    leg through `post`: the returned `kv_transfer_params` for the decode leg, or None (local
+    prefill: no split, or the leg failed, stalled, passed its deadline or answered no
+    params; the client sees one answer either way)."""
+    target = ticket.target
+    settings = target.prefill
+    if settings is None:
+        return None
+    prefills = scheduler.router.candidates(target, target.prefill_endpoints)
+    slo = target.slo
+    verdict, url = plan(
+        scheduler.predictions, ticket.routing, decode, prefills, settings,
+        slo.ttft_seconds, slo.itl_seconds,
+    )  # fmt: skip
+    names = labels(target)
+    disagg.decided(names, verdict)
+    if url is None:
+        return None
+    candidate = next(c for c in prefills if c.url == url)
+    deadline = max(slo.ttft_seconds, PREFILL_DEADLINE_FACTOR * verdict.split_ttft)
+    start = time.monotonic()
+    release = scheduler.load.acquire(url)
+    dispatch = scheduler.predictions.sent(url, ticket.routing, candidate)
+    params = None
+    try:
+        async with asyncio.timeout(deadline):
+            answer = await post(url + path, prefill_body(body), deadline)
+        params = None if answer is None else kv_params_of(answer)
+    except TimeoutError:  # the deadline (a front end's `post` answers None on its errors)
+        params = None
+    finally:
+        release()
+        scheduler.predictions.abandoned(url, dispatch)
+    if params is None:
+        scheduler.failed(url)
+        disagg.legs.labels(*names, "prefill", "failed").inc()
+        return None
+    scheduler.succeeded(url)
+    disagg.legs.labels(*names, "prefill", "ok").inc()
+    disagg.prefill.labels(*names).observe(time.monotonic() - start)
+    # the decode replica computes none of the prompt: predicted and learnt as cached
+    ticket.routing = replace(ticket.routing, prompt_chars=CHARS_PER_TOKEN)
+    return params
