@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kubellm.engine.sim_profiles import PROFILES, Profile
 from kubellm.gateway.routing.disagg import Inputs, decide
+from kubellm.gateway.routing.latency import PREFILL_RATE_WINDOW_S, Dispatch, Prior, ReplicaModel
 
 from kubellm import capacity
 
@@ -112,6 +113,16 @@ class Replica:
     prefixes: dict[int, None] = field(default_factory=dict)  # LRU of shared prefixes held
     busy: bool = False
     queued_tokens: int = 0
+    rate: tuple[float, float] = (0.0, 0.0)  # prompt tokens/s sent here lately, as of when
+
+    def prompt_rate(self, now: float, add: int = 0) -> float:
+        """As the gateway's `Predictions.prefill_rate`: decayed over the window."""
+        rate, then = self.rate
+        window = PREFILL_RATE_WINDOW_S
+        rate = rate * math.exp(-(now - then) / window) + add / window
+        if add:
+            self.rate = (rate, now)
+        return rate
 
     @property
     def capacity(self) -> int:
@@ -126,8 +137,12 @@ class Sim:
         self, pool: str, shape: str, prefill: int, reqs: list[Req], slo: tuple[float, float]
     ):
         name, self.gpus, replicas, self.kv_bytes = POOLS[pool]
-        self.p = PROFILES[name]
+        self.p = p = PROFILES[name]
+        self.model = ReplicaModel(
+            Prior(p.step_base_s, p.prefill_token_s, p.decode_token_s, p.max_num_batched_tokens)
+        )  # the gateway's latency model, at the profile's exact figures
         self.shape, self.slo, self.reqs = shape, slo, reqs
+        self.now = 0.0
         roles = ["agg"] * replicas if shape == "aggregated" else (
             ["prefill"] * prefill + ["decode"] * (replicas - prefill))  # fmt: skip
         self.replicas = [Replica(r, self.p) for r in roles]
@@ -152,6 +167,7 @@ class Sim:
             self.push(r.t, 0, i)
         while self.events:
             now, _, kind, arg = heapq.heappop(self.events)
+            self.now = now
             if kind == 0:
                 self.arrive(arg, now)
             elif kind == 1:
@@ -204,7 +220,11 @@ class Sim:
         verdict = decide(Inputs(
             prompt_tokens=req.prompt, uncached_tokens=u, local_ttft=self.ttft(d, u),
             decode_step_s=p.step_base_s + p.decode_token_s * (len(r.running) + 1),
-            decode_batch=len(r.running), prefill_token_s=p.prefill_token_s,
+            others_itl=self.model.others_itl(Dispatch(
+                req.prompt, req.prompt - u, prefill_rate=r.prompt_rate(self.now),
+                in_flight=len(r.running), running=len(r.running),
+            )),
+            prefill_token_s=p.prefill_token_s,
             step_tokens=p.max_num_batched_tokens,
             prefill_ttft=self.ttft(best, self.uncached(best, req)),
             kv_bytes_per_token=self.kv_bytes, link_bytes_per_s=LINK,
@@ -233,6 +253,7 @@ class Sim:
                 r.prefixes.pop(next(iter(r.prefixes)))
         r.waiting.append(job)
         r.queued_tokens += job.todo
+        r.prompt_rate(now, job.todo)
         self.kick(at, now)
 
     # engine steps ----------------------------------------------------------
@@ -329,7 +350,7 @@ def goodput(pool: str, shape: str, prefill: int, wl: str, n: int, slo, hi: float
     lo = 0.0
     if attained(run(pool, shape, prefill, wl, hi, n, slo).jobs, slo) >= ATTAIN:
         return hi
-    for _ in range(7):
+    for _ in range(6):
         mid = (lo + hi) / 2
         if attained(run(pool, shape, prefill, wl, mid, n, slo).jobs, slo) >= ATTAIN:
             lo = mid
@@ -361,7 +382,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     args = ap.parse_args()
-    n = 300 if args.quick else 800
+    n = 250 if args.quick else 500
     slos = {"rag": (2.0, 0.030), "chat": (2.0, 0.030), "mix": (2.0, 0.030)}
     print(f"# P/D on the same GPUs; {n} requests per point, gamma arrivals (shape {BURSTINESS}),"
           f" KV link {LINK / 1e9:g} GB/s (RDMA); SLO TTFT 2 s, mean ITL 30 ms; goodput = the"
@@ -375,7 +396,7 @@ def main() -> None:
             rows = [("aggregated", 0)]
             for shape in ("always", "conditional", "dynamo"):
                 best = max(range(1, replicas // 2 + 1), key=lambda k, s=shape: goodput(
-                    pool, s, k, wl, n // 2, slo, hi))  # fmt: skip
+                    pool, s, k, wl, n, slo, hi))  # fmt: skip
                 rows.append((shape, best))
             print(f"\n### {wl}: compute bound {cap:.1f} req/s (every GPU busy, no SLO)")
             print("| shape | P:D | goodput req/s | SLO-met req/s at 1.3x agg knee | TTFT p50 | "

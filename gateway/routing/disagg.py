@@ -8,8 +8,9 @@ best prefill replica with its KV cache moved over the link (split):
     split TTFT = the prefill replica's predicted TTFT (its queue and the prompt)
                + transfer + one step of the decode replica (the first token it makes)
     local TTFT = the decode replica's predicted TTFT (the latency model's)
-    harm       = the ITL of the streams already decoding there while the prompt's chunks
-                 ride in their steps: step + prefill_token_s x min(uncached, step budget)
+    harm       = the mean ITL of the streams already decoding there once this prompt adds
+                 to the prompt work the replica computes beside them (the latency model's
+                 `others_itl`: its step over 1 - the share of its time spent on prompts)
 
 Conditional: split when the local prefill would push the streams decoding there past the
 ITL target (harm > ITL target) or when the split's TTFT is clearly better (MARGIN); but
@@ -78,7 +79,7 @@ class Inputs:
     uncached_tokens: int  # on the chosen decode replica
     local_ttft: float  # predicted on the decode replica with the prompt computed there
     decode_step_s: float  # one decode step there now (its batch's)
-    decode_batch: float  # streams already decoding there
+    others_itl: float  # the streams there with this prompt computed beside them (0: none)
     prefill_token_s: float  # one prompt token's compute there
     step_tokens: int  # the prompt tokens one step computes at most (chunked prefill)
     prefill_ttft: float | None  # the best prefill replica's predicted TTFT; None: none ready
@@ -105,7 +106,7 @@ def decide(x: Inputs) -> Verdict:
     transfer = x.kv_bytes_per_token * x.uncached_tokens / x.link_bytes_per_s
     split_ttft = x.prefill_ttft + transfer + x.decode_step_s
     chunk = min(x.uncached_tokens, x.step_tokens)
-    harm = x.decode_step_s + x.prefill_token_s * chunk if x.decode_batch >= 1 else 0.0
+    harm = x.others_itl
 
     def verdict(split: bool, reason: str) -> Verdict:
         return Verdict(split, reason, transfer, split_ttft, harm)
@@ -151,14 +152,13 @@ def plan(
         ttft, _ = model.predict(c.url, predictions.dispatch(c.url, request, c))
         if best_ttft is None or ttft < best_ttft:
             best, best_ttft = c.url, ttft
-    batch = here.batch - 1.0
     verdict = decide(
         Inputs(
             prompt_tokens=here.prompt_tokens,
             uncached_tokens=here.uncached,
             local_ttft=local_ttft,
             decode_step_s=step * (prior.step_base_s + prior.decode_token_s * here.batch),
-            decode_batch=batch,
+            others_itl=model.others_itl(decode.url, here),
             prefill_token_s=prefill * prior.prefill_token_s,
             step_tokens=prior.max_num_batched_tokens,
             prefill_ttft=best_ttft,
