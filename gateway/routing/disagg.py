@@ -12,11 +12,15 @@ best prefill replica with its KV cache moved over the link (split):
                  to the prompt work the replica computes beside them (the latency model's
                  `others_itl`: its step over 1 - the share of its time spent on prompts)
 
-Conditional: split when the local prefill would push the streams decoding there past the
-ITL target (harm > ITL target) or when the split's TTFT is clearly better (MARGIN); but
-never onto a prefill pool so busy that the split misses the TTFT target the local prefill
-would meet or beat (`prefill-busy`). Always: split whenever a prefill replica is ready
-(for comparison, as production-stack and vllm-router do).
+Conditional compares the two as the slo-aware policy compares replicas (`latency.slo_cost`:
+the worst of TTFT / its target and ITL / its target): local costs max(local TTFT / TTFT
+target, harm / ITL target); split costs max(split TTFT / TTFT target, one decode step /
+ITL target) (the streams there are spared the prompt). It splits when the split's cost is
+under the local one's by MARGIN: `itl-harm` when the streams' ITL is what the local
+prefill costs most, `faster-ttft` when the TTFT is (a decode replica with a queue beside
+an idle prefill pool). A split that would miss a TTFT target the local prefill meets or
+beats is `prefill-busy`. Always: split whenever a prefill replica is ready (for
+comparison, as production-stack and vllm-router do).
 
 Each decision has a reason, counted by the front ends (`kubellm_gateway_disagg_decisions_total`).
 """
@@ -57,9 +61,9 @@ __all__ = [
 # wrong by more than the model's worst error, and the decode replica is a sure answer.
 PREFILL_DEADLINE_FACTOR = 3.0
 
-# The split's TTFT must beat the local one by this share to be worth a second leg when no
-# stream is harmed (a prediction's error is 20-40%: bench/slo_routing.py).
-MARGIN = 0.3
+# The split's SLO cost must be under the local one's by this share to be worth a second
+# leg and a KV transfer (a prediction's error is 20-40%: bench/slo_routing.py).
+MARGIN = 0.2
 # A prompt whose uncached part is under this is computed where it decodes: the ITL harm of
 # one chunk this small is under a millisecond on every profile, and a second leg costs an
 # HTTP round trip and a KV handshake.
@@ -116,17 +120,18 @@ def decide(x: Inputs) -> Verdict:
     if x.uncached_tokens < MIN_SPLIT_TOKENS:
         cached = x.prompt_tokens - x.uncached_tokens >= MIN_SPLIT_TOKENS
         return verdict(False, "cached-prefix" if cached else "short-prompt")
-    harmful = harm > x.itl_target
-    faster = split_ttft < x.local_ttft * (1.0 - MARGIN)
-    if not (harmful or faster):
-        mostly_cached = x.prompt_tokens >= 2 * x.uncached_tokens
-        short = chunk * x.prefill_token_s <= x.decode_step_s
-        return verdict(
-            False, "cached-prefix" if mostly_cached else "short-prompt" if short else "no-gain"
-        )
+    local_ttft, local_itl = x.local_ttft / x.ttft_target, harm / x.itl_target
+    local = max(local_ttft, local_itl)
+    split = max(split_ttft / x.ttft_target, x.decode_step_s / x.itl_target)
+    if split < local * (1.0 - MARGIN):
+        return verdict(True, "itl-harm" if local_itl >= local_ttft else "faster-ttft")
     if split_ttft > x.ttft_target and split_ttft > x.local_ttft:
         return verdict(False, "prefill-busy")
-    return verdict(True, "itl-harm" if harmful else "faster-ttft")
+    mostly_cached = x.prompt_tokens >= 2 * x.uncached_tokens
+    short = chunk * x.prefill_token_s <= x.decode_step_s
+    return verdict(
+        False, "cached-prefix" if mostly_cached else "short-prompt" if short else "no-gain"
+    )
 
 
 def plan(

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 from kubellm.gateway.discovery.base import Endpoint, PrefillSplit
+from kubellm.gateway.routing.settings import Thresholds
 
 from kubellm.api import SLO
 from tests.gateway.conftest import model
@@ -75,11 +76,15 @@ def test_a_failed_prefill_leg_falls_back_to_local_prefill(engines, gateway, fail
     assert _legs(gw, "failed") == 1 and _legs(gw, "ok") == 0
 
 
-def test_conditional_splits_a_long_prompt_on_a_busy_decode_replica_only(engines, gateway):
+def test_conditional_splits_a_long_prompt_on_a_queued_decode_replica_only(engines, gateway):
     (pre, pre_server), (dec, dec_server) = engines(2)
-    dec.behaviour.running = 40  # streams decoding there: a 12k-token prompt would stall them
-    slo = SLO(ttft_seconds=2.0, itl_seconds=0.011)  # past the ~11 ms its prefill leaves them
-    gw = gateway({"tiny": _pd(pre_server.url, dec_server.url, "Conditional", slo)})
+    dec.behaviour.running = 40
+    dec.behaviour.waiting = 50  # a queue there (other gateways'), the prefill replica idle
+    slo = SLO(ttft_seconds=2.0, itl_seconds=0.03)
+    gw = gateway(  # the queue there is not saturation here: a prediction's input
+        {"tiny": _pd(pre_server.url, dec_server.url, "Conditional", slo)},
+        thresholds=Thresholds(max_waiting=1000),
+    )
     load = gw.gateway.load
     wait_until(lambda: all(load.stats(s.url) is not None for s in (pre_server, dec_server)), 60)
     client = gw.client()
@@ -89,7 +94,7 @@ def test_conditional_splits_a_long_prompt_on_a_busy_decode_replica_only(engines,
     assert [("kv_transfer_params" in b) for b in dec.bodies] == [False, True]
     decisions = "kubellm_gateway_disagg_decisions_total"
     assert gw.metric(decisions, **LABELS, split="false", reason="short-prompt") == 1
-    assert gw.metric(decisions, **LABELS, split="true", reason="itl-harm") == 1
+    assert gw.metric(decisions, **LABELS, split="true", reason="faster-ttft") == 1
 
 
 def test_a_prefill_replica_never_takes_a_whole_request(engines, gateway):
