@@ -20,6 +20,12 @@ from typing import Any
 
 GIB = 2**30
 GB = 10**9
+# A KV cache's link from a prefill to a decode replica, GB/s one way, as achieved rather
+# than signalled: NVLink 4 within an H100 node (900 GB/s both ways, NVIDIA H100 datasheet;
+# NIXL over UCX's cuda_ipc reaches ~80% of a direction), RDMA over one 400 Gb/s
+# ConnectX-7 NIC per GPU (50 GB/s line rate, ~45 achieved with GPUDirect), TCP over a
+# 100 GbE pod network (12.5 GB/s line rate, ~10 achieved by one stream).
+KV_LINK_GBPS = {"nvlink": 360.0, "rdma": 45.0, "tcp": 10.0}
 
 # Bits per weight, including the scale overhead of each format:
 # - bf16/fp16: 16 bits, no scales.

@@ -107,6 +107,13 @@ GATEWAY_TENANT_ITL = "kubellm_gateway_tenant_inter_token_latency_seconds"  # his
 # each replica's speed against its peers' median at the same batch and prompt.
 GATEWAY_PREDICTION_RATIO = "kubellm_gateway_predicted_over_observed_ratio"  # histogram
 GATEWAY_SPEED_FACTOR = "kubellm_gateway_replica_speed_factor"  # gauge per url
+# Prefill/decode disaggregation (spec.prefill): each request's split decision by reason
+# (+ split=true|false), each leg's outcome by role (+ role=prefill|decode, outcome), the
+# prefill leg's seconds, and the KV transfer's seconds as predicted (bytes / link bandwidth)
+GATEWAY_DISAGG_DECISIONS = "kubellm_gateway_disagg_decisions_total"
+GATEWAY_DISAGG_LEGS = "kubellm_gateway_disagg_legs_total"
+GATEWAY_DISAGG_PREFILL = "kubellm_gateway_disagg_prefill_seconds"  # histogram
+GATEWAY_DISAGG_TRANSFER = "kubellm_gateway_disagg_transfer_seconds"  # histogram
 
 
 def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:

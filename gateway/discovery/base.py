@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
-from kubellm.api import SLO, Routing
+from kubellm.api import SLO, LLMDeploymentSpec, Routing
+from kubellm.capacity import KV_LINK_GBPS, kv_bytes_per_token
 from kubellm.contracts import (
+    PREFILL_ROLE,
     FallbackTarget,  # the core builds it from a spec: fallback_target
     inference_pool_name,
 )
@@ -28,8 +30,10 @@ __all__ = [
     "FixedDiscovery",
     "ModelTarget",
     "PoolDiscovery",
+    "PrefillSplit",
     "StepCosts",
     "find_model",
+    "prefill_split",
 ]
 
 
@@ -61,6 +65,40 @@ class Endpoint:
     # Its step costs where discovery knows them (a local simulated replica: its profile);
     # None: the model's prior (ModelTarget.decode_tokens_per_second_bound) or the default.
     step_costs: StepCosts | None = None
+    # Its role (contracts.ROLE_LABEL: "prefill" or "decode"); None: it serves both phases.
+    role: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefillSplit:
+    """A model with a prefill role (spec.prefill): when a request is split
+    (routing/disagg.py), and what moving its KV cache costs."""
+
+    split: Literal["Conditional", "Always"] = "Conditional"
+    kv_bytes_per_token: int = 131_072  # Llama 3.1 8B in bf16
+    link_bytes_per_s: float = KV_LINK_GBPS["rdma"] * 1e9
+
+
+# The transport each connector uses by default where spec.prefill.kvConnector does not
+# say the link's bandwidth (capacity.KV_LINK_GBPS)
+_CONNECTOR_LINK = {"Nixl": "rdma", "Mooncake": "rdma", "P2pNccl": "rdma"}
+
+
+def prefill_split(spec: LLMDeploymentSpec) -> PrefillSplit | None:
+    """The split settings of a spec with a prefill role (None: aggregated)."""
+    prefill = spec.prefill
+    if prefill is None:
+        return None
+    connector = prefill.kv_connector
+    gbps = connector.link_bandwidth_gbps or KV_LINK_GBPS[_CONNECTOR_LINK.get(connector.type, "tcp")]
+    arch = spec.model.architecture
+    kv_bytes = 1 if spec.engine.kv_cache_dtype.startswith("fp8") else 2
+    per_token = (
+        kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, kv_bytes)
+        if arch is not None
+        else PrefillSplit.kv_bytes_per_token
+    )
+    return PrefillSplit(prefill.split, per_token, gbps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -108,6 +146,8 @@ class ModelTarget:
     # status.capacity.decodeTokensPerSecondBound (None: not known): the slo-aware latency
     # model's replicas of this model start from a prior scaled to it until they have answers.
     decode_tokens_per_second_bound: float | None = None
+    # spec.prefill: requests may be split between the prefill and the decode role
+    prefill: PrefillSplit | None = None
 
     @property
     def pool_name(self) -> str:
@@ -118,8 +158,14 @@ class ModelTarget:
 
     @property
     def routable(self) -> tuple[Endpoint, ...]:
-        """Endpoints that may take new requests (draining ones finish what they have)."""
-        return tuple(e for e in self.endpoints if not e.draining)
+        """Endpoints that may take new requests (draining ones finish what they have): a
+        whole request, so never a prefill replica."""
+        return tuple(e for e in self.endpoints if not e.draining and e.role != PREFILL_ROLE)
+
+    @property
+    def prefill_endpoints(self) -> tuple[Endpoint, ...]:
+        """The prefill role's endpoints that may take a prefill leg."""
+        return tuple(e for e in self.endpoints if not e.draining and e.role == PREFILL_ROLE)
 
 
 def canary_split(rollout: Mapping[str, object] | None) -> CanarySplit | None:

@@ -31,11 +31,20 @@ from kubellm.gateway.discovery.base import (
     Endpoint,
     ModelTarget,
     canary_split,
+    prefill_split,
 )
 
 from kubellm import kube
 from kubellm.api import LLMDeployment, LLMDeploymentSpec
-from kubellm.contracts import DEPLOYMENT_LABEL, REVISION_LABEL, fallback_target, slice_endpoints
+from kubellm.contracts import (
+    DECODE_ROLE,
+    DEPLOYMENT_LABEL,
+    PREFILL_ROLE,
+    REVISION_LABEL,
+    ROLE_LABEL,
+    fallback_target,
+    slice_endpoints,
+)
 from kubellm.manifests import ManifestError, parse
 from kubellm.sources import adapter_path
 
@@ -47,10 +56,12 @@ SecretKey = tuple[str, str, str]  # namespace, secret name, key
 def endpoints_of(slice_: Mapping[str, Any]) -> list[Endpoint]:
     """Engine URLs of one EndpointSlice (port `http`): ready ones, and draining ones
     (serving while terminating: they finish what they have), with the slice's revision
-    label (a canary Service's slices carry it)."""
-    revision = ((slice_.get("metadata") or {}).get("labels") or {}).get(REVISION_LABEL) or None
+    label (a canary Service's slices carry it) and role label (spec.prefill's roles)."""
+    labels = (slice_.get("metadata") or {}).get("labels") or {}
+    revision = labels.get(REVISION_LABEL) or None
+    role = labels.get(ROLE_LABEL) if labels.get(ROLE_LABEL) in (PREFILL_ROLE, DECODE_ROLE) else None
     return [
-        Endpoint(e.url, draining=not e.routable, revision=revision)
+        Endpoint(e.url, draining=not e.routable, revision=revision, role=role)
         for e in slice_endpoints(slice_)
         if e.routable or e.draining
     ]
@@ -130,7 +141,8 @@ def build_targets(
                     bucket[e.url] = e
                 elif e.revision and not known.revision:
                     bucket[e.url] = Endpoint(e.url, known.draining and e.draining,
-                                             known.kv_events_port, e.revision)  # fmt: skip
+                                             known.kv_events_port, e.revision,
+                                             role=known.role or e.role)  # fmt: skip
     targets: dict[str, ModelTarget] = {}
     for d in sorted(deployments, key=lambda d: (d.metadata.namespace, d.metadata.name)):
         name = d.served_name
@@ -156,6 +168,7 @@ def build_targets(
             decode_tokens_per_second_bound=(bounds or {}).get(
                 (d.metadata.namespace, d.metadata.name)
             ),
+            prefill=prefill_split(d.spec),
         )
     return targets
 

@@ -34,12 +34,19 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from kubellm.gateway.discovery.base import AdapterRef, Endpoint, FallbackTarget, ModelTarget
+from kubellm.gateway.discovery.base import (
+    AdapterRef,
+    Endpoint,
+    FallbackTarget,
+    ModelTarget,
+    PrefillSplit,
+)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kubellm.api import SLO, Fallback, Routing
+from kubellm.capacity import KV_LINK_GBPS
 from kubellm.contracts import fallback_target
 from kubellm.manifests import ManifestError, explain, read_documents
 
@@ -64,6 +71,8 @@ class StaticEndpoint(BaseModel):
     url: str
     draining: bool = False
     kv_events_port: int | None = Field(default=None, alias="kvEventsPort", ge=1, le=65534)
+    # contracts.ROLE_LABEL's values (spec.prefill); absent: it serves both phases
+    role: Literal["prefill", "decode"] | None = None
 
     @field_validator("url")
     @classmethod
@@ -73,6 +82,20 @@ class StaticEndpoint(BaseModel):
         if "@" in url.split("://", 1)[1].split("/", 1)[0]:
             raise ValueError("must not carry credentials (user:password@): engines take none")
         return url.rstrip("/")
+
+
+class StaticPrefill(BaseModel):
+    """A model with a prefill role (the endpoints with `role: prefill`): as spec.prefill."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    split: Literal["Conditional", "Always"] = "Conditional"
+    kv_bytes_per_token: int = Field(
+        default=PrefillSplit.kv_bytes_per_token, alias="kvBytesPerToken", ge=1, le=1 << 30
+    )
+    link_bandwidth_gbps: float = Field(
+        default=KV_LINK_GBPS["rdma"], alias="linkBandwidthGBps", gt=0, le=1e5,
+        allow_inf_nan=False,
+    )  # fmt: skip
 
 
 class StaticModel(BaseModel):
@@ -87,6 +110,7 @@ class StaticModel(BaseModel):
     routing: Routing = Field(default_factory=Routing)
     fallback: StaticFallback | None = None
     slo: SLO = Field(default_factory=SLO)
+    prefill: StaticPrefill | None = None
     # LoRA adapters: name -> the path (or Hugging Face id) a replica loads it from
     adapters: dict[str, str] = Field(default_factory=dict)
     # As status.capacity.decodeTokensPerSecondBound: the slo-aware latency model's prior
@@ -139,7 +163,7 @@ def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, Mode
             deployment=m.deployment or m.name,
             namespace=m.namespace,
             endpoints=tuple(
-                Endpoint(e.url, e.draining, e.kv_events_port)
+                Endpoint(e.url, e.draining, e.kv_events_port, role=e.role)
                 for e in m.endpoints
                 if isinstance(e, StaticEndpoint)
             ),
@@ -149,6 +173,11 @@ def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, Mode
             adapters=tuple(AdapterRef(n, p) for n, p in m.adapters.items()),
             pool=m.pool,
             decode_tokens_per_second_bound=m.decode_tokens_per_second_bound,
+            prefill=None
+            if m.prefill is None
+            else PrefillSplit(
+                m.prefill.split, m.prefill.kv_bytes_per_token, m.prefill.link_bandwidth_gbps * 1e9
+            ),
         )
     return models
 

@@ -51,10 +51,12 @@ from kubellm.gateway.discovery.base import (
     pool_cut,
 )
 from kubellm.gateway.epp import messages as m
+from kubellm.gateway.epp import prefill
 from kubellm.gateway.protocol import errors
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.openai import PATHS, parse_body
 from kubellm.gateway.routing import slo
+from kubellm.gateway.routing.disagg import DisaggMetrics
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Attempt, Ticket
 from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings
@@ -105,6 +107,7 @@ class EndpointPicker:
     def __init__(self, discovery: Discovery, settings: PickerSettings | None = None) -> None:
         self.settings = settings or PickerSettings()
         self.scheduler = Scheduler(discovery, self.settings.scheduler)
+        self.disagg = DisaggMetrics(self.scheduler.metrics.registry)  # P/D (epp/prefill.py)
         self._client: aiohttp.ClientSession | None = None
         self._forwarder: tuple[str, float] | None = None  # (ip:port, resolved at)
         self.streams = 0  # ext_proc streams open
@@ -363,7 +366,7 @@ class Exchange:
         if self.request_mode == m.FULL_DUPLEX:
             answers = await self._route(body, "request_headers")
             if self.phase != "ended":
-                answers += m.body_pieces(body)
+                answers += m.body_pieces(bytes(self.body))  # a split's decode leg: its own
             return answers
         return await self._route(body, "request_body")
 
@@ -483,6 +486,14 @@ class Exchange:
                 503, f"No endpoint of model `{model}` is in the gateway's endpoint subset.",
                 "server_error", "service_unavailable",
             ))]  # fmt: skip
+        if ticket.target.prefill is not None and self.request_mode == m.FULL_DUPLEX:
+            assert self.picker._client is not None
+            body = await prefill.split(
+                self.sched, self.picker.disagg, self.picker._client, ticket, urls[0],
+                path, parsed, body,
+            )  # fmt: skip
+            self.body = bytearray(body)  # the decode leg's, sent back to Envoy
+            urls = urls[:1]  # Envoy's retry on another replica would lose the KV's params
         self.attempt = ticket.attempt(urls[0])
         listed = [host_port(u) for u in urls[: settings.endpoints_per_answer]]
         return [self._answer(phase, listed, body, ticket.route)]

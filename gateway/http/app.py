@@ -38,7 +38,7 @@ from kubellm.gateway.discovery.base import (
     find_model,
     model_cards,
 )
-from kubellm.gateway.http import relay, upstream
+from kubellm.gateway.http import prefill, relay, upstream
 from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
 from kubellm.gateway.http.settings import GatewaySettings
 from kubellm.gateway.protocol import assemble, errors
@@ -46,6 +46,7 @@ from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.headers import first_values
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
 from kubellm.gateway.routing import mirror, slo, usage
+from kubellm.gateway.routing.disagg import DisaggMetrics
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Ticket
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.router import routing_request
@@ -86,6 +87,7 @@ class Gateway:
         self.metrics = self.scheduler.metrics
         self._client = client  # https replicas', the fallback API's and scraping's client
         self._replicas: upstream.Pool | None = None  # the plain-http replicas' client
+        self.disagg = DisaggMetrics(self.metrics.registry)  # P/D splits (http/prefill.py)
         self.pace = relay.Pace()  # replicas' gaps within whole answers: what a stall is
         # the canary's shadow step (routing/mirror.py)
         self.mirror = mirror.Mirror(
@@ -273,6 +275,11 @@ class Gateway:
         connect, deadlines = self.settings.timeouts(target, stream or whole is not None)
         headers = _forward_headers(call.headers)
         headers["x-request-id"] = _attempt_id(headers.get("x-request-id"))
+        if target.prefill is not None:  # P/D: the prompt may be computed on a prefill replica
+            raw = await prefill.split(
+                self.scheduler, self.disagg, self.replicas, ticket, call.path, body, raw,
+                headers, self.settings.connect_timeout,
+            )  # fmt: skip
         forward = Forward(
             call.path, raw, headers, stream or whole is not None, deadlines, connect,
             self.settings.attempts, whole,

@@ -12,7 +12,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from kubellm.gateway.discovery.base import ModelTarget
+from kubellm.gateway.discovery.base import Endpoint, ModelTarget
 from kubellm.gateway.routing.adapters import AdapterScorer
 from kubellm.gateway.routing.load import LoadView
 from kubellm.gateway.routing.outliers import OutlierDetector
@@ -87,11 +87,15 @@ class Router:
     def adapter_scorer(self, scorer: AdapterScorer | None) -> None:
         self.shared.adapters = scorer
 
-    def candidates(self, target: ModelTarget) -> list[Candidate]:
-        """Endpoints that may take a new request: routable, not ejected, and not down (the
-        latest scrape failed), unless every one that is not ejected is down: then those,
-        since an engine without working metrics may still answer."""
-        alive = [e for e in target.routable if not self.outliers.ejected(e.url)]
+    def candidates(
+        self, target: ModelTarget, endpoints: Sequence[Endpoint] | None = None
+    ) -> list[Candidate]:
+        """Endpoints that may take a new request: routable (or `endpoints`: a prefill
+        leg's), not ejected, and not down (the latest scrape failed), unless every one that
+        is not ejected is down: then those, since an engine without working metrics may
+        still answer."""
+        given = target.routable if endpoints is None else endpoints
+        alive = [e for e in given if not self.outliers.ejected(e.url)]
         healthy = [e for e in alive if not self.load.down(e.url)]
         out = []
         for endpoint in healthy or alive:

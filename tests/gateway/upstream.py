@@ -40,6 +40,9 @@ class Behaviour:
     running: float = 0.0
     kv_usage: float = 0.0
     metrics_status: int = 200
+    # a prefill leg's answer (kv_transfer_params.do_remote_decode): "params" as vLLM's
+    # NixlConnector answers, "garbage" (not JSON), "none" (no params)
+    prefill_answer: str = "params"
 
 
 @dataclass
@@ -98,6 +101,9 @@ class FakeEngine:
             )  # fmt: skip
         chat = request.url.path.endswith("chat/completions")
         model = body.get("model", self.name)
+        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            self.completed += 1
+            return self._prefilled(model, chat, b.prefill_answer)
         if not body.get("stream"):
             self.completed += 1
             return JSONResponse(_completion(model, chat, self.name, b.tokens))
@@ -105,6 +111,20 @@ class FakeEngine:
         usage = bool(options.get("include_usage"))
         events = self._stream(model, chat, b, usage)
         return StreamingResponse(events, media_type="text/event-stream")
+
+    def _prefilled(self, model: str, chat: bool, answer: str) -> Response:
+        """A prefill engine's answer: one token, and the params naming its KV blocks."""
+        if answer == "garbage":
+            return Response(b"\x00not json{", media_type="application/json")
+        whole = _completion(model, chat, self.name, 1)
+        if answer == "params":
+            whole["kv_transfer_params"] = {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": self.name, "remote_block_ids": [0, 1, 2],
+                "remote_request_id": f"{self.name}-r{self.completed}",
+                "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1,
+            }  # fmt: skip
+        return JSONResponse(whole)
 
     async def _stream(self, model: str, chat: bool, b: Behaviour, usage: bool):  # type: ignore[no-untyped-def]
         """As vLLM streams: the last token's event carries the finish reason, and a usage

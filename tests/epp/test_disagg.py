@@ -1,0 +1,71 @@
+"""P/D through the endpoint picker: the picker runs the prefill leg against a loopback
+engine that speaks vLLM's `kv_transfer_params` and hands Envoy the decode leg's body, or
+the body as sent (local prefill) when the prefill engine fails."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget, PrefillSplit
+from kubellm.gateway.epp.server import EndpointPicker, Exchange
+
+from tests.epp.test_exchange import BODY, Mode, _body, _config, _destination, _headers
+from tests.gateway.upstream import FakeEngine, ServerThread
+
+
+@pytest.fixture
+def pair():
+    engines = [FakeEngine("pre"), FakeEngine("dec")]
+    servers = [ServerThread(e.app()).start() for e in engines]
+    yield engines, servers
+    for server in servers:
+        server.stop()
+
+
+async def _exchange(servers) -> tuple[Exchange, list]:
+    target = ModelTarget(
+        "tiny", "tiny",
+        endpoints=(Endpoint(servers[0].url, role="prefill"),
+                   Endpoint(servers[1].url, role="decode")),
+        prefill=PrefillSplit("Always"),
+    )  # fmt: skip
+    picker = EndpointPicker(FixedDiscovery({"tiny": target}))
+    await picker.start()
+    exchange = Exchange(picker)
+    assert await exchange.handle(_headers(protocol_config=_config(Mode.FULL_DUPLEX_STREAMED))) == []
+    return exchange, await exchange.handle(_body(BODY))
+
+
+def _sent_body(answers) -> bytes:
+    return b"".join(
+        a.request_body.response.body_mutation.streamed_response.body for a in answers[1:]
+    )
+
+
+@pytest.mark.parametrize("prefill_status", [200, 500])
+async def test_the_picker_runs_the_prefill_leg_and_sends_the_decode_leg(pair, prefill_status):
+    (pre, _), servers = pair
+    pre.behaviour.status = prefill_status
+    exchange, answers = await _exchange(servers)
+    try:
+        header, _ = _destination(answers[0])
+        assert header == servers[1].url.removeprefix("http://")  # the decode replica only
+        (leg,) = pre.bodies
+        assert leg["max_tokens"] == 1 and leg["kv_transfer_params"]["do_remote_decode"] is True
+        sent = json.loads(_sent_body(answers))
+        if prefill_status == 200:
+            assert sent["kv_transfer_params"]["remote_engine_id"] == "pre"
+            assert {k: v for k, v in sent.items() if k != "kv_transfer_params"} == json.loads(BODY)
+        else:  # local prefill: the body as the client sent it
+            assert sent == json.loads(BODY)
+        outcome = "ok" if prefill_status == 200 else "failed"
+        value = exchange.picker.metrics.registry.get_sample_value(
+            "kubellm_gateway_disagg_legs_total",
+            {"model": "tiny", "deployment": "tiny", "namespace": "default", "role": "prefill",
+             "outcome": outcome},
+        )  # fmt: skip
+        assert value == 1
+    finally:
+        exchange.close()
+        await exchange.picker.stop()

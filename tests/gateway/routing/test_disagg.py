@@ -1,0 +1,94 @@
+"""The split decision (routing/disagg.py): table tests on the pure part, and the plan
+built from the latency model's state."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from kubellm.gateway.discovery.base import PrefillSplit
+from kubellm.gateway.routing.disagg import REASONS, Inputs, decide, plan
+from kubellm.gateway.routing.predicted import CHARS_PER_TOKEN, Predictions
+from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+
+# Llama 3.1 8B on an H100 (engine_image/sim_profiles.py), 30 ms ITL, 2 s TTFT targets
+BASE = Inputs(
+    prompt_tokens=12_000,
+    uncached_tokens=12_000,
+    local_ttft=0.45,
+    decode_step_s=0.007 + 80e-6 * 40,
+    others_itl=0.045,  # 40 streams there, their mean ITL with this prompt computed beside them
+    prefill_token_s=32e-6,
+    step_tokens=8192,
+    prefill_ttft=0.40,
+    kv_bytes_per_token=131_072,
+    link_bytes_per_s=45e9,
+    ttft_target=2.0,
+    itl_target=0.030,
+)
+
+CASES = {
+    "long uncached prompt, busy decode replica": (BASE, True, "itl-harm"),
+    "short prompt": (replace(BASE, prompt_tokens=60, uncached_tokens=60), False, "short-prompt"),
+    "cached prefix on the decode replica": (
+        replace(BASE, uncached_tokens=40), False, "cached-prefix"),
+    "mostly cached, harmless remainder": (
+        replace(BASE, uncached_tokens=300, others_itl=0.012), False, "cached-prefix"),
+    "busy prefill pool": (replace(BASE, prefill_ttft=3.5), False, "prefill-busy"),
+    "no prefill replica ready": (replace(BASE, prefill_ttft=None), False, "no-prefill-replica"),
+    "idle decode replica, prefill no faster": (
+        replace(BASE, others_itl=0.0), False, "no-gain"),
+    "idle decode replica, prefill much faster": (
+        replace(BASE, others_itl=0.0, local_ttft=2.5), True, "faster-ttft"),
+    "always, even a short prompt": (
+        replace(BASE, prompt_tokens=60, uncached_tokens=60, split="Always"), True, "always"),
+    "always, but no prefill replica": (
+        replace(BASE, prefill_ttft=None, split="Always"), False, "no-prefill-replica"),
+    "slow link: the transfer makes the split miss its TTFT": (
+        replace(BASE, link_bytes_per_s=0.5e9), False, "prefill-busy"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_decision_table(name: str) -> None:
+    inputs, split, reason = CASES[name]
+    verdict = decide(inputs)
+    assert (verdict.split, verdict.reason) == (split, reason)
+    assert verdict.reason in REASONS
+
+
+def test_transfer_is_bytes_over_bandwidth() -> None:
+    verdict = decide(BASE)
+    assert verdict.transfer_s == pytest.approx(131_072 * 12_000 / 45e9)
+    assert verdict.split_ttft == pytest.approx(0.40 + verdict.transfer_s + BASE.decode_step_s)
+
+
+def _request(tokens: int) -> RoutingRequest:
+    return RoutingRequest("m", prompt_chars=tokens * CHARS_PER_TOKEN)
+
+
+def test_plan_picks_the_least_loaded_prefill_replica_and_splits_a_long_prompt() -> None:
+    predictions = Predictions()
+    decode = Candidate("http://d", in_flight=40, running=40.0, waiting=0.0)
+    # prompts sent there lately: ~20k tokens/s, 64% of its time (the latency model's busy)
+    predictions.prefill_rate(decode.url, add=100_000)
+    prefills = [
+        Candidate("http://p-busy", in_flight=3, running=3.0, waiting=6.0),
+        Candidate("http://p-idle", running=0.0, waiting=0.0),
+    ]
+    verdict, url = plan(predictions, _request(12_000), decode, prefills, PrefillSplit(), 2.0, 0.030)
+    assert verdict.split and url == "http://p-idle"
+    short, url = plan(predictions, _request(50), decode, prefills, PrefillSplit(), 2.0, 0.030)
+    assert not short.split and url is None and short.reason == "short-prompt"
+    alone, _ = plan(predictions, _request(12_000), decode, [], PrefillSplit(), 2.0, 0.030)
+    assert (alone.split, alone.reason) == (False, "no-prefill-replica")
+
+
+def test_a_long_prompt_beside_few_prompts_is_computed_where_it_decodes() -> None:
+    """Under a mean-ITL target one long prompt's stall is spread over the streams' answers:
+    the split pays only once the replica spends a large share of its time on prompts."""
+    predictions = Predictions()
+    decode = Candidate("http://d", in_flight=40, running=40.0, waiting=0.0)
+    prefills = [Candidate("http://p", running=0.0, waiting=0.0)]
+    verdict, url = plan(predictions, _request(12_000), decode, prefills, PrefillSplit(), 2.0, 0.030)
+    assert (verdict.split, url) == (False, None) and verdict.local_itl_harm < 0.030
