@@ -191,3 +191,20 @@ def test_simulator_exports_the_offload_counters() -> None:
     assert got[("vllm:kv_offload_load_bytes_total", None)] == 5 * block_bytes
     assert got[("vllm:kv_offload_tiering_read_bytes_total", "fs")] > 0
     assert got[("vllm:kv_offload_store_bytes_total", None)] >= 13 * block_bytes
+
+
+def test_kv_usage_stays_the_gpu_pools_with_a_tier() -> None:
+    """The autoscaler scales on vllm:kv_cache_usage_perc: the GPU pool's occupancy, which a
+    host tier full of blocks does not change (it holds a cache, not running requests)."""
+    plain, tiered = engine(0), engine(host_blocks=32)
+    for e in (plain, tiered):
+        for rid, prompt in (("a1", A), ("b", B)):
+            run(e, rid, prompt)
+    assert tiered.tiers is not None and len(tiered.tiers.lru["CPU"]) > 8  # > the GPU pool
+    assert tiered.kv_cache_usage() == plain.kv_cache_usage() == tiered.pool.usage()
+    request = Request("c", A, 50)
+    plain.add(request)
+    plain.step()
+    tiered.add(Request("c", A, 50))
+    tiered.step()
+    assert tiered.kv_cache_usage() == plain.kv_cache_usage() > 0
