@@ -134,3 +134,10 @@ class TierValue:
 # 0.92, disk 0.23. A model's own figures only move these a little: the ratio is KV bytes
 # per token over FLOPs per token, about the same across dense models of one family.
 DEFAULT_VALUE = TierValue.from_physics(32e-6, 131_072)
+
+
+def cached_tokens(value: TierValue, gpu: int, host: int, disk: int, block_size: int) -> int:
+    """The prompt tokens a latency.Dispatch counts as cached for a prefix matched by tier:
+    a host or disk block counts at its worth, so the latency model's prefill of the rest
+    carries each reload's cost (reload = (1 - worth) x the prefill it replaces)."""
+    return round(value.blocks(gpu, host, disk) * block_size)

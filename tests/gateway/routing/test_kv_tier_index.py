@@ -122,3 +122,22 @@ def test_precise_scorer_ranks_gpu_then_host_then_a_miss() -> None:
     peers = PrecisePrefixScorer(kv, lambda url: True, PrefixIndex(), recent_s=0,
                                 tier_value=TierValue.fixed())  # fmt: skip
     assert peers.score(request, candidates)[1] == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "host", "disk"), [(0, 0, 0), (100, 0, 0), (0, 100, 0), (40, 60, 0), (10, 20, 30)]
+)
+def test_the_latency_model_charges_a_reload_not_a_prefill(gpu, host, disk) -> None:
+    """TTFT with a prefix matched by tier = TTFT with it all on the GPU + its reloads."""
+    from kubellm.gateway.routing.kv_tier_index import cached_tokens
+    from kubellm.gateway.routing.latency import Dispatch, Prior
+
+    prior, block, per_token = Prior(), 16, 131_072
+    value = TierValue.from_physics(prior.prefill_token_s, per_token)
+    prompt = 4096
+    on_gpu = Dispatch(prompt, (gpu + host + disk) * block)
+    tiered = Dispatch(prompt, cached_tokens(value, gpu, host, disk, block))
+    reload = (host + disk) * block * per_token / 50e9 + disk * block * per_token / 6e9
+    assert prior.ttft(tiered) - prior.ttft(on_gpu) == pytest.approx(
+        reload, abs=prior.prefill_token_s
+    )
