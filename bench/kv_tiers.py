@@ -9,11 +9,12 @@ in a fleet with spec.routing.prefixIndex precise. The clock is simulated: each r
 advances by its steps' durations; figures do not depend on this machine's load.
 
 Workloads:
-- `chat x0.5`, `chat x1.5`, `chat x3`: multi-turn chat and agent sessions; each starts
-  with a private 2-6k-token context, each turn adds a 200-800-token user message and the
-  engine's answer (150 tokens), think time 5-20 s (agents: 1-3 s, a third of sessions),
-  until the history reaches its length (8-32k tokens), then a new session starts. The
-  sessions' mean final history x their count = the factor x the fleet's GPU pools.
+- `chat x0.5`, `chat x1.5`, `chat x3`: multi-turn chat and agent sessions, found under
+  way (each history anywhere between its 2-6k-token opening context and its end, 8-32k
+  tokens); each turn adds a 200-800-token user message and the engine's 150-token answer,
+  think time 5-20 s (agents, a third of sessions: 1-3 s); a session that reaches its end
+  is replaced by a new one. The live histories together are the factor x the fleet's GPU
+  pools (printed as the working set).
 - `doc-qa`: private-prefix document Q&A: every request a new 8-16k-token document and a
   question; nothing is ever reused (the tier only costs).
 
@@ -165,10 +166,15 @@ def run(args: argparse.Namespace, workload: str, contender: str) -> Result:
     arrivals: list[tuple[float, int, Session | None]] = []  # (time, tiebreak, session)
     fresh = iter(range(10**9))
 
-    def new_session() -> Session:
+    def new_session(midway: bool = False) -> Session:
+        """A session of 8-32k tokens at the end; `midway`: one already under way (its
+        history anywhere from its opening context to its end), so the run starts in the
+        steady state instead of with every session at its first turn."""
         sid = next(fresh) + 1_000_000
-        history = [rng.randrange(50_000) for _ in range(rng.randint(2_000, 6_000))]
-        return Session(sid, history, rng.randint(8_000, 32_000), rng.random() < 1 / 3)
+        final = rng.randint(8_000, 32_000)
+        start = rng.randint(2_000, final if midway else 6_000)
+        history = [rng.randrange(50_000) for _ in range(start)]
+        return Session(sid, history, final, rng.random() < 1 / 3)
 
     if workload == "doc-qa":
         rate = args.doc_rate
@@ -179,10 +185,13 @@ def run(args: argparse.Namespace, workload: str, contender: str) -> Result:
         working_set = 0.0
     else:
         factor = float(workload.split("x")[1])
-        sessions = max(1, round(factor * fleet.pool_tokens() / 20_000))
-        working_set = sessions * 20_000 / fleet.pool_tokens()
-        for _ in range(sessions):
-            heapq.heappush(arrivals, (rng.uniform(0, 10), next(counter), new_session()))
+        # sessions under way hold ~11k tokens on average (2k to 8-32k): their histories
+        # together are `factor` x the fleet's GPU pools
+        sessions = max(1, round(factor * fleet.pool_tokens() / 11_000))
+        live = [new_session(midway=True) for _ in range(sessions)]
+        working_set = sum(len(s.history) for s in live) / fleet.pool_tokens()
+        for session in live:
+            heapq.heappush(arrivals, (rng.uniform(0, 10), next(counter), session))
     owner: dict[str, tuple[float, Session | None, int]] = {}
     started = time.process_time()
     stalled = 0
