@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from kubellm import manifests
+from kubellm import kv_tiers, manifests
 from kubellm.api import LLMDeployment, LLMDeploymentSpec
 from kubellm.contracts import dp_ranks_per_pod, max_loras
 from kubellm.sources import HF_CACHE_DIR, MODEL_ROOT, adapter_path, parse_source
@@ -378,6 +378,34 @@ def kv_events_args(spec: LLMDeploymentSpec, host: str, port: int | None = None) 
     return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
 
 
+def kv_offload_args(spec: LLMDeploymentSpec) -> list[str]:
+    """vLLM's KV offloading for spec.engine.kvOffload: the native CPU tier
+    (--kv-offloading-backend native --kv-offloading-size GiB, which selects vLLM's
+    OffloadingConnector with cpu_bytes_to_use = GiB x 2^30); with a disk tier, the
+    connector's spec is TieringOffloadingSpec with one `fs` secondary tier rooted at the
+    pod's disk-tier volume (kv_tiers.DISK_DIR), which publishes its own BlockStored events
+    (medium STORAGE) when spec.routing.prefixIndex is precise. vLLM merges the size into
+    this --kv-transfer-config (VllmConfig._post_init_kv_transfer_config)."""
+    offload = spec.engine.kv_offload
+    if offload is None:
+        return []
+    argv = ["--kv-offloading-backend", "native", "--kv-offloading-size", f"{offload.host_gib:g}"]
+    if offload.disk is not None:
+        tier: dict[str, Any] = {"type": "fs", "root_dir": kv_tiers.DISK_DIR}
+        if spec.routing.prefix_index == "precise":
+            tier["enable_kv_events"] = True
+        config = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "TieringOffloadingSpec",
+                "secondary_tiers": [tier],
+            },
+        }
+        argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    return argv
+
+
 def build_command(
     target: EngineTarget,
     *,
@@ -452,6 +480,7 @@ def build_command(
         argv += ["--speculative-config", speculative]
     argv += lora_args(target, model_root=model_root, env=env, cwd=cwd)
     argv += kv_events_args(spec, host, kv_events_port)
+    argv += kv_offload_args(spec)
     argv += list(engine.extra_args)
     if cpu and not environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM reads "" as unset too
         env["VLLM_CPU_KVCACHE_SPACE"] = str(DEFAULT_CPU_KVCACHE_GIB)

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubellm.engine.sim_profiles import Profile
+from kubellm.engine.sim_tiers import OffloadTiers
 
 from kubellm import kv_blocks
 from kubellm.kv_blocks import BlockHasher
@@ -283,6 +284,20 @@ class Engine:
         self.preemptions = 0
         self.lora_slots: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.lora_loads = 0  # adapters loaded into a slot (each costs lora_load_s)
+        self.tiers: OffloadTiers | None = None  # spec.engine.kvOffload (sim_tiers says how)
+        if profile.prefix_caching and profile.host_tier_blocks and profile.kv_bytes_per_token:
+            self.tiers = OffloadTiers(
+                profile.kv_bytes_per_token * profile.block_size,
+                profile.host_tier_blocks,
+                profile.disk_tier_blocks,
+                host_gbps=profile.host_gbps,
+                disk_read_gbps=profile.disk_read_gbps,
+                disk_write_gbps=profile.disk_write_gbps,
+                events=self.kv_events,
+            )
+        self.external_queries = 0  # vLLM's external_prefix_cache_queries / _hits (tokens)
+        self.external_hits = 0
+        self._reload_s = 0.0  # offloaded blocks loaded for this step's admissions
 
     # ------------------------------------------------------------------ requests
 
@@ -339,6 +354,27 @@ class Engine:
             hit.append(block_id)
         return hit
 
+    def _lookup_offloaded(self, request: Request, gpu_hit: int) -> list[str]:
+        """The tiers of the blocks that continue the GPU's hit below it (sim_tiers)."""
+        if self.tiers is None or request._lookup is None:
+            return []
+        return self.tiers.lookup(request._lookup[1][gpu_hit:])
+
+    def _load_offloaded(self, request: Request, tiers: list[str]) -> None:
+        """Reload the offloaded blocks after the GPU's hit into the request's new blocks:
+        they count as computed (at the reload's cost, not a prefill's) and are cached on
+        the GPU (announced there as computed blocks are)."""
+        assert self.tiers is not None and request._lookup is not None
+        start = len(request.hashes)
+        hashes = request._lookup[1][start : start + len(tiers)]
+        self._reload_s += self.tiers.load(hashes, tiers)
+        size = self.profile.block_size
+        if request.preemptions == 0:
+            self.external_hits += len(tiers) * size
+            request.cached_tokens += len(tiers) * size
+        self._cache_full_blocks(request, (start + len(tiers)) * size, store=False)
+        request.computed = (start + len(tiers)) * size
+
     def _admit(self, request: Request, hit: list[int]) -> None:
         """Take the hit blocks, allocate the rest for the first chunk, count the lookup."""
         size = self.profile.block_size
@@ -347,6 +383,8 @@ class Engine:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(hit) * size
             request.cached_tokens = len(hit) * size
+            if self.tiers is not None:  # the connector is asked for what the GPU lacks
+                self.external_queries += request.num_tokens - len(hit) * size
         for block_id in hit:
             self.pool.touch(block_id)
         request.blocks = list(hit)
@@ -355,7 +393,7 @@ class Engine:
         request.status = RUNNING
         self.running.append(request)
 
-    def _cache_full_blocks(self, request: Request, upto: int) -> None:
+    def _cache_full_blocks(self, request: Request, upto: int, store: bool = True) -> None:
         """Publish the full blocks of the first `upto` tokens (at allocation, as vLLM does:
         a request admitted later in the same step can already hit them)."""
         if not self.profile.prefix_caching:
@@ -376,6 +414,9 @@ class Engine:
                     kv_blocks.external(parent) if parent is not None else None,
                     tokens[start * size : full * size], size, request.lora,
                 ))  # fmt: skip
+            if store and self.tiers is not None:  # write-through to the host tier
+                self.tiers.store(new, parent, tokens[start * size : full * size], size,
+                                 request.lora)  # fmt: skip
 
     def _hashes(
         self, request: Request, tokens: Sequence[int], start: int, parent: bytes | None
@@ -459,12 +500,13 @@ class Engine:
                 skipped.append(self.waiting.popleft())
                 continue
             hit = self._lookup_prefix(request)
-            want = request.num_tokens - len(hit) * self.profile.block_size
+            offloaded = self._lookup_offloaded(request, len(hit))
+            found = (len(hit) + len(offloaded)) * self.profile.block_size
+            want = request.num_tokens - found
             if want > budget and not self.profile.chunked_prefill:
                 break
             want = min(want, budget)
-            total = len(hit) * self.profile.block_size + want
-            new_blocks = -(-total // self.profile.block_size) - len(hit)
+            new_blocks = -(-(found + want) // self.profile.block_size) - len(hit)
             idle_hits = sum(1 for b in hit if self.pool.blocks[b].ref_cnt == 0)
             if new_blocks + idle_hits > self.pool.num_free:
                 break
@@ -472,6 +514,8 @@ class Engine:
             self._admit(request, hit)
             for _ in range(new_blocks):
                 request.blocks.append(self.pool.allocate())
+            if offloaded:
+                self._load_offloaded(request, offloaded)
             self._cache_full_blocks(request, request.computed + want)
             scheduled.append((request, want))
             budget -= want
@@ -525,6 +569,9 @@ class Engine:
                 self._finish(request, "length")
                 finished.append(request)
         duration = self.profile.step_seconds(prefill, decode) if scheduled else 0.0
+        if self.tiers is not None:  # loads block the step; stores overlap it (sim_tiers)
+            duration = max(duration + self._reload_s, self.tiers.take_store_seconds())
+            self._reload_s = 0.0
         if scheduled and self.profile.max_loras:
             duration += self._activate_loras(scheduled) * self.profile.lora_load_s
         return StepResult(duration, tokens, finished, prefill, decode)

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kubellm import api, capacity
+from kubellm import api, capacity, kv_tiers
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,13 @@ class Profile:
     source: str = ""
     max_loras: int = 0  # LoRA adapter slots of one step; 0: LoRA off
     lora_load_s: float = 0.05  # loading one adapter into a slot (see LORA_LOAD_NOTE)
+    # KV offload tiers (spec.engine.kvOffload; engine_image/sim_tiers.py): 0 blocks, none.
+    kv_bytes_per_token: int = 0  # the model's, for the bytes a reload moves
+    host_tier_blocks: int = 0
+    disk_tier_blocks: int = 0
+    host_gbps: float = kv_tiers.RELOAD_GBPS[kv_tiers.CPU]  # PCIe (kubellm.kv_tiers cites)
+    disk_read_gbps: float = kv_tiers.RELOAD_GBPS[kv_tiers.STORAGE]  # local NVMe
+    disk_write_gbps: float = kv_tiers.STORE_GBPS[kv_tiers.STORAGE]
 
     def step_seconds(self, prefill_tokens: int, decode_tokens: int) -> float:
         return (
@@ -130,6 +137,7 @@ def _h100_8b() -> Profile:
         step_base_s=0.007,
         prefill_token_s=32e-6,
         decode_token_s=80e-6,
+        kv_bytes_per_token=per_token,
         source="kubellm.capacity + NVIDIA H100 SXM datasheet (3.35 TB/s, 989 TFLOPS bf16)",
     )
 
@@ -389,6 +397,10 @@ SPEC_FIELDS: dict[str, str] = {
     "chunkedPrefill.maxNumBatchedTokens": "token budget of one step",
     "maxLoras": "adapter slots of one step, LRU, each load costs the profile's lora_load_s "
     "(unset with spec.adapters: kubellm's default, 4)",
+    "kvOffload.hostGiB": "host-memory tier of evicted blocks, LRU, reloaded over PCIe "
+    "(engine_image/sim_tiers.py; needs the profile's KV bytes per token)",
+    "kvOffload.disk.sizeGiB": "disk tier below the host tier, LRU, reloaded from NVMe",
+    "kvOffload.disk.claimName": "where the disk tier lives; the simulator keeps it in memory",
 }
 # Engine fields the simulator ignores, and why.
 IGNORED_FIELDS: dict[str, str] = {
@@ -426,6 +438,15 @@ def from_spec(base: Profile, engine: api.EngineSpec, *, cpu: bool) -> Profile:
         prefix_caching=engine.prefix_caching,
         max_loras=engine.max_loras or base.max_loras,
     )
+    offload = engine.kv_offload
+    block_bytes = profile.kv_bytes_per_token * block_size
+    if offload is not None and block_bytes:
+        disk = offload.disk.size_gib if offload.disk else 0.0
+        profile = replace(
+            profile,
+            host_tier_blocks=int(offload.host_gib * kv_tiers.GIB) // block_bytes,
+            disk_tier_blocks=int(disk * kv_tiers.GIB) // block_bytes,
+        )
     if not profile.chunked_prefill and profile.max_num_batched_tokens < profile.max_model_len:
         raise ValueError(
             f"spec.engine.chunkedPrefill.maxNumBatchedTokens {profile.max_num_batched_tokens} "

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kubellm.engine import sim_profiles as profiles
+from kubellm.engine import sim_tiers
 from kubellm.engine import sim_tokenizer as tokenizer
 from kubellm.engine.sim_core import Engine, Request, StepResult
 from kubellm.engine.sim_events import KVEventPublisher
@@ -128,6 +129,21 @@ class Simulator:
             buckets=ITL_BUCKETS, registry=self.registry,
         ).labels(**labels)  # fmt: skip
         self._counted = (0, 0, 0)
+        # KV offload tiers: vLLM's offload counters (sim_tiers.metric_values)
+        self._offload: dict[tuple[str, str | None], tuple[Counter, float]] = {}
+        if self.engine.tiers is not None:
+            values = sim_tiers.metric_values(self.engine.tiers, 0, 0)
+            disk = bool(self.engine.tiers.capacity["STORAGE"])
+            made: dict[str, Counter] = {}
+            for name, tier in values:
+                if tier is not None and not disk:
+                    continue
+                if name not in made:
+                    extra = ["tier"] if tier is not None else []
+                    made[name] = Counter(name, name, [*names, *extra], registry=self.registry)
+                metric = made[name]
+                child = metric.labels(**labels, **({"tier": tier} if tier else {}))
+                self._offload[(name, tier)] = (child, 0.0)
         # LoRA: the registered adapters (name -> path), as vLLM's /v1/models lists them, and
         # vLLM's info gauge: one series per (max, waiting, running) label set, set to the
         # time it was last current; older sets stay exported with older times, as in vLLM.
@@ -277,6 +293,13 @@ class Simulator:
         self.c_hits.inc(now[1] - self._counted[1])
         self.c_preemptions.inc(now[2] - self._counted[2])
         self._counted = now
+        if self.engine.tiers is not None:
+            values = sim_tiers.metric_values(
+                self.engine.tiers, self.engine.external_queries, self.engine.external_hits
+            )
+            for key, (child, counted) in self._offload.items():
+                child.inc(values[key] - counted)
+                self._offload[key] = (child, values[key])
         if self.c_lora_loads is not None:
             self.c_lora_loads.inc(self.engine.lora_loads - self._lora_loads_counted)
             self._lora_loads_counted = self.engine.lora_loads

@@ -196,6 +196,42 @@ class SpeculativeDecoding(_Model):
     prompt_lookup_max: int | None = Field(default=None, ge=1, description="ngram only.")
 
 
+MAX_OFFLOAD_GIB = 65536  # 64 TiB: above any node's memory or local disk
+
+
+class DiskTier(_Model):
+    """The file-system tier below host memory: vLLM's TieringOffloadingSpec `fs` tier."""
+
+    size_gib: float = Field(
+        gt=0,
+        le=MAX_OFFLOAD_GIB,
+        alias="sizeGiB",
+        description="Disk space for offloaded KV blocks, GiB: the emptyDir's sizeLimit, or "
+        "what the claim must hold (vLLM's fs tier does not evict; the volume bounds it).",
+    )
+    claim_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_NAME,
+        description="A PersistentVolumeClaim for the tier (e.g. on local NVMe); unset: an "
+        "emptyDir on the node's disk, lost with the pod.",
+    )
+
+
+class KVOffload(_Model):
+    """KV blocks evicted from GPU memory kept in host memory (and on disk) and reloaded
+    instead of recomputed (vLLM --kv-offloading-backend native --kv-offloading-size)."""
+
+    host_gib: float = Field(
+        gt=0,
+        le=MAX_OFFLOAD_GIB,
+        alias="hostGiB",
+        description="Host-memory tier of one replica, GiB (summed over its GPUs, as vLLM's "
+        "--kv-offloading-size); the pod's memory request grows by it.",
+    )
+    disk: DiskTier | None = Field(default=None, description="A file-system tier below it.")
+
+
 # The vLLM arguments the launcher derives from the spec: extraArgs may not set them again.
 OWNED_ENGINE_ARGS = (
     "--model", "--port", "--host", "--served-model-name", "--tensor-parallel-size",
@@ -248,6 +284,12 @@ class EngineSpec(_Model):
             "spec.engine.chunkedPrefill.maxNumBatchedTokens must be >= spec.engine.maxModelLen "
             "when chunked prefill is disabled",
             ".chunkedPrefill.maxNumBatchedTokens",
+        ),
+        Rule(
+            "!has(self.kvOffload) || self.prefixCaching",
+            "spec.engine.kvOffload needs spec.engine.prefixCaching: offloaded blocks are found "
+            "by their prefix hashes",
+            ".kvOffload",
         ),
     )
 
@@ -302,6 +344,11 @@ class EngineSpec(_Model):
     )
     prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prefixes.")
     chunked_prefill: ChunkedPrefill = _nested(ChunkedPrefill, "Chunked prefill settings.")
+    kv_offload: KVOffload | None = Field(
+        default=None,
+        description="KV-cache offload tiers below GPU memory (host memory, then disk); needs "
+        "prefixCaching. Unset: no offload (docs/operations.md, 'When a host-memory tier pays').",
+    )
     speculative: SpeculativeDecoding | None = Field(
         default=None, description="Speculative decoding (vLLM --speculative-config)."
     )
@@ -1144,6 +1191,9 @@ class Capacity(_Status):
     kv_pool_bytes_per_gpu: int | None = Field(default=None, alias="kvPoolBytesPerGPU")
     max_concurrent_sequences: int | None = None
     decode_tokens_per_second_bound: float | None = None
+    kv_tokens_gpu: int | None = Field(default=None, alias="kvTokensGPU")
+    kv_tokens_host: int | None = None
+    kv_tokens_disk: int | None = None
 
 
 class AutoscalerRecommendation(_Status):

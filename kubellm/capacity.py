@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kubellm import kv_tiers
+
 GIB = 2**30
 GB = 10**9
 # A KV cache's link from a prefill to a decode replica, GB/s one way, as achieved rather
@@ -505,6 +507,16 @@ def for_spec(spec: Any) -> dict[str, Any] | None:
         out["kvPoolBytesPerGPU"] = result.kv_pool_bytes_per_gpu
     if gpu.bandwidth_gbps:
         out["decodeTokensPerSecondBound"] = round(result.decode_tokens_per_second_bound, 1)
+    offload = engine.kv_offload
+    if offload is not None:  # each tier's capacity in tokens (one replica)
+        tiers = kv_tiers.tier_capacity(
+            result.kv_bytes_per_token, result.kv_pool_bytes, offload.host_gib,
+            offload.disk.size_gib if offload.disk else 0.0,
+        )  # fmt: skip
+        out["kvTokensGPU"] = tiers.gpu_tokens
+        out["kvTokensHost"] = tiers.host_tokens
+        if offload.disk:
+            out["kvTokensDisk"] = tiers.disk_tokens
     return out
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kubellm import __version__, api, capacity, crd, manifests
+from kubellm import __version__, api, capacity, crd, kv_tiers, manifests
 
 # name -> (module providing configure/run, one-line help)
 COMPONENT_COMMANDS: dict[str, tuple[str, str]] = {
@@ -168,6 +168,27 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
     )
     work.add_argument("--utilization", type=_FRACTION, default=1.0, help="share of the hour busy")
     work.add_argument("--api-price-per-million", type=_POSITIVE, help="API price per 1M tokens")
+    tiers = parser.add_argument_group(
+        "KV offload tiers (spec.engine.kvOffload; sessions are --context-tokens long)"
+    )
+    tiers.add_argument("--host-tier-gib", type=_POSITIVE, help="host-memory tier per replica")
+    tiers.add_argument("--disk-tier-gib", type=_POSITIVE, help="disk tier per replica")
+    tiers.add_argument(
+        "--working-set-tokens", type=_COUNT,
+        help="KV tokens the fleet's sessions keep warm (histories between turns): with "
+        "--replicas, says whether host memory or more replicas holds them cheaper",
+    )  # fmt: skip
+    tiers.add_argument("--replicas", type=_COUNT, default=1, help="replicas of the fleet")
+    tiers.add_argument(
+        "--host-gib-hour-price", type=_POSITIVE, default=0.005,
+        help="dollars per GiB-hour of host memory (cloud memory-optimised instances: "
+        "about 0.004-0.008)",
+    )  # fmt: skip
+    tiers.add_argument(
+        "--max-host-gib", type=_POSITIVE, default=200.0,
+        help="host memory one replica can pin (an 8-GPU H100 node has 2 TiB: 256 per GPU, "
+        "less the engine's own)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one flat JSON object")
     trace = parser.add_argument_group(
         "from a trace (--trace FILE: simulate the fleet on the trace; the model and workload "
@@ -397,10 +418,55 @@ def _plan(args: argparse.Namespace) -> int:
                      f"{even:.0%}" if even <= 1 else
                      f"never: the API is cheaper at any utilization (even 100% busy costs "
                      f"{even:.1f}x the API's price)"))  # fmt: skip
+    rows += _tier_rows(args, result)
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
     return 0
+
+
+def _tier_rows(args: argparse.Namespace, result: capacity.Plan) -> list[tuple[str, str]]:
+    """Each tier's tokens and sessions; with --working-set-tokens, host memory or replicas."""
+    if not (args.host_tier_gib or args.disk_tier_gib or args.working_set_tokens):
+        return []
+    per_token = result.kv_bytes_per_token
+    tiers = kv_tiers.tier_capacity(
+        per_token, result.kv_pool_bytes, args.host_tier_gib or 0.0, args.disk_tier_gib or 0.0
+    )
+    sessions = tiers.sessions(args.context_tokens)
+    rows = [
+        (f"KV tokens per replica: {tier}", f"{tokens:,} ({sessions[tier]:,} sessions of "
+         f"{args.context_tokens:,} tokens)")
+        for tier, tokens in zip(kv_tiers.TIERS, (tiers.gpu_tokens, tiers.host_tokens,
+                                                  tiers.disk_tokens), strict=True)
+        if tokens or tier == kv_tiers.GPU
+    ]  # fmt: skip
+    if args.working_set_tokens:
+        price = (args.gpu_hour_price or 0.0) * result.gpus_per_replica
+        verdict = kv_tiers.host_or_replicas(
+            args.working_set_tokens, per_token, tiers.gpu_tokens, args.replicas,
+            replica_hour_price=price, host_gib_hour_price=args.host_gib_hour_price,
+            max_host_gib=args.max_host_gib,
+        )  # fmt: skip
+        if not verdict.extra_replicas:
+            answer = "the GPU pools hold it: no tier needed"
+        else:
+            host = (f"{verdict.host_gib_per_replica:,.1f} GiB host tier per replica "
+                    f"(${verdict.host_hour_price:,.2f}/h for the fleet)")  # fmt: skip
+            more = f"{verdict.extra_replicas} more replicas"
+            if price:
+                more += f" (${verdict.extra_replicas * price:,.2f}/h)"
+            if not verdict.fits_host:
+                answer = f"{more}: {host} is over --max-host-gib {args.max_host_gib:g}"
+            elif verdict.host_is_cheaper or not price:
+                answer = f"{host}, not {more}"
+            else:
+                answer = f"{more}, not {host}"
+        rows.append((f"working set of {args.working_set_tokens:,} tokens on "
+                     f"{args.replicas} replicas", answer))  # fmt: skip
+        rows.append(("  (a tier holds sessions between turns)",
+                     "running requests still need the GPU pools"))  # fmt: skip
+    return rows
 
 
 # --------------------------------------------------------------------------- main

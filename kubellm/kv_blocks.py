@@ -144,8 +144,10 @@ def block_stored(
     token_ids: Sequence[int],
     block_size: int,
     lora_name: str | None = None,
+    medium: str = MEDIUM_GPU,
 ) -> dict[str, Any]:
-    """A BlockStored event as vLLM encodes it (its fields in order, defaults left out)."""
+    """A BlockStored event as vLLM encodes it (its fields in order, defaults left out);
+    `medium` is the tier holding the block: "GPU", or an offload tier's "CPU" / "STORAGE"."""
     return {
         "type": "BlockStored",
         "block_hashes": list(hashes),
@@ -153,13 +155,13 @@ def block_stored(
         "token_ids": list(token_ids),
         "block_size": block_size,
         "lora_id": None,
-        "medium": MEDIUM_GPU,
+        "medium": medium,
         "lora_name": lora_name,
     }
 
 
-def block_removed(hashes: Sequence[int]) -> dict[str, Any]:
-    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": MEDIUM_GPU}
+def block_removed(hashes: Sequence[int], medium: str = MEDIUM_GPU) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium}
 
 
 def all_blocks_cleared() -> dict[str, Any]:

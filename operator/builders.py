@@ -28,9 +28,12 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
-from kubellm import __version__, api, contracts, sources
+from kubellm.operator import plan
+
+from kubellm import __version__, api, contracts, kv_tiers, sources
 from kubellm.contracts import DEPLOYMENT_LABEL, PORT_NAME, engine_spec_json
 
 FIELD_MANAGER = "kubellm-operator"
@@ -291,8 +294,9 @@ def _resources(llmd: api.LLMDeployment) -> dict[str, Any]:
     if res.cpu:
         requests["cpu"] = res.cpu
     if res.memory:
-        requests["memory"] = res.memory
-        limits["memory"] = res.memory
+        requests["memory"] = limits["memory"] = _with_host_tier(llmd, res.memory)
+    elif llmd.spec.engine.kv_offload is not None:  # no limit to OOM-kill the engine at
+        requests["memory"] = _with_host_tier(llmd, "0")
     if res.gpu.count > 0:
         requests[res.gpu.resource_name] = str(res.gpu.count)
         limits[res.gpu.resource_name] = str(res.gpu.count)
@@ -302,6 +306,24 @@ def _resources(llmd: api.LLMDeployment) -> dict[str, Any]:
     if limits:
         out["limits"] = limits
     return out
+
+
+def _with_host_tier(llmd: api.LLMDeployment, memory: str) -> str:
+    """resources.memory plus this pod's share of the host-memory KV tier (vLLM pins it:
+    the scheduler must reserve it), in Mi; `memory` unchanged without a tier."""
+    offload = llmd.spec.engine.kv_offload
+    base = plan.quantity(memory)
+    if offload is None or base is None:
+        return memory
+    host = Decimal(repr(offload.host_gib)) * 2**30 / llmd.spec.resources.nodes
+    return f"{math.ceil((base + host) / 2**20)}Mi"
+
+
+def _disk_volume(disk: api.DiskTier) -> dict[str, Any]:
+    """The disk tier's volume: the claim, or an emptyDir capped at its size."""
+    if disk.claim_name:
+        return {"name": "kv-offload", "persistentVolumeClaim": {"claimName": disk.claim_name}}
+    return {"name": "kv-offload", "emptyDir": {"sizeLimit": f"{math.ceil(disk.size_gib * 1024)}Mi"}}
 
 
 def _model_volume(llmd: api.LLMDeployment) -> dict[str, Any]:
@@ -399,6 +421,7 @@ def _pod_template(llmd: api.LLMDeployment, *, canary: bool, role: str | None) ->
     port = spec.engine.port
     grace = spec.termination_grace_period_seconds
     serving = role != WORKER or workers_serve(llmd)
+    disk = spec.engine.kv_offload.disk if spec.engine.kv_offload else None
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": spec.engine.image,
@@ -411,6 +434,7 @@ def _pod_template(llmd: api.LLMDeployment, *, canary: bool, role: str | None) ->
             {"name": "model", "mountPath": sources.MODEL_ROOT},
             {"name": "dshm", "mountPath": SHM_DIR},
             {"name": "tmp", "mountPath": TMP_DIR},
+            *([{"name": "kv-offload", "mountPath": kv_tiers.DISK_DIR}] if disk else []),
         ],
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
@@ -434,6 +458,7 @@ def _pod_template(llmd: api.LLMDeployment, *, canary: bool, role: str | None) ->
             _model_volume(llmd),
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
             {"name": "tmp", "emptyDir": {}},
+            *([_disk_volume(disk)] if disk else []),
         ],
         "terminationGracePeriodSeconds": grace,
         # Service links inject <SERVICE>_PORT variables; vLLM reads VLLM_PORT and breaks.

@@ -49,6 +49,8 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubellm.gateway.routing.kv_tier_index import LOWER, LowerTiers, matched_by_tier
+
 from kubellm import kv_blocks
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,7 @@ class KVIndex:
     _owners: dict[int, int] = field(default_factory=dict)
     _replicas: dict[str, _Replica] = field(default_factory=dict)
     dropped_total: int = 0
+    lower: LowerTiers = field(default_factory=LowerTiers)  # offload tiers' blocks
 
     # ------------------------------------------------------------------ replicas
     def _replica(self, url: str) -> _Replica:
@@ -134,6 +137,7 @@ class KVIndex:
         replica = self._replicas.pop(url, None)
         if replica is not None:
             self._clear(replica)
+            self.lower.clear(replica.slot)
 
     def _clear(self, replica: _Replica) -> None:
         for _ in self._clear_steps(replica):
@@ -207,6 +211,7 @@ class KVIndex:
         if live and replica.last_live is not None and seq <= replica.last_live:
             applied.restarted = True
             yield from self._clear_steps(replica)
+            self.lower.clear(replica.slot)
             replica.next_seq = None
         if live:
             replica.last_live = seq
@@ -238,6 +243,16 @@ class KVIndex:
         hashes = event.get("block_hashes") or ()
         if not isinstance(hashes, list | tuple):
             applied.malformed += 1
+            return
+        medium = event.get("medium")
+        if medium in LOWER:  # an offload tier's block (kv_tier_index)
+            valid = [h for h in map(block_hash, hashes[: self.per_replica]) if h is not None]
+            applied.malformed += len(hashes[: self.per_replica]) - len(valid)
+            changed = self.lower.apply(replica.slot, kind, medium, valid)
+            if kind == "BlockStored":
+                applied.stored += changed
+            else:
+                applied.removed += changed
             return
         bit = 1 << replica.slot
         owners = self._owners
@@ -298,6 +313,18 @@ class KVIndex:
         """Every block hash `url` holds (a copy: for tests and diagnosis)."""
         replica = self._replicas.get(url)
         return set() if replica is None else set(replica.hashes)
+
+    def matched_by_tier(self, url: str, hashes: Sequence[int]) -> tuple[int, int, int]:
+        """(GPU, host, disk) blocks of the chain's longest prefix `url` holds in any tier
+        (kv_tier_index.matched_by_tier says the order)."""
+        replica = self._replicas.get(url)
+        if replica is None:
+            return 0, 0, 0
+        bit = 1 << replica.slot
+        owners = self._owners
+        on_gpu = [bool(owners.get(h, 0) & bit) for h in hashes]
+        lower = [self.lower.tiers(replica.slot, h) for h in hashes]
+        return matched_by_tier(on_gpu, lower)
 
     def matched(self, url: str, hashes: Sequence[int]) -> int:
         """How many of the chain's first blocks `url` holds (stops at the first miss: a

@@ -75,6 +75,15 @@ TABLE = [
     ({"maxLoras": 3}, "--max-loras", "3"),
     ({"maxLoras": 2, "maxLoraRank": 64}, "--max-lora-rank", "64"),
     ({"maxLoras": 2}, "--max-lora-rank", None),
+    ({}, "--kv-offloading-size", None),
+    ({"kvOffload": {"hostGiB": 96}}, "--kv-offloading-size", "96"),
+    ({"kvOffload": {"hostGiB": 96}}, "--kv-offloading-backend", "native"),
+    ({"kvOffload": {"hostGiB": 8}}, "--kv-transfer-config", None),
+    ({"kvOffload": {"hostGiB": 8, "disk": {"sizeGiB": 100, "claimName": "nvme"}}},
+     "--kv-transfer-config",
+     '{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":'
+     '{"spec_name":"TieringOffloadingSpec","secondary_tiers":[{"type":"fs",'
+     '"root_dir":"/kv-offload"}]}}'),
 ]  # fmt: skip
 # Engine fields with no vLLM flag, and where their behaviour is tested instead.
 NOT_FLAGS = {

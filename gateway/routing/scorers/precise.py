@@ -16,6 +16,11 @@ burst of one tenant's requests follows the first one instead of scattering befor
 blocks are announced. A removal announced by the replica after the send ends that credit
 (the send is older than what the events now say), so an eviction right after a send is
 believed at once.
+
+Offload tiers (spec.engine.kvOffload): a prefix the replica holds below its GPU (host
+memory, disk: the events' medium) counts at its worth, `tier_value` (kv_tier_index:
+1 - reload / prefill per token; peers' fixed weights as an override), so a host-tier
+hit ranks just under a GPU hit and far over a miss.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kubellm.gateway.routing.kv_index import KVIndex
+from kubellm.gateway.routing.kv_tier_index import DEFAULT_VALUE, TierValue
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.prefix import PrefixIndex
 
@@ -39,12 +45,14 @@ class PrecisePrefixScorer:
         approximate: PrefixIndex,
         on_fallback: Callable[[str, str], None] | None = None,
         recent_s: float = RECENT_S,
+        tier_value: TierValue = DEFAULT_VALUE,
     ) -> None:
         self.kv = kv
         self.fresh = fresh
         self.approximate = approximate
         self.on_fallback = on_fallback
         self.recent_s = recent_s
+        self.tier_value = tier_value
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         blocks = request.kv_hashes
@@ -53,7 +61,8 @@ class PrecisePrefixScorer:
         since = self.approximate.clock() - self.recent_s
         for c in candidates:
             if blocks and self.fresh(c.url):
-                held = self.kv.matched(c.url, blocks) / len(blocks)
+                matched = self.kv.matched_by_tier(c.url, blocks)
+                held = self.tier_value.blocks(*matched) / len(blocks)
                 if chunks and self.recent_s > 0:
                     after = max(since, self.kv.removed_at(c.url))
                     sent = self.approximate.matched_since(c.url, chunks, after) / len(chunks)

@@ -1,0 +1,327 @@
+"""When a host-memory KV tier pays: simulated H100 replicas on a simulated clock.
+
+One run, every contender on the same requests. Replicas are the simulator's pure engine
+(engine_image/sim_core.py, Llama 3.1 8B on one H100: 16-token blocks, its KV pool from
+kubellm.capacity) with the host tier of engine_image/sim_tiers.py (write-through LRU,
+reload over PCIe at 50 GB/s, stores overlapped). Each replica's KV events feed the
+gateway's precise index (gateway/routing/kv_index.py, with kv_tier_index), as they would
+in a fleet with spec.routing.prefixIndex precise. The clock is simulated: each replica
+advances by its steps' durations; figures do not depend on this machine's load.
+
+Workloads:
+- `chat x0.5`, `chat x1.5`, `chat x3`: multi-turn chat and agent sessions, found under
+  way (each history anywhere between its 2-6k-token opening context and its end, 8-32k
+  tokens); each turn adds a 200-800-token user message and the engine's 150-token answer,
+  think time 5-20 s (agents, a third of sessions: 1-3 s); a session that reaches its end
+  is replaced by a new one. The live histories together are the factor x the fleet's GPU
+  pools (printed as the working set).
+- `doc-qa`: private-prefix document Q&A: every request a new 8-16k-token document and a
+  question; nothing is ever reused (the tier only costs).
+
+Contenders:
+- `no-tier`: no offload tier; kubellm's precise routing (GPU blocks).
+- `tier-blind`: host tier; the same routing, counting GPU blocks only (what kubellm did
+  before: events with medium CPU ignored).
+- `tier-aware`: host tier; kubellm's precise scorer with a block's worth by tier
+  (kv_tier_index.DEFAULT_VALUE: CPU 0.92).
+- `cache_aware`: host tier; vllm-router's cache_aware rule (inherited from SGLang's
+  router: if the load is imbalanced, max - min > 32 and max > 1.5 x min, the least loaded;
+  else the worker whose prefix tree of prompts sent matches most, when the match is over
+  half the prompt; else the worker with the smallest tree), RE-IMPLEMENTED here on the
+  gateway's approximate prefix index over token chunks: running vllm-router as a process
+  in front of simulated in-process engines on a simulated clock is not possible.
+
+kubellm's routing (all three kubellm contenders): the bounded-load filter (load bound 1.25
+on in-flight requests, scorers/bounded_load.py), then the highest prefix score, ties to
+the least loaded.
+
+Figures: hit rate by tier (prompt tokens found on the GPU, in host memory; the rest were
+computed), TTFT p50/p90 (simulated seconds, arrival to first token), the share of
+requests within the TTFT SLO (--ttft-slo). Goodput as a rate sweep (the highest rate at
+which 90% meet the SLO) is not run: each workload runs at one offered load.
+
+    python bench/kv_tiers.py                 # all workloads, 2 replicas, 120 s each
+    python bench/kv_tiers.py --workloads "chat x3" --seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kubellm.engine.sim_core import Engine, Request
+from kubellm.engine.sim_profiles import get as get_profile
+from kubellm.gateway.routing.kv_index import KVIndex
+from kubellm.gateway.routing.kv_tier_index import DEFAULT_VALUE, TierValue
+from kubellm.gateway.routing.scorers.base import Candidate
+from kubellm.gateway.routing.scorers.bounded_load import within_bound
+from kubellm.gateway.routing.scorers.prefix import PrefixIndex
+
+from kubellm import kv_blocks, kv_tiers
+
+ANSWER = 150
+CHUNK = 256  # tokens per chunk of the approximate (cache_aware) index
+CONTENDERS = ("no-tier", "tier-blind", "tier-aware", "cache_aware")
+WORKLOADS = ("chat x0.5", "chat x1.5", "chat x3", "doc-qa")
+GPU_ONLY = TierValue.fixed({"GPU": 1.0})
+
+
+@dataclass
+class Session:
+    sid: int
+    history: list[int]
+    final: int
+    agent: bool
+    turns: int = 0
+
+
+@dataclass
+class Result:
+    ttft: list[float] = field(default_factory=list)
+    tokens: dict[str, int] = field(default_factory=lambda: {"GPU": 0, "CPU": 0, "computed": 0})
+    working_set: float = 0.0  # the sessions' working set over the fleet's GPU pools
+    cpu_s: float = 0.0
+
+
+class Fleet:
+    def __init__(self, args: argparse.Namespace, tiered: bool, rule: str) -> None:
+        profile = get_profile("llama-3.1-8b-h100").with_overrides(max_model_len=40_960)
+        if tiered:
+            block_bytes = profile.kv_bytes_per_token * profile.block_size
+            host = int(args.host_gib * kv_tiers.GIB) // block_bytes
+            profile = profile.with_overrides(host_tier_blocks=host)
+        self.profile = profile
+        self.engines = [Engine(profile, kv_events=True) for _ in range(args.replicas)]
+        self.urls = [f"r{i}" for i in range(args.replicas)]
+        self.clock = [0.0] * args.replicas
+        self.seq = [0] * args.replicas
+        self.kv = KVIndex()
+        self.approx = PrefixIndex(capacity=1 << 20)
+        self.rule = rule
+        self.value = GPU_ONLY if rule == "tier-blind" else DEFAULT_VALUE
+        self.in_flight = [0] * args.replicas
+        self.hasher = kv_blocks.BlockHasher(profile.block_size)
+
+    def pool_tokens(self) -> int:
+        return self.profile.num_blocks * self.profile.block_size * len(self.engines)
+
+    def route(self, prompt: list[int]) -> int:
+        if self.rule == "cache_aware":
+            return self._cache_aware(prompt)
+        hashes = self.hasher.block_hashes(prompt[: len(prompt) - 1], max_blocks=1 << 20)
+        candidates = [Candidate(url=u, load=self.in_flight[i]) for i, u in enumerate(self.urls)]
+        kept = within_bound(candidates, 1.25)
+        total = max(1, len(hashes))
+
+        def score(c: Candidate) -> tuple[float, float]:
+            worth = self.value.blocks(*self.kv.matched_by_tier(c.url, hashes)) / total
+            return worth, -c.load
+
+        return self.urls.index(max(kept, key=score).url)
+
+    def _cache_aware(self, prompt: list[int]) -> int:
+        loads = self.in_flight
+        low, high = min(loads), max(loads)
+        if high - low > 32 and high > 1.5 * low:
+            return loads.index(low)
+        chunks = _chunks(prompt)
+        matches = [self.approx.matched(u, chunks) for u in self.urls]
+        best = max(range(len(self.urls)), key=lambda i: matches[i])
+        if chunks and matches[best] / len(chunks) > 0.5:
+            return best
+        return min(range(len(self.urls)), key=lambda i: self.approx.size(self.urls[i]))
+
+    def sent(self, index: int, prompt: list[int]) -> None:
+        self.in_flight[index] += 1
+        self.approx.record(self.urls[index], _chunks(prompt))
+
+    def publish(self, index: int) -> None:
+        events = self.engines[index].take_events()
+        if events:
+            self.kv.apply(self.urls[index], self.seq[index], [0.0, events, 0])
+            self.seq[index] += 1
+
+
+def _chunks(prompt: list[int]) -> tuple[int, ...]:
+    out, previous = [], 0
+    for start in range(0, len(prompt) // CHUNK * CHUNK, CHUNK):
+        previous = hash((previous, tuple(prompt[start : start + CHUNK])))
+        out.append(previous)
+    return tuple(out)
+
+
+def run(args: argparse.Namespace, workload: str, contender: str) -> Result:
+    rng = random.Random(args.seed)  # the same sessions and arrivals for every contender
+    fleet = Fleet(args, tiered=contender != "no-tier", rule=contender)
+    result = Result()
+    counter = iter(range(1 << 30))
+    arrivals: list[tuple[float, int, Session | None]] = []  # (time, tiebreak, session)
+    fresh = iter(range(10**9))
+
+    def new_session(midway: bool = False) -> Session:
+        """A session of 8-32k tokens at the end; `midway`: one already under way (its
+        history anywhere from its opening context to its end), so the run starts in the
+        steady state instead of with every session at its first turn."""
+        sid = next(fresh) + 1_000_000
+        final = rng.randint(8_000, 32_000)
+        start = rng.randint(2_000, final if midway else 6_000)
+        history = [rng.randrange(50_000) for _ in range(start)]
+        return Session(sid, history, final, rng.random() < 1 / 3)
+
+    if workload == "doc-qa":
+        rate = args.doc_rate
+        t = 0.0
+        while t < args.seconds:
+            t += rng.expovariate(rate)
+            heapq.heappush(arrivals, (t, next(counter), None))
+        working_set = 0.0
+    else:
+        factor = float(workload.split("x")[1])
+        # sessions under way hold ~11k tokens on average (2k to 8-32k): their histories
+        # together are `factor` x the fleet's GPU pools
+        sessions = max(1, round(factor * fleet.pool_tokens() / 11_000))
+        live = [new_session(midway=True) for _ in range(sessions)]
+        working_set = sum(len(s.history) for s in live) / fleet.pool_tokens()
+        for session in live:
+            heapq.heappush(arrivals, (rng.uniform(0, 10), next(counter), session))
+    owner: dict[str, tuple[float, Session | None, int]] = {}
+    started = time.process_time()
+    stalled = 0
+    while True:
+        busy = [i for i, e in enumerate(fleet.engines) if e.has_work]
+        next_step = min((fleet.clock[i] for i in busy), default=float("inf"))
+        next_arrival = arrivals[0][0] if arrivals else float("inf")
+        if next_arrival == float("inf") and not busy:
+            break
+        if next_arrival <= next_step:
+            at, _, session = heapq.heappop(arrivals)
+            if at > args.seconds:
+                continue
+            if session is None:
+                doc = [rng.randrange(50_000) for _ in range(rng.randint(8_000, 16_000))]
+                prompt = doc + [rng.randrange(50_000) for _ in range(50)]
+            else:
+                session.history += [rng.randrange(50_000) for _ in range(rng.randint(200, 800))]
+                prompt = list(session.history)
+            index = fleet.route(prompt)
+            fleet.sent(index, prompt)
+            rid = f"q{next(counter)}"
+            fleet.engines[index].add(Request(rid, prompt, ANSWER, arrival=at))
+            owner[rid] = (at, session, index)
+            if not fleet.engines[index].has_work or fleet.clock[index] < at:
+                fleet.clock[index] = max(fleet.clock[index], at)
+            continue
+        index = min(busy, key=lambda i: fleet.clock[i])
+        engine = fleet.engines[index]
+        step = engine.step()
+        fleet.clock[index] += step.duration
+        now = fleet.clock[index]
+        fleet.publish(index)
+        for request, _ in step.tokens:
+            if len(request.output) == 1:
+                at = owner[request.request_id][0]
+                result.ttft.append(now - at)
+                result.tokens["computed"] += len(request.prompt) - request.cached_tokens
+        for request in step.finished:
+            at, session, where = owner.pop(request.request_id)
+            fleet.in_flight[where] -= 1
+            if session is None:
+                continue
+            session.history += request.output
+            session.turns += 1
+            think = rng.uniform(1, 3) if session.agent else rng.uniform(5, 20)
+            nxt = session if len(session.history) < session.final else new_session()
+            heapq.heappush(arrivals, (now + think, next(counter), nxt))
+        if step.duration == 0 and not step.tokens:  # nothing fits now: wait for a change
+            stalled += 1
+            if stalled > 100_000:
+                raise RuntimeError(f"{workload}/{contender}: replica {index} makes no progress")
+            later = [a[0] for a in arrivals[:1]] + [fleet.clock[i] for i in busy if i != index]
+            fleet.clock[index] = max(now + 1e-3, min(later, default=now + 1e-3))
+        else:
+            stalled = 0
+    for engine in fleet.engines:
+        result.tokens["GPU"] += engine.prefix_hits
+        result.tokens["CPU"] += engine.tiers.counters.hits_blocks["CPU"] * 16 if engine.tiers else 0
+    result.working_set = working_set
+    result.cpu_s = time.process_time() - started
+    return result
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--host-gib", type=float, default=200.0, help="host tier per replica")
+    parser.add_argument("--seconds", type=float, default=120.0, help="simulated arrivals")
+    parser.add_argument("--doc-rate", type=float, default=2.0, help="doc-qa requests/s")
+    parser.add_argument("--ttft-slo", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the figures as JSON")
+    args = parser.parse_args(argv)
+    print(f"{args.replicas} simulated H100 replicas (Llama 3.1 8B), host tier {args.host_gib:g} "
+          f"GiB each where tiered, {args.seconds:g} simulated s per run, TTFT SLO "
+          f"{args.ttft_slo:g} s")  # fmt: skip
+    print("| workload | contender | requests | hit GPU | hit host | TTFT p50 | TTFT p90 | "
+          "within SLO |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    figures: dict[str, dict[str, dict[str, float]]] = {}
+    for workload in args.workloads.split(","):
+        for contender in args.contenders.split(","):
+            result = run(args, workload, contender)
+            t = result.tokens
+            total = max(1, t["GPU"] + t["CPU"] + t["computed"])
+            row = {
+                "requests": len(result.ttft),
+                "hit_gpu": t["GPU"] / total,
+                "hit_host": t["CPU"] / total,
+                "p50": pct(result.ttft, 0.5),
+                "p90": pct(result.ttft, 0.9),
+                "within": sum(x <= args.ttft_slo for x in result.ttft) / max(1, len(result.ttft)),
+            }
+            figures.setdefault(workload, {})[contender] = row
+            name = workload if not result.working_set else (
+                f"{workload} (working set {result.working_set:.2f}x)")  # fmt: skip
+            print(f"| {name} | {contender} | {row['requests']} | {row['hit_gpu']:.1%} | "
+                  f"{row['hit_host']:.1%} | {row['p50']:.3f} | {row['p90']:.3f} | "
+                  f"{row['within']:.1%} |", flush=True)  # fmt: skip
+    verdicts(figures)
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+def verdicts(figures: dict[str, dict[str, dict[str, float]]]) -> None:
+    """The issue's targets against the figures measured."""
+    for workload, rows in figures.items():
+        if not {"no-tier", "tier-blind", "tier-aware"} <= rows.keys():
+            continue
+        aware, none, blind = (rows[c]["p90"] for c in ("tier-aware", "no-tier", "tier-blind"))
+        if workload in ("chat x1.5", "chat x3"):
+            print(f"{workload}: tier-aware p90 / no tier = {aware / none:.2f} (target <= 0.5), "
+                  f"/ tier-blind = {aware / blind:.2f} (target <= 0.7)")  # fmt: skip
+        elif workload == "chat x0.5":
+            print(f"{workload}: tier-aware p90 / no tier = {aware / none:.3f} "
+                  "(target within 2%)")  # fmt: skip
+        else:
+            print(f"{workload}: tier p90 / no tier = {aware / none:.3f} (the tier's cost)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
