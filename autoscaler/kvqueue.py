@@ -119,11 +119,15 @@ class KVQueuePolicy:
         self, spec: api.Autoscaling, learned: float | None, peak: float | None = None
     ) -> float | None:
         """The rate signal's requests/s per replica: the spec's, else derived from `learned`,
-        else (nothing learned yet) `peak`, the most one replica has answered: a lower bound
-        of its capacity, so the fleet is not scaled below what carried the load so far."""
+        else (nothing learned yet) from `peak`, the most one replica has answered over a
+        period: a lower bound of its capacity, but a noisy one (a period's answers come in
+        bursts), so with the same headroom; the fleet is not scaled below what carried the
+        load so far."""
         if spec.target_requests_per_replica is not None:
             return spec.target_requests_per_replica
-        return peak if learned is None else learned * DERIVED_HEADROOM
+        if learned is None:
+            return None if peak is None else peak * DERIVED_HEADROOM
+        return learned * DERIVED_HEADROOM
 
     @staticmethod
     def learn(

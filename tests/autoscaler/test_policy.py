@@ -655,7 +655,7 @@ def test_before_a_rate_is_learned_the_fleet_is_not_scaled_below_what_carries_the
     """Issue 38: five replicas carry 30 requests/s below saturation (KV 0.46, no queue),
     nothing learned yet, a fallback. KV alone asks for 3, and after the scale-down window the
     fleet went to 4 and the fallback overflowed. The most one replica has answered (6/s) is
-    a lower bound of its capacity: the rate at it asks for 5, so the fleet holds."""
+    a lower bound of its capacity: the rate at 0.8 of it asks for 5, so the fleet holds."""
     carrying = dataclasses.replace(
         obs(5, *[rep(0, 10, 0.46)] * 5, rate=30), replica_answer_rate=30.0, fallback_share=0.0
     )
@@ -671,7 +671,7 @@ def test_before_a_rate_is_learned_the_fleet_is_not_scaled_below_what_carries_the
                                   replica_answer_rate=18.0)  # fmt: skip
     after = POLICY.decide(lighter, state, spec(**fields))
     assert after.state.peak_rate == pytest.approx(6.0)
-    assert after.replicas == 3  # 18 / 6 = 3 asked
+    assert after.replicas == 4  # 18 / (0.8 x 6) asks 4
     # the peak asks for no growth: a rate above what the fleet carried waits for the queue
     heavier = dataclasses.replace(
         carrying, now=NOW + 5, request_rate=60.0, recent_request_rate=60.0
