@@ -74,6 +74,7 @@ class Signals:
     want_rate: int = 0
     per_replica: float | None = None  # the rate signal's target, the spec's or derived
     derived: bool = False  # per_replica was derived from the learned rate
+    floor: bool = False  # ... from the peak, nothing learned yet: it holds, it asks no growth
     forecast: float | None = None  # req/s one model load ahead (spec.predictive; None: no trend)
     want_forecast: int = 0
 
@@ -114,11 +115,19 @@ class KVQueuePolicy:
     scale_down_pods: int = 1
     scale_down_percent: float = 50.0
 
-    def per_replica(self, spec: api.Autoscaling, learned: float | None) -> float | None:
-        """The rate signal's requests/s per replica: the spec's, else derived from `learned`."""
+    def per_replica(
+        self, spec: api.Autoscaling, learned: float | None, peak: float | None = None
+    ) -> float | None:
+        """The rate signal's requests/s per replica: the spec's, else derived from `learned`,
+        else (nothing learned yet) from `peak`, the most one replica has answered over a
+        period: a lower bound of its capacity, but a noisy one (a period's answers come in
+        bursts), so with the same headroom; the fleet is not scaled below what carried the
+        load so far."""
         if spec.target_requests_per_replica is not None:
             return spec.target_requests_per_replica
-        return None if learned is None else learned * DERIVED_HEADROOM
+        if learned is None:
+            return None if peak is None else peak * DERIVED_HEADROOM
+        return learned * DERIVED_HEADROOM
 
     @staticmethod
     def learn(
@@ -148,12 +157,26 @@ class KVQueuePolicy:
             learned = sample if learned is None else learned + LEARN_WEIGHT * (sample - learned)
         return learned, since
 
+    @staticmethod
+    def peak(obs: p.Observation, state: p.PolicyState) -> float | None:
+        """The most requests/s one replica has answered in a period: the replicas' answers
+        (at most the arrivals over 30 s, so a period's burst of answers does not count)
+        over the fresh ready replicas, the largest seen; periods with stale metrics or
+        starting replicas do not count."""
+        peak, fresh = state.peak_rate, obs.fresh
+        answered, arriving = obs.replica_answer_rate, obs.request_rate
+        if answered is None or arriving is None or not fresh or obs.stale or obs.starting:
+            return peak
+        sample = min(answered, arriving) / len(fresh)
+        return sample if peak is None or sample > peak else peak
+
     def signals(
         self,
         obs: p.Observation,
         spec: api.Autoscaling,
         learned: float | None = None,
         recent: bool = True,
+        peak: float | None = None,
     ) -> Signals:
         """What each signal asks. `recent`: the rate is the larger of the 30 s rate and the
         last period's (False: the 30 s rate alone, where known)."""
@@ -165,7 +188,8 @@ class KVQueuePolicy:
         absorbed = min(waiting, obs.starting * running / n) if n else 0.0
         backlog = waiting - absorbed
         want_queue = _ask(backlog, spec.target_queue_depth, n, self.tolerance) if backlog > 0 else 0
-        per_replica = self.per_replica(spec, learned)
+        per_replica = self.per_replica(spec, learned, peak)
+        floor = learned is None and spec.target_requests_per_replica is None
         rates = (obs.request_rate, obs.recent_request_rate)
         if not recent and obs.request_rate is not None:
             rates = (obs.request_rate,)
@@ -174,11 +198,15 @@ class KVQueuePolicy:
         want_rate = 0
         if rate is not None and per_replica is not None:
             want_rate = _ask(rate, per_replica, obs.current_replicas, self.tolerance)
+            if floor:
+                # the peak, a lower bound of a replica's capacity, holds the fleet up (no
+                # scale-down below what carried the load), it asks for no growth
+                want_rate = min(want_rate, obs.current_replicas)
             if backlog > 0:  # backlog in rate terms: serve the arrivals, drain it in a while
                 drain = math.ceil((rate + backlog / DRAIN_SECONDS) / per_replica - 1e-9)
                 want_queue = min(want_queue, max(drain, 1))
         predicted, want_forecast = None, 0
-        if spec.predictive and per_replica is not None and rate is not None:
+        if spec.predictive and per_replica is not None and rate is not None and not floor:
             predicted = forecast.trend(obs.admitted_history, obs.now, spec.model_load_seconds)
             if predicted is not None and predicted > rate:
                 want_forecast = _ask(predicted, per_replica, obs.current_replicas, self.tolerance)
@@ -196,6 +224,7 @@ class KVQueuePolicy:
             want_rate=want_rate,
             per_replica=per_replica,
             derived=per_replica is not None and spec.target_requests_per_replica is None,
+            floor=floor and per_replica is not None,
             forecast=predicted,
             want_forecast=want_forecast,
         )
@@ -205,7 +234,8 @@ class KVQueuePolicy:
     ) -> p.Decision:
         obs, now, current = observation, observation.now, observation.current_replicas
         learned, saturated_since = self.learn(obs, spec, state)
-        sig = self.signals(obs, spec, learned)
+        peak = self.peak(obs, state)
+        sig = self.signals(obs, spec, learned, peak=peak)
         pending = obs.gateway_pending
         unknown_load = obs.stale or (current > 0 and not obs.replicas)
 
@@ -265,7 +295,7 @@ class KVQueuePolicy:
         rec, driver, hold = self._recommend(sig, obs, spec, floor, unknown_load, absorb)
         remembered = rec
         if obs.fallback_share is not None and obs.request_rate is not None:
-            smooth = self.signals(obs, spec, learned, recent=False)
+            smooth = self.signals(obs, spec, learned, recent=False, peak=peak)
             remembered = self._recommend(smooth, obs, spec, floor, unknown_load, absorb)[0]
 
         # Stabilisation windows over the remembered recommendations.
@@ -309,6 +339,7 @@ class KVQueuePolicy:
                 learned,
                 saturated_since,
                 overflow_since,
+                peak,
             ),
             kv_cache_usage=sig.kv_mean,
             queue_depth=sig.queue_mean,
@@ -358,7 +389,7 @@ class KVQueuePolicy:
             )
         # Learning what a replica serves (the gateway readable, no rate given or learned yet):
         # the queue and KV signals add one replica a period, not a guess at the load.
-        learning = sig.per_replica is None and obs.replica_answer_rate is not None
+        learning = (sig.per_replica is None or sig.floor) and obs.replica_answer_rate is not None
         if learning and driver in (p.QUEUE_DEPTH, p.KV_CACHE_USAGE) and rec > current + 1:
             rec = max(current + 1, floors)
         if rec > spec.max_replicas:
@@ -419,7 +450,7 @@ class KVQueuePolicy:
                 f"asks {sig.want_kv}"
             )
         if sig.rate is not None and sig.per_replica is not None:
-            source = " derived" if sig.derived else ""
+            source = " peak answered" if sig.floor else " derived" if sig.derived else ""
             parts.append(
                 f"rate {sig.rate:.1f} req/s (target{source} {sig.per_replica:.3g}/replica) "
                 f"asks {sig.want_rate}"

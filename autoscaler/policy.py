@@ -122,6 +122,9 @@ class PolicyState:
     seconds, while answers still lag the load). `overflow_since`: since when
     the rate or KV signal has asked for more replicas than there are (the cost
     rule leaves an overflow to the fallback until it has lasted long enough).
+    `peak_rate`: the most requests/s one replica has answered over a period (the
+    replicas' answers over the fresh ready replicas, the largest seen), a lower bound of
+    what a replica serves: the derived per-replica rate until one is learned.
     """
 
     recommendations: tuple[tuple[float, int], ...] = ()
@@ -129,6 +132,7 @@ class PolicyState:
     learned_rate: float | None = None
     saturated_since: float | None = None  # every replica saturated since (None: not now)
     overflow_since: float | None = None  # the signals asked above the fleet since (None: not)
+    peak_rate: float | None = None  # the most one replica has answered per second
 
     def to_status(self) -> dict[str, Any]:
         """The camelCase fields this state adds to status.autoscaler."""
@@ -146,6 +150,7 @@ class PolicyState:
             "overflowSince": None
             if self.overflow_since is None
             else format_time(self.overflow_since),
+            "peakRequestsPerReplica": None if self.peak_rate is None else round(self.peak_rate, 4),
         }
 
     @classmethod
@@ -163,13 +168,7 @@ class PolicyState:
             idle_since = parse_time(idle) if idle else None
         except ValueError:
             idle_since = None
-        learned = status.get("learnedRequestsPerReplica")
-        try:
-            learned_rate = float(learned) if learned is not None else None
-        except (TypeError, ValueError):
-            learned_rate = None
-        if learned_rate is not None and not 0 < learned_rate < float("inf"):
-            learned_rate = None
+        learned_rate = _positive(status.get("learnedRequestsPerReplica"))
         saturated = status.get("saturatedSince")
         try:
             saturated_since = parse_time(saturated) if saturated else None
@@ -186,7 +185,17 @@ class PolicyState:
             learned_rate,
             saturated_since,
             overflow_since,
+            _positive(status.get("peakRequestsPerReplica")),
         )
+
+
+def _positive(value: object) -> float | None:
+    """A positive finite number read back from the status, else None."""
+    try:
+        number = float(value) if value is not None else None  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return number if number is not None and 0 < number < float("inf") else None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,12 @@
 """Tenancy: batch interference and fair shares, with tenants (flow control) and without
 (today's gateway), in the same run on the same simulated fleet. Contenders (--order):
 `tenants` (flow control with the prefill hold and --headroom-prefill-rate), `before` (flow
-control as it was before those two: no hold, no prefill budget), `today` (no tenants).
+control as it was before those two: no hold, no prefill budget), `today` (no tenants); first
+`shipped` (the tenants file and no other flag: since 2026-12-03 the fair in-flight budget is
+derived from the pool by default, `flow.fair_capacity`) and `off` (the same with
+`--fair-in-flight-tokens off`, the shipped defaults before). bench/tenancy_sim.py runs the
+fairness phase on a simulated clock (no processes), over workloads the default was not
+chosen on.
 
 Four simulated replicas (kubellm.engine's simulator, profile llama-3.1-8b-h100, spec
 `maxNumSeqs: 16`: 64 slots in all) behind one gateway process; each contender gets fresh
@@ -353,7 +358,7 @@ def diagnosed(args: argparse.Namespace, fleet: Fleet, work: Any) -> dict[str, An
 
 # The gateways compared: today's (no tenants); with tenants, the prefill hold and the
 # prefill budget (--headroom-prefill-rate); and with tenants as before those two (flow.py).
-CONTENDERS = ("shipped", "fair", "tenants", "before", "today")
+CONTENDERS = ("shipped", "off", "fair", "tenants", "before", "today")
 
 
 def contender(name: str, tenants: list[dict],
@@ -363,6 +368,8 @@ def contender(name: str, tenants: list[dict],
         return None, []
     if name == "shipped":  # the tenants file and no other flag: the shipped defaults
         return tenants, []
+    if name == "off":  # the shipped defaults before 2026-12-03: no fair in-flight budget
+        return tenants, ["--fair-in-flight-tokens", "off"]
     if name == "before":
         return tenants, ["--no-headroom-hold-prefill"]
     if name == "fair":  # tenants with the fair in-flight budget (flow.py)
@@ -696,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="per request, sim s")
     parser.add_argument(
         "--order",
-        default="shipped,tenants,before,today",
+        default="shipped,off,tenants,before,today",
         help=f"contenders: {', '.join(CONTENDERS)} (shipped: the tenants file, no other flag)",
     )
     parser.add_argument("--quota-tpm", type=int, default=30000, help="tokens per minute")

@@ -1258,6 +1258,16 @@ class AutoscalerStatus(_Status):
     saturated_since: str | None = Field(
         default=None, description="Since when every ready replica has been saturated."
     )
+    overflow_since: str | None = Field(
+        default=None,
+        description="Since when the signals have asked for more replicas than there are.",
+    )
+    peak_requests_per_replica: float | None = Field(
+        default=None,
+        ge=0,
+        description="The most requests/s one replica has answered over a control period "
+        "(the derived rate until one is learned).",
+    )
 
 
 class AdapterStatus(_Status):

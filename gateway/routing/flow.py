@@ -33,23 +33,24 @@ tenant. The decisions are pure (the caller passes the clock's reading):
   prefill at that rate, instead of several landing in one engine step when a scrape or a
   few completions free room at once: a chat prompt that arrives then waits for, and
   shares, one batch prefill at most.
-- **Fair in-flight budget** (`fair_in_flight_tokens`, service tokens per replica, off by
-  default). VTC orders the gateway's queue, but a queue only exists while the replicas
-  refuse work: when they accept everything, a tenant of 8,000-token prompts holds most of
-  every engine step and a tenant of 200-token prompts, all of its requests in flight
-  already, is served only as fast as those steps let it (Little's law: a tenant's service
-  rate is its service in flight over its requests' latency, and the requests sharing the
-  steps share the latency). With the budget set, each band's tenants share `replicas x
-  fair_in_flight_tokens` of service in flight (prompt + 2 x expected output tokens of the
-  requests dispatched and not ended) by weighted water-filling: a tenant asking less than
-  its share (nothing waiting) keeps what it has in flight, the rest is split by weight
-  among the tenants waiting; a waiting tenant at its allowance is `held` (it waits, and
-  the next tenant by counter goes instead). A tenant with nothing in flight whose next
-  request is larger than its share goes when its counter is the band's lowest (so a
-  tenant of 8,000-token prompts can be held to a quarter of a budget smaller than one of
-  them, over time, and is never starved), and a band with one active tenant has no bound
-  (alone, it uses the whole fleet). The cost: while tenants contend, the fleet holds at
-  most that much service, so prompt tokens per second fall (the bench measures it).
+- **Fair in-flight budget** (`fair_in_flight_tokens`, service tokens per replica; by
+  default derived from the pool, `fair_capacity`). VTC orders the gateway's queue, but a
+  queue only exists while the replicas refuse work: when they accept everything, a tenant
+  of 8,000-token prompts holds most of every engine step and a tenant of 200-token
+  prompts, all of its requests in flight already, is served only as fast as those steps
+  let it (Little's law: a tenant's service rate is its service in flight over its
+  requests' latency, and the requests sharing the steps share the latency). With the
+  budget set, each band's tenants share `replicas x fair_in_flight_tokens` of service in
+  flight (prompt + 2 x expected output tokens of the requests dispatched and not ended) by
+  weighted water-filling: a tenant asking less than its share (nothing waiting) keeps what
+  it has in flight, the rest is split by weight among the tenants waiting; a waiting
+  tenant at its allowance is `held` (it waits, and the next tenant by counter goes
+  instead). A tenant with nothing in flight whose next request is larger than its share
+  goes when its counter is the band's lowest (so a tenant of 8,000-token prompts can be
+  held to a quarter of a budget smaller than one of them, over time, and is never
+  starved), and a band with one active tenant has no bound (alone, it uses the whole
+  fleet). The cost: while tenants contend, the fleet holds at most that much service, so
+  prompt tokens per second fall (the bench measures it).
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ DROP_HEADER = "x-kubellm-drop-reason"
 MAX_FLOWS = 10_000  # fair-share counters kept per model (idle flows forgotten past it)
 # the VTC measure: an output token costs this many prompt tokens
 OUTPUT_WEIGHT = 2.0
+RECENT_SERVICES = 256  # dispatched requests whose quantile is the typical one (fair_capacity)
+# the derived fair budget: each replica's slots x this x the typical request's service
+FAIR_SLOTS = 1.5
+FAIR_QUANTILE = 0.25  # ... and the typical request is this quantile of the last ones
 
 
 @dataclass(frozen=True)
@@ -85,8 +90,9 @@ class FlowSettings:
     # low-band prompt tokens per second a replica is sent at most (None: no bound)
     headroom_prefill_rate: float | None = None
     # service tokens (prompt + 2 x output) in flight per replica that a band's tenants
-    # share while more than one is active (None: no bound)
+    # share while more than one is active (None: derived, `fair_capacity`)
     fair_in_flight_tokens: float | None = None
+    fair_in_flight: bool = True  # False: no fair in-flight budget
 
 
 @dataclass(eq=False)
@@ -116,6 +122,9 @@ class Flow:
     weights: dict[str, float] = field(default_factory=dict)  # tenant -> weight
     # replica URL -> its request slots (maxNumSeqs) as learnt from its scrapes (`learn`)
     slots: dict[str, float] = field(default_factory=dict)
+    # the expected service of the requests dispatched last (the derived fair budget)
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SERVICES))
+    _typical: float | None = None  # their quantile, None when `recent` changed since
     _seq: Any = field(default_factory=itertools.count)
 
     def __len__(self) -> int:
@@ -246,6 +255,18 @@ class Flow:
         """A request of `tenant` in `band` went to a replica with `service` expected."""
         flows = self.in_flight.setdefault(band, {})
         flows[tenant] = flows.get(tenant, 0.0) + service
+        self.recent.append(service)
+        self._typical = None
+
+    def typical(self) -> float | None:
+        """The `FAIR_QUANTILE` quantile of the expected service of the last
+        `RECENT_SERVICES` dispatched requests: by count, so tenants sending as many short
+        requests as long ones give a short typical request (their median would be the
+        middle tenant's)."""
+        if self._typical is None and self.recent:
+            ordered = sorted(self.recent)
+            self._typical = ordered[int(FAIR_QUANTILE * len(ordered))]
+        return self._typical
 
     def ended(self, band: int, tenant: str, service: float) -> None:
         """That request ended (once per `started`)."""
@@ -312,6 +333,32 @@ class Flow:
         owner = owner_of(tenant)
         self.vtc[owner] = self.vtc.get(owner, 0.0) + tokens / weight
         self.flow_vtc[tenant] = self.flow_vtc.get(tenant, 0.0) + tokens
+
+
+def fair_capacity(
+    settings: FlowSettings, flow: Flow, candidates: list[Candidate], cap: int | None = None
+) -> float | None:
+    """The service tokens in flight that one band's contending tenants share (`held`), None
+    for no bound. `fair_in_flight_tokens` per replica when set; else derived from the pool:
+    each replica's slots (learnt from its scrapes, `Flow.learn`; else the gateway's own
+    cap per replica, `cap`; else the mean of the replicas learnt) x `FAIR_SLOTS` x the
+    typical request's service (`Flow.typical`). So a fleet of `maxNumSeqs` 16 serving
+    tenants of 200-, 2,000- and 8,000-token prompts with 100-token answers (a typical 400
+    service tokens) lets 16 x 1.5 x 400 = 9,600 per replica be in flight while tenants
+    contend: the 8,000-token tenant holds its share of that, not most of every engine
+    step (bench/tenancy_sim.py chose the constants). Unknown (no slots learnt, no cap,
+    nothing dispatched yet): no bound."""
+    if not settings.fair_in_flight:
+        return None
+    if settings.fair_in_flight_tokens:
+        return settings.fair_in_flight_tokens * len(candidates)
+    typical = flow.typical()
+    known = [flow.slots[c.url] for c in candidates if c.url in flow.slots]
+    default = cap or (sum(known) / len(known) if known else None)
+    if typical is None or default is None:
+        return None
+    slots = sum(flow.slots.get(c.url, default) for c in candidates)
+    return FAIR_SLOTS * slots * typical
 
 
 def owner_of(flow: str) -> str:

@@ -649,3 +649,33 @@ def test_a_forecast_never_lowers_an_ask_and_its_ask_is_held_for_the_window() -> 
         state = d.state
         replicas.append(d.replicas)
     assert replicas[:59] == [5] * 59 and replicas[-1] == 4  # one change, after the window
+
+
+def test_before_a_rate_is_learned_the_fleet_is_not_scaled_below_what_carries_the_load() -> None:
+    """Issue 38: five replicas carry 30 requests/s below saturation (KV 0.46, no queue),
+    nothing learned yet, a fallback. KV alone asks for 3, and after the scale-down window the
+    fleet went to 4 and the fallback overflowed. The most one replica has answered (6/s) is
+    a lower bound of its capacity: the rate at 0.8 of it asks for 5, so the fleet holds."""
+    carrying = dataclasses.replace(
+        obs(5, *[rep(0, 10, 0.46)] * 5, rate=30), replica_answer_rate=30.0, fallback_share=0.0
+    )
+    fields = {"max_replicas": 10, "max_fallback_share": 0.05, **DOWN_NOW}
+    first = POLICY.decide(carrying, p.PolicyState(), spec(**fields))
+    assert first.replicas == 5, first.message
+    assert first.state.peak_rate == pytest.approx(6.0) and first.state.learned_rate is None
+    # the peak persists in the status; a lighter period keeps it, and the rate still rules
+    status = first.state.to_status()
+    assert status["peakRequestsPerReplica"] == 6.0
+    state = p.PolicyState.from_status(status)
+    lighter = dataclasses.replace(carrying, now=NOW + 5, request_rate=18.0, recent_request_rate=18.0,
+                                  replica_answer_rate=18.0)  # fmt: skip
+    after = POLICY.decide(lighter, state, spec(**fields))
+    assert after.state.peak_rate == pytest.approx(6.0)
+    assert after.replicas == 4  # 18 / (0.8 x 6) asks 4
+    # the peak asks for no growth: a rate above what the fleet carried waits for the queue
+    heavier = dataclasses.replace(
+        carrying, now=NOW + 5, request_rate=60.0, recent_request_rate=60.0
+    )
+    assert POLICY.decide(heavier, state, spec(**fields)).replicas == 5
+    for odd in ("x", -1, 0, float("inf"), None):
+        assert p.PolicyState.from_status({"peakRequestsPerReplica": odd}).peak_rate is None

@@ -196,3 +196,16 @@ def test_the_bound_walk_finds_an_unbounded_field() -> None:
         ".spec.name: a string with a pattern and no maxLength",
         ".spec.url: a string a CEL rule reads, without maxLength",
     ]
+
+
+def test_every_field_the_autoscaler_persists_survives_the_schema(committed_crd) -> None:
+    """The apiserver prunes status fields its structural schema lacks: what the policy
+    keeps between periods (status.autoscaler) must be declared, or a restart forgets it
+    (overflowSince was written and never declared)."""
+    from kubellm.autoscaler.policy import PolicyState
+
+    version = committed_crd["spec"]["versions"][0]
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+    declared = set(status["properties"]["autoscaler"]["properties"])
+    missing = set(PolicyState(overflow_since=1.0, peak_rate=1.0).to_status()) - declared
+    assert not missing, f"status.autoscaler lacks {sorted(missing)}"

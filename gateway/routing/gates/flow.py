@@ -6,7 +6,7 @@ per band x tenant, fairness): when tenants are declared, a request joins its mod
 
 - a request shed by flow control is dropped (429, its reason);
 - a request that is not at the head of the flow (`Flow.head`, within the fair in-flight
-  budget when `fair_in_flight_tokens` is set) gets no replica; it may take the fallback
+  budget, `flow.fair_capacity`) gets no replica; it may take the fallback
   only when it is next in line for it;
 - a request of a band under `headroom_below` keeps off the replicas above the headroom
   line (`flow.below_line`: the engine's queue, KV usage, load, a high-band stream still
@@ -72,15 +72,18 @@ class FlowGate(Gate):
         settings = tenancy.settings.flow
         flow = tenancy.flow(p.target.served_name)
         capped = frozenset[tuple[int, str]]()
-        if settings.fair_in_flight_tokens:  # fair in-flight budget
-            capped = flow.held(settings.fair_in_flight_tokens * len(p.candidates))
+        if settings.fair_in_flight:  # fair in-flight budget
+            flow.learn(p.candidates)
+            capacity = flows.fair_capacity(settings, flow, p.candidates, p.thresholds.max_in_flight)
+            capped = flow.held(capacity) if capacity else capped
         if flow.head(held=capped) is not waiter:  # not its turn for a replica: wait, and
             p.open = []  # the fallback only when next in line for it
             if flow.head(fallback=True, held=capped) is not waiter:
                 p.fallback = None
         elif waiter.band < settings.headroom_below:
             now, held = p.now, self.prefilling
-            flow.learn(p.candidates)
+            if not settings.fair_in_flight:
+                flow.learn(p.candidates)
             below = [
                 c
                 for c in p.open
@@ -171,5 +174,5 @@ class FlowGate(Gate):
             return
         holding = caller.holding
         tenancy.ended(ticket, caller)
-        if holding is not None and tenancy.settings.flow.fair_in_flight_tokens:
+        if holding is not None and tenancy.settings.flow.fair_in_flight:
             self.wake()  # a tenant held at its fair in-flight share may go now

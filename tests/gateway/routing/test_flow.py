@@ -19,6 +19,7 @@ from kubellm.gateway.routing.flow import (
     drained,
     estimate_prompt_tokens,
     expected_output_tokens,
+    fair_capacity,
     observed_output,
     owner_of,
 )
@@ -241,6 +242,56 @@ def test_the_fallback_goes_to_the_first_waiter_that_may_use_it():
 
 
 # ---------------------------------------------------------------- fair in-flight budget
+
+
+def _dispatched(services: list[float], slots: dict[str, float] | None = None) -> Flow:
+    flow = Flow()
+    for i, service in enumerate(services):
+        flow.started(0, f"t{i % 3}", service)
+    flow.slots.update(slots or {})
+    return flow
+
+
+FOUR = [Candidate(f"r{i}") for i in range(4)]
+MIX = [400.0] * 5 + [2200.0] * 2 + [8200.0]  # by count, mostly short requests
+
+
+@pytest.mark.parametrize(
+    ("settings", "flow", "cap", "expected"),
+    [
+        # shipped: each replica's learnt slots x 1.5 x the typical request's service
+        (
+            FlowSettings(),
+            _dispatched(MIX, {f"r{i}": 16 for i in range(4)}),
+            None,
+            4 * 16 * 1.5 * 400,
+        ),
+        # replicas not learnt take the learnt ones' mean, or the gateway's cap per replica
+        (
+            FlowSettings(),
+            _dispatched(MIX, {"r0": 16, "r1": 8}),
+            None,
+            (16 + 8 + 12 + 12) * 1.5 * 400,
+        ),
+        (FlowSettings(), _dispatched(MIX, {"r0": 16}), 4, (16 + 4 * 3) * 1.5 * 400),
+        # nothing known: no bound (no slots learnt and no cap; nothing dispatched)
+        (FlowSettings(), _dispatched(MIX), None, None),
+        (FlowSettings(), _dispatched([], {"r0": 16}), None, None),
+        # the flag's value per replica; off
+        (FlowSettings(fair_in_flight_tokens=9600), _dispatched([]), None, 4 * 9600),
+        (FlowSettings(fair_in_flight=False), _dispatched(MIX, {"r0": 16}), 16, None),
+    ],
+    ids=["learnt", "mean of learnt", "cap", "unknown slots", "nothing dispatched", "flag", "off"],
+)
+def test_the_fair_budget_is_derived_from_the_pool(settings, flow, cap, expected):
+    assert fair_capacity(settings, flow, FOUR, cap) == expected
+
+
+def test_the_typical_service_is_the_first_quartile_of_the_last_requests():
+    flow = _dispatched([8200.0] * 300 + MIX * 40)  # the long ones are older than the window
+    assert flow.typical() == 400.0
+    flow.started(0, "t", 8200.0)  # the cached quantile follows what is dispatched
+    assert len(flow.recent) == 256 and flow.typical() == 400.0
 
 
 @pytest.mark.parametrize(

@@ -195,6 +195,7 @@ def test_a_fairness_id_splits_the_tenants_flow_only_when_plain():
         (["--headroom-load", "-1"], "--headroom-load"),
         (["--headroom-kv-usage", "1.5"], "--headroom-kv-usage"),
         (["--fair-in-flight-tokens", "0"], "--fair-in-flight-tokens"),
+        (["--fair-in-flight-tokens", "lots"], "--fair-in-flight-tokens"),
     ],
 )
 def test_tenancy_flags_name_a_bad_value(tmp_path, argv, named):
@@ -214,6 +215,10 @@ def test_tenancy_flags_name_a_bad_value(tmp_path, argv, named):
     )
     assert good.tenants.names() == ["a"] and good.flow.headroom_load == 12
     assert good.flow.fair_in_flight_tokens == 9600
+    shipped = tenant_flags.settings_from(parser.parse_args(["--tenants", str(path)]))
+    assert shipped.flow.fair_in_flight and shipped.flow.fair_in_flight_tokens is None  # derived
+    off = ["--tenants", str(path), "--fair-in-flight-tokens", "off"]
+    assert not tenant_flags.settings_from(parser.parse_args(off)).flow.fair_in_flight
     with pytest.raises(ValueError, match=named):
         tenant_flags.settings_from(parser.parse_args(["--tenants", str(path), *argv]))
     path.write_text("tenants:\n  - name: Bad Name\n")
