@@ -580,6 +580,38 @@ def with_torchcodec_shim(
     return LaunchPlan(plan.argv, {**plan.env, "PYTHONPATH": path}, plan.model)
 
 
+# vLLM's NIXL connector imports `nixl._api`. The `nixl-cu12` wheel (the engine-cpu extra)
+# installs its modules as `nixl_cu12`; the `nixl` meta package that aliases them does not
+# install on PyPI today (it requires the CUDA 13 wheel too). Where `nixl` is missing and
+# `nixl_cu12` is there, the launcher puts this alias first on PYTHONPATH, as the meta package
+# would (its submodules under the `nixl` name).
+NIXL_SHIM = """import importlib, sys
+for _name in ("_bindings", "_utils", "logging", "_api"):
+    _module = importlib.import_module("nixl_cu12." + _name)
+    sys.modules[__name__ + "." + _name] = _module
+    globals()[_name] = _module
+from nixl_cu12 import *  # noqa: F401,F403
+"""
+
+
+def nixl_shim_needed(python: str = sys.executable) -> bool:
+    """True when `nixl` cannot be imported but the `nixl_cu12` wheel is installed."""
+    probe = (
+        "import importlib.util, sys\n"
+        "sys.exit(3 if importlib.util.find_spec('nixl') is None and "
+        "importlib.util.find_spec('nixl_cu12') is not None else 0)\n"
+    )
+    return subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 3
+
+
+def write_nixl_shim(directory: str | Path) -> str:
+    """Write the `nixl` alias package under `directory`; return the folder."""
+    package = Path(directory) / "nixl"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text(NIXL_SHIM)
+    return str(directory)
+
+
 def _ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
@@ -599,6 +631,11 @@ def run(plan: LaunchPlan, *, health_url: str | None, log: Any = sys.stderr) -> i
     if vllm and torchcodec_broken(plan.argv[0]):
         print("kubellm engine: torchcodec cannot load here; audio inputs disabled", file=log)
         plan = with_torchcodec_shim(plan, write_torchcodec_shim(tempfile.mkdtemp("-kubellm")))
+    if any("NixlConnector" in arg for arg in plan.argv) and nixl_shim_needed(plan.argv[0]):
+        print("kubellm engine: nixl from the nixl-cu12 wheel", file=log)
+        plan = with_torchcodec_shim(
+            plan, write_nixl_shim(tempfile.mkdtemp("-kubellm")), {**os.environ, **plan.env}
+        )
     print(f"kubellm engine: starting vLLM: {' '.join(plan.argv)}", file=log, flush=True)
     child = subprocess.Popen(
         plan.argv,

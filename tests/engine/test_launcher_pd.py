@@ -111,3 +111,17 @@ def test_vllms_parser_reads_each_roles_command_line(vllm_parser, role: str, gpus
     assert config.is_kv_consumer == (role == "decode")
     expected_seqs = 8 if role == "prefill" else 128
     assert args.max_num_seqs == expected_seqs
+
+
+def test_the_nixl_alias_exposes_the_wheels_modules_as_vllm_imports_them(tmp_path) -> None:
+    """`nixl._api` through the launcher's alias is the nixl-cu12 wheel's module."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("nixl_cu12") is None:
+        pytest.skip("the nixl-cu12 wheel is not installed (the engine-cpu extra)")
+    shim = launcher.write_nixl_shim(tmp_path)
+    probe = "import nixl._api as a, nixl_cu12._api as b; assert a is b and a.nixl_agent"
+    result = subprocess.run([sys.executable, "-c", probe], env={"PYTHONPATH": shim},
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
