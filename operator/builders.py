@@ -152,16 +152,6 @@ def prefill_replicas(llmd: api.LLMDeployment, decode_replicas: int | None = None
     return prefill.replicas if decode > 0 else 0
 
 
-def role_split(prefill: int, decode_total: int, decode_canary: int) -> tuple[int, int]:
-    """(stable, canary) prefill replicas during a canary step: the canary's share of the
-    decode role, rounded up, so a canary with decode replicas has a prefill replica of its
-    revision (both legs of a request on one revision), and the stable keeps the rest."""
-    if prefill <= 0 or decode_canary <= 0:
-        return prefill, 0
-    canary = min(prefill, max(1, math.ceil(prefill * decode_canary / max(1, decode_total))))
-    return prefill - canary, canary
-
-
 def with_role(labels: Mapping[str, str], role: str | None) -> dict[str, str]:
     return {**labels, contracts.ROLE_LABEL: role} if role else dict(labels)
 

@@ -350,10 +350,14 @@ async def reconcile(
             ),
         )
         outcome.rollout = decision
+        # The prefill role's (stable, canary) replicas follow the canary's traffic weight as
+        # decode's do, so a canary with decode replicas has a prefill replica of its revision.
         prefill_split = (0, 0)
         if builders.split(llmd):
-            prefill_split = builders.role_split(
-                builders.prefill_replicas(llmd), llmd.spec.replicas, decision.canary_replicas
+            weight = int((decision.status or {}).get("canaryWeight") or 0)
+            prefill = builders.prefill_replicas(llmd)
+            prefill_split = (
+                rollout.split(prefill, max(weight, 1)) if decision.canary_replicas else (prefill, 0)
             )
         if desired is not None:
             extra_actions: list[Action] = []

@@ -125,21 +125,6 @@ def test_kv_transfer_config_in_extra_args_is_refused_with_the_field() -> None:
         objects(doc)
 
 
-@pytest.mark.parametrize(
-    ("prefill", "decode_total", "decode_canary", "expected"),
-    [
-        (4, 4, 0, (4, 0)),  # no canary: all stable
-        (4, 4, 1, (3, 1)),  # the canary's decode share, rounded up
-        (1, 10, 1, (0, 1)),  # one prefill replica goes to the canary so its legs stay on it
-        (2, 4, 2, (1, 1)),
-        (0, 4, 2, (0, 0)),  # no prefill role replicas: nothing to split
-        (3, 4, 4, (0, 3)),  # promoting: all on the canary
-    ],
-)
-def test_role_split_during_a_canary(prefill, decode_total, decode_canary, expected) -> None:
-    assert builders.role_split(prefill, decode_total, decode_canary) == expected
-
-
 def test_a_canary_revision_runs_both_roles_labelled_with_its_revision() -> None:
     llmd = manifests.parse(document())
     built = builders.build_canary(llmd, 1, prefill_replicas_canary=1)
@@ -201,3 +186,39 @@ async def test_prefill_role_is_created_left_alone_and_removed(emulator, api_clie
             return "--role" not in container["command"]
 
         await wait_for(aggregated, timeout=60, what="the decode role rolled to aggregated")
+
+
+async def test_a_canary_revision_runs_both_roles_beside_the_stable_ones(emulator, api_client):
+    from .test_canary import MANIFEST, PATH, STABLE, FakeGateway, rolled_out, rollout_status
+
+    manifest_ = copy.deepcopy(MANIFEST)
+    manifest_["spec"]["prefill"] = {"replicas": 2}
+    ns, prefill, canary = "llm", "m-prefill", "m-prefill-canary"
+    async with running_operator(emulator, figures=FakeGateway(), rollout_seconds=0.1):
+        await create(api_client, manifest_)
+        await wait_for(lambda: current(emulator, DEPLOYMENTS, prefill, ns), timeout=60)
+        await rolled_out(api_client, emulator, STABLE)
+        await rolled_out(api_client, emulator, prefill)
+        await wait_for(lambda: rollout_status(emulator).get("phase") == "Stable", timeout=60)
+        old = current(emulator, DEPLOYMENTS, prefill, ns)["metadata"]["labels"][
+            contracts.REVISION_LABEL
+        ]
+        await patch(api_client, PATH, {"spec": {"model": {"source": "hf://org/model-v2"}}})
+        deployment = await wait_for(lambda: current(emulator, DEPLOYMENTS, canary, ns),
+                                    timeout=60, what="the prefill canary")  # fmt: skip
+        new = deployment["metadata"]["labels"][contracts.REVISION_LABEL]
+        assert new != old
+        assert deployment["spec"]["replicas"] == 1  # ceil(2 x 10%)
+        assert deployment["spec"]["template"]["metadata"]["labels"][ROLE] == "prefill"
+        service = await wait_for(lambda: current(emulator, SERVICES, canary, ns), timeout=60)
+        assert service["metadata"]["labels"][contracts.REVISION_LABEL] == new
+        # The stable prefill role keeps its revision; its replicas follow the split (2 x 90%).
+        stable = current(emulator, DEPLOYMENTS, prefill, ns)
+        assert stable["metadata"]["labels"][contracts.REVISION_LABEL] == old
+        assert stable["spec"]["replicas"] == 2
+        # Aborting scales both roles' canaries to zero (as decode's), the stable ones stay.
+        await patch(api_client, PATH, {"metadata": {"annotations": {
+            contracts.ROLLOUT_ACTION_ANNOTATION: "abort"}}})  # fmt: skip
+        await wait_for(lambda: current(emulator, DEPLOYMENTS, canary, ns)["spec"]["replicas"] == 0,
+                       timeout=60, what="the prefill canary at zero")  # fmt: skip
+        assert current(emulator, DEPLOYMENTS, prefill, ns)["spec"]["replicas"] == 2
