@@ -62,6 +62,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a replica spanning nodes: the leader's torch.distributed port",
     )  # fmt: skip
     parser.add_argument(
+        "--role", choices=["prefill", "decode"],
+        help="a spec with spec.prefill: run this role's engine (its KV connector role and, on "
+        "prefill, spec.prefill's overrides); the operator sets it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-side-channel-port", type=int, metavar="PORT",
+        help="--role: the NIXL side channel's port (default 5600; a local pair gives each "
+        "engine its own)",
+    )  # fmt: skip
+    parser.add_argument(
         "--train-steps", type=int, metavar="N",
         help="tiny-model: training steps on the bundled corpus (default: a few seconds' worth; "
         "0: random weights)",
@@ -135,6 +145,7 @@ def _vllm(args: argparse.Namespace) -> int:
         plan = launcher.build_command(
             target, port=args.port, host=host, kv_events_port=args.kv_events_port,
             node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+            role=args.role, side_channel_port=args.kv_side_channel_port,
         )  # fmt: skip
     except launcher.LaunchError as error:
         print(f"kubellm engine: {error}", file=sys.stderr)

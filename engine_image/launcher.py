@@ -207,6 +207,110 @@ def rank_endpoint_args(spec: LLMDeploymentSpec, rank: GroupRank | None) -> list[
     return []
 
 
+# --------------------------------------------------------------------------- prefill/decode
+
+
+# spec.prefill.kvConnector.type -> vLLM's connector name (--kv-transfer-config kv_connector).
+KV_CONNECTORS = {
+    "Nixl": "NixlConnector",
+    "LMCache": "LMCacheConnectorV1",
+    "Mooncake": "MooncakeConnector",
+    "P2pNccl": "P2pNcclConnector",
+    "Example": "ExampleConnector",
+}
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+ROLES = tuple(KV_ROLES)
+# Where the NIXL connector's side channel (the handshake that exchanges KV-buffer
+# descriptors) listens; a local pair gives each instance its own port.
+NIXL_SIDE_CHANNEL_PORT = 5600
+# The pod's address (the operator sets it from the downward API): the NIXL side channel
+# must be reachable from the other role's pods, not only on loopback.
+POD_IP_ENV = "POD_IP"
+# On CPUs, UCX (NIXL's transport) may use only these (no RDMA or CUDA transports exist).
+CPU_UCX_TLS = "self,sm,tcp"
+
+
+def role_spec(spec: LLMDeploymentSpec, role: str | None) -> LLMDeploymentSpec:
+    """The spec an engine of `role` runs: the prefill role's overrides (tensor parallelism,
+    token budget, max sequences, resources) on top of the spec; the decode role's is the
+    spec itself. LaunchError for a role the spec does not have."""
+    if role is None:
+        return spec
+    if role not in ROLES:
+        raise LaunchError(f"--role {role!r}: expected one of {', '.join(ROLES)}")
+    if spec.prefill is None:
+        raise LaunchError(f"--role {role}: the spec has no spec.prefill (no prefill/decode split)")
+    if role != "prefill":
+        return spec
+    prefill = spec.prefill
+    overrides = prefill.engine
+    engine = spec.engine.model_copy(
+        update={
+            k: v
+            for k, v in (
+                ("tensor_parallel_size", overrides.tensor_parallel_size),
+                ("max_num_seqs", overrides.max_num_seqs),
+            )
+            if v is not None
+        }
+    )
+    if overrides.max_num_batched_tokens is not None:
+        chunked = engine.chunked_prefill.model_copy(
+            update={"max_num_batched_tokens": overrides.max_num_batched_tokens}
+        )
+        engine = engine.model_copy(update={"chunked_prefill": chunked})
+    update: dict[str, Any] = {"engine": engine}
+    if prefill.resources is not None:
+        update["resources"] = prefill.resources
+    return spec.model_copy(update=update)
+
+
+def kv_transfer_config(spec: LLMDeploymentSpec, role: str) -> dict[str, Any]:
+    """vLLM's --kv-transfer-config for `role`: the connector, producer (prefill) or consumer
+    (decode), the buffer on the engine's device, and the spec's extra config. A decode
+    engine whose KV cannot be loaded (its prefill replica gone) recomputes the prompt
+    (`kv_load_failure_policy: recompute`) instead of failing the request."""
+    assert spec.prefill is not None
+    connector = spec.prefill.kv_connector
+    config: dict[str, Any] = {
+        "kv_connector": KV_CONNECTORS[connector.type],
+        "kv_role": KV_ROLES[role],
+        "kv_buffer_device": "cpu" if spec.resources.gpu.count == 0 else "cuda",
+    }
+    if role == "decode":
+        config["kv_load_failure_policy"] = "recompute"
+    if connector.extra_config:
+        config["kv_connector_extra_config"] = dict(connector.extra_config)
+    return config
+
+
+def kv_transfer_env(
+    spec: LLMDeploymentSpec, host: str, environ: dict[str, str], side_channel_port: int | None
+) -> dict[str, str]:
+    """The environment a P/D engine needs beside its flags. NIXL: the side channel's host
+    (the pod's address, else the listen address) and port. On CPUs: UCX limited to
+    shared memory and TCP (on loopback only for a local pair), and vLLM's OpenMP threads
+    bound one per allowed core: the NIXL connector pins the engine's main thread, and
+    vLLM's automatic binding then put both OpenMP threads on one core (250-600 ms per
+    token instead of tens). Variables already set are left as they are."""
+    assert spec.prefill is not None
+    env: dict[str, str] = {}
+    side_host = environ.get(POD_IP_ENV) or (host if host not in ("", "0.0.0.0", "::") else "")
+    if spec.prefill.kv_connector.type == "Nixl":
+        if side_host:
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = side_host
+        port = NIXL_SIDE_CHANNEL_PORT if side_channel_port is None else side_channel_port
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    if spec.resources.gpu.count == 0:
+        env["UCX_TLS"] = CPU_UCX_TLS
+        if side_host in ("127.0.0.1", "localhost", "::1"):
+            env["UCX_NET_DEVICES"] = "lo"
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
+    return {k: v for k, v in env.items() if k not in environ}
+
+
 # --------------------------------------------------------------------------- reading the spec
 
 
@@ -420,12 +524,17 @@ def build_command(
     node_rank: int | None = None,
     master_addr: str | None = None,
     master_port: int = MASTER_PORT,
+    role: str | None = None,
+    side_channel_port: int | None = None,
 ) -> LaunchPlan:
     """The vLLM OpenAI server command for `target`; every engine field maps to one flag.
     `node_bytes`: the NUMA node's memory, for a CPU engine's reservation (default: read).
     A replica spanning nodes: `node_rank` and `master_addr` (default: from the
-    LeaderWorkerSet's environment); rank 0 serves the API, the others run headless."""
-    spec, engine = target.spec, target.spec.engine
+    LeaderWorkerSet's environment); rank 0 serves the API, the others run headless.
+    `role`: prefill or decode of a spec with spec.prefill (its KV connector, the prefill
+    role's overrides); `side_channel_port`: the NIXL side channel's (a local pair)."""
+    spec = role_spec(target.spec, role)
+    engine = spec.engine
     environ = os.environ if environ is None else environ
     model, model_args, env = resolve_model(
         spec.model.source, model_root=model_root, cwd=cwd, environ=environ
@@ -481,6 +590,10 @@ def build_command(
     argv += lora_args(target, model_root=model_root, env=env, cwd=cwd)
     argv += kv_events_args(spec, host, kv_events_port)
     argv += kv_offload_args(spec)
+    if role is not None:
+        config = kv_transfer_config(spec, role)
+        argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+        env.update(kv_transfer_env(spec, host, dict(environ), side_channel_port))
     argv += list(engine.extra_args)
     if cpu and not environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM reads "" as unset too
         env["VLLM_CPU_KVCACHE_SPACE"] = str(DEFAULT_CPU_KVCACHE_GIB)
@@ -520,6 +633,38 @@ def with_torchcodec_shim(
     return LaunchPlan(plan.argv, {**plan.env, "PYTHONPATH": path}, plan.model)
 
 
+# vLLM's NIXL connector imports `nixl._api`. The `nixl-cu12` wheel (the engine-cpu extra)
+# installs its modules as `nixl_cu12`; the `nixl` meta package that aliases them does not
+# install on PyPI today (it requires the CUDA 13 wheel too). Where `nixl` is missing and
+# `nixl_cu12` is there, the launcher puts this alias first on PYTHONPATH, as the meta package
+# would (its submodules under the `nixl` name).
+NIXL_SHIM = """import importlib, sys
+for _name in ("_bindings", "_utils", "logging", "_api"):
+    _module = importlib.import_module("nixl_cu12." + _name)
+    sys.modules[__name__ + "." + _name] = _module
+    globals()[_name] = _module
+from nixl_cu12 import *  # noqa: F401,F403
+"""
+
+
+def nixl_shim_needed(python: str = sys.executable) -> bool:
+    """True when `nixl` cannot be imported but the `nixl_cu12` wheel is installed."""
+    probe = (
+        "import importlib.util, sys\n"
+        "sys.exit(3 if importlib.util.find_spec('nixl') is None and "
+        "importlib.util.find_spec('nixl_cu12') is not None else 0)\n"
+    )
+    return subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 3
+
+
+def write_nixl_shim(directory: str | Path) -> str:
+    """Write the `nixl` alias package under `directory`; return the folder."""
+    package = Path(directory) / "nixl"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text(NIXL_SHIM)
+    return str(directory)
+
+
 def _ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
@@ -539,6 +684,11 @@ def run(plan: LaunchPlan, *, health_url: str | None, log: Any = sys.stderr) -> i
     if vllm and torchcodec_broken(plan.argv[0]):
         print("kubellm engine: torchcodec cannot load here; audio inputs disabled", file=log)
         plan = with_torchcodec_shim(plan, write_torchcodec_shim(tempfile.mkdtemp("-kubellm")))
+    if any("NixlConnector" in arg for arg in plan.argv) and nixl_shim_needed(plan.argv[0]):
+        print("kubellm engine: nixl from the nixl-cu12 wheel", file=log)
+        plan = with_torchcodec_shim(
+            plan, write_nixl_shim(tempfile.mkdtemp("-kubellm")), {**os.environ, **plan.env}
+        )
     print(f"kubellm engine: starting vLLM: {' '.join(plan.argv)}", file=log, flush=True)
     child = subprocess.Popen(
         plan.argv,

@@ -1052,6 +1052,41 @@ class PrefillEngine(_Model):
     max_num_seqs: int | None = Field(default=None, ge=1)
 
 
+class PrefillAutoscaling(_Model):
+    """The prefill role's autoscaling: replicas enough to clear the queued prefill work within
+    a share of the TTFT budget (llm-d's token-aware recipe), never more prefill replicas
+    than zero while the decode role has none."""
+
+    rules = (
+        Rule(
+            "self.minReplicas <= self.maxReplicas",
+            "spec.prefill.autoscaling.minReplicas must not exceed "
+            "spec.prefill.autoscaling.maxReplicas",
+            ".minReplicas",
+        ),
+    )
+
+    enabled: bool = Field(
+        default=True, description="The kubellm autoscaler writes spec.prefill.replicas."
+    )
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    target_queue_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        alias="targetQueueShare",
+        description="The share of slo.ttftSeconds the queued prefill work of a prefill "
+        "replica may take (queued prompt tokens over its prefill throughput).",
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=3600,
+        description="How long a lower recommendation must hold before prefill replicas go.",
+    )
+
+
 class Prefill(_Model):
     """A prefill role beside the decode role. With `spec.prefill` set, the replicas of
     the rest of the spec (`spec.replicas`, `engine`, `resources`, `autoscaling`) are the
@@ -1069,7 +1104,7 @@ class Prefill(_Model):
     resources: Resources | None = Field(
         default=None, description="Resources of one prefill replica (unset: spec.resources)."
     )
-    autoscaling: Autoscaling | None = Field(
+    autoscaling: PrefillAutoscaling | None = Field(
         default=None,
         description="Scale the prefill role on its queued prefill work; off when absent.",
     )
@@ -1122,6 +1157,28 @@ class LLMDeploymentSpec(_Model):
             "spec.prefill.engine.tensorParallelSize must not exceed the prefill pod's GPUs "
             "(spec.prefill.resources.gpu.count, else spec.resources.gpu.count)",
             ".prefill.engine.tensorParallelSize",
+        ),
+        Rule(
+            "!has(self.prefill) || !has(self.prefill.resources) || "
+            "(self.prefill.resources.gpu.count == 0) == (self.resources.gpu.count == 0)",
+            "spec.prefill.resources.gpu.count must be 0 exactly when spec.resources.gpu.count "
+            "is 0 (both roles on GPUs or both on CPUs: the KV cache moves between like buffers)",
+            ".prefill.resources.gpu.count",
+        ),
+        Rule(
+            "!has(self.prefill) || !has(self.prefill.engine.maxNumBatchedTokens) || "
+            "self.engine.chunkedPrefill.enabled || !has(self.engine.maxModelLen) || "
+            "self.prefill.engine.maxNumBatchedTokens >= self.engine.maxModelLen",
+            "spec.prefill.engine.maxNumBatchedTokens must be >= spec.engine.maxModelLen when "
+            "chunked prefill is disabled",
+            ".prefill.engine.maxNumBatchedTokens",
+        ),
+        Rule(
+            "!has(self.prefill) || self.prefill.kvConnector.type != 'P2pNccl' || "
+            "self.resources.gpu.count > 0",
+            "spec.prefill.kvConnector.type P2pNccl needs GPUs (spec.resources.gpu.count over 0): "
+            "NCCL moves GPU memory; use Nixl or Example on CPUs",
+            ".prefill.kvConnector.type",
         ),
         Rule(
             "!has(self.adapters) || self.adapters.all(a, self.adapters.exists_one(b, "
@@ -1372,6 +1429,14 @@ class RolloutStatus(_Status):
     )
 
 
+class PrefillStatus(_Status):
+    """The prefill role's Deployment as observed (the decode role's are status.replicas and
+    status.readyReplicas)."""
+
+    replicas: int | None = Field(default=None, description="Desired prefill replicas.")
+    ready_replicas: int | None = None
+
+
 class LLMDeploymentStatus(_Status):
     conditions: list[Condition] = Field(
         default_factory=list,
@@ -1392,6 +1457,9 @@ class LLMDeploymentStatus(_Status):
         "(written by the autoscaler).",
     )
     rollout: RolloutStatus | None = None
+    prefill: PrefillStatus | None = Field(
+        default=None, description="The prefill role's replicas (with spec.prefill)."
+    )
 
 
 class ObjectMeta(BaseModel):

@@ -240,6 +240,7 @@ def engine_spec_document(llmd: api.LLMDeployment) -> dict[str, Any]:
             **(
                 {"adapters": [a.model_dump(**dump) for a in spec.adapters]} if spec.adapters else {}
             ),
+            **({"prefill": _prefill_engine(spec.prefill)} if spec.prefill else {}),
             **(
                 {
                     "routing": {
@@ -252,6 +253,14 @@ def engine_spec_document(llmd: api.LLMDeployment) -> dict[str, Any]:
             ),
         },
     }
+
+
+def _prefill_engine(prefill: api.Prefill) -> dict[str, Any]:
+    """What of spec.prefill shapes an engine process (either role's: the decode role is
+    the connector's consumer): its engine overrides, resources and KV connector; not its
+    replicas, split rule or autoscaling, so that scaling the prefill role restarts nothing."""
+    dump: dict[str, Any] = {"by_alias": True, "exclude_none": True, "mode": "json"}
+    return prefill.model_dump(include={"engine", "resources", "kv_connector"}, **dump)
 
 
 def engine_spec_json(llmd: api.LLMDeployment) -> str:

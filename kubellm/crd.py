@@ -107,6 +107,18 @@ PRINTER_COLUMNS = [
     {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
     {
+        "name": "Prefill",
+        "type": "integer",
+        "jsonPath": ".spec.prefill.replicas",
+        "description": "Desired prefill replicas (spec.prefill; the columns before are decode's).",
+    },
+    {
+        "name": "Prefill-Ready",
+        "type": "integer",
+        "jsonPath": ".status.prefill.readyReplicas",
+        "description": "Ready prefill replicas.",
+    },
+    {
         "name": "KV-Cache",
         "type": "number",
         "jsonPath": ".status.autoscaler.kvCacheUsage",

@@ -54,7 +54,7 @@ LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 LWS_KIND = "LeaderWorkerSet"
 # A multi-node replica's pods: kubellm's role label (the LeaderWorkerSet controller adds its
 # own, leaderworkerset.sigs.k8s.io/worker-index, 0 on the leader).
-ROLE_LABEL = "kubellm.io/role"
+ROLE_LABEL = contracts.ROLE_LABEL  # also marks a multi-node group's leader and workers
 LEADER, WORKER = "leader", "worker"
 
 
@@ -128,6 +128,35 @@ def canary_name(llmd: api.LLMDeployment) -> str:
 def canary_labels(llmd: api.LLMDeployment) -> dict[str, str]:
     """The canary pods' selector: the engine selector plus the canary track."""
     return {**selector_labels(llmd), contracts.TRACK_LABEL: contracts.CANARY_TRACK}
+
+
+def split(llmd: api.LLMDeployment) -> bool:
+    """spec.prefill is set: the engines run as a prefill role and a decode role."""
+    return llmd.spec.prefill is not None
+
+
+def decode_role(llmd: api.LLMDeployment) -> str | None:
+    """The role label of the main (decode) objects: decode with spec.prefill, else none (an
+    unlabelled engine serves both phases)."""
+    return contracts.DECODE_ROLE if split(llmd) else None
+
+
+def prefill_name(llmd: api.LLMDeployment, canary: bool = False) -> str:
+    """The prefill role's Deployment, Service and PDB (`-canary`: its canary revision's)."""
+    return f"{llmd.metadata.name}-prefill" + ("-canary" if canary else "")
+
+
+def prefill_replicas(llmd: api.LLMDeployment, decode_replicas: int | None = None) -> int:
+    """The prefill role's replicas: spec.prefill.replicas, but none while the decode role
+    has none (a prefill replica alone serves nothing: the pair scales to zero together)."""
+    prefill = llmd.spec.prefill
+    assert prefill is not None
+    decode = llmd.spec.replicas if decode_replicas is None else decode_replicas
+    return prefill.replicas if decode > 0 else 0
+
+
+def with_role(labels: Mapping[str, str], role: str | None) -> dict[str, str]:
+    return {**labels, contracts.ROLE_LABEL: role} if role else dict(labels)
 
 
 def selector_labels(llmd: api.LLMDeployment) -> dict[str, str]:
@@ -254,6 +283,13 @@ def check(llmd: api.LLMDeployment, options: Options = Options()) -> None:
             "rank publishes KV events on a port of its own, which kubellm does not wire yet; "
             "use prefixIndex approximate",
         )
+    if split(llmd) and any(a.split("=", 1)[0] == "--kv-transfer-config"
+                           for a in llmd.spec.engine.extra_args):  # fmt: skip
+        raise SpecError(
+            "InvalidEngineArguments",
+            "spec.engine.extraArgs: --kv-transfer-config is set by the operator from "
+            "spec.prefill.kvConnector; put connector settings in its extraConfig",
+        )
     if multi_node(llmd) and not options.leader_worker_set:
         raise SpecError(
             "LeaderWorkerSetMissing",
@@ -287,8 +323,11 @@ def check_adapter(adapter: api.Adapter, model_source: str) -> None:
 # --------------------------------------------------------------------------- deployment
 
 
-def _resources(llmd: api.LLMDeployment) -> dict[str, Any]:
+def _resources(llmd: api.LLMDeployment, pd_role: str | None = None) -> dict[str, Any]:
+    prefill = llmd.spec.prefill
     res = llmd.spec.resources
+    if pd_role == contracts.PREFILL_ROLE and prefill is not None and prefill.resources:
+        res = prefill.resources
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     if res.cpu:
@@ -333,10 +372,12 @@ def _model_volume(llmd: api.LLMDeployment) -> dict[str, Any]:
     return {"name": "model", "emptyDir": {}}
 
 
-def _env(llmd: api.LLMDeployment) -> list[dict[str, str]]:
-    env = [{"name": "HOME", "value": TMP_DIR}]
+def _env(llmd: api.LLMDeployment) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": TMP_DIR}]
     if sources.parse_source(llmd.spec.model.source).scheme == "hf":
         env.append({"name": "HF_HOME", "value": sources.HF_CACHE_DIR})
+    if split(llmd):  # the KV connector's side channel listens on the pod's address
+        env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     return env
 
 
@@ -386,8 +427,10 @@ def _rollout(llmd: api.LLMDeployment) -> dict[str, Any]:
     }
 
 
-def engine_command(llmd: api.LLMDeployment) -> list[str]:
-    """The engine launcher's command line (the contract with kubellm.engine)."""
+def engine_command(llmd: api.LLMDeployment, pd_role: str | None = None) -> list[str]:
+    """The engine launcher's command line (the contract with kubellm.engine); `pd_role`:
+    prefill or decode, the launcher renders that role's KV connector and overrides."""
+    role = ["--role", pd_role] if pd_role else []
     return [
         "kubellm",
         "engine",
@@ -397,6 +440,7 @@ def engine_command(llmd: api.LLMDeployment) -> list[str]:
         str(llmd.spec.engine.port),
         "--host",
         "0.0.0.0",
+        *role,
     ]
 
 
@@ -412,7 +456,9 @@ def kv_event_ports(llmd: api.LLMDeployment) -> list[dict[str, Any]]:
     ]
 
 
-def _pod_template(llmd: api.LLMDeployment, *, canary: bool, role: str | None) -> dict[str, Any]:
+def _pod_template(
+    llmd: api.LLMDeployment, *, canary: bool, role: str | None, pd_role: str | None = None
+) -> dict[str, Any]:
     """The engine pod template: one Deployment pod (`role` None), or a multi-node
     replica's leader (serves the API: its port, probes and drain delay) or worker (joins
     the leader headless: no HTTP server, so no port and no probes; ready once running, and
@@ -426,9 +472,9 @@ def _pod_template(llmd: api.LLMDeployment, *, canary: bool, role: str | None) ->
         "name": ENGINE_CONTAINER,
         "image": spec.engine.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": engine_command(llmd),
+        "command": engine_command(llmd, pd_role),
         "env": _env(llmd),
-        "resources": _resources(llmd),
+        "resources": _resources(llmd, pd_role),
         "volumeMounts": [
             {"name": "engine-spec", "mountPath": sources.SPEC_DIR, "readOnly": True},
             {"name": "model", "mountPath": sources.MODEL_ROOT},
@@ -487,6 +533,7 @@ def _pod_template(llmd: api.LLMDeployment, *, canary: bool, role: str | None) ->
                            contracts.REVISION_LABEL: revision})  # fmt: skip
     if role is not None:
         pod_labels[ROLE_LABEL] = role
+    pod_labels = with_role(pod_labels, pd_role)
     annotations = {SPEC_HASH_ANNOTATION: revision}
     if serving:
         annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
@@ -506,23 +553,38 @@ def engine_deployment(
     *,
     replicas: int | None = None,
     canary: bool = False,
+    prefill: bool = False,
 ) -> dict[str, Any]:
     """The engine Deployment (`canary`: the canary revision's, beside the stable one), with
-    `replicas` (default spec.replicas: the rollout splits it between the two)."""
+    `replicas` (default spec.replicas: the rollout splits it between the two). `prefill`:
+    the prefill role's (spec.prefill), whose selector adds the role so that it never
+    selects decode pods; the decode role's selector stays the one it always had (a
+    Deployment's selector is immutable: adding spec.prefill must not recreate it), and
+    its pods are labelled decode."""
     spec = llmd.spec
-    name = canary_name(llmd) if canary else engine_name(llmd)
+    if prefill:
+        pd_role: str | None = contracts.PREFILL_ROLE
+        name = prefill_name(llmd, canary)
+        default_replicas = prefill_replicas(llmd)
+    else:
+        pd_role = decode_role(llmd)
+        name = canary_name(llmd) if canary else engine_name(llmd)
+        default_replicas = spec.replicas
+    selector = canary_labels(llmd) if canary else selector_labels(llmd)
+    metadata = _workload_metadata(llmd, name, options)
+    metadata["labels"] = with_role(metadata["labels"], pd_role)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _workload_metadata(llmd, name, options),
+        "metadata": metadata,
         "spec": {
-            "replicas": spec.replicas if replicas is None else replicas,
-            "selector": {"matchLabels": canary_labels(llmd) if canary else selector_labels(llmd)},
+            "replicas": default_replicas if replicas is None else replicas,
+            "selector": {"matchLabels": with_role(selector, pd_role) if prefill else selector},
             "strategy": _rollout(llmd),
             "revisionHistoryLimit": 3,
             # Past the startup probe's 30 minutes, a stuck rollout is reported.
             "progressDeadlineSeconds": 2400,
-            "template": _pod_template(llmd, canary=canary, role=None),
+            "template": _pod_template(llmd, canary=canary, role=None, pd_role=pd_role),
         },
     }
 
@@ -599,12 +661,23 @@ def engine_workload(
 
 
 def engine_service(
-    llmd: api.LLMDeployment, options: Options = Options(), canary: bool = False
+    llmd: api.LLMDeployment,
+    options: Options = Options(),
+    canary: bool = False,
+    prefill: bool = False,
 ) -> dict[str, Any]:
     """The engine Service (all engine pods, both revisions during a canary rollout), or, with
     `canary`, the canary's: its EndpointSlices carry the revision label, which is how the
-    gateway knows which endpoints run the canary."""
-    metadata = _metadata(llmd, canary_name(llmd) if canary else engine_name(llmd), options)
+    gateway knows which endpoints run the canary. With spec.prefill, one per role: the
+    role label on the Service (its EndpointSlices: how the gateway tells the roles apart)
+    and in its selector; `prefill` the prefill role's."""
+    pd_role = contracts.PREFILL_ROLE if prefill else decode_role(llmd)
+    if prefill:
+        name = prefill_name(llmd, canary)
+    else:
+        name = canary_name(llmd) if canary else engine_name(llmd)
+    metadata = _metadata(llmd, name, options)
+    metadata["labels"] = with_role(metadata["labels"], pd_role)
     if canary:
         metadata["labels"].update({contracts.TRACK_LABEL: contracts.CANARY_TRACK,
                                    contracts.REVISION_LABEL: spec_hash(llmd)})  # fmt: skip
@@ -614,7 +687,7 @@ def engine_service(
         "metadata": metadata,
         "spec": {
             "type": "ClusterIP",
-            "selector": serving_labels(llmd, canary),
+            "selector": with_role(serving_labels(llmd, canary), pd_role),
             "ports": [
                 {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
                 for name, port in contracts.serving_ports(llmd.spec)
@@ -623,21 +696,29 @@ def engine_service(
     }
 
 
-def wants_disruption_budget(llmd: api.LLMDeployment) -> bool:
-    """A PDB only makes sense when the deployment can have more than one replica."""
-    autoscaling = llmd.spec.autoscaling
+def wants_disruption_budget(llmd: api.LLMDeployment, prefill: bool = False) -> bool:
+    """A PDB only makes sense when the role can have more than one replica."""
+    role = llmd.spec.prefill if prefill else llmd.spec
+    assert role is not None
+    autoscaling = role.autoscaling
     most = autoscaling.max_replicas if autoscaling and autoscaling.enabled else 0
-    return max(most, llmd.spec.replicas) > 1
+    return max(most, role.replicas) > 1
 
 
-def disruption_budget(llmd: api.LLMDeployment, options: Options = Options()) -> dict[str, Any]:
+def disruption_budget(
+    llmd: api.LLMDeployment, options: Options = Options(), prefill: bool = False
+) -> dict[str, Any]:
+    """At most one engine pod of the role evicted at a time (`prefill`: the prefill role's)."""
+    pd_role = contracts.PREFILL_ROLE if prefill else decode_role(llmd)
+    metadata = _metadata(llmd, prefill_name(llmd) if prefill else engine_name(llmd), options)
+    metadata["labels"] = with_role(metadata["labels"], pd_role)
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(llmd, engine_name(llmd), options),
+        "metadata": metadata,
         "spec": {
             "maxUnavailable": 1,
-            "selector": {"matchLabels": selector_labels(llmd)},
+            "selector": {"matchLabels": with_role(selector_labels(llmd), pd_role)},
             # A crash-looping pod must not block node drains.
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
@@ -1069,6 +1150,16 @@ PICKER_KINDS: tuple[tuple[str, str], ...] = (
 )
 
 
+# The prefill role's children (spec.prefill): read where they may exist, so that removing
+# spec.prefill deletes them.
+PREFILL_KINDS: tuple[tuple[str, str], ...] = (
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("policy/v1", "PodDisruptionBudget"),
+)
+PREFILL_CANARY_KINDS: tuple[tuple[str, str], ...] = (("apps/v1", "Deployment"), ("v1", "Service"))
+
+
 def child_name(llmd: api.LLMDeployment, kind: str) -> str:
     if kind == LWS_KIND:
         return lws_name(llmd)
@@ -1096,16 +1187,27 @@ def canary_kinds(llmd: api.LLMDeployment) -> tuple[tuple[str, str], ...]:
 
 
 def build_canary(
-    llmd: api.LLMDeployment, replicas: int, options: Options = Options()
+    llmd: api.LLMDeployment,
+    replicas: int,
+    options: Options = Options(),
+    prefill_replicas_canary: int | None = None,
 ) -> list[dict[str, Any]]:
     """The canary revision of `llmd` (its spec, as the stable one will be once promoted):
     its engine-spec ConfigMap, a Deployment of `replicas` and a Service, labelled with the
-    revision and the canary track."""
-    return [
+    revision and the canary track; with spec.prefill, the prefill role's Deployment (of
+    `prefill_replicas_canary`) and Service `N-prefill-canary` too."""
+    objects = [
         spec_configmap(llmd, options, canary=True),
         engine_workload(llmd, options, replicas=replicas, canary=True),
         engine_service(llmd, options, canary=True),
     ]
+    if prefill_replicas_canary is not None and split(llmd):
+        objects += [
+            engine_deployment(llmd, options, replicas=prefill_replicas_canary, canary=True,
+                              prefill=True),
+            engine_service(llmd, options, canary=True, prefill=True),
+        ]  # fmt: skip
+    return objects
 
 
 def build(llmd: api.LLMDeployment, options: Options = Options()) -> list[dict[str, Any]]:
@@ -1118,6 +1220,11 @@ def build(llmd: api.LLMDeployment, options: Options = Options()) -> list[dict[st
     ]
     if wants_disruption_budget(llmd):
         objects.append(disruption_budget(llmd, options))
+    if split(llmd):
+        objects += [engine_deployment(llmd, options, prefill=True),
+                    engine_service(llmd, options, prefill=True)]  # fmt: skip
+        if wants_disruption_budget(llmd, prefill=True):
+            objects.append(disruption_budget(llmd, options, prefill=True))
     if options.podmonitor:
         objects.append(pod_monitor(llmd, options))
     wanted = llmd.spec.routing.inference_pool

@@ -63,7 +63,7 @@ def _parse(body: Mapping[str, Any]) -> api.LLMDeployment:
 
 
 async def _observe(
-    client: Client, llmd: api.LLMDeployment, options: builders.Options
+    client: Client, llmd: api.LLMDeployment, options: builders.Options, had_prefill: bool = False
 ) -> dict[Ref, Any]:
     observed: dict[Ref, Any] = {}
     ns = llmd.metadata.namespace
@@ -78,6 +78,10 @@ async def _observe(
             continue
         name = builders.child_name(llmd, kind)
         observed[Ref(api_version, kind, ns, name)] = await client.get(api_version, kind, ns, name)
+    if builders.split(llmd) or had_prefill:  # the prefill role's: read where they may exist
+        for api_version, kind in builders.PREFILL_KINDS:
+            ref = Ref(api_version, kind, ns, builders.prefill_name(llmd))
+            observed[ref] = await client.get(api_version, kind, ns, ref.name)
     if options.inference_pool:  # a pool's own picker: read where one may exist, to delete it
         name = builders.picker_name(llmd)
         for api_version, kind in builders.PICKER_KINDS:
@@ -186,12 +190,17 @@ def _capacity(llmd: api.LLMDeployment) -> tuple[dict[str, Any] | None, list[stat
         return None, [status.Problem("CapacityPlanFailed", f"status.capacity: {error}")]
 
 
-def _canary_refs(llmd: api.LLMDeployment) -> list[Ref]:
+def _canary_refs(llmd: api.LLMDeployment, prefill: bool = False) -> list[Ref]:
+    """The canary revision's children; `prefill`: the prefill role's too (after the others)."""
     ns = llmd.metadata.namespace
-    return [
+    refs = [
         Ref(v, kind, ns, builders.canary_child_name(llmd, kind))
         for v, kind in builders.canary_kinds(llmd)
     ]
+    if prefill:
+        name = builders.prefill_name(llmd, canary=True)
+        refs += [Ref(v, kind, ns, name) for v, kind in builders.PREFILL_CANARY_KINDS]
+    return refs
 
 
 def _rolled_out(deployment: Mapping[str, Any] | None) -> bool:
@@ -219,6 +228,10 @@ def _template_revision(deployment: Mapping[str, Any] | None) -> str | None:
     return ((template.get("metadata") or {}).get("annotations") or {}).get(
         builders.SPEC_HASH_ANNOTATION
     )
+
+
+def _replicas(workload: Mapping[str, Any]) -> int:
+    return int((workload.get("spec") or {}).get("replicas") or 0)
 
 
 def _drop_none(value: Any) -> Any:
@@ -268,6 +281,7 @@ async def reconcile(
         llmd = None
 
     deployment = None
+    prefill_status: dict[str, Any] | None = None
     rollout_status: dict[str, Any] | None = old_status.get("rollout")
     progressing = None
     canary_deployment = None
@@ -297,12 +311,14 @@ async def reconcile(
         except builders.SpecError as error:
             outcome.problems.append(status.Problem(error.reason, str(error)))
             desired = None
-        observed = await _observe(client, llmd, options)
+        had_prefill = old_status.get("prefill") is not None
+        observed = await _observe(client, llmd, options, had_prefill)
+        prefill_ref = Ref("apps/v1", "Deployment", namespace, builders.prefill_name(llmd))
         deployment_ref = Ref(*builders.workload_kind(llmd), namespace,
                              builders.workload_name(llmd))  # fmt: skip
         deployment = observed.get(deployment_ref)
         old_rollout = old_status.get("rollout") or {}
-        canary_refs = _canary_refs(llmd)
+        canary_refs = _canary_refs(llmd, builders.split(llmd) or had_prefill)
         if llmd.spec.rollout.strategy == "Canary" or old_rollout.get("canaryRevision"):
             for ref in canary_refs:
                 if ref.kind == builders.LWS_KIND and not options.leader_worker_set:
@@ -334,6 +350,15 @@ async def reconcile(
             ),
         )
         outcome.rollout = decision
+        # The prefill role's (stable, canary) replicas follow the canary's traffic weight as
+        # decode's do, so a canary with decode replicas has a prefill replica of its revision.
+        prefill_split = (0, 0)
+        if builders.split(llmd):
+            weight = int((decision.status or {}).get("canaryWeight") or 0)
+            prefill = builders.prefill_replicas(llmd)
+            prefill_split = (
+                rollout.split(prefill, max(weight, 1)) if decision.canary_replicas else (prefill, 0)
+            )
         if desired is not None:
             extra_actions: list[Action] = []
             wanted_children = list(desired)
@@ -343,6 +368,11 @@ async def reconcile(
                 # replicas follow the split.
                 configmap = builders.spec_configmap_name(llmd)
                 stable_refs = {deployment_ref, Ref("v1", "ConfigMap", namespace, configmap)}
+                prefill_live = observed.get(prefill_ref)
+                if builders.split(llmd) and prefill_live is not None:
+                    stable_refs.add(prefill_ref)  # its template stays too; replicas split
+                    if _replicas(prefill_live) != prefill_split[0]:
+                        extra_actions.append(Action("scale", prefill_ref, None, prefill_split[0]))
                 wanted_children = [c for c in desired if Ref.of(c) not in stable_refs]
                 for ref in stable_refs:
                     seen_children.pop(ref, None)
@@ -355,12 +385,19 @@ async def reconcile(
             elif decision.mode == "rolling":
                 pass  # canary children observed are no longer wanted: the plan deletes them
             if decision.mode in ("canary", "promoting"):
-                wanted_children += builders.build_canary(llmd, decision.canary_replicas, options)
+                wanted_children += builders.build_canary(
+                    llmd, decision.canary_replicas, options, prefill_split[1]
+                )
             outcome.plan = plan(wanted_children, seen_children, meta.get("uid", ""))
             outcome.plan.actions.extend(extra_actions)
             applied, apply_problems = await _apply(client, outcome.plan, emit, body)
             outcome.problems += apply_problems
             deployment = applied.get(deployment_ref, deployment)
+            if builders.split(llmd):
+                prefill_status = status.prefill_status(
+                    applied.get(prefill_ref, observed.get(prefill_ref)),
+                    builders.prefill_replicas(llmd),
+                )
             if decision.mode != "rolling":
                 canary_deployment = applied.get(canary_refs[1], canary_live)
             pool_ref = Ref(builders.INFERENCE_POOL_API_VERSION, "InferencePool", namespace,
@@ -411,6 +448,8 @@ async def reconcile(
         progressing=progressing,
         canary=canary_deployment,
     )
+    if prefill_status is not None or old_status.get("prefill") is not None:
+        new_status["prefill"] = prefill_status  # None: spec.prefill was removed
     outcome.status_patch = status.status_patch(new_status, old_status)
     if outcome.status_patch is not None:
         await client.patch_status(namespace, name, outcome.status_patch)

@@ -376,6 +376,12 @@ def desired_status(
     return out
 
 
+def prefill_status(deployment: Mapping[str, Any] | None, desired: int) -> dict[str, int]:
+    """status.prefill: the prefill role's desired replicas and its Deployment's ready ones."""
+    ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
+    return {"replicas": desired, "readyReplicas": ready}
+
+
 def status_patch(
     desired: Mapping[str, Any], old_status: Mapping[str, Any] | None
 ) -> dict[str, Any] | None:

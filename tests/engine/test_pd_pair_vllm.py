@@ -1,0 +1,131 @@
+"""A real prefill/decode pair: two vLLM CPU engines started through `kubellm engine --role`,
+the KV cache moved by NIXL (UCX over shared memory and TCP on loopback).
+
+The prefill leg (max_tokens 1, kv_transfer_params do_remote_decode) runs on the prefill
+engine; the decode leg, carrying the kv_transfer_params it returned, runs on the decode
+engine, which must give the same greedy tokens as one engine alone and compute none of the
+prompt (its `vllm:external_prefix_cache_hits_total` grows by the prompt's tokens). Then the
+prefill engine is killed: a decode leg whose KV can no longer be read recomputes the prompt
+(kv_load_failure_policy recompute, which the launcher sets) and still answers the same.
+Not speed: the tiny model's prefill is too cheap for P/D to win. One pair per session;
+run under `flock /tmp/vllm.lock` (about 5-6 GiB, minutes to start)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.fixtures.engines import free_port, running_vllm, tiny_spec
+
+# Not yet run to green on the CI machine (written while the shared vLLM lock was held by a
+# benchmark): opt in with KUBELLM_PD_PAIR=1 until it has been, then drop the gate.
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        os.environ.get("KUBELLM_PD_PAIR") != "1", reason="KUBELLM_PD_PAIR=1 runs it"
+    ),
+]
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. " * 12,
+    "Once upon a time, in a land far away, there lived a curious engineer who " * 8,
+]
+MAX_TOKENS = 9
+TIMEOUT = httpx.Timeout(300.0)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
+        pytest.skip("NIXL is not installed (pip install -e '.[engine-cpu]')")
+    spec = tiny_spec(tiny_model_dir)
+    spec["prefill"] = {"split": "Always", "kvConnector": {"type": "Nixl"}}
+    urls: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        for role in ("prefill", "decode"):
+            entry = ("-m", "kubellm.engine", "--role", role,
+                     "--kv-side-channel-port", str(free_port()))  # fmt: skip
+            urls[role] = stack.enter_context(
+                running_vllm(spec, tmp_path_factory.mktemp(role), entry=entry)
+            )
+        yield urls
+
+
+def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            **extra}  # fmt: skip
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def prefill_leg(url: str, prompt: str) -> dict[str, Any]:
+    answer = complete(url, prompt, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None})  # fmt: skip
+    params = answer.get("kv_transfer_params")
+    assert params and params.get("do_remote_prefill"), answer
+    return params
+
+
+def external_hits(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.findall(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def test_decode_gives_the_same_tokens_computing_none_of_the_prompt(pair) -> None:
+    for prompt in PROMPTS:
+        alone = complete(pair["prefill"], prompt)  # one engine, prefill and decode
+        params = prefill_leg(pair["prefill"], prompt)
+        before = external_hits(pair["decode"])
+        split = complete(pair["decode"], prompt, kv_transfer_params=params)
+        hits = external_hits(pair["decode"]) - before
+        assert split["choices"][0]["text"] == alone["choices"][0]["text"]
+        assert split["usage"]["completion_tokens"] == MAX_TOKENS
+        prompt_tokens = split["usage"]["prompt_tokens"]
+        print(f"prompt {prompt_tokens} tokens: external prefix-cache hits on decode {hits:g}")
+        assert hits == prompt_tokens
+
+
+def test_a_decode_leg_whose_prefill_engine_died_recomputes_and_answers(pair) -> None:
+    prompt = "A decode leg outliving its prefill engine still answers the client. " * 6
+    alone = complete(pair["prefill"], prompt)  # the reference, not cached on decode
+    params = prefill_leg(pair["prefill"], prompt)
+    _kill_listener(int(pair["prefill"].rsplit(":", 1)[1]))
+    before = external_hits(pair["decode"])
+    split = complete(pair["decode"], prompt, kv_transfer_params=params)
+    assert split["choices"][0]["text"] == alone["choices"][0]["text"]
+    print(
+        f"after the prefill engine died: external hits {external_hits(pair['decode']) - before:g}"
+    )
+
+
+def _kill_listener(port: int) -> None:
+    """Stop the prefill engine (the launcher started by the fixture, by its port)."""
+    import signal
+
+    import psutil
+
+    for conn in psutil.net_connections(kind="tcp"):
+        if (
+            conn.laddr
+            and conn.laddr.port == port
+            and conn.status == psutil.CONN_LISTEN
+            and conn.pid
+        ):
+            server = psutil.Process(conn.pid)
+            for process in [*server.children(recursive=True), server]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    os.kill(process.pid, signal.SIGKILL)
+            psutil.wait_procs([server], timeout=60)
+            return
+    pytest.fail(f"no process listens on {port}")
