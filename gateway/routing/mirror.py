@@ -231,7 +231,7 @@ class Mirror:
         """A stable replica `url` took a request: mirror it (in the background) when the
         step's share draws it and the canary has room. Whether a mirror was started."""
         split = target.canary
-        if split is None or split.weight <= 0 or split.shadow_share <= 0:
+        if split is None or split.shadow_share <= 0:  # weight 0: the shadow step
             return False
         revisions = {e.url: e.revision for e in target.endpoints}
         if revisions.get(url) == split.revision or self.rng.random() >= split.shadow_share:

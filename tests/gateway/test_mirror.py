@@ -127,3 +127,23 @@ def test_mirrors_never_count_against_a_tenants_quota(engines, gateway):
     text = _text(gw)
     assert _sum(text, "kubellm_gateway_tenant_requests_total", tenant="meter") == 2
     assert _sum(text, "kubellm_gateway_tenant_throttled_total", tenant="meter") == 0
+
+
+def test_a_shadow_step_mirrors_while_the_canary_takes_no_request(engines, gateway):
+    (_, stable), (canary_engine, canary) = engines(2, prefix="r")
+    target = _target(stable, canary)
+    target = replace(target, canary=replace(target.canary, weight=0))  # the shadow step
+    gw = gateway({"tiny": target})
+    client = gw.client()
+    for i in range(6):  # any prompt: at weight 0 none is the canary's
+        messages = [{"role": "user", "content": f"Shadow step question {i}. " * 20}]
+        answer = client.chat.completions.create(model="tiny", messages=messages)
+        assert answer.choices[0].message.content.startswith("r0")
+    wait_until(lambda: _sum(_text(gw), metrics.GATEWAY_MIRROR_REQUESTS)
+               + _sum(_text(gw), metrics.GATEWAY_MIRROR_SHED) >= 6, timeout=60,
+               what="every mirror compared or shed")  # fmt: skip
+    text = _text(gw)
+    assert _sum(text, metrics.GATEWAY_MIRROR_REQUESTS, revision="new") >= 1
+    assert all(b["temperature"] == 0 for b in canary_engine.bodies)  # mirrors only
+    counted = figures.parse(text, "tiny")
+    assert counted.get("new", rollout.Counters()).requests == 0
