@@ -20,6 +20,10 @@
           sql: /models/adapters/sql     # Face id) a replica loads it from
         decodeTokensPerSecondBound: 143 # optional: as status.capacity's, the prior of
                                         # the slo-aware latency model (default: H100 8B)
+        # a canary rollout outside Kubernetes: endpoints carry their revision
+        # ({url: ..., revision: r2}) and `rollout` is status.rollout's split, e.g. the
+        # shadow step: {canaryRevision: r2, phase: Progressing, canaryWeight: 0,
+        #               shadow: {share: 0.1, maxConcurrency: 4, firstTokens: 16}}
 
 A model with no endpoints but a fallback is served by the fallback alone. The
 file is re-read when it changes; an endpoint removed from it drains: it gets
@@ -36,10 +40,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kubellm.gateway.discovery.base import AdapterRef, Endpoint, FallbackTarget, ModelTarget
+from kubellm.gateway.discovery.base import (
+    AdapterRef,
+    Endpoint,
+    FallbackTarget,
+    ModelTarget,
+    canary_split,
+)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kubellm.api import SLO, Fallback, Routing
+from kubellm.api import SLO, Fallback, RolloutStatus, Routing
 from kubellm.contracts import fallback_target
 from kubellm.manifests import ManifestError, explain, read_documents
 
@@ -64,6 +74,7 @@ class StaticEndpoint(BaseModel):
     url: str
     draining: bool = False
     kv_events_port: int | None = Field(default=None, alias="kvEventsPort", ge=1, le=65534)
+    revision: str | None = Field(default=None, min_length=1, max_length=63)
 
     @field_validator("url")
     @classmethod
@@ -89,6 +100,8 @@ class StaticModel(BaseModel):
     slo: SLO = Field(default_factory=SLO)
     # LoRA adapters: name -> the path (or Hugging Face id) a replica loads it from
     adapters: dict[str, str] = Field(default_factory=dict)
+    # As status.rollout: the canary's revision, phase, weight and shadow step
+    rollout: RolloutStatus | None = None
     # As status.capacity.decodeTokensPerSecondBound: the slo-aware latency model's prior
     decode_tokens_per_second_bound: float | None = Field(
         # routing/latency.py DECODE_BOUND_RANGE (discovery does not import routing)
@@ -139,7 +152,7 @@ def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, Mode
             deployment=m.deployment or m.name,
             namespace=m.namespace,
             endpoints=tuple(
-                Endpoint(e.url, e.draining, e.kv_events_port)
+                Endpoint(e.url, e.draining, e.kv_events_port, e.revision)
                 for e in m.endpoints
                 if isinstance(e, StaticEndpoint)
             ),
@@ -148,6 +161,9 @@ def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, Mode
             slo=m.slo,
             adapters=tuple(AdapterRef(n, p) for n, p in m.adapters.items()),
             pool=m.pool,
+            canary=None
+            if m.rollout is None
+            else canary_split(m.rollout.model_dump(by_alias=True, exclude_none=True, mode="json")),
             decode_tokens_per_second_bound=m.decode_tokens_per_second_bound,
         )
     return models
