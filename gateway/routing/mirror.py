@@ -315,7 +315,8 @@ def aiohttp_post(session_of: Callable[[], Any]) -> Post:
         session = session_of()
         start = time.monotonic()
         timeout = aiohttp.ClientTimeout(total=MIRROR_TIMEOUT)
-        headers = {"x-kubellm-mirror": "1"}
+        # the gateway's session adds no Content-Type of its own; vLLM wants it
+        headers = {"x-kubellm-mirror": "1", "content-type": "application/json"}
         async with session.post(url + path, json=body, timeout=timeout, headers=headers) as r:
             if r.status != 200:
                 raise MirrorFailed(f"status {r.status}")

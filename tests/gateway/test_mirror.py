@@ -70,6 +70,8 @@ def test_mirrored_answers_are_compared_and_never_reach_the_client(engines, gatew
     shadow = canary_engine.bodies[-1]  # greedy, seeded, bounded, not streamed, logprobs
     assert (shadow["temperature"], shadow["seed"], shadow["max_tokens"]) == (0, 0, 8)
     assert shadow["stream"] is False and shadow["logprobs"] is True
+    # vLLM answers 400 to a body without its content type: the mirror says it's JSON
+    assert canary_engine.headers[-1].get("content-type") == "application/json"
     # counted apart: the gateway's requests and the per-revision series hold the 6 only
     assert _sum(text, metrics.GATEWAY_REQUESTS) == 6
     counted = figures.parse(text, "tiny")
