@@ -129,10 +129,11 @@ class Load:
 
 
 class Fleet:
-    def __init__(self, path: Path, run_dir: Path, port: int, log: Path) -> None:
+    def __init__(self, path: Path, run_dir: Path, port: int, log: Path,
+                 engine: str = "sim") -> None:  # fmt: skip
         self.path, self.run_dir, self.port, self.log = path, run_dir, port, log
         self.url = f"http://127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "kubellm.cli", "up", "--engine", "sim", "--watch",
+        argv = [sys.executable, "-m", "kubellm.cli", "up", "--engine", engine, "--watch",
                 "--port", str(port), "--run-dir", str(run_dir), "--status-interval", "0",
                 "--rollout-seconds", "0.5", "-f", str(path)]  # fmt: skip
         with log.open("w") as out:
@@ -300,6 +301,57 @@ def run(*, replicas: int = 3, concurrency: int = 4, prefixes: int = 40, seed: in
     return out
 
 
+def shadow_run(*, replicas: int = 2, concurrency: int = 4, prefixes: int = 40, seed: int = 7,
+               timeout: float = 180.0) -> dict[str, Any]:  # fmt: skip
+    """A whole rollout with a shadow step on `kubellm up --engine sim --watch`: a new source
+    (the simulator answers it as the old one: identical revisions) goes through the shadow
+    step (weight 0: mirrored requests only, the quality gate) and a 50% step to promotion.
+    Figures: the shadow step's verdict, the mirrored requests it needed, the real requests
+    the canary took before it (0: no traffic share before the quality verdict)."""
+    from kubellm import api
+    from kubellm.contracts import revision
+
+    steps = [{"weight": 0, "pauseSeconds": 2}, {"weight": 50, "pauseSeconds": 2}]
+    docs = [manifest(f"file:///sim/model-v{i}", replicas, steps, 15) for i in (1, 2)]
+    for doc in docs:
+        doc["spec"]["rollout"]["shadow"] = {"share": 0.5}
+        doc["spec"]["rollout"]["analysis"]["quality"] = {"minMirroredRequests": 20}
+    rev = revision(api.LLMDeployment.model_validate(docs[1]))
+    out: dict[str, Any] = {"revision": rev}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "canary.yaml"
+        path.write_text(yaml.safe_dump(docs[0]))
+        fleet = Fleet(path, Path(tmp) / "run", _free_port(), Path(tmp) / "fleet.log")
+        load = Load(fleet.url, concurrency, prefixes, seed)
+        try:
+            wait(lambda: len(fleet.ready()) == replicas, 60, "the stable replicas")
+            threads = load.start()
+            path.write_text(yaml.safe_dump(docs[1]))
+            shadow = wait(lambda: (r := fleet.rollout()).get("canaryRevision") == rev
+                          and (r.get("step", 1) > 1 or r.get("phase") != "Progressing")
+                          and r, timeout, "the shadow step's verdict")  # fmt: skip
+            verdict = shadow.get("verdict") or {}
+            figures = verdict.get("canary") or {}
+            # the shadow step's verdict stays in status until the 50% step's first one
+            out["shadow"] = {"phase": shadow.get("phase"), "step": shadow.get("step"),
+                             "verdict": verdict.get("message"),
+                             "mirrored": figures.get("mirrored"),
+                             "agreement": figures.get("agreement"),
+                             "canary_real_requests": figures.get("requests", 0)}  # fmt: skip
+            final = wait(lambda: (r := fleet.rollout()).get("phase") in ("Stable", "RolledBack")
+                         and r.get("revision") == rev and r, timeout,
+                         "the rollout's end")  # fmt: skip
+            out["final"] = {"phase": final.get("phase"), "reason": final.get("rolledBackReason")}
+            out["failed_requests"] = len(load.failures)
+        finally:
+            load.stop.set()
+            fleet.stop()
+            for thread in locals().get("threads", []):
+                thread.join(timeout=35)
+            out["fleet_log_tail"] = fleet.log.read_text()[-3000:] if fleet.log.exists() else ""
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=3)
@@ -307,7 +359,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause", type=int, default=8, help="each step's pauseSeconds")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--shadow",
+        action="store_true",
+        help="instead: a whole rollout through a shadow step (shadow_run)",
+    )
     args = parser.parse_args(argv)
+    if args.shadow:
+        figures = shadow_run(concurrency=args.concurrency, seed=args.seed)
+        figures.pop("fleet_log_tail")
+        print(json.dumps(figures))
+        ok = (figures["shadow"]["canary_real_requests"] == 0
+              and figures["final"]["phase"] == "Stable")  # fmt: skip
+        print("acceptance:", "met" if ok else "NOT met")
+        return 0 if ok else 1
     figures = run(replicas=args.replicas, concurrency=args.concurrency, pause=args.pause,
                   seed=args.seed)  # fmt: skip
     tail = figures.pop("fleet_log_tail")
