@@ -290,12 +290,8 @@ class Mirror:
         m.tokens.labels(*labels).inc(compared)
         m.tokens_agreed.labels(*labels).inc(agreed)
         if s_chosen is not None and c_tops is not None:
-            for position in range(divergence(s_chosen, c_tops)[1]):
-                token, mine = s_chosen[position]
-                top = c_tops[position]
-                m.divergence.labels(*labels).observe(
-                    max(0.0, mine - top.get(token, min(top.values())))
-                )
+            for value in divergence(s_chosen, c_tops):
+                m.divergence.labels(*labels).observe(value)
         (_, stable_time), (_, canary_time) = answers
         m.stable_tpot.labels(*labels, size).observe(stable_time / max(s_count, 1))
         m.tpot.labels(*labels, size).observe(canary_time / max(c_count, 1))

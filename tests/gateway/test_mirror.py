@@ -149,3 +149,44 @@ def test_a_shadow_step_mirrors_while_the_canary_takes_no_request(engines, gatewa
     assert all(b["temperature"] == 0 for b in canary_engine.bodies)  # mirrors only
     counted = figures.parse(text, "tiny")
     assert counted.get("new", rollout.Counters()).requests == 0
+
+
+def _answer(tokens: list[str], logprobs: list[float]) -> dict:
+    tops = [{t: lp, "zz": lp - 3.0} for t, lp in zip(tokens, logprobs, strict=True)]
+    return {"choices": [{"text": " ".join(tokens), "logprobs": {
+        "tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops}}],
+        "usage": {"completion_tokens": len(tokens)}}  # fmt: skip
+
+
+def test_a_pair_with_logprobs_records_divergence_per_token():
+    """Real engines send logprobs: each compared token's divergence is observed, and the
+    answer times too (a mirror with logprobs once died before counting them)."""
+    import asyncio
+
+    from kubellm.gateway.discovery.base import ModelTarget
+    from kubellm.gateway.routing import mirror
+    from kubellm.gateway.routing.load import LoadView
+    from prometheus_client import CollectorRegistry
+
+    answers = {"http://s": _answer(["a", "b", "c"], [-0.1, -0.2, -0.3]),
+               "http://c": _answer(["a", "b", "c"], [-0.4, -0.2, -0.5])}  # fmt: skip
+
+    async def post(url, path, body):
+        return answers[url], 0.3
+
+    target = ModelTarget("tiny", "tiny", endpoints=(Endpoint("http://s"),
+                         Endpoint("http://c", revision="new")),
+                         canary=CanarySplit("new", 0, 1.0, 4, 2))  # fmt: skip
+    registry = CollectorRegistry()
+    metrics_ = mirror.metrics_for(registry)
+
+    async def run() -> None:
+        m = mirror.Mirror(metrics_, post, LoadView())
+        assert m.offer(target, "http://s", "/v1/completions", {"prompt": "x"}, 1)
+        await asyncio.gather(*m.tasks)
+
+    asyncio.run(run())
+    text = generate_latest(registry).decode()
+    assert _sum(text, metrics.GATEWAY_MIRROR_DIVERGENCE + "_count") == 3
+    assert abs(_sum(text, metrics.GATEWAY_MIRROR_DIVERGENCE + "_sum") - 0.5) < 1e-9
+    assert _sum(text, metrics.GATEWAY_MIRROR_TPOT + "_count") == 1
