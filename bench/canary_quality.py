@@ -190,7 +190,9 @@ async def rollout_run(bench: Bench, spec: Any, canary_url: str, revision: str, t
                 )
             ):  # the shadow step's verdict: its figures, the canary's real requests then
                 figures = rollout.quality_figures(mine.minus(None))
+                passed = status.get("step", 1) != 1
                 out.update(shadow_mirrored=figures.get("mirrored"), shadow_real=mine.requests,
+                           shadow_verdict="Pass" if passed else "Fail",
                            agreement=figures.get("agreement"),
                            token_agreement=figures.get("tokenAgreement"),
                            divergence=figures.get("divergence"))  # fmt: skip
@@ -350,8 +352,10 @@ def summary(name: str, runs: list[dict[str, Any]]) -> str:
         vals = [r[key] for r in runs if r.get(key) is not None]
         return f"{statistics.mean(vals):.3f}" if vals else "-"
 
+    shadow = [r.get("shadow_verdict") for r in runs]
     return (f"| {name} | {mean('agreement')} | {mean('token_agreement')} | {mean('divergence')}"
-            f" | {verdicts.count('Promoted')} | {verdicts.count('RolledBack')} | "
+            f" | {shadow.count('Pass')}/{shadow.count('Fail')} | {verdicts.count('Promoted')} | "
+            f"{verdicts.count('RolledBack')} | "
             f"{verdicts.count('Inconclusive')} | "
             f"{min(mirrored, default='-')}-{max(mirrored, default='-')} | "
             f"{max(real)} |")  # fmt: skip
@@ -425,10 +429,11 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         out = asyncio.run(main_async(args, engines, Path(tmp)))
-    print("| revision | agreement | per-token | divergence (nats/token) | promoted | rolled "
+    print("| revision | agreement | per-token | divergence (nats/token) | shadow step pass/fail "
+          "| promoted | rolled "
           "back | inconclusive | mirrored requests for the verdict | real requests before "
           "the shadow verdict (max) |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, got in out["revisions"].items():
         print(summary(name, got["runs"]))
     if "ttft" in out:
