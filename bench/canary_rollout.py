@@ -22,6 +22,7 @@ Prints each figure; `tests/bench/test_canary_rollout.py` runs it and checks them
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import re
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,10 +131,11 @@ class Load:
 
 
 class Fleet:
-    def __init__(self, path: Path, run_dir: Path, port: int, log: Path) -> None:
+    def __init__(self, path: Path, run_dir: Path, port: int, log: Path,
+                 engine: str = "sim") -> None:  # fmt: skip
         self.path, self.run_dir, self.port, self.log = path, run_dir, port, log
         self.url = f"http://127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "kubellm.cli", "up", "--engine", "sim", "--watch",
+        argv = [sys.executable, "-m", "kubellm.cli", "up", "--engine", engine, "--watch",
                 "--port", str(port), "--run-dir", str(run_dir), "--status-interval", "0",
                 "--rollout-seconds", "0.5", "-f", str(path)]  # fmt: skip
         with log.open("w") as out:
@@ -211,6 +214,30 @@ def hit_rate(fleet: Fleet, seconds: float) -> float:
     return 100.0 * (h1 - h0) / max(q1 - q0, 1.0)
 
 
+@contextlib.contextmanager
+def loaded_fleet(doc: dict[str, Any], replicas: int, load_args: tuple[int, int, int],
+                 out: dict[str, Any]) -> Iterator[tuple[Path, Fleet, Load]]:  # fmt: skip
+    """`kubellm up --watch` on `doc`, its stable replicas ready, a bounded load running
+    (`load_args`: concurrency, prefixes, seed): (manifest path, fleet, load). On the way out
+    the load and the fleet stop and `out["fleet_log_tail"]` keeps the log's end."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "canary.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        fleet = Fleet(path, Path(tmp) / "run", _free_port(), Path(tmp) / "fleet.log")
+        load = Load(fleet.url, *load_args)
+        threads: list[threading.Thread] = []
+        try:
+            wait(lambda: len(fleet.ready()) == replicas, 60, "the stable replicas")
+            threads = load.start()
+            yield path, fleet, load
+        finally:
+            load.stop.set()
+            fleet.stop()
+            for thread in threads:
+                thread.join(timeout=35)
+            out["fleet_log_tail"] = fleet.log.read_text()[-3000:] if fleet.log.exists() else ""
+
+
 def run(*, replicas: int = 3, concurrency: int = 4, prefixes: int = 40, seed: int = 7,
         pause: int = 8, min_requests: int = 15, warm: float = 6.0,
         timeout: float = 180.0) -> dict[str, Any]:  # fmt: skip
@@ -227,76 +254,101 @@ def run(*, replicas: int = 3, concurrency: int = 4, prefixes: int = 40, seed: in
     ]  # fmt: skip
     revs = [revision(api.LLMDeployment.model_validate(d)) for d in docs]
     out: dict[str, Any] = {"revisions": revs, "steps": steps}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "canary.yaml"
-        path.write_text(yaml.safe_dump(docs[0]))
-        fleet = Fleet(path, Path(tmp) / "run", _free_port(), Path(tmp) / "fleet.log")
-        load = Load(fleet.url, concurrency, prefixes, seed)
-        try:
-            wait(lambda: len(fleet.ready()) == replicas, 60, "the stable replicas")
-            threads = load.start()
-            time.sleep(warm)  # warm the caches under load
+    with loaded_fleet(docs[0], replicas, (concurrency, prefixes, seed), out) as (path, fleet, load):
+        time.sleep(warm)  # warm the caches under load
 
-            # 1. a good revision: promoted through every step
-            t0 = time.monotonic()
-            path.write_text(yaml.safe_dump(docs[1]))
-            wait(lambda: fleet.rollout().get("canaryRevision") == revs[1], 30, "the canary")
-            wait(lambda: fleet.rollout().get("phase") == "Stable"
-                 and fleet.rollout().get("revision") == revs[1], timeout,
-                 "the good revision promoted")  # fmt: skip
-            wait(lambda: not fleet.state().get("canaryReplicas")
-                 and len(fleet.ready()) == replicas, 60, "the canary gone")  # fmt: skip
-            log = fleet.log.read_text()
-            out["good"] = {
-                "promoted_after_s": round(time.monotonic() - t0, 1),
-                "steps_passed": len(re.findall(r"CanaryStep: step \d+ passed", log))
-                + len(re.findall(r"passed all \d+ steps", log)),
-                "promoted": f"{NAME}: Normal Promoted" in log,
-                "failed_requests": len(load.failures),
-                "revisions_left": sorted({revs[1]}),
-            }
-            time.sleep(warm)  # the promoted replicas' caches warm up
-            before = hit_rate(fleet, 8.0)
+        # 1. a good revision: promoted through every step
+        t0 = time.monotonic()
+        path.write_text(yaml.safe_dump(docs[1]))
+        wait(lambda: fleet.rollout().get("canaryRevision") == revs[1], 30, "the canary")
+        wait(lambda: fleet.rollout().get("phase") == "Stable"
+             and fleet.rollout().get("revision") == revs[1], timeout,
+             "the good revision promoted")  # fmt: skip
+        wait(lambda: not fleet.state().get("canaryReplicas")
+             and len(fleet.ready()) == replicas, 60, "the canary gone")  # fmt: skip
+        log = fleet.log.read_text()
+        out["good"] = {
+            "promoted_after_s": round(time.monotonic() - t0, 1),
+            "steps_passed": len(re.findall(r"CanaryStep: step \d+ passed", log))
+            + len(re.findall(r"passed all \d+ steps", log)),
+            "promoted": f"{NAME}: Normal Promoted" in log,
+            "failed_requests": len(load.failures),
+            "revisions_left": sorted({revs[1]}),
+        }
+        time.sleep(warm)  # the promoted replicas' caches warm up
+        before = hit_rate(fleet, 8.0)
 
-            # 2. a bad revision (3x slower steps): rolled back within its first window
-            failures_before = len(load.failures)
-            t1 = time.monotonic()
-            path.write_text(yaml.safe_dump(docs[2]))
-            wait(lambda: fleet.rollout().get("stepStartedAt")
-                 and fleet.rollout().get("canaryRevision") == revs[2], 60,
-                 "the bad canary's window")  # fmt: skip
-            opened = time.monotonic()
-            status = wait(lambda: (r := fleet.rollout()).get("phase") == "RolledBack" and r,
-                          timeout, "the bad revision rolled back")  # fmt: skip
-            rolled = time.monotonic()
-            affected = revision_requests(fleet.metrics(), revs[2])
-            rate = load.rate(t0, rolled)
-            weight = steps[0]["weight"]
-            out["bad"] = {
-                "rolled_back_after_s": round(rolled - t1, 1),
-                "window_open_to_rollback_s": round(rolled - opened, 1),
-                "pause_s": pause,
-                "reason": status.get("rolledBackReason"),
-                "verdict": (status.get("verdict") or {}).get("message", ""),
-                "step": status.get("step"),
-                "canary_requests": int(affected),
-                "requests_per_s": round(rate, 1),
-                "bound_weight_x_window_requests": round(weight / 100 * rate * pause, 1),
-                "failed_requests": len(load.failures) - failures_before,
-            }
-            wait(lambda: not [r for r in fleet.state().get("canaryReplicas", [])
-                              if r["state"] == "ready"], 60, "the canary drained")  # fmt: skip
-            after = hit_rate(fleet, 8.0)
-            out["hit_rate"] = {"before_pct": round(before, 1), "after_pct": round(after, 1),
-                               "delta_points": round(after - before, 1)}  # fmt: skip
-            out["total_requests"] = len(load.done)
-            out["total_failed"] = len(load.failures)
-        finally:
-            load.stop.set()
-            fleet.stop()
-            for thread in locals().get("threads", []):
-                thread.join(timeout=35)
-            out["fleet_log_tail"] = fleet.log.read_text()[-3000:] if fleet.log.exists() else ""
+        # 2. a bad revision (3x slower steps): rolled back within its first window
+        failures_before = len(load.failures)
+        t1 = time.monotonic()
+        path.write_text(yaml.safe_dump(docs[2]))
+        wait(lambda: fleet.rollout().get("stepStartedAt")
+             and fleet.rollout().get("canaryRevision") == revs[2], 60,
+             "the bad canary's window")  # fmt: skip
+        opened = time.monotonic()
+        status = wait(lambda: (r := fleet.rollout()).get("phase") == "RolledBack" and r,
+                      timeout, "the bad revision rolled back")  # fmt: skip
+        rolled = time.monotonic()
+        affected = revision_requests(fleet.metrics(), revs[2])
+        rate = load.rate(t0, rolled)
+        weight = steps[0]["weight"]
+        out["bad"] = {
+            "rolled_back_after_s": round(rolled - t1, 1),
+            "window_open_to_rollback_s": round(rolled - opened, 1),
+            "pause_s": pause,
+            "reason": status.get("rolledBackReason"),
+            "verdict": (status.get("verdict") or {}).get("message", ""),
+            "step": status.get("step"),
+            "canary_requests": int(affected),
+            "requests_per_s": round(rate, 1),
+            "bound_weight_x_window_requests": round(weight / 100 * rate * pause, 1),
+            "failed_requests": len(load.failures) - failures_before,
+        }
+        wait(lambda: not [r for r in fleet.state().get("canaryReplicas", [])
+                          if r["state"] == "ready"], 60, "the canary drained")  # fmt: skip
+        after = hit_rate(fleet, 8.0)
+        out["hit_rate"] = {"before_pct": round(before, 1), "after_pct": round(after, 1),
+                           "delta_points": round(after - before, 1)}  # fmt: skip
+        out["total_requests"] = len(load.done)
+        out["total_failed"] = len(load.failures)
+    return out
+
+
+def shadow_run(*, replicas: int = 2, concurrency: int = 4, prefixes: int = 40, seed: int = 7,
+               timeout: float = 180.0) -> dict[str, Any]:  # fmt: skip
+    """A whole rollout with a shadow step on `kubellm up --engine sim --watch`: a new source
+    (the simulator answers it as the old one: identical revisions) goes through the shadow
+    step (weight 0: mirrored requests only, the quality gate) and a 50% step to promotion.
+    Figures: the shadow step's verdict, the mirrored requests it needed, the real requests
+    the canary took before it (0: no traffic share before the quality verdict)."""
+    from kubellm import api
+    from kubellm.contracts import revision
+
+    steps = [{"weight": 0, "pauseSeconds": 2}, {"weight": 50, "pauseSeconds": 2}]
+    docs = [manifest(f"file:///sim/model-v{i}", replicas, steps, 15) for i in (1, 2)]
+    for doc in docs:
+        doc["spec"]["rollout"]["shadow"] = {"share": 0.5}
+        doc["spec"]["rollout"]["analysis"]["quality"] = {"minMirroredRequests": 20}
+    rev = revision(api.LLMDeployment.model_validate(docs[1]))
+    out: dict[str, Any] = {"revision": rev}
+    with loaded_fleet(docs[0], replicas, (concurrency, prefixes, seed), out) as (path, fleet, load):
+        path.write_text(yaml.safe_dump(docs[1]))
+        shadow = wait(lambda: (r := fleet.rollout()).get("canaryRevision") == rev
+                      and (r.get("step", 1) > 1 or r.get("phase") != "Progressing")
+                      and r, timeout, "the shadow step's verdict")  # fmt: skip
+        verdict = shadow.get("verdict") or {}
+        figures = verdict.get("canary") or {}
+        # the shadow step's verdict stays in status until the 50% step's first one
+        out["shadow"] = {"phase": shadow.get("phase"), "step": shadow.get("step"),
+                         "verdict": verdict.get("message"),
+                         "mirrored": figures.get("mirrored"),
+                         "agreement": figures.get("agreement"),
+                         "canary_real_requests": figures.get("requests", 0)}  # fmt: skip
+        final = wait(lambda: (r := fleet.rollout()).get("phase") in ("Stable", "RolledBack")
+                     and r.get("revision") == rev and r, timeout,
+                     "the rollout's end")  # fmt: skip
+        out["final"] = {"phase": final.get("phase"), "reason": final.get("rolledBackReason")}
+        out["failed_requests"] = len(load.failures)
     return out
 
 
@@ -307,7 +359,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause", type=int, default=8, help="each step's pauseSeconds")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--shadow",
+        action="store_true",
+        help="instead: a whole rollout through a shadow step (shadow_run)",
+    )
     args = parser.parse_args(argv)
+    if args.shadow:
+        figures = shadow_run(concurrency=args.concurrency, seed=args.seed)
+        figures.pop("fleet_log_tail")
+        print(json.dumps(figures))
+        ok = (figures["shadow"]["canary_real_requests"] == 0
+              and figures["final"]["phase"] == "Stable")  # fmt: skip
+        print("acceptance:", "met" if ok else "NOT met")
+        return 0 if ok else 1
     figures = run(replicas=args.replicas, concurrency=args.concurrency, pause=args.pause,
                   seed=args.seed)  # fmt: skip
     tail = figures.pop("fleet_log_tail")

@@ -755,7 +755,11 @@ class CanaryStep(_Model):
     takes, and how long it must hold the analysis before the next step."""
 
     weight: int = Field(
-        ge=1, le=99, description="Percent of requests (and of replicas) the canary takes."
+        ge=0,
+        le=99,
+        description="Percent of requests (and of replicas) the canary takes. 0: a shadow "
+        "step, first only: one canary replica answers only mirrored requests "
+        "(spec.rollout.shadow), judged by analysis.quality alone, before any client's.",
     )
     pause_seconds: int = Field(
         default=300,
@@ -949,6 +953,13 @@ class Rollout(_Model):
                 for i in range(MAX_CANARY_STEPS - 1)
             ),
             "spec.rollout.steps weights must increase from one step to the next",
+            ".steps",
+        ),
+        Rule(
+            "self.steps.all(s, s.weight > 0) || (has(self.shadow) && has(self.analysis) "
+            "&& has(self.analysis.quality))",
+            "spec.rollout.steps: a step of weight 0 (the shadow step) needs spec.rollout.shadow "
+            "and spec.rollout.analysis.quality (it is judged on mirrored requests alone)",
             ".steps",
         ),
     )

@@ -505,6 +505,33 @@ def analyse(
     )
 
 
+def shadow_verdict(
+    canary: Counters | None,
+    stable: Counters | None,
+    analysis: api.RolloutAnalysis,
+    first_tokens: int = api.RolloutShadow().first_tokens,
+) -> Verdict:
+    """The shadow step's verdict (a step of weight 0): the canary answers no client, so the
+    quality gate on its mirrored answers alone decides (Inconclusive without figures)."""
+    if canary is None:
+        return analyse(None, stable, analysis, api.SLO())
+    if analysis.quality is None:  # the spec's rules require it; an old object may lack it
+        return Verdict("Inconclusive", "NoQualityGate", "a shadow step (weight 0) needs "
+                       "spec.rollout.analysis.quality", canary, stable)  # fmt: skip
+    gate = quality_verdict(canary, stable, analysis, first_tokens)
+    if gate is not None:
+        return gate
+    figures = quality_figures(canary)
+    return Verdict(
+        "Pass",
+        "AnalysisPassed",
+        f"over {figures['mirrored']} mirrored requests: agreement {figures['agreement']:.0%}"
+        " within spec.rollout.analysis.quality",
+        canary,
+        stable,
+    )
+
+
 # --------------------------------------------------------------------------- sizing
 
 
@@ -519,6 +546,12 @@ def split(total: int, weight: int) -> tuple[int, int]:
     if weight >= 100:
         return 0, total
     return math.ceil(total * (100 - weight) / 100), math.ceil(total * weight / 100)
+
+
+def step_split(total: int, weight: int) -> tuple[int, int]:
+    """`split` for a running step: a shadow step (weight 0) runs one canary replica beside
+    the whole stable fleet, for the mirrored requests."""
+    return (total, 1) if weight == 0 and total > 0 else split(total, weight)
 
 
 # --------------------------------------------------------------------------- the state machine
@@ -682,7 +715,7 @@ def decide(
         old.pop("shadow", None)
     index = max(1, min(int(old.get("step") or 1), len(steps))) - 1
     step = steps[index]
-    stable_replicas, canary_replicas = split(total, step.weight)
+    stable_replicas, canary_replicas = step_split(total, step.weight)
     old["canaryWeight"] = step.weight
     started = parse_time(old.get("stepStartedAt"))
     if started is None:
@@ -703,13 +736,13 @@ def decide(
 
     if old.get("baseline") is None and seen.counters is not None:
         old["baseline"] = _baseline(seen.counters)  # figures appeared mid-window: start here
-    verdict = analyse(
+    window = (
         _window(seen.counters, old.get("baseline"), desired),
         _stable_window(seen.counters, old.get("baseline"), desired),
         rollout.analysis,
-        spec.slo,
-        (rollout.shadow or api.RolloutShadow()).first_tokens,
     )
+    k = (rollout.shadow or api.RolloutShadow()).first_tokens
+    verdict = shadow_verdict(*window, k) if step.weight == 0 else analyse(*window, spec.slo, k)
     if verdict.result == "Fail":
         return rolled_back(verdict.reason, verdict.message, verdict)
     old["verdict"] = verdict.to_status(rfc3339(seen.now))
@@ -722,7 +755,7 @@ def decide(
         old.update(step=index + 2, canaryWeight=nxt.weight, stepStartedAt=None, baseline=None)
         old["message"] = f"step {index + 2}/{len(steps)}: canary going to {nxt.weight}%"
         events.append(("Normal", "CanaryStep", f"step {index + 1} passed; {old['message']}"))
-        stable_replicas, canary_replicas = split(total, nxt.weight)
+        stable_replicas, canary_replicas = step_split(total, nxt.weight)
     return Decision("canary", stable_replicas, canary_replicas, old, events, clear, verdict)
 
 

@@ -20,6 +20,10 @@
           sql: /models/adapters/sql     # Face id) a replica loads it from
         decodeTokensPerSecondBound: 143 # optional: as status.capacity's, the prior of
                                         # the slo-aware latency model (default: H100 8B)
+        # a canary rollout outside Kubernetes: endpoints carry their revision
+        # ({url: ..., revision: r2}) and `rollout` is status.rollout's split, e.g. the
+        # shadow step: {canaryRevision: r2, phase: Progressing, canaryWeight: 0,
+        #               shadow: {share: 0.1, maxConcurrency: 4, firstTokens: 16}}
 
 A model with no endpoints but a fallback is served by the fallback alone. The
 file is re-read when it changes; an endpoint removed from it drains: it gets
@@ -42,10 +46,11 @@ from kubellm.gateway.discovery.base import (
     FallbackTarget,
     ModelTarget,
     PrefillSplit,
+    canary_split,
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kubellm.api import SLO, Fallback, Routing
+from kubellm.api import SLO, Fallback, RolloutStatus, Routing
 from kubellm.capacity import KV_LINK_GBPS
 from kubellm.contracts import fallback_target
 from kubellm.manifests import ManifestError, explain, read_documents
@@ -71,6 +76,7 @@ class StaticEndpoint(BaseModel):
     url: str
     draining: bool = False
     kv_events_port: int | None = Field(default=None, alias="kvEventsPort", ge=1, le=65534)
+    revision: str | None = Field(default=None, min_length=1, max_length=63)
     # contracts.ROLE_LABEL's values (spec.prefill); absent: it serves both phases
     role: Literal["prefill", "decode"] | None = None
 
@@ -113,6 +119,8 @@ class StaticModel(BaseModel):
     prefill: StaticPrefill | None = None
     # LoRA adapters: name -> the path (or Hugging Face id) a replica loads it from
     adapters: dict[str, str] = Field(default_factory=dict)
+    # As status.rollout: the canary's revision, phase, weight and shadow step
+    rollout: RolloutStatus | None = None
     # As status.capacity.decodeTokensPerSecondBound: the slo-aware latency model's prior
     decode_tokens_per_second_bound: float | None = Field(
         # routing/latency.py DECODE_BOUND_RANGE (discovery does not import routing)
@@ -163,7 +171,7 @@ def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, Mode
             deployment=m.deployment or m.name,
             namespace=m.namespace,
             endpoints=tuple(
-                Endpoint(e.url, e.draining, e.kv_events_port, role=e.role)
+                Endpoint(e.url, e.draining, e.kv_events_port, e.revision, role=e.role)
                 for e in m.endpoints
                 if isinstance(e, StaticEndpoint)
             ),
@@ -172,6 +180,9 @@ def parse(document: Any, env: Mapping[str, str] | None = None) -> dict[str, Mode
             slo=m.slo,
             adapters=tuple(AdapterRef(n, p) for n, p in m.adapters.items()),
             pool=m.pool,
+            canary=None
+            if m.rollout is None
+            else canary_split(m.rollout.model_dump(by_alias=True, exclude_none=True, mode="json")),
             decode_tokens_per_second_bound=m.decode_tokens_per_second_bound,
             prefill=None
             if m.prefill is None

@@ -55,7 +55,7 @@ from kubellm.gateway.epp import prefill
 from kubellm.gateway.protocol import errors
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.openai import PATHS, parse_body
-from kubellm.gateway.routing import slo
+from kubellm.gateway.routing import mirror, slo
 from kubellm.gateway.routing.disagg import DisaggMetrics
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Attempt, Ticket
 from kubellm.gateway.routing.router import routing_request
@@ -114,6 +114,13 @@ class EndpointPicker:
         self.buffered = 0  # request-body bytes held by streams not yet routed
         self._seen: Mapping[str, ModelTarget] | None = None  # the snapshot `_pools` cut
         self._pools: dict[str, Mapping[str, ModelTarget]] = {}
+        # the canary's shadow step: Envoy sends each request to one endpoint, so the
+        # picker, which holds the body, asks the stable and canary replicas itself (the
+        # gateway's mirror, bounded and counted the same way; the client never sees it)
+        self.mirror = mirror.Mirror(
+            mirror.metrics_for(self.metrics.registry), mirror.aiohttp_post(lambda: self._client),
+            self.scheduler.load,
+        )  # fmt: skip
 
     def models(self, pool: str | None) -> Mapping[str, ModelTarget]:
         """The models a request may reach: those of the InferencePool its route names
@@ -160,12 +167,18 @@ class EndpointPicker:
     def metrics(self) -> slo.GatewayMetrics:
         return self.scheduler.metrics
 
+    @property
+    def started(self) -> bool:
+        """`start` ran: the picker has its client (for scraping and the mirror)."""
+        return self._client is not None
+
     async def start(self) -> None:
         """Start discovery and the engine scrape loop."""
         self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
         self.scheduler.start(self._client)
 
     async def stop(self) -> None:
+        await self.mirror.aclose()
         await self.scheduler.stop()
         if self._client is not None:
             await self._client.close()
@@ -495,6 +508,8 @@ class Exchange:
             self.body = bytearray(body)  # the decode leg's, sent back to Envoy
             urls = urls[:1]  # Envoy's retry on another replica would lose the KV's params
         self.attempt = ticket.attempt(urls[0])
+        if path in PATHS and self.picker.started:
+            self.picker.mirror.offer(target, urls[0], path, parsed, routing.prompt_chars)
         listed = [host_port(u) for u in urls[: settings.endpoints_per_answer]]
         return [self._answer(phase, listed, body, ticket.route)]
 

@@ -231,7 +231,7 @@ class Mirror:
         """A stable replica `url` took a request: mirror it (in the background) when the
         step's share draws it and the canary has room. Whether a mirror was started."""
         split = target.canary
-        if split is None or split.weight <= 0 or split.shadow_share <= 0:
+        if split is None or split.shadow_share <= 0:  # weight 0: the shadow step
             return False
         revisions = {e.url: e.revision for e in target.endpoints}
         if revisions.get(url) == split.revision or self.rng.random() >= split.shadow_share:
@@ -290,12 +290,8 @@ class Mirror:
         m.tokens.labels(*labels).inc(compared)
         m.tokens_agreed.labels(*labels).inc(agreed)
         if s_chosen is not None and c_tops is not None:
-            for position in range(divergence(s_chosen, c_tops)[1]):
-                token, mine = s_chosen[position]
-                top = c_tops[position]
-                m.divergence.labels(*labels).observe(
-                    max(0.0, mine - top.get(token, min(top.values())))
-                )
+            for value in divergence(s_chosen, c_tops):
+                m.divergence.labels(*labels).observe(value)
         (_, stable_time), (_, canary_time) = answers
         m.stable_tpot.labels(*labels, size).observe(stable_time / max(s_count, 1))
         m.tpot.labels(*labels, size).observe(canary_time / max(c_count, 1))
@@ -315,7 +311,8 @@ def aiohttp_post(session_of: Callable[[], Any]) -> Post:
         session = session_of()
         start = time.monotonic()
         timeout = aiohttp.ClientTimeout(total=MIRROR_TIMEOUT)
-        headers = {"x-kubellm-mirror": "1"}
+        # the gateway's session adds no Content-Type of its own; vLLM wants it
+        headers = {"x-kubellm-mirror": "1", "content-type": "application/json"}
         async with session.post(url + path, json=body, timeout=timeout, headers=headers) as r:
             if r.status != 200:
                 raise MirrorFailed(f"status {r.status}")

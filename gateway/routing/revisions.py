@@ -79,12 +79,15 @@ def choose(
 ) -> list[C]:
     """The items (candidates, by position) of the revision `key` goes to; all of them with
     no split; the other side's when the chosen side has none. `revision_of` maps an item's
-    position to its endpoint's revision (None: stable)."""
+    position to its endpoint's revision (None: stable). In the shadow step (weight 0, a
+    mirror share) only the stable ones, even when there are none."""
     if split is None:
         return list(items)
     canary = [item for i, item in enumerate(items) if revision_of.get(i) == split.revision]
     stable = [item for i, item in enumerate(items) if revision_of.get(i) != split.revision]
     wanted, other = (canary, stable) if to_canary(key, split.weight) else (stable, canary)
+    if split.weight <= 0 and split.shadow_share > 0:
+        return stable  # the shadow step: the canary answers mirrored requests only
     return wanted or other
 
 

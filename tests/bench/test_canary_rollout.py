@@ -22,3 +22,16 @@ def test_good_revision_promoted_bad_one_rolled_back_hit_rate_kept() -> None:
     assert 0 < bad["canary_requests"] < bad["bound_weight_x_window_requests"], tail
     assert bad["failed_requests"] == 0 and figures["total_failed"] == 0, tail
     assert abs(hits["delta_points"]) <= canary_rollout.HIT_POINTS, tail
+
+
+def test_a_shadow_step_decides_on_mirrored_requests_before_any_real_traffic() -> None:
+    """`kubellm up --engine sim --watch`: a new revision (the simulator answers it as the
+    old one) passes the shadow step on the quality gate, having answered no client, then
+    the 50% step, and is promoted."""
+    figures = canary_rollout.shadow_run()
+    tail = figures.pop("fleet_log_tail")
+    shadow = figures["shadow"]
+    assert "mirrored requests" in (shadow["verdict"] or ""), tail  # the shadow step's verdict
+    assert shadow["mirrored"] >= 20 and shadow["agreement"] == 1.0, tail
+    assert shadow["canary_real_requests"] == 0, tail
+    assert figures["final"]["phase"] == "Stable" and figures["failed_requests"] == 0, tail

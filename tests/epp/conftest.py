@@ -133,7 +133,8 @@ def envoy_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
             "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", "0",
             "--metrics-port", str(metrics_port), "--scrape-interval", "0.2", *epp_args,
         ], tmp_path / "epp.log")  # fmt: skip
-        pool = [e.removeprefix("http://") for m in models for e in m.get("endpoints", [])]
+        pool = [(e if isinstance(e, str) else e["url"]).removeprefix("http://")
+                for m in models for e in m.get("endpoints", [])]  # fmt: skip
         config = envoy.bootstrap(
             f"127.0.0.1:{listen}", f"127.0.0.1:{grpc_port}", pool, failure_mode_allow,
             admin=f"127.0.0.1:{admin}", request_body_mode=request_body_mode,

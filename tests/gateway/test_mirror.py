@@ -70,6 +70,8 @@ def test_mirrored_answers_are_compared_and_never_reach_the_client(engines, gatew
     shadow = canary_engine.bodies[-1]  # greedy, seeded, bounded, not streamed, logprobs
     assert (shadow["temperature"], shadow["seed"], shadow["max_tokens"]) == (0, 0, 8)
     assert shadow["stream"] is False and shadow["logprobs"] is True
+    # vLLM answers 400 to a body without its content type: the mirror says it's JSON
+    assert canary_engine.headers[-1].get("content-type") == "application/json"
     # counted apart: the gateway's requests and the per-revision series hold the 6 only
     assert _sum(text, metrics.GATEWAY_REQUESTS) == 6
     counted = figures.parse(text, "tiny")
@@ -127,3 +129,64 @@ def test_mirrors_never_count_against_a_tenants_quota(engines, gateway):
     text = _text(gw)
     assert _sum(text, "kubellm_gateway_tenant_requests_total", tenant="meter") == 2
     assert _sum(text, "kubellm_gateway_tenant_throttled_total", tenant="meter") == 0
+
+
+def test_a_shadow_step_mirrors_while_the_canary_takes_no_request(engines, gateway):
+    (_, stable), (canary_engine, canary) = engines(2, prefix="r")
+    target = _target(stable, canary)
+    target = replace(target, canary=replace(target.canary, weight=0))  # the shadow step
+    gw = gateway({"tiny": target})
+    client = gw.client()
+    for i in range(6):  # any prompt: at weight 0 none is the canary's
+        messages = [{"role": "user", "content": f"Shadow step question {i}. " * 20}]
+        answer = client.chat.completions.create(model="tiny", messages=messages)
+        assert answer.choices[0].message.content.startswith("r0")
+    wait_until(lambda: _sum(_text(gw), metrics.GATEWAY_MIRROR_REQUESTS)
+               + _sum(_text(gw), metrics.GATEWAY_MIRROR_SHED) >= 6, timeout=60,
+               what="every mirror compared or shed")  # fmt: skip
+    text = _text(gw)
+    assert _sum(text, metrics.GATEWAY_MIRROR_REQUESTS, revision="new") >= 1
+    assert all(b["temperature"] == 0 for b in canary_engine.bodies)  # mirrors only
+    counted = figures.parse(text, "tiny")
+    assert counted.get("new", rollout.Counters()).requests == 0
+
+
+def _answer(tokens: list[str], logprobs: list[float]) -> dict:
+    tops = [{t: lp, "zz": lp - 3.0} for t, lp in zip(tokens, logprobs, strict=True)]
+    return {"choices": [{"text": " ".join(tokens), "logprobs": {
+        "tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops}}],
+        "usage": {"completion_tokens": len(tokens)}}  # fmt: skip
+
+
+def test_a_pair_with_logprobs_records_divergence_per_token():
+    """Real engines send logprobs: each compared token's divergence is observed, and the
+    answer times too (a mirror with logprobs once died before counting them)."""
+    import asyncio
+
+    from kubellm.gateway.discovery.base import ModelTarget
+    from kubellm.gateway.routing import mirror
+    from kubellm.gateway.routing.load import LoadView
+    from prometheus_client import CollectorRegistry
+
+    answers = {"http://s": _answer(["a", "b", "c"], [-0.1, -0.2, -0.3]),
+               "http://c": _answer(["a", "b", "c"], [-0.4, -0.2, -0.5])}  # fmt: skip
+
+    async def post(url, path, body):
+        return answers[url], 0.3
+
+    target = ModelTarget("tiny", "tiny", endpoints=(Endpoint("http://s"),
+                         Endpoint("http://c", revision="new")),
+                         canary=CanarySplit("new", 0, 1.0, 4, 2))  # fmt: skip
+    registry = CollectorRegistry()
+    metrics_ = mirror.metrics_for(registry)
+
+    async def run() -> None:
+        m = mirror.Mirror(metrics_, post, LoadView())
+        assert m.offer(target, "http://s", "/v1/completions", {"prompt": "x"}, 1)
+        await asyncio.gather(*m.tasks)
+
+    asyncio.run(run())
+    text = generate_latest(registry).decode()
+    assert _sum(text, metrics.GATEWAY_MIRROR_DIVERGENCE + "_count") == 3
+    assert abs(_sum(text, metrics.GATEWAY_MIRROR_DIVERGENCE + "_sum") - 0.5) < 1e-9
+    assert _sum(text, metrics.GATEWAY_MIRROR_TPOT + "_count") == 1

@@ -70,6 +70,7 @@ REVS = {0: None, 1: "old", 2: "new"}  # "old" is not the canary: stable side
         (CanarySplit("new", 50), ITEMS, False, ["s1", "s2"]),
         (CanarySplit("new", 50), ["s1", "s2"], True, ["s1", "s2"]),  # canary not ready yet
         (CanarySplit("new", 0), ["c1"], False, ["c1"]),  # no stable left: the canary serves
+        (CanarySplit("new", 0, 0.1, 4), ["c1"], False, []),  # the shadow step: never a client's
     ],
 )
 def test_choose(split, items, canary_key, expected):

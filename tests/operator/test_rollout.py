@@ -330,3 +330,44 @@ async def test_prometheus_figures_over_http_and_a_broken_server():
     )
     assert await source("ns", "d", "m") is None  # the step waits; nothing raises
     await source.aclose()
+
+
+# --------------------------------------------------------------------------- the shadow step
+
+SHADOW = {"steps": [{"weight": 0, "pauseSeconds": 60}, {"weight": 10, "pauseSeconds": 60}],
+          "shadow": {"share": 0.1}, "analysis": {"minRequests": 20, "minClassRequests": 1,
+          "quality": {"minMirroredRequests": 40}}}  # fmt: skip
+
+
+def test_a_shadow_step_needs_the_mirror_and_the_quality_gate():
+    assert spec(**SHADOW).rollout.steps[0].weight == 0
+    for missing in ({"shadow": None}, {"analysis": {"minRequests": 20}}):
+        with pytest.raises(ValueError, match="weight 0"):
+            spec(**{**SHADOW, **missing})
+
+
+def test_a_shadow_step_judges_the_mirror_before_any_real_traffic():
+    from tests.operator.test_canary_attacks import mirrored, with_mirror
+
+    d = rollout.decide(spec(**SHADOW), {}, seen())
+    assert (d.stable_replicas, d.canary_replicas) == (4, 1)  # the whole fleet + one canary
+    assert d.status["canaryWeight"] == 0 and d.status["shadow"]["share"] == 0.1
+    opened = rollout.decide(spec(**SHADOW), d.status, seen(canary_ready=True, counters={
+        "old": c(requests=500), "new": Counters()})).status  # fmt: skip
+    # the canary answered no request: the quality gate alone decides
+    few = {"old": c(requests=900), "new": with_mirror(Counters(), mirrored(20, 20))}
+    wait = rollout.decide(spec(**SHADOW), opened, seen(canary_ready=True, counters=few,
+                                                         now=1100.0))  # fmt: skip
+    assert (wait.status["step"], wait.verdict.reason) == (1, "TooFewMirroredRequests")
+    bad = {"old": c(requests=900), "new": with_mirror(Counters(), mirrored(40, 10))}
+    rolled = rollout.decide(spec(**SHADOW), opened, seen(canary_ready=True, counters=bad))
+    assert rolled.status["phase"] == "RolledBack" and rolled.canary_replicas == 0
+    assert rolled.rolled_back[0] == "CanaryAnswersDiffer"
+    good = {"old": c(requests=900), "new": with_mirror(Counters(), mirrored(40, 40))}
+    early = rollout.decide(spec(**SHADOW), opened, seen(canary_ready=True, counters=good,
+                                                          now=1030.0))  # fmt: skip
+    assert (early.verdict.result, early.status["step"]) == ("Pass", 1)
+    assert "40 mirrored requests" in early.verdict.message
+    nxt = rollout.decide(spec(**SHADOW), early.status, seen(canary_ready=True, counters=good,
+                                                              now=1061.0))  # fmt: skip
+    assert nxt.status["step"] == 2 and nxt.status["canaryWeight"] == 10

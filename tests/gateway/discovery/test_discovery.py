@@ -58,6 +58,23 @@ def test_inline_fallback_key():
     assert models["a"].fallback.api_key == "k"
 
 
+def test_a_static_model_may_run_a_canary_rollout():
+    """Outside Kubernetes (`kubellm epp --static`): endpoints carry their revision and
+    `rollout` is status.rollout's split, the shadow step included."""
+    rollout = {"canaryRevision": "r2", "phase": "Progressing", "canaryWeight": 0,
+               "shadow": {"share": 0.2}}  # fmt: skip
+    document = {"models": [{"name": "m", "rollout": rollout, "endpoints": [
+        "http://127.0.0.1:8001", {"url": "http://127.0.0.1:8002", "revision": "r2"}]}]}  # fmt: skip
+    target = parse(document)["m"]
+    assert [e.revision for e in target.endpoints] == [None, "r2"]
+    split = target.canary
+    assert (split.revision, split.weight, split.shadow_share, split.shadow_concurrency) == (
+        "r2", 0, 0.2, 4)  # fmt: skip
+    assert parse({"models": [{"name": "m"}]})["m"].canary is None
+    with pytest.raises(StaticConfigError, match=r"rollout\.phase"):
+        parse({"models": [{"name": "m", "rollout": {**rollout, "phase": "Sideways"}}]})
+
+
 def test_a_static_endpoint_may_name_its_own_kv_events_port():
     """Replicas on one host (prefixIndex precise) publish on ports of their own: the
     gateway follows each on its endpoint's port, else on routing.kvEventsPort."""
