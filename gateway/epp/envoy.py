@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kubellm.gateway.routing.tenants import FAIRNESS_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER
+from kubellm.gateway.routing.flow.tenants import FAIRNESS_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER
 
 from kubellm.contracts import POOL_HEADER
 

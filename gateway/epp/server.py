@@ -54,7 +54,7 @@ from kubellm.gateway.epp import messages as m
 from kubellm.gateway.protocol import errors
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.openai import PATHS, parse_body
-from kubellm.gateway.routing import slo
+from kubellm.gateway.routing.latency import metrics as slo
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Attempt, Ticket
 from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings

@@ -41,17 +41,18 @@ from kubellm.gateway.discovery.base import (
 from kubellm.gateway.http import relay, upstream
 from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
 from kubellm.gateway.http.settings import GatewaySettings
-from kubellm.gateway.protocol import assemble, errors
+from kubellm.gateway.protocol import assemble, errors, usage
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.headers import first_values
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
-from kubellm.gateway.routing import mirror, slo, usage
+from kubellm.gateway.routing.canary import mirror
+from kubellm.gateway.routing.flow.controller import Caller
+from kubellm.gateway.routing.flow.tenants import TENANT_HEADERS
+from kubellm.gateway.routing.latency import metrics as slo
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Ticket
-from kubellm.gateway.routing.load import LoadView
+from kubellm.gateway.routing.replicas.load import LoadView
 from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scheduler import Scheduler
-from kubellm.gateway.routing.tenancy import Caller
-from kubellm.gateway.routing.tenants import TENANT_HEADERS
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -87,7 +88,7 @@ class Gateway:
         self._client = client  # https replicas', the fallback API's and scraping's client
         self._replicas: upstream.Pool | None = None  # the plain-http replicas' client
         self.pace = relay.Pace()  # replicas' gaps within whole answers: what a stall is
-        # the canary's shadow step (routing/mirror.py)
+        # the canary's shadow step (routing/canary/mirror.py)
         self.mirror = mirror.Mirror(
             mirror.metrics_for(self.metrics.registry), mirror.aiohttp_post(lambda: self.client),
             self.scheduler.load,

@@ -48,17 +48,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kubellm.gateway.discovery.base import ModelTarget
-from kubellm.gateway.protocol import errors
+from kubellm.gateway.protocol import errors, usage
 from kubellm.gateway.protocol.errors import GatewayError
-from kubellm.gateway.routing import revisions, usage
 from kubellm.gateway.routing.admission import Route
+from kubellm.gateway.routing.canary import revisions
+from kubellm.gateway.routing.latency.metrics import TOKEN, RequestRecord, StreamTiming
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
-from kubellm.gateway.routing.slo import TOKEN, RequestRecord, StreamTiming
 
 if TYPE_CHECKING:
     from kubellm.gateway.routing.dispatch import Decision
+    from kubellm.gateway.routing.flow.controller import Caller
     from kubellm.gateway.routing.scheduler import Scheduler
-    from kubellm.gateway.routing.tenancy import Caller
 
 log = logging.getLogger("kubellm.gateway")
 

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from kubellm.gateway.discovery.base import ModelTarget
-from kubellm.gateway.routing.adapters import AdapterScorer
-from kubellm.gateway.routing.load import LoadView
-from kubellm.gateway.routing.outliers import OutlierDetector
-from kubellm.gateway.routing.precise import PreciseRouting
-from kubellm.gateway.routing.predicted import Predictions
+from kubellm.gateway.routing.index.precise_routing import PreciseRouting
+from kubellm.gateway.routing.latency.predictions import Predictions
 from kubellm.gateway.routing.profiles import HOLDER_SHARE, HOLDER_SLACK, Profiles, Shared
+from kubellm.gateway.routing.replicas.adapters import AdapterScorer
+from kubellm.gateway.routing.replicas.load import LoadView
+from kubellm.gateway.routing.replicas.outliers import OutlierDetector
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight
@@ -70,7 +70,7 @@ class Router:
         self.sessions = SessionTable()
         self.sharing = prefix.Sharing()
         self.precise = precise
-        # slo-aware's latency model (learnt under every policy: routing/predicted.py)
+        # slo-aware's latency model (learnt under every policy: routing/latency/predictions.py)
         self.predictions = Predictions(registry=registry)
         self.shared = Shared(
             self.index, self.sessions, precise, predictions=self.predictions,

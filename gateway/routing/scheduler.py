@@ -27,21 +27,22 @@ from typing import Any
 
 import aiohttp
 from kubellm.gateway.discovery.base import Discovery, Endpoint, ModelTarget
-from kubellm.gateway.routing import adapters, engine_api, slo
 from kubellm.gateway.routing.admission import CompletionRate, Route
+from kubellm.gateway.routing.canary.revisions import revisions_failed
 from kubellm.gateway.routing.dispatch import WAKE_IN, Decision, Hooks, Pass, admit_once
+from kubellm.gateway.routing.flow.controller import Caller, Tenancy, bounded
 from kubellm.gateway.routing.gates.adapters import AdapterGate
 from kubellm.gateway.routing.gates.flow import FlowGate
 from kubellm.gateway.routing.gates.slo import SloGate
+from kubellm.gateway.routing.index.precise_routing import PreciseRouting
+from kubellm.gateway.routing.latency import metrics as slo
 from kubellm.gateway.routing.lifecycle import Attempt, Ticket, labels
-from kubellm.gateway.routing.load import LoadView, scrape_loop
-from kubellm.gateway.routing.outliers import OutlierDetector
-from kubellm.gateway.routing.precise import PreciseRouting
-from kubellm.gateway.routing.revisions import revisions_failed
+from kubellm.gateway.routing.replicas import adapters, engine_api
+from kubellm.gateway.routing.replicas.load import LoadView, scrape_loop
+from kubellm.gateway.routing.replicas.outliers import OutlierDetector
 from kubellm.gateway.routing.router import Router
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.settings import SchedulerSettings
-from kubellm.gateway.routing.tenancy import Caller, Tenancy, bounded
 
 __all__ = ["Scheduler", "SchedulerSettings", "labels"]
 

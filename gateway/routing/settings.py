@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kubellm.gateway.routing.tenancy import TenancySettings
+    from kubellm.gateway.routing.flow.controller import TenancySettings
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,13 @@ class SchedulerSettings:
     front_ends: int = 1
     eject_after_failures: int = 3
     eject_base_seconds: float = 5.0
-    # LoRA (routing/adapters.py): prefer replicas with the adapter in a slot (False:
+    # LoRA (routing/replicas/adapters.py): prefer replicas with the adapter in a slot (False:
     # adapter-blind, for comparison), and how many adapter loads may run at once
     adapter_affinity: bool = True
     max_adapter_loads: int = 2
     # spec.routing.prefixIndex precise: each model's tokenizer (served name -> a local
-    # directory or a Hugging Face id), to hash prompts as its engines do (routing/precise.py)
+    # directory or a Hugging Face id), to hash prompts as its engines do
+    # (routing/index/precise_routing.py)
     tokenizers: dict[str, str] = field(default_factory=dict)
-    # tenants, flow control and quotas (routing/tenancy.py); None: every request alike
+    # tenants, flow control and quotas (routing/flow/controller.py); None: every request alike
     tenancy: TenancySettings | None = None

@@ -1,6 +1,6 @@
 """The flow-control gate: how a tenant's share is enforced in the admission pass.
 
-It wraps `routing/tenancy.py` (tenants, quotas, counters) and `routing/flow.py` (queues
+It wraps `routing/flow/controller.py` (tenants, quotas, counters) and `flow/queues.py` (queues
 per band x tenant, fairness): when tenants are declared, a request joins its model's flow
 (`enter`; joining may shed others), and on each pass
 
@@ -26,14 +26,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kubellm.gateway.routing import flow as flows
 from kubellm.gateway.routing.admission import Route
 from kubellm.gateway.routing.dispatch import WAKE_IN, Decision, Gate, Pass
+from kubellm.gateway.routing.flow import queues as flows
 from kubellm.gateway.routing.scorers.base import Candidate
 
 if TYPE_CHECKING:
+    from kubellm.gateway.routing.flow.controller import Tenancy
     from kubellm.gateway.routing.lifecycle import Ticket
-    from kubellm.gateway.routing.tenancy import Tenancy
 
 
 class FlowGate(Gate):

@@ -12,10 +12,10 @@ import httpx
 import openai
 import pytest
 from kubellm.gateway.discovery.base import FallbackTarget
-from kubellm.gateway.routing import tenants
-from kubellm.gateway.routing.flow import FlowSettings
+from kubellm.gateway.routing.flow import tenants
+from kubellm.gateway.routing.flow.controller import TenancySettings
+from kubellm.gateway.routing.flow.queues import FlowSettings
 from kubellm.gateway.routing.settings import Thresholds
-from kubellm.gateway.routing.tenancy import TenancySettings
 from prometheus_client import generate_latest
 
 from kubellm.api import SLO

@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
-from kubellm.gateway.routing.load import read_answer
+from kubellm.gateway.routing.replicas.load import read_answer
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.bounded_load import within_bound
 from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight

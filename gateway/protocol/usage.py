@@ -4,7 +4,7 @@ them.
 
 - `output_bound`: the most tokens an answer may have: `max_completion_tokens` or
   `max_tokens` times its choices (`n`, `best_of`), else `DEFAULT_OUTPUT_BOUND`. A quota
-  reserves prompt + this at admission (`quota.py`).
+  reserves prompt + this at admission (`routing/flow/quota.py`).
 - `figures` / `parse`: an upstream's `usage`, or None unless both figures are whole numbers
   from 0 to `MAX_FIGURE` (a negative, infinite, fractional or boolean figure is a hostile
   or broken peer's: the gateway's own count is used instead).

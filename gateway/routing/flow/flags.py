@@ -7,7 +7,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kubellm.gateway.routing.tenancy import TenancySettings
+    from kubellm.gateway.routing.flow.controller import TenancySettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,9 +89,9 @@ def settings_from(args: argparse.Namespace) -> TenancySettings | None:
     path = getattr(args, "tenants", None)
     if not path:
         return None
-    from kubellm.gateway.routing import tenants
-    from kubellm.gateway.routing.flow import FlowSettings
-    from kubellm.gateway.routing.tenancy import TenancySettings
+    from kubellm.gateway.routing.flow import tenants
+    from kubellm.gateway.routing.flow.controller import TenancySettings
+    from kubellm.gateway.routing.flow.queues import FlowSettings
 
     if args.band_ttl <= 0:
         raise ValueError("--band-ttl: more than 0 seconds")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubellm.gateway.routing.histogram import Histogram
+from kubellm.gateway.routing.latency.histogram import Histogram
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.utils import floatToGoString
@@ -168,7 +168,7 @@ class Ledger:
 
 class RevisionMetrics:
     """One model's figures per revision while a canary rollout splits its traffic: answers
-    by outcome, SLO-meeting answers, TTFT and ITL (routing/revisions.py chooses the side;
+    by outcome, SLO-meeting answers, TTFT and ITL (routing/canary/revisions.py chooses the side;
     the operator's canary analysis compares the canary's figures with the rest)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -195,7 +195,7 @@ class RevisionMetrics:
             buckets=_ITL, registry=registry,
         )  # fmt: skip
         # The canary analysis' figures: per prompt-size class, one client's answers counted
-        # at most CLIENT_CAP times per step (routing/revisions.py, operator/rollout.py).
+        # at most CLIENT_CAP times per step (routing/canary/revisions.py, operator/rollout.py).
         classed = [*names, "class"]
         self.class_requests = Counter(
             _name(metrics.GATEWAY_REVISION_CLASS_REQUESTS, "_total"),
