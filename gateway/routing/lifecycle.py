@@ -48,7 +48,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kubellm.gateway.discovery.base import ModelTarget
-from kubellm.gateway.protocol import errors, usage
+from kubellm.gateway.protocol import errors, sse, usage
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.routing.admission import Route
 from kubellm.gateway.routing.canary import revisions
@@ -66,9 +66,8 @@ log = logging.getLogger("kubellm.gateway")
 ROUTE_HEADER = "x-kubellm-route"
 
 # A non-streamed answer is kept for its `usage` up to this size (a larger one counts no
-# tokens); an SSE event split across chunks is kept up to EVENT_CARRY_BYTES.
+# tokens); an SSE event split across chunks is kept as `sse.Framer` bounds it.
 USAGE_BYTES = 4 * 1024 * 1024
-EVENT_CARRY_BYTES = 64 * 1024
 
 
 def labels(target: ModelTarget) -> tuple[str, str, str]:
@@ -128,8 +127,8 @@ class Ticket:
     __slots__ = (
         "_attempt",
         "_body",
-        "_carry",
         "_core",
+        "_events",
         "_fallback",
         "_recorded",
         "_size",
@@ -183,7 +182,7 @@ class Ticket:
         self._recorded = False
         self._body: list[bytes] | None = None if stream else []  # kept, not copied
         self._size = 0
-        self._carry = b""
+        self._events = sse.Framer()
         self._usage: dict[str, int] | None = None
         # the current attempt's, for the gates (routing/gates): the latency prediction's
         # (url, features at dispatch, when sent, streaming yet, what its first token
@@ -271,8 +270,8 @@ class Ticket:
         if self._body is not None:  # non-streamed: the whole answer is its first token
             self._body_piece(data, time.monotonic() if now is None else now)
             return
-        if self._carry or not data.endswith(b"\n\n"):  # an event spans pieces
-            data = self._whole_events(data)
+        if not self._events.whole(data):  # an event spans pieces
+            data = self._events.feed(data)[0]
             if not data:
                 return
         # (the usual piece is one whole event: one search, no list of matches)
@@ -297,13 +296,6 @@ class Ticket:
             self._body.append(data)  # type: ignore[union-attr]
         else:
             self._body.clear()  # type: ignore[union-attr]  # too large to read its usage
-
-    def _whole_events(self, data: bytes) -> bytes:
-        """The whole events that `data` completes (the rest is carried to the next piece,
-        up to EVENT_CARRY_BYTES)."""
-        events, sep, carry = (self._carry + data).rpartition(b"\n\n")
-        self._carry = carry if len(carry) <= EVENT_CARRY_BYTES else b""
-        return events + sep if sep else b""
 
     def fail(self, error: GatewayError) -> GatewayError:
         """The answer is `error` (the core's words, rendered by the front end): counted
@@ -455,11 +447,9 @@ class Ticket:
                     metric.labels(*series.labels, kind).inc(count)
 
     def _stream_usage(self, events: bytes) -> None:
-        for line in events.split(b"\n"):
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                found = usage.parse(line[6:])
-                if found is not None:
-                    self._usage = found
+        found = usage.in_events(events)
+        if found is not None:
+            self._usage = found
 
 
 def met_slo(

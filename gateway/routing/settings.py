@@ -23,6 +23,28 @@ class Thresholds:
     max_in_flight: int | None = None  # requests this gateway has on it (None: no cap)
 
 
+@dataclass(frozen=True)
+class FlowSettings:
+    """Flow control: the queues per priority band and tenant (`flow/queues.py`)."""
+
+    max_band: int = 5000  # waiters per band and model (llm-d's default)
+    max_total: int = 5000  # waiters per model, all bands
+    ttl_seconds: float = 60.0  # the longest wait of a sheddable request (llm-d's default)
+    headroom_below: int = 0  # bands below this dispatch only under the lower line
+    headroom_kv: float = 0.8
+    headroom_load: float | None = None  # requests per replica; None: learnt (`Flow.learn`)
+    # without headroom_load: this share of each replica's slots, learnt from its scrapes,
+    # is kept free of sheddable work (12 of maxNumSeqs 16)
+    headroom_reserve: float = 0.25
+    # a replica where a high-band stream awaits its first token takes no low band meanwhile
+    hold_prefill: bool = True
+    # low-band prompt tokens per second a replica is sent at most (None: no bound)
+    headroom_prefill_rate: float | None = None
+    # service tokens (prompt + 2 x output) in flight per replica that a band's tenants
+    # share while more than one is active (None: no bound)
+    fair_in_flight_tokens: float | None = None
+
+
 @dataclass
 class SchedulerSettings:
     """Admission, health and routing knobs shared by every model of one process."""

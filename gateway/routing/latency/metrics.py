@@ -330,15 +330,6 @@ def create(registry: CollectorRegistry | None = None) -> GatewayMetrics:
     )
 
 
-def met_slo(
-    ttft: float | None, itl_max_mean: float | None, ttft_target: float, itl_target: float
-) -> bool:
-    """Goodput test for one successful request: TTFT and mean ITL within their targets."""
-    if ttft is None or ttft > ttft_target:
-        return False
-    return itl_max_mean is None or itl_max_mean <= itl_target
-
-
 @dataclass
 class StreamTiming:
     """When a streamed answer's chunks carrying text arrived: TTFT and the gaps (ITL)."""

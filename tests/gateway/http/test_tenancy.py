@@ -14,8 +14,7 @@ import pytest
 from kubellm.gateway.discovery.base import FallbackTarget
 from kubellm.gateway.routing.flow import tenants
 from kubellm.gateway.routing.flow.controller import TenancySettings
-from kubellm.gateway.routing.flow.queues import FlowSettings
-from kubellm.gateway.routing.settings import Thresholds
+from kubellm.gateway.routing.settings import FlowSettings, Thresholds
 from prometheus_client import generate_latest
 
 from kubellm.api import SLO

@@ -9,8 +9,8 @@ from kubellm.gateway.routing.admission import Route
 from kubellm.gateway.routing.dispatch import Decision, admit_once
 from kubellm.gateway.routing.flow import tenants
 from kubellm.gateway.routing.flow.controller import Caller, Tenancy, TenancySettings
-from kubellm.gateway.routing.flow.queues import FlowSettings
 from kubellm.gateway.routing.gates.flow import FlowGate
+from kubellm.gateway.routing.settings import FlowSettings
 from prometheus_client import CollectorRegistry
 
 from tests.gateway.routing.passes import A, B, candidate, make_pass, router, target
