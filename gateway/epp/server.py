@@ -403,7 +403,7 @@ class Exchange:
         if self.ticket is not None:
             self.ticket.fail(error)
         else:
-            self.sched.refused(error)
+            self.sched.metrics.refused(error.status)
         return self._immediate(error)
 
     def _immediate(self, error: GatewayError) -> m.ProcessingResponse:
@@ -432,7 +432,7 @@ class Exchange:
             return [self.refuse(errors.model_not_found(model))]
         target, adapter = match
         try:  # the tenant, from the headers Envoy passes (tenancy.py), when declared
-            caller = self.sched.identify(self.headers)
+            caller = self.sched.flow.identify(self.headers)
         except GatewayError as error:
             return [self.refuse(error)]
         session = self.headers.get(SESSION_HEADER)

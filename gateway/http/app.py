@@ -136,7 +136,7 @@ class Gateway:
         """Check the `Authorization` header's value (None: absent) against the key hashes,
         or find its tenant from the request's `headers` when tenants are declared."""
         if self.scheduler.tenancy is not None:
-            return self.scheduler.identify(headers or {"authorization": authorization or ""})
+            return self.scheduler.flow.identify(headers or {"authorization": authorization or ""})
         if not self.settings.api_key_hashes:
             return None
         scheme, _, key = (authorization or "").partition(" ")
@@ -218,7 +218,7 @@ class Gateway:
             if call.ticket is not None and not call.ticket.done:
                 call.ticket.fail(error)
             elif call.ticket is None:
-                self.scheduler.refused(error)
+                self.scheduler.metrics.refused(error.status)
             if not call.started:
                 with contextlib.suppress(Exception):
                     await error.response()(scope, receive, send)
@@ -419,7 +419,7 @@ class Gateway:
 
     def _refused(self, error: GatewayError) -> Response:
         """Count a request refused before it had a model (labels empty: no cardinality)."""
-        self.scheduler.refused(error)
+        self.scheduler.metrics.refused(error.status)
         return error.response()
 
     async def list_models(self, request: Request) -> Response:

@@ -52,7 +52,7 @@ from kubellm.gateway.protocol import errors, sse, usage
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.routing.admission import Route
 from kubellm.gateway.routing.canary import revisions
-from kubellm.gateway.routing.latency.metrics import TOKEN, RequestRecord, StreamTiming
+from kubellm.gateway.routing.latency.metrics import TOKEN, RequestRecord, StreamTiming, labels
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 if TYPE_CHECKING:
@@ -68,11 +68,6 @@ ROUTE_HEADER = "x-kubellm-route"
 # A non-streamed answer is kept for its `usage` up to this size (a larger one counts no
 # tokens); an SSE event split across chunks is kept as `sse.Framer` bounds it.
 USAGE_BYTES = 4 * 1024 * 1024
-
-
-def labels(target: ModelTarget) -> tuple[str, str, str]:
-    """The metric labels of a model: served name, deployment, namespace."""
-    return (target.served_name, target.deployment, target.namespace)
 
 
 class Attempt:
@@ -118,7 +113,9 @@ class Attempt:
         ticket.served = self.url
         if not ticket._recorded:
             ticket._recorded = True
-            ticket._core.routed(ticket.target, ticket.routing, self.url, ticket.order)
+            core = ticket._core  # prefix affinity, and how much of the prompt matched there
+            ratio = core.router.routed(ticket.routing, self.url, [c.url for c in ticket.order])
+            core.metrics.target(labels(ticket.target)).prefix_match.observe(ratio)
 
 
 class Ticket:
@@ -205,12 +202,14 @@ class Ticket:
             self.order = decision.order
         elif decision.route is Route.FALLBACK:
             self.route = "fallback"
-            self._fallback = core.fallback_slot(target.served_name)
+            self._fallback = core.fallback_in_flight.hold(target.served_name)
             core.metrics.fallback.labels(*self.record.series.labels, reason).inc()
         else:  # saturated (or shed by flow control): 429, come back soon; no replica: 503
             status = 503 if reason == "no-ready-replicas" else 429
             retry = core.settings.retry_after_seconds
             self.fail(errors.overloaded(target.served_name, retry, status, decision.loading))
+            if self.caller is not None and core.tenancy is not None:  # its tenant's drop
+                core.tenancy.dropped(self.caller, reason, self.refusal)
 
     # ------------------------------------------------------------ the front end's calls
 
@@ -228,7 +227,7 @@ class Ticket:
             over(self)
         for sent in hooks.sent:
             sent(self, url)
-        attempt = self._attempt = Attempt(self, url, self._core.acquire(url))
+        attempt = self._attempt = Attempt(self, url, self._core.load.acquire(url))
         self.sent = True
         tenant = self.caller.tenant.name if self.caller is not None else None
         revisions.attribute(self.record, self.target, url, self.routing, tenant)  # analysis
@@ -338,7 +337,7 @@ class Ticket:
             self.timing.failed(broken)
         core = self._core
         if self.served is not None and status < 500:
-            core.completed(self.served)
+            core.completions.record(self.served)  # the rate that predicts queue waits
         if self.served is not None:
             self._verdict(broken is not None or status == 502, client_gone)
         whole = self.refusal is None and broken is None and not client_gone
@@ -403,7 +402,7 @@ class Ticket:
             if dispatch is not None and dispatch[0] == url and dispatch[3]:
                 core.predictions.broken(url, dispatch[1], dispatch[4])
         elif not client_gone:
-            core.succeeded(url)
+            core.outliers.success(url)
 
     # ------------------------------------------------------------ the SLO outcome
 

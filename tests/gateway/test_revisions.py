@@ -229,7 +229,7 @@ async def test_a_retry_tries_its_own_revision_before_the_other():
     settings = SchedulerSettings(thresholds=Thresholds(max_in_flight=1))
     scheduler = Scheduler(FixedDiscovery({"m": target}), settings)
     for url in (stable[0], canary[0]):  # one replica of each side saturated
-        scheduler.acquire(url)
+        scheduler.load.acquire(url)
     seen = {True: 0, False: 0}
     for i in range(24):
         request = routing_request("m", {"prompt": f"system prompt {i} " * 40}, session=None)

@@ -23,7 +23,7 @@ for its tenant (`Tenancy.ended`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from kubellm.gateway.routing.admission import Route
@@ -32,7 +32,7 @@ from kubellm.gateway.routing.flow import queues as flows
 from kubellm.gateway.routing.scorers.base import Candidate
 
 if TYPE_CHECKING:
-    from kubellm.gateway.routing.flow.controller import Tenancy
+    from kubellm.gateway.routing.flow.controller import Caller, Tenancy
     from kubellm.gateway.routing.lifecycle import Ticket
 
 
@@ -47,6 +47,11 @@ class FlowGate(Gate):
         self.prefilling: dict[str, int] = {}
         # replica -> (low-band prompt tokens owed, when) under `headroom_prefill_rate`
         self.low_prefill: dict[str, tuple[float, float]] = {}
+
+    def identify(self, headers: Mapping[str, str]) -> Caller | None:
+        """The tenant of a request from its headers, names in lower case (None: no tenants
+        declared); raises the 401 or 400 to answer (`Tenancy.identify`)."""
+        return None if self.tenancy is None else self.tenancy.identify(headers)
 
     # ------------------------------------------------------------ the pass
 

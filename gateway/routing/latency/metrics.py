@@ -13,7 +13,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubellm.gateway.routing.latency.histogram import Histogram
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -21,6 +21,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from kubellm import metrics
+
+if TYPE_CHECKING:
+    from kubellm.gateway.discovery.base import ModelTarget
 
 # A chunk carrying generated text (engines send an empty role chunk before the first token).
 TOKEN = re.compile(rb'"(?:content|text)":\s*"[^"]')
@@ -57,6 +60,11 @@ def without_credentials(url: str) -> str:
     return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}"
 
 
+def labels(target: ModelTarget) -> tuple[str, str, str]:
+    """The metric labels of a model: served name, deployment, namespace."""
+    return (target.served_name, target.deployment, target.namespace)
+
+
 @dataclass
 class GatewayMetrics:
     registry: CollectorRegistry
@@ -89,6 +97,10 @@ class GatewayMetrics:
         if found is None:
             found = self._targets[labels] = TargetMetrics(self, labels)
         return found
+
+    def refused(self, status: int) -> None:
+        """A request refused before it named a model (labels empty: no cardinality)."""
+        self.requests.labels("", "", "", "none", str(status)).inc()
 
     def publish_endpoints(self, rows: Sequence[tuple[tuple[str, ...], str, str]]) -> None:
         """Replace the endpoint series with `rows` of (model labels, url, state)."""
