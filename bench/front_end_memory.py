@@ -1,8 +1,8 @@
 """Memory per replica of a front end's routing state: the precise KV index and the adapters.
 
 Both front ends (`kubellm gateway`, `kubellm epp`) hold, per replica of a model, the
-precise index's block entries (gateway/routing/kv_index.py: one per KV block the replica's
-events say it holds) and the adapter view (gateway/routing/adapters.py: the adapters a
+precise index's block entries (gateway/routing/index/kv_events.py: one per KV block the replica's
+events say it holds) and the adapter view (gateway/routing/replicas/adapters.py: the adapters a
 replica has registered, the LRU of those this front end sent there). This measures both
 with tracemalloc on the real classes, filled as a full replica would fill them, and prints
 bytes per entry and MiB per replica, for the sizing table in docs/operations.md.
@@ -17,8 +17,8 @@ import argparse
 import tracemalloc
 from collections.abc import Callable
 
-from kubellm.gateway.routing.adapters import AdapterView
-from kubellm.gateway.routing.kv_index import KVIndex
+from kubellm.gateway.routing.index.kv_events import KVIndex
+from kubellm.gateway.routing.replicas.adapters import AdapterView
 
 
 def measured(build: Callable[[], object]) -> int:

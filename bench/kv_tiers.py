@@ -59,8 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kubellm.engine.sim_core import Engine, Request
 from kubellm.engine.sim_profiles import get as get_profile
-from kubellm.gateway.routing.kv_index import KVIndex
-from kubellm.gateway.routing.kv_tier_index import DEFAULT_VALUE, TierValue
+from kubellm.gateway.routing.index.kv_events import KVIndex
+from kubellm.gateway.routing.index.kv_tiers import DEFAULT_VALUE, TierValue
 from kubellm.gateway.routing.scorers.base import Candidate
 from kubellm.gateway.routing.scorers.bounded_load import within_bound
 from kubellm.gateway.routing.scorers.prefix import PrefixIndex

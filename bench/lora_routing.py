@@ -156,7 +156,7 @@ def best_placement(
 
 def plan_misses(p: list[float], replicas: int, slots: int, load_bound: float) -> float:
     """Expected misses per request of the routing core's own placement plan."""
-    from kubellm.gateway.routing.adapters import plan_placement
+    from kubellm.gateway.routing.replicas.adapters import plan_placement
 
     demand = {f"a{i:02d}": share for i, share in enumerate(p)}
     urls = [f"r{i}" for i in range(replicas)]

@@ -180,10 +180,14 @@ class Contender:
         self._ports = ports
 
     async def start(self) -> None:
-        from kubellm.gateway.routing.kv_index import EventAddress, KVEventsSubscriber, KVIndex
-        from kubellm.gateway.routing.load import LoadView
-        from kubellm.gateway.routing.outliers import OutlierDetector
-        from kubellm.gateway.routing.precise import PreciseRouting
+        from kubellm.gateway.routing.index.kv_events import (
+            EventAddress,
+            KVEventsSubscriber,
+            KVIndex,
+        )
+        from kubellm.gateway.routing.index.precise_routing import PreciseRouting
+        from kubellm.gateway.routing.replicas.load import LoadView
+        from kubellm.gateway.routing.replicas.outliers import OutlierDetector
         from kubellm.gateway.routing.router import Router
 
         if self.name.startswith("vllm-router:"):

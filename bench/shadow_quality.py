@@ -67,7 +67,7 @@ def prompts(count: int) -> list[str]:
 
 async def compare(stable: str, canary: str, texts: list[str]) -> list[dict[str, Any]]:
     import aiohttp
-    from kubellm.gateway.routing import mirror
+    from kubellm.gateway.routing.canary import mirror
 
     rows = []
     async with aiohttp.ClientSession() as session:

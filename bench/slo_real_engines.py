@@ -85,7 +85,8 @@ class Recorder:
         self.rows: list[tuple[str, float, float | None, float, float | None]] = []
 
     def __enter__(self) -> Recorder:
-        from kubellm.gateway.routing import latency, predicted
+        from kubellm.gateway.routing.latency import model as latency
+        from kubellm.gateway.routing.latency import predictions as predicted
 
         cls = predicted.Predictions
         self._originals = (cls.started, cls.answered, latency.ReplicaModel.learn)
@@ -112,7 +113,8 @@ class Recorder:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from kubellm.gateway.routing import latency, predicted
+        from kubellm.gateway.routing.latency import model as latency
+        from kubellm.gateway.routing.latency import predictions as predicted
 
         cls = predicted.Predictions
         cls.started, cls.answered, latency.ReplicaModel.learn = self._originals  # type: ignore[method-assign]
@@ -146,7 +148,8 @@ class InProcessGateway:
         from kubellm.gateway import cli
         from kubellm.gateway.http import server
         from kubellm.gateway.http.app import Gateway, create_app
-        from kubellm.gateway.routing import flags, slo
+        from kubellm.gateway.routing import flags
+        from kubellm.gateway.routing.latency import metrics as slo
 
         port = free_port()
         parser = argparse.ArgumentParser()

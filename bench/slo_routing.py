@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from kubellm.engine import sim_profiles
-from kubellm.gateway.routing.predicted import Predictions
+from kubellm.gateway.routing.latency.predictions import Predictions
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 from kubellm import api

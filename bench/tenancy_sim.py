@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from kubellm.engine import sim_core, sim_profiles
-from kubellm.gateway.routing import flow as flows
 from kubellm.gateway.routing.admission import saturated
+from kubellm.gateway.routing.flow import queues as flows
 from kubellm.gateway.routing.scorers.base import Candidate
 from kubellm.gateway.routing.settings import Thresholds
 

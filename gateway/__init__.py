@@ -15,8 +15,8 @@ protocol. Data flow of one request through the HTTP front end (`http.app.Gateway
    bounded-load filter, weighted scorers);
 4. forward with retries until a replica's first byte (`http.relay`, each try a
    `ticket.attempt`, over the llhttp-framed client `http.upstream`), relay the answer
-   through `ticket.chunk`, and `ticket.finish` counts it once (`routing.slo` series);
-   `routing.load` and `routing.outliers` keep the view of each engine the next request
-   routes on. The endpoint picker (`epp.server.Exchange`) makes the same calls from
+   through `ticket.chunk`, and `ticket.finish` counts it once (`routing.latency.metrics` series);
+   `routing.replicas.load` and `routing.replicas.outliers` keep the view of each engine the next
+   request routes on. The endpoint picker (`epp.server.Exchange`) makes the same calls from
    ext_proc messages.
 """

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
     from kubellm.gateway.http import server
     from kubellm.gateway.http.app import Gateway, create_app, create_metrics_app
-    from kubellm.gateway.routing import slo
+    from kubellm.gateway.routing.latency import metrics as slo
 
     metrics = slo.create()
     try:

@@ -69,7 +69,7 @@ GATEWAY_REVISION_CLASS_REQUESTS = "kubellm_gateway_revision_class_requests_total
 GATEWAY_REVISION_CLIENTS = "kubellm_gateway_revision_clients_total"
 GATEWAY_REVISION_STREAM_TTFT = "kubellm_gateway_revision_stream_ttft_seconds"
 GATEWAY_REVISION_TPOT = "kubellm_gateway_revision_time_per_output_token_seconds"
-# The shadow step's mirror (gateway/routing/mirror.py), per canary revision and class.
+# The shadow step's mirror (gateway/routing/canary/mirror.py), per canary revision and class.
 GATEWAY_MIRROR_REQUESTS = "kubellm_gateway_mirror_compared_total"
 GATEWAY_MIRROR_SHED = "kubellm_gateway_mirror_shed_total"
 GATEWAY_MIRROR_AGREED = "kubellm_gateway_mirror_agreed_total"
@@ -102,7 +102,7 @@ GATEWAY_QUOTA_STORE_FAILURES = "kubellm_gateway_quota_store_failures_total"
 GATEWAY_TENANT_TTFT = "kubellm_gateway_tenant_time_to_first_token_seconds"  # histogram
 GATEWAY_TENANT_ITL = "kubellm_gateway_tenant_inter_token_latency_seconds"  # histogram
 
-# Latency prediction (gateway/routing/predicted.py, spec.routing.policy slo-aware learns it
+# Latency prediction (gateway/routing/latency/predictions.py, routing policy slo-aware learns it
 # for every policy): predicted over observed TTFT and ITL per replica (kind=ttft|itl), and
 # each replica's speed against its peers' median at the same batch and prompt.
 GATEWAY_PREDICTION_RATIO = "kubellm_gateway_predicted_over_observed_ratio"  # histogram

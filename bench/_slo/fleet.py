@@ -32,8 +32,8 @@ from kubellm.engine.sim_profiles import Profile
 from kubellm.gateway.discovery.base import Endpoint, ModelTarget
 from kubellm.gateway.routing.dispatch import Pass, admit_once
 from kubellm.gateway.routing.gates.slo import SloGate
-from kubellm.gateway.routing.load import LoadView
-from kubellm.gateway.routing.outliers import OutlierDetector
+from kubellm.gateway.routing.replicas.load import LoadView
+from kubellm.gateway.routing.replicas.outliers import OutlierDetector
 from kubellm.gateway.routing.router import Router, routing_request
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 

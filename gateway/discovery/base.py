@@ -40,7 +40,7 @@ __all__ = [
 @dataclass(frozen=True)
 class StepCosts:
     """An engine's step costs, as the slo-aware latency model takes its prior
-    (routing/latency.py `Prior`): a step's fixed part, each prompt token's, each decoding
+    (routing/latency/model.py `Prior`): a step's fixed part, each prompt token's, each decoding
     sequence's, and the prompt tokens one step computes at most. Known exactly for a
     simulated replica (its profile); discovery carries the figures, routing builds the prior."""
 
@@ -104,12 +104,12 @@ def prefill_split(spec: LLMDeploymentSpec) -> PrefillSplit | None:
 @dataclass(frozen=True)
 class CanarySplit:
     """A canary step's split (status.rollout while it is Progressing or RolledBack): the
-    canary revision and the percent of requests it takes (routing/revisions.py)."""
+    canary revision and the percent of requests it takes (routing/canary/revisions.py)."""
 
     revision: str
     weight: int
     # The shadow step (status.rollout.shadow): the share of stable requests mirrored to the
-    # canary and the mirrored requests one gateway keeps in flight (routing/mirror.py).
+    # canary and the mirrored requests one gateway keeps in flight (routing/canary/mirror.py).
     shadow_share: float = 0.0
     shadow_concurrency: int = 0
     shadow_tokens: int = 16  # k: the first tokens whose agreement is counted
@@ -136,7 +136,7 @@ class ModelTarget:
     adapters: tuple[AdapterRef, ...] = ()
     # spec.model.source ("" when discovery does not know it): precise routing loads an
     # hf:// model's tokenizer from the same repository and revision when no --tokenizer
-    # names one (routing/precise.py)
+    # names one (routing/index/precise_routing.py)
     model_source: str = ""
     # While a canary rollout splits traffic: the canary revision and its weight.
     canary: CanarySplit | None = None

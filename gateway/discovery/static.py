@@ -123,7 +123,7 @@ class StaticModel(BaseModel):
     rollout: RolloutStatus | None = None
     # As status.capacity.decodeTokensPerSecondBound: the slo-aware latency model's prior
     decode_tokens_per_second_bound: float | None = Field(
-        # routing/latency.py DECODE_BOUND_RANGE (discovery does not import routing)
+        # routing/latency/model.py DECODE_BOUND_RANGE (discovery does not import routing)
         default=None,
         alias="decodeTokensPerSecondBound",
         ge=1,

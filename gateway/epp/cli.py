@@ -17,7 +17,10 @@ import os
 import sys
 from collections.abc import Callable
 
+from kubellm.gateway.epp.settings import PickerSettings
 from kubellm.gateway.routing import flags
+
+_D = PickerSettings()
 
 
 def _endpoint(value: str) -> str:
@@ -58,37 +61,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--endpoints-per-answer",
         type=int,
-        default=1,
+        default=_D.endpoints_per_answer,
         help="endpoints listed per answer, best first, for gateways that retry down the "
         "list (Envoy's ORIGINAL_DST cluster, as in the reference configuration, reads one)",
     )
     parser.add_argument(
         "--destination-header",
-        default="x-gateway-destination-endpoint",
+        default=_D.destination_header,
         help="the header (and metadata key) that carries the picked endpoints",
     )
     parser.add_argument(
         "--metadata-namespace",
-        default="envoy.lb",
+        default=_D.metadata_namespace,
         help="the dynamic-metadata namespace of the picked endpoints",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument("--max-body-bytes", type=int, default=_D.max_body_bytes)
     parser.add_argument(
         "--body-timeout",
         type=float,
-        default=30.0,
+        default=_D.body_timeout,
         help="seconds from an ext_proc stream's start to its whole request (else a 408)",
     )
     parser.add_argument(
         "--max-streams",
         type=int,
-        default=4096,
+        default=_D.max_streams,
         help="ext_proc streams at once; more are refused with RESOURCE_EXHAUSTED",
     )
     parser.add_argument(
         "--max-buffered-bytes",
         type=int,
-        default=256 * 1024 * 1024,
+        default=_D.max_buffered_bytes,
         help="request bodies held across all streams until routed; more get a 503",
     )
     flags.add_arguments(parser)  # admission, scraping, tokenizers, LoRA, discovery: as the gateway
@@ -112,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from kubellm.gateway.epp.server import EndpointPicker, PickerSettings, serve
+    from kubellm.gateway.epp.server import EndpointPicker, serve
 
     logging.basicConfig(level=args.log_level.upper())
     for flag in (

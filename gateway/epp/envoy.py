@@ -42,11 +42,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kubellm.gateway.routing.tenants import FAIRNESS_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER
+from kubellm.gateway.epp.settings import DESTINATION
+from kubellm.gateway.routing.flow.tenants import FAIRNESS_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER
 
 from kubellm.contracts import POOL_HEADER
 
-DESTINATION = "x-gateway-destination-endpoint"
 _T = "type.googleapis.com/envoy."
 # How long a request may wait for the picker's answer under FailClose before Envoy refuses
 # it (504): above the picker's own longest wait (a model's TTFT budget, 2 s by default, or

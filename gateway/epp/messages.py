@@ -23,6 +23,7 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
+from kubellm.gateway.epp.settings import DESTINATION, METADATA_NAMESPACE
 from kubellm.gateway.protocol.headers import first_values
 
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -30,10 +31,8 @@ METHOD = "Process"
 DESCRIPTOR_SET = "ext_proc.binpb"
 
 # The protocol's names (docs/proposals/004-endpoint-picker-protocol).
-DESTINATION = "x-gateway-destination-endpoint"
 SUBSET = "x-gateway-destination-endpoint-subset"
 SERVED = "x-gateway-destination-endpoint-served"
-METADATA_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 
 # Echoed request bodies go back in pieces of at most this size (gRPC messages stay small).

@@ -35,7 +35,7 @@ import logging
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -52,14 +52,16 @@ from kubellm.gateway.discovery.base import (
 )
 from kubellm.gateway.epp import messages as m
 from kubellm.gateway.epp import prefill
+from kubellm.gateway.epp.settings import PickerSettings
 from kubellm.gateway.protocol import errors
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.openai import PATHS, parse_body
-from kubellm.gateway.routing import mirror, slo
+from kubellm.gateway.routing.canary import mirror
 from kubellm.gateway.routing.disagg import DisaggMetrics
+from kubellm.gateway.routing.latency import metrics as slo
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Attempt, Ticket
 from kubellm.gateway.routing.router import routing_request
-from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings
+from kubellm.gateway.routing.scheduler import Scheduler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kubellm.contracts import POOL_HEADER
@@ -72,28 +74,6 @@ HEALTH_SERVICES = ("", "liveness", "readiness", m.SERVICE, "inference-extension"
 SESSION_HEADER = "x-session-id"
 DONE = b"data: [DONE]"
 MAX_POOLS_CACHED = 64
-
-
-@dataclass
-class PickerSettings:
-    max_body_bytes: int = 8 * 1024 * 1024
-    # Bounds against ext_proc peers that never finish (the port has no authentication):
-    # a stream's request must be whole within `body_timeout` seconds of the stream's start
-    # (else a 408), at most `max_streams` streams at once (more are refused with
-    # RESOURCE_EXHAUSTED, which Envoy handles as its failure mode says), and at most
-    # `max_buffered_bytes` of request bodies held across all streams (else a 503).
-    body_timeout: float = 30.0
-    max_streams: int = 4096
-    max_buffered_bytes: int = 256 * 1024 * 1024
-    destination_header: str = m.DESTINATION
-    metadata_namespace: str = m.METADATA_NAMESPACE
-    # host:port of the fallback forwarder Service (a name is resolved to its address, since
-    # the gateway's ORIGINAL_DST cluster takes an address)
-    fallback_forwarder: str | None = None
-    # Endpoints listed per answer, best first. Gateways that retry down the list (the
-    # protocol allows it) can use more; Envoy's ORIGINAL_DST cluster reads one address.
-    endpoints_per_answer: int = 1
-    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
 
 
 def host_port(url: str) -> str:
@@ -440,7 +420,7 @@ class Exchange:
         if self.ticket is not None:
             self.ticket.fail(error)
         else:
-            self.sched.refused(error)
+            self.sched.metrics.refused(error.status)
         return self._immediate(error)
 
     def _immediate(self, error: GatewayError) -> m.ProcessingResponse:
@@ -469,7 +449,7 @@ class Exchange:
             return [self.refuse(errors.model_not_found(model))]
         target, adapter = match
         try:  # the tenant, from the headers Envoy passes (tenancy.py), when declared
-            caller = self.sched.identify(self.headers)
+            caller = self.sched.flow.identify(self.headers)
         except GatewayError as error:
             return [self.refuse(error)]
         session = self.headers.get(SESSION_HEADER)

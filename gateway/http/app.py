@@ -41,18 +41,19 @@ from kubellm.gateway.discovery.base import (
 from kubellm.gateway.http import prefill, relay, upstream
 from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
 from kubellm.gateway.http.settings import GatewaySettings
-from kubellm.gateway.protocol import assemble, errors
+from kubellm.gateway.protocol import assemble, errors, usage
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.headers import first_values
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
-from kubellm.gateway.routing import mirror, slo, usage
+from kubellm.gateway.routing.canary import mirror
 from kubellm.gateway.routing.disagg import DisaggMetrics
+from kubellm.gateway.routing.flow.controller import Caller
+from kubellm.gateway.routing.flow.tenants import TENANT_HEADERS
+from kubellm.gateway.routing.latency import metrics as slo
 from kubellm.gateway.routing.lifecycle import ROUTE_HEADER, Ticket
-from kubellm.gateway.routing.load import LoadView
+from kubellm.gateway.routing.replicas.load import LoadView
 from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scheduler import Scheduler
-from kubellm.gateway.routing.tenancy import Caller
-from kubellm.gateway.routing.tenants import TENANT_HEADERS
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -89,7 +90,7 @@ class Gateway:
         self._replicas: upstream.Pool | None = None  # the plain-http replicas' client
         self.disagg = DisaggMetrics(self.metrics.registry)  # P/D splits (http/prefill.py)
         self.pace = relay.Pace()  # replicas' gaps within whole answers: what a stall is
-        # the canary's shadow step (routing/mirror.py)
+        # the canary's shadow step (routing/canary/mirror.py)
         self.mirror = mirror.Mirror(
             mirror.metrics_for(self.metrics.registry), mirror.aiohttp_post(lambda: self.client),
             self.scheduler.load,
@@ -137,7 +138,7 @@ class Gateway:
         """Check the `Authorization` header's value (None: absent) against the key hashes,
         or find its tenant from the request's `headers` when tenants are declared."""
         if self.scheduler.tenancy is not None:
-            return self.scheduler.identify(headers or {"authorization": authorization or ""})
+            return self.scheduler.flow.identify(headers or {"authorization": authorization or ""})
         if not self.settings.api_key_hashes:
             return None
         scheme, _, key = (authorization or "").partition(" ")
@@ -219,7 +220,7 @@ class Gateway:
             if call.ticket is not None and not call.ticket.done:
                 call.ticket.fail(error)
             elif call.ticket is None:
-                self.scheduler.refused(error)
+                self.scheduler.metrics.refused(error.status)
             if not call.started:
                 with contextlib.suppress(Exception):
                     await error.response()(scope, receive, send)
@@ -425,7 +426,7 @@ class Gateway:
 
     def _refused(self, error: GatewayError) -> Response:
         """Count a request refused before it had a model (labels empty: no cardinality)."""
-        self.scheduler.refused(error)
+        self.scheduler.metrics.refused(error.status)
         return error.response()
 
     async def list_models(self, request: Request) -> Response:

@@ -95,6 +95,29 @@ class CompletionRate:
         return total / self.window
 
 
+class FallbackSlots(dict[str, int]):
+    """The fallback API's requests in flight per model (the table's `fallback_in_flight`,
+    bounded by `fallback.max_concurrency`); `hold` takes one."""
+
+    def __init__(self, on_free: Callable[[], None]) -> None:
+        super().__init__()
+        self.on_free = on_free
+
+    def hold(self, model: str) -> Callable[[], None]:
+        """Hold one of `model`'s slots; the callback frees it (once), then `on_free`."""
+        self[model] = self.get(model, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self[model] -= 1
+                self.on_free()
+
+        return release
+
+
 def predicted_wait(position: int, completions_per_second: float) -> float:
     """Seconds until the `position`-th queued request gets a slot (inf: no completions seen)."""
     if completions_per_second <= 0:

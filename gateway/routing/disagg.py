@@ -34,16 +34,16 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from kubellm.gateway.protocol.kv_transfer import kv_params_of, prefill_body
+from kubellm.gateway.routing.latency.predictions import CHARS_PER_TOKEN
 from kubellm.gateway.routing.lifecycle import labels
-from kubellm.gateway.routing.predicted import CHARS_PER_TOKEN
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kubellm import metrics
 
 if TYPE_CHECKING:
     from kubellm.gateway.discovery.base import PrefillSplit
+    from kubellm.gateway.routing.latency.predictions import Predictions
     from kubellm.gateway.routing.lifecycle import Ticket
-    from kubellm.gateway.routing.predicted import Predictions
     from kubellm.gateway.routing.scheduler import Scheduler
     from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 

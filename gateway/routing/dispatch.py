@@ -40,8 +40,8 @@ from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.settings import Thresholds
 
 if TYPE_CHECKING:
+    from kubellm.gateway.routing.flow.controller import Caller
     from kubellm.gateway.routing.lifecycle import Ticket
-    from kubellm.gateway.routing.tenancy import Caller
 
 __all__ = ["WAKE_IN", "Decision", "Gate", "Hooks", "Pass", "Router", "admit_once"]
 

@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kubellm.gateway.routing import tenant_flags
+from kubellm.gateway.routing.flow import flags as tenant_flags
 from kubellm.gateway.routing.settings import SchedulerSettings, Thresholds
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from(args: argparse.Namespace) -> SchedulerSettings:
     """`SchedulerSettings` from the flags of `add_arguments` (the rest keep their defaults)."""
-    from kubellm.gateway.routing.precise import tokenizer_pairs
+    from kubellm.gateway.routing.index.precise_routing import tokenizer_pairs
 
     return SchedulerSettings(
         front_ends=args.front_ends,

@@ -48,17 +48,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kubellm.gateway.discovery.base import ModelTarget
-from kubellm.gateway.protocol import errors
+from kubellm.gateway.protocol import errors, sse, usage
 from kubellm.gateway.protocol.errors import GatewayError
-from kubellm.gateway.routing import revisions, usage
 from kubellm.gateway.routing.admission import Route
+from kubellm.gateway.routing.canary import revisions
+from kubellm.gateway.routing.latency.metrics import TOKEN, RequestRecord, StreamTiming, labels
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
-from kubellm.gateway.routing.slo import TOKEN, RequestRecord, StreamTiming
 
 if TYPE_CHECKING:
     from kubellm.gateway.routing.dispatch import Decision
+    from kubellm.gateway.routing.flow.controller import Caller
     from kubellm.gateway.routing.scheduler import Scheduler
-    from kubellm.gateway.routing.tenancy import Caller
 
 log = logging.getLogger("kubellm.gateway")
 
@@ -66,14 +66,8 @@ log = logging.getLogger("kubellm.gateway")
 ROUTE_HEADER = "x-kubellm-route"
 
 # A non-streamed answer is kept for its `usage` up to this size (a larger one counts no
-# tokens); an SSE event split across chunks is kept up to EVENT_CARRY_BYTES.
+# tokens); an SSE event split across chunks is kept as `sse.Framer` bounds it.
 USAGE_BYTES = 4 * 1024 * 1024
-EVENT_CARRY_BYTES = 64 * 1024
-
-
-def labels(target: ModelTarget) -> tuple[str, str, str]:
-    """The metric labels of a model: served name, deployment, namespace."""
-    return (target.served_name, target.deployment, target.namespace)
 
 
 class Attempt:
@@ -119,7 +113,9 @@ class Attempt:
         ticket.served = self.url
         if not ticket._recorded:
             ticket._recorded = True
-            ticket._core.routed(ticket.target, ticket.routing, self.url, ticket.order)
+            core = ticket._core  # prefix affinity, and how much of the prompt matched there
+            ratio = core.router.routed(ticket.routing, self.url, [c.url for c in ticket.order])
+            core.metrics.target(labels(ticket.target)).prefix_match.observe(ratio)
 
 
 class Ticket:
@@ -128,8 +124,8 @@ class Ticket:
     __slots__ = (
         "_attempt",
         "_body",
-        "_carry",
         "_core",
+        "_events",
         "_fallback",
         "_recorded",
         "_size",
@@ -183,7 +179,7 @@ class Ticket:
         self._recorded = False
         self._body: list[bytes] | None = None if stream else []  # kept, not copied
         self._size = 0
-        self._carry = b""
+        self._events = sse.Framer()
         self._usage: dict[str, int] | None = None
         # the current attempt's, for the gates (routing/gates): the latency prediction's
         # (url, features at dispatch, when sent, streaming yet, what its first token
@@ -206,12 +202,14 @@ class Ticket:
             self.order = decision.order
         elif decision.route is Route.FALLBACK:
             self.route = "fallback"
-            self._fallback = core.fallback_slot(target.served_name)
+            self._fallback = core.fallback_in_flight.hold(target.served_name)
             core.metrics.fallback.labels(*self.record.series.labels, reason).inc()
         else:  # saturated (or shed by flow control): 429, come back soon; no replica: 503
             status = 503 if reason == "no-ready-replicas" else 429
             retry = core.settings.retry_after_seconds
             self.fail(errors.overloaded(target.served_name, retry, status, decision.loading))
+            if self.caller is not None and core.tenancy is not None:  # its tenant's drop
+                core.tenancy.dropped(self.caller, reason, self.refusal)
 
     # ------------------------------------------------------------ the front end's calls
 
@@ -229,7 +227,7 @@ class Ticket:
             over(self)
         for sent in hooks.sent:
             sent(self, url)
-        attempt = self._attempt = Attempt(self, url, self._core.acquire(url))
+        attempt = self._attempt = Attempt(self, url, self._core.load.acquire(url))
         self.sent = True
         tenant = self.caller.tenant.name if self.caller is not None else None
         revisions.attribute(self.record, self.target, url, self.routing, tenant)  # analysis
@@ -271,8 +269,8 @@ class Ticket:
         if self._body is not None:  # non-streamed: the whole answer is its first token
             self._body_piece(data, time.monotonic() if now is None else now)
             return
-        if self._carry or not data.endswith(b"\n\n"):  # an event spans pieces
-            data = self._whole_events(data)
+        if not self._events.whole(data):  # an event spans pieces
+            data = self._events.feed(data)[0]
             if not data:
                 return
         # (the usual piece is one whole event: one search, no list of matches)
@@ -297,13 +295,6 @@ class Ticket:
             self._body.append(data)  # type: ignore[union-attr]
         else:
             self._body.clear()  # type: ignore[union-attr]  # too large to read its usage
-
-    def _whole_events(self, data: bytes) -> bytes:
-        """The whole events that `data` completes (the rest is carried to the next piece,
-        up to EVENT_CARRY_BYTES)."""
-        events, sep, carry = (self._carry + data).rpartition(b"\n\n")
-        self._carry = carry if len(carry) <= EVENT_CARRY_BYTES else b""
-        return events + sep if sep else b""
 
     def fail(self, error: GatewayError) -> GatewayError:
         """The answer is `error` (the core's words, rendered by the front end): counted
@@ -346,7 +337,7 @@ class Ticket:
             self.timing.failed(broken)
         core = self._core
         if self.served is not None and status < 500:
-            core.completed(self.served)
+            core.completions.record(self.served)  # the rate that predicts queue waits
         if self.served is not None:
             self._verdict(broken is not None or status == 502, client_gone)
         whole = self.refusal is None and broken is None and not client_gone
@@ -411,7 +402,7 @@ class Ticket:
             if dispatch is not None and dispatch[0] == url and dispatch[3]:
                 core.predictions.broken(url, dispatch[1], dispatch[4])
         elif not client_gone:
-            core.succeeded(url)
+            core.outliers.success(url)
 
     # ------------------------------------------------------------ the SLO outcome
 
@@ -455,11 +446,9 @@ class Ticket:
                     metric.labels(*series.labels, kind).inc(count)
 
     def _stream_usage(self, events: bytes) -> None:
-        for line in events.split(b"\n"):
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                found = usage.parse(line[6:])
-                if found is not None:
-                    self._usage = found
+        found = usage.in_events(events)
+        if found is not None:
+            self._usage = found
 
 
 def met_slo(

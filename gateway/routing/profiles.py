@@ -23,7 +23,7 @@ Profiles:
 - slo-aware: no load filter; lora-affinity 20, slo 10, home 0.05. `slo` scores each
   candidate 1 / (1 + cost), the cost being the worst of its predicted TTFT and ITL over
   the model's targets and the ITL it leaves the streams already there
-  (`routing/predicted.py`, the per-replica model of `routing/latency.py`); a prefix
+  (`routing/latency/predictions.py`, the per-replica model of `routing/latency/model.py`); a prefix
   held enters only as a shorter predicted prefill. When no candidate is predicted within
   reach (every cost over latency.OUT_OF_REACH, 1.5) the order reverses, cost /
   (1 + cost): a request that misses anyway goes to the replica already worst off
@@ -72,11 +72,11 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kubellm.gateway.discovery.base import ModelTarget
-from kubellm.gateway.routing.adapters import AdapterScorer
-from kubellm.gateway.routing.latency import slo_scores
-from kubellm.gateway.routing.precise import PreciseRouting
-from kubellm.gateway.routing.predicted import Predictions
-from kubellm.gateway.routing.revisions import for_request as revision_candidates
+from kubellm.gateway.routing.canary.revisions import for_request as revision_candidates
+from kubellm.gateway.routing.index.precise_routing import PreciseRouting
+from kubellm.gateway.routing.latency.model import slo_scores
+from kubellm.gateway.routing.latency.predictions import Predictions
+from kubellm.gateway.routing.replicas.adapters import AdapterScorer
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest, Scorer
 from kubellm.gateway.routing.scorers.bounded_load import (

@@ -9,16 +9,17 @@ where each policy's filters and weighted scorers are declared).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kubellm.gateway.discovery.base import Endpoint, ModelTarget
-from kubellm.gateway.routing.adapters import AdapterScorer
-from kubellm.gateway.routing.load import LoadView
-from kubellm.gateway.routing.outliers import OutlierDetector
-from kubellm.gateway.routing.precise import PreciseRouting
-from kubellm.gateway.routing.predicted import Predictions
+from kubellm.gateway.routing.index.precise_routing import PreciseRouting
+from kubellm.gateway.routing.latency.metrics import GatewayMetrics, labels
+from kubellm.gateway.routing.latency.predictions import Predictions
 from kubellm.gateway.routing.profiles import HOLDER_SHARE, HOLDER_SLACK, Profiles, Shared
+from kubellm.gateway.routing.replicas.adapters import AdapterScorer
+from kubellm.gateway.routing.replicas.load import LoadView
+from kubellm.gateway.routing.replicas.outliers import OutlierDetector
 from kubellm.gateway.routing.scorers import prefix
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight
@@ -70,7 +71,7 @@ class Router:
         self.sessions = SessionTable()
         self.sharing = prefix.Sharing()
         self.precise = precise
-        # slo-aware's latency model (learnt under every policy: routing/predicted.py)
+        # slo-aware's latency model (learnt under every policy: routing/latency/predictions.py)
         self.predictions = Predictions(registry=registry)
         self.shared = Shared(
             self.index, self.sessions, precise, predictions=self.predictions,
@@ -150,6 +151,25 @@ class Router:
         if request.session:
             self.sessions.record(request.session, url)
         return ratio
+
+    def state(self, endpoint: Endpoint) -> str:
+        """ready, draining, ejected (failures) or down (its latest scrape failed)."""
+        if endpoint.draining:
+            return "draining"
+        if self.outliers.ejected(endpoint.url):
+            return "ejected"
+        return "down" if self.load.down(endpoint.url) else "ready"
+
+    def publish(self, targets: Iterable[ModelTarget], metrics: GatewayMetrics) -> None:
+        """Each model's ready replicas, SLO and endpoint states on `metrics`' gauges."""
+        rows = []
+        for target in targets:
+            names = labels(target)
+            metrics.ready_endpoints.labels(*names).set(len(self.candidates(target)))
+            s = target.slo
+            metrics.publish_slo(names, s.ttft_seconds, s.itl_seconds, s.objective)
+            rows += [(names, e.url, self.state(e)) for e in target.endpoints]
+        metrics.publish_endpoints(rows)
 
 
 def home(request: RoutingRequest, urls: Sequence[str]) -> str | None:

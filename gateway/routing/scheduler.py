@@ -1,20 +1,13 @@
-"""The scheduler: what one gateway process knows about its fleet, and where each request goes.
+"""The scheduler: the wiring of one gateway process's routing state, and the wait loop.
 
-Both front ends drive it the same way: `admit(target, routing, ...)` waits (bounded)
-until the request can go somewhere and returns a `lifecycle.Ticket` that owns the rest of
-the request's life (a replica route with the candidates best first, the fallback API with
-its concurrency slot held, or a refusal: 429 when saturated, 503 when no replica exists).
-Where it goes is the admission pass's answer (`dispatch.admit_once` with the gates of
-`routing/gates/`, in order: adapters, flow when tenants are declared, slo); the scheduler
-holds the state they read and runs the wait loop. The ticket tells the gates of its
-attempts (`dispatch.Hooks`) and calls back into the scheduler for slots and health
-(`acquire`, `failed`, `succeeded`, `routed`, `completed`, `fallback_slot`); front ends do
-not.
-
-The HTTP front end (`kubellm.gateway.http`) sends the bytes itself; the endpoint picker
-(`kubellm.gateway.epp`) answers with the chosen endpoints and lets Envoy send them.
-Nothing here reads a socket except the scrape loop and discovery, started by `tasks`, and
-the adapter loads (`engine_api`, vLLM's runtime adapter API) that `start` wires up.
+Both front ends drive it the same way: `admit(target, routing, ...)` waits (bounded) until
+the request can go somewhere and returns a `lifecycle.Ticket` that owns the rest of its
+life (replicas best first, the fallback API with a slot held, or a 429/503 refusal). Where
+it goes is the admission pass's answer (`dispatch.admit_once` with the gates of
+`routing/gates/`, in order: adapters, flow when tenants are declared, slo); the ticket
+tells the gates of its attempts (`dispatch.Hooks`) and reads the state wired here (load,
+outliers, router, fallback slots). Nothing here reads a socket except the background work
+`start` runs (discovery, scrapes, adapter loads through vLLM's runtime API, KV events).
 """
 
 from __future__ import annotations
@@ -22,30 +15,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
-from kubellm.gateway.discovery.base import Discovery, Endpoint, ModelTarget
-from kubellm.gateway.routing import adapters, engine_api, slo
-from kubellm.gateway.routing.admission import CompletionRate, Route
+from kubellm.gateway.discovery.base import Discovery, ModelTarget
+from kubellm.gateway.routing.admission import CompletionRate, FallbackSlots
+from kubellm.gateway.routing.canary.revisions import revisions_failed
 from kubellm.gateway.routing.dispatch import WAKE_IN, Decision, Hooks, Pass, admit_once
+from kubellm.gateway.routing.flow.controller import Caller, Tenancy, bounded
 from kubellm.gateway.routing.gates.adapters import AdapterGate
 from kubellm.gateway.routing.gates.flow import FlowGate
 from kubellm.gateway.routing.gates.slo import SloGate
-from kubellm.gateway.routing.lifecycle import Attempt, Ticket, labels
-from kubellm.gateway.routing.load import LoadView, scrape_loop
-from kubellm.gateway.routing.outliers import OutlierDetector
-from kubellm.gateway.routing.precise import PreciseRouting
-from kubellm.gateway.routing.revisions import revisions_failed
+from kubellm.gateway.routing.index.precise_routing import PreciseRouting
+from kubellm.gateway.routing.latency import metrics as slo
+from kubellm.gateway.routing.lifecycle import Ticket
+from kubellm.gateway.routing.replicas import adapters, engine_api
+from kubellm.gateway.routing.replicas.load import LoadView, scrape_loop
+from kubellm.gateway.routing.replicas.outliers import OutlierDetector
 from kubellm.gateway.routing.router import Router
-from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.scorers.base import RoutingRequest
 from kubellm.gateway.routing.settings import SchedulerSettings
-from kubellm.gateway.routing.tenancy import Caller, Tenancy, bounded
 
-__all__ = ["Scheduler", "SchedulerSettings", "labels"]
-
-from kubellm.metrics import parse_lora_info
+__all__ = ["Scheduler", "SchedulerSettings"]
 
 
 class Scheduler:
@@ -75,10 +67,8 @@ class Scheduler:
         )
         if s.adapter_affinity:
             self.router.adapter_scorer = adapters.AdapterScorer(self.adapters, 1)
-        self.load.scrape_hooks.append(
-            lambda url, text: self.adapters.record_info(url, parse_lora_info(text))
-        )
-        self.fallback_in_flight: dict[str, int] = {}
+        self.load.scrape_hooks.append(self.adapters.record_scrape)
+        self.fallback_in_flight = FallbackSlots(self.wake)  # the fallback API, per model
         self.queued: dict[str, int] = {}
         self.completions = CompletionRate()  # replica answers finished: predicts queue waits
         self._changed = asyncio.Event()
@@ -89,9 +79,9 @@ class Scheduler:
         # the pass's gates, in order (routing/dispatch.py); flow control only with tenants
         self.flow = FlowGate(self.tenancy, self.wake)
         self.gates = (
-            AdapterGate(self.adapters, self.adapter_loads, self.adapter_metrics, labels),
+            AdapterGate(self.adapters, self.adapter_loads, self.adapter_metrics, slo.labels),
             *((self.flow,) if self.tenancy is not None else ()),
-            SloGate(self.predictions, labels, lambda url: self.load.in_flight.get(url, 0)),
+            SloGate(self.predictions, slo.labels, lambda url: self.load.in_flight.get(url, 0)),
         )
         self.hooks = Hooks(self.gates)
         self._tasks: list[asyncio.Task[None]] = []
@@ -129,27 +119,16 @@ class Scheduler:
 
     def tasks(self, client: aiohttp.ClientSession) -> list[Coroutine[Any, Any, None]]:
         """The background work: discovery, and scraping every engine with `client`."""
+        interval = self.settings.scrape_interval
         return [
             self.discovery.run(self.topology_changed),
-            scrape_loop(client, self.engine_urls, self.load, self.settings.scrape_interval),
+            scrape_loop(client, self.engine_urls, self.load, interval),
             adapters.scrape_loop(
-                client,
-                self.lora_replicas,
-                self.adapters,
-                self.adapter_loads,
-                self.settings.scrape_interval,
+                client, lambda: adapters.lora_replicas(self.discovery.snapshot().values()),
+                self.adapters, self.adapter_loads, interval,
             ),
             self.precise.run(self.discovery.snapshot),
-        ]
-
-    def lora_replicas(self) -> dict[str, tuple[str, frozenset[str]]]:
-        """Replicas of models with adapters: url -> (served name, the adapters wanted)."""
-        return {
-            e.url: (t.served_name, frozenset(a.name for a in t.adapters))
-            for t in self.discovery.snapshot().values()
-            if t.adapters
-            for e in t.endpoints
-        }
+        ]  # fmt: skip
 
     def engine_urls(self) -> list[str]:
         return [e.url for t in self.discovery.snapshot().values() for e in t.endpoints]
@@ -167,23 +146,8 @@ class Scheduler:
         self.flow.forget(set(self.engine_urls()))
 
     def update_ready_gauge(self) -> None:
-        rows = []
-        for target in self.discovery.snapshot().values():
-            names = labels(target)
-            ready = len(self.router.candidates(target))
-            self.metrics.ready_endpoints.labels(*names).set(ready)
-            s = target.slo
-            self.metrics.publish_slo(names, s.ttft_seconds, s.itl_seconds, s.objective)
-            rows += [(names, e.url, self.endpoint_state(e)) for e in target.endpoints]
-        self.metrics.publish_endpoints(rows)
-
-    def endpoint_state(self, endpoint: Endpoint) -> str:
-        """ready, draining, ejected (failures) or down (its latest scrape failed)."""
-        if endpoint.draining:
-            return "draining"
-        if self.outliers.ejected(endpoint.url):
-            return "ejected"
-        return "down" if self.load.down(endpoint.url) else "ready"
+        """Each model's ready replicas, SLO and endpoint states on the gauges."""
+        self.router.publish(self.discovery.snapshot().values(), self.metrics)
 
     # ---------------------------------------------------------------- admission
 
@@ -220,16 +184,7 @@ class Scheduler:
             ticket.finish()
             raise
         ticket._admitted(decision, target)
-        if caller is not None and self.tenancy is not None and decision.route is Route.REJECT:
-            self.tenancy.dropped(caller, decision.reason, ticket.refusal)
         return ticket
-
-    def identify(self, headers: Mapping[str, str]) -> Caller | None:
-        """The tenant of a request from its headers, names in lower case (None: no tenants
-        declared); raises the 401 or 400 to answer (`tenancy.Tenancy.identify`)."""
-        if self.tenancy is None:
-            return None
-        return self.tenancy.identify(headers)
 
     async def _wait(
         self,
@@ -269,7 +224,7 @@ class Scheduler:
                 decision = admit_once(p, self.gates, self.router)
                 if decision is not None:
                     if p.dropped is None:
-                        self.metrics.target(labels(target)).queue_wait.observe(p.now - start)
+                        self.metrics.target(slo.labels(target)).queue_wait.observe(p.now - start)
                     return decision, target
                 if p.awaiting is not None:  # an adapter load, until the deadline
                     with contextlib.suppress(TimeoutError):
@@ -291,54 +246,8 @@ class Scheduler:
 
     # ---------------------------------------------------------------- outcomes
 
-    @property
-    def prefilling(self) -> dict[str, int]:
-        """Replica -> high-band streams there awaiting their first token (the flow gate)."""
-        return self.flow.prefilling
-
-    def acquire(self, url: str) -> Callable[[], None]:
-        """Count one request on replica `url`; the returned callback releases it (once)."""
-        return self.load.acquire(url)
-
-    def slot(self, url: str) -> Attempt:
-        """An in-flight slot on `url` for a request outside any model (no ticket: no SLO
-        outcome, no health verdict); `release()` frees it."""
-        return Attempt(None, url, self.load.acquire(url))
-
-    def refused(self, error: Any) -> None:
-        """Count a request refused before it named a model (labels empty: no cardinality)."""
-        self.metrics.requests.labels("", "", "", "none", str(error.status)).inc()
-
     def failed(self, url: str, fatal: bool = False) -> None:
         """A replica failed before its first byte. `fatal` (refused, frozen): eject now."""
         if self.outliers.failure(url, fatal=fatal):
             self.topology_changed()
         revisions_failed(self.metrics, self.discovery.snapshot().values(), url)  # canaries
-
-    def succeeded(self, url: str) -> None:
-        self.outliers.success(url)
-
-    def routed(
-        self, target: ModelTarget, routing: RoutingRequest, url: str, order: list[Candidate]
-    ) -> None:
-        """The request went to `url`: remember it for prefix affinity, observe the match."""
-        ratio = self.router.routed(routing, url, [c.url for c in order])
-        self.metrics.target(labels(target)).prefix_match.observe(ratio)
-
-    def completed(self, url: str) -> None:
-        """A replica finished an answer: counts toward the rate that predicts queue waits."""
-        self.completions.record(url)
-
-    def fallback_slot(self, model: str) -> Callable[[], None]:
-        """Hold one of the model's fallback concurrency slots; the callback frees it (once)."""
-        self.fallback_in_flight[model] = self.fallback_in_flight.get(model, 0) + 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.fallback_in_flight[model] -= 1
-                self.wake()
-
-        return release

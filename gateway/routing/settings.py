@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kubellm.gateway.routing.tenancy import TenancySettings
+    from kubellm.gateway.routing.flow.controller import TenancySettings
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,29 @@ class Thresholds:
     max_waiting: float = 4.0
     max_kv_usage: float = 0.95  # KV-cache usage
     max_in_flight: int | None = None  # requests this gateway has on it (None: no cap)
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    """Flow control: the queues per priority band and tenant (`flow/queues.py`)."""
+
+    max_band: int = 5000  # waiters per band and model (llm-d's default)
+    max_total: int = 5000  # waiters per model, all bands
+    ttl_seconds: float = 60.0  # the longest wait of a sheddable request (llm-d's default)
+    headroom_below: int = 0  # bands below this dispatch only under the lower line
+    headroom_kv: float = 0.8
+    headroom_load: float | None = None  # requests per replica; None: learnt (`Flow.learn`)
+    # without headroom_load: this share of each replica's slots, learnt from its scrapes,
+    # is kept free of sheddable work (12 of maxNumSeqs 16)
+    headroom_reserve: float = 0.25
+    # a replica where a high-band stream awaits its first token takes no low band meanwhile
+    hold_prefill: bool = True
+    # low-band prompt tokens per second a replica is sent at most (None: no bound)
+    headroom_prefill_rate: float | None = None
+    # service tokens (prompt + 2 x output) in flight per replica that a band's tenants
+    # share while more than one is active (None: derived, `flow/queues.py` fair_capacity)
+    fair_in_flight_tokens: float | None = None
+    fair_in_flight: bool = True  # False: no fair in-flight budget
 
 
 @dataclass
@@ -42,12 +65,13 @@ class SchedulerSettings:
     front_ends: int = 1
     eject_after_failures: int = 3
     eject_base_seconds: float = 5.0
-    # LoRA (routing/adapters.py): prefer replicas with the adapter in a slot (False:
+    # LoRA (routing/replicas/adapters.py): prefer replicas with the adapter in a slot (False:
     # adapter-blind, for comparison), and how many adapter loads may run at once
     adapter_affinity: bool = True
     max_adapter_loads: int = 2
     # spec.routing.prefixIndex precise: each model's tokenizer (served name -> a local
-    # directory or a Hugging Face id), to hash prompts as its engines do (routing/precise.py)
+    # directory or a Hugging Face id), to hash prompts as its engines do
+    # (routing/index/precise_routing.py)
     tokenizers: dict[str, str] = field(default_factory=dict)
-    # tenants, flow control and quotas (routing/tenancy.py); None: every request alike
+    # tenants, flow control and quotas (routing/flow/controller.py); None: every request alike
     tenancy: TenancySettings | None = None

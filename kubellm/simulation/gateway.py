@@ -26,8 +26,8 @@ from kubellm import api
 from kubellm.gateway.discovery.base import FallbackTarget, ModelTarget
 from kubellm.gateway.routing.admission import CompletionRate, Route
 from kubellm.gateway.routing.dispatch import WAKE_IN, Decision, Pass, admit_once
-from kubellm.gateway.routing.load import LoadView
-from kubellm.gateway.routing.outliers import OutlierDetector
+from kubellm.gateway.routing.replicas.load import LoadView
+from kubellm.gateway.routing.replicas.outliers import OutlierDetector
 from kubellm.gateway.routing.router import Router
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.settings import SchedulerSettings, Thresholds

@@ -227,9 +227,9 @@ def test_a_gateway_names_its_ready_engines_on_its_metrics():
 
 def test_the_gateways_speed_factors_are_read_by_replica() -> None:
     """The gateway's slo-aware model publishes each replica's speed factor
-    (routing/predicted.py); the snapshot keeps the latest value per URL."""
-    from kubellm.gateway.routing.latency import Dispatch
-    from kubellm.gateway.routing.predicted import Predictions
+    (routing/latency/predictions.py); the snapshot keeps the latest value per URL."""
+    from kubellm.gateway.routing.latency.model import Dispatch
+    from kubellm.gateway.routing.latency.predictions import Predictions
 
     registry = CollectorRegistry()
     predictions = Predictions(registry=registry)

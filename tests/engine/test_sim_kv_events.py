@@ -14,8 +14,8 @@ import pytest
 from kubellm.engine.sim import create_app
 from kubellm.engine.sim_core import Engine, Request
 from kubellm.engine.sim_profiles import get as get_profile
-from kubellm.gateway.routing.kv_hashes import BlockHasher, SimPromptTokenizer
-from kubellm.gateway.routing.kv_index import KVEventsSubscriber, KVIndex, event_address
+from kubellm.gateway.routing.index.kv_events import KVEventsSubscriber, KVIndex, event_address
+from kubellm.gateway.routing.index.kv_hashes import BlockHasher, SimPromptTokenizer
 
 from kubellm import kv_blocks
 from tests.fixtures.engines import free_port

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kubellm.gateway.epp import envoy
 from kubellm.gateway.epp.server import SESSION_HEADER
-from kubellm.gateway.routing.tenants import FAIRNESS_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER
+from kubellm.gateway.routing.flow.tenants import FAIRNESS_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER
 
 from kubellm.contracts import POOL_HEADER
 

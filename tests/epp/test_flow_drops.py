@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 from kubellm.gateway.epp import messages as m
-from kubellm.gateway.routing import tenants
+from kubellm.gateway.routing.flow import tenants
 
 from tests.epp.conftest import Process, responds
 from tests.epp.test_faults import HttpHeaders, body, channel, stream

@@ -6,7 +6,7 @@ sees a canary answer, the mirror is counted apart from requests, and quotas are 
 from __future__ import annotations
 
 import httpx
-from kubellm.gateway.routing import tenants
+from kubellm.gateway.routing.flow import tenants
 
 from kubellm import metrics
 from tests.fixtures.engines import wait_until

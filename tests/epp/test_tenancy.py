@@ -11,9 +11,9 @@ from typing import Any
 from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget
 from kubellm.gateway.epp import messages as m
 from kubellm.gateway.epp.server import EndpointPicker, Exchange, PickerSettings
-from kubellm.gateway.routing import tenants
+from kubellm.gateway.routing.flow import tenants
+from kubellm.gateway.routing.flow.controller import TenancySettings
 from kubellm.gateway.routing.settings import SchedulerSettings
-from kubellm.gateway.routing.tenancy import TenancySettings
 
 from tests.epp.protos import core, ext
 from tests.fixtures.polling import eventually

@@ -1,4 +1,4 @@
-"""The shadow step on real loopback servers (gateway/routing/mirror.py): a sample of the
+"""The shadow step on real loopback servers (gateway/routing/canary/mirror.py): a sample of the
 stable revision's requests is mirrored to the canary, compared with the stable replica's
 greedy answer, counted apart, never returned to a client, and shed when the canary is busy."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kubellm.gateway.discovery.base import CanarySplit, Endpoint
-from kubellm.gateway.routing import revisions
+from kubellm.gateway.routing.canary import revisions
 from kubellm.gateway.routing.router import routing_request
 from kubellm.operator import figures, rollout
 from prometheus_client import generate_latest
@@ -164,8 +164,8 @@ def test_a_pair_with_logprobs_records_divergence_per_token():
     import asyncio
 
     from kubellm.gateway.discovery.base import ModelTarget
-    from kubellm.gateway.routing import mirror
-    from kubellm.gateway.routing.load import LoadView
+    from kubellm.gateway.routing.canary import mirror
+    from kubellm.gateway.routing.replicas.load import LoadView
     from prometheus_client import CollectorRegistry
 
     answers = {"http://s": _answer(["a", "b", "c"], [-0.1, -0.2, -0.3]),

@@ -1,11 +1,11 @@
-"""The shadow step's answer comparison (gateway/routing/mirror.py): table tests."""
+"""The shadow step's answer comparison (gateway/routing/canary/mirror.py): table tests."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-from kubellm.gateway.routing import mirror
+from kubellm.gateway.routing.canary import mirror
 
 A = ["The", " cat", " sat", " on", " the", " mat"]
 B = [*A[:3], " lay", *A[4:]]  # differs from token 4

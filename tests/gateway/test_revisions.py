@@ -1,4 +1,4 @@
-"""The canary split (routing/revisions.py) and how discovery carries it: table tests of the
+"""The canary split (routing/canary/revisions.py) and how discovery carries it: table tests of the
 pure choice, the EndpointSlices of a canary Service, and the router's hook."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 from kubellm.gateway.discovery import kubernetes as k8s
 from kubellm.gateway.discovery.base import CanarySplit, Endpoint, ModelTarget, canary_split
-from kubellm.gateway.routing import revisions
-from kubellm.gateway.routing.load import LoadView
-from kubellm.gateway.routing.outliers import OutlierDetector
+from kubellm.gateway.routing.canary import revisions
+from kubellm.gateway.routing.replicas.load import LoadView
+from kubellm.gateway.routing.replicas.outliers import OutlierDetector
 from kubellm.gateway.routing.router import Router, routing_request
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.operator import figures, rollout
@@ -230,7 +230,7 @@ async def test_a_retry_tries_its_own_revision_before_the_other():
     settings = SchedulerSettings(thresholds=Thresholds(max_in_flight=1))
     scheduler = Scheduler(FixedDiscovery({"m": target}), settings)
     for url in (stable[0], canary[0]):  # one replica of each side saturated
-        scheduler.acquire(url)
+        scheduler.load.acquire(url)
     seen = {True: 0, False: 0}
     for i in range(24):
         request = routing_request("m", {"prompt": f"system prompt {i} " * 40}, session=None)

@@ -4,7 +4,7 @@ Names come from three places:
 
 - the core contract, `kubellm.metrics` (engine `vllm:*` names and the gateway's names);
 - the components' own Prometheus registries, built in-process when the component exists:
-  the gateway's `kubellm.gateway.routing.slo.create().registry` and the autoscaler's
+  the gateway's `kubellm.gateway.routing.latency.metrics.create().registry` and the autoscaler's
   `kubellm.autoscaler.telemetry.Telemetry().registry` (add a line to `REGISTRIES` for a new one);
 - Prometheus itself (`up`).
 
@@ -29,17 +29,19 @@ from tests.helm.chart import DASHBOARD_SOURCE, RULES_SOURCE, objects, of_kind
 
 
 def _tenancy_registry() -> Any:
-    """The per-tenant series (`kubellm.gateway.routing.tenancy.TenantMetrics`)."""
+    """The per-tenant series (`kubellm.gateway.routing.flow.controller.TenantMetrics`)."""
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
-    importlib.import_module("kubellm.gateway.routing.tenancy").TenantMetrics(registry)
+    importlib.import_module("kubellm.gateway.routing.flow.controller").TenantMetrics(registry)
     return registry
 
 
 # Builders of each component's registry (no I/O: each builds a fresh CollectorRegistry).
 REGISTRIES: dict[str, Callable[[], Any]] = {
-    "gateway": lambda: importlib.import_module("kubellm.gateway.routing.slo").create().registry,
+    "gateway": lambda: (
+        importlib.import_module("kubellm.gateway.routing.latency.metrics").create().registry
+    ),
     "tenancy": _tenancy_registry,
     "autoscaler": lambda: (
         importlib.import_module("kubellm.autoscaler.telemetry").Telemetry().registry

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from kubellm.gateway.routing import tenants
+from kubellm.gateway.routing.flow import tenants
 
 from kubellm import cli
 from tests.helm.chart import of_kind, render_values

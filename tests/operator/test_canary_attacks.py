@@ -1,5 +1,5 @@
 """Issue 39 items 15-16: one client must not decide a rollout. Each attack is played through
-the gateway's own counting (gateway/routing/slo.py: per-class histograms, the per-client
+the gateway's own counting (gateway/routing/latency/metrics.py: per-class histograms, the per-client
 cap, distinct clients), read back as the operator does (operator/figures.py), and judged by
 the pure verdict (operator/rollout.py). Each test also shows the figures the old verdict
 (a ratio of means over every answer) would have judged wrongly."""
@@ -9,7 +9,8 @@ from __future__ import annotations
 import random
 from collections import Counter as Tally
 
-from kubellm.gateway.routing import revisions, slo
+from kubellm.gateway.routing.canary import revisions
+from kubellm.gateway.routing.latency import metrics as slo
 from kubellm.gateway.routing.scorers.base import RoutingRequest
 from kubellm.operator import figures, rollout
 from prometheus_client import generate_latest

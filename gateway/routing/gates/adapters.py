@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubellm.gateway.routing import adapters
 from kubellm.gateway.routing.admission import Route
 from kubellm.gateway.routing.dispatch import Decision, Gate, Pass
+from kubellm.gateway.routing.replicas import adapters
 from kubellm.gateway.routing.scorers.base import Candidate
 
 

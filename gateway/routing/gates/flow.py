@@ -1,6 +1,6 @@
 """The flow-control gate: how a tenant's share is enforced in the admission pass.
 
-It wraps `routing/tenancy.py` (tenants, quotas, counters) and `routing/flow.py` (queues
+It wraps `routing/flow/controller.py` (tenants, quotas, counters) and `flow/queues.py` (queues
 per band x tenant, fairness): when tenants are declared, a request joins its model's flow
 (`enter`; joining may shed others), and on each pass
 
@@ -23,17 +23,17 @@ for its tenant (`Tenancy.ended`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from kubellm.gateway.routing import flow as flows
 from kubellm.gateway.routing.admission import Route
 from kubellm.gateway.routing.dispatch import WAKE_IN, Decision, Gate, Pass
+from kubellm.gateway.routing.flow import queues as flows
 from kubellm.gateway.routing.scorers.base import Candidate
 
 if TYPE_CHECKING:
+    from kubellm.gateway.routing.flow.controller import Caller, Tenancy
     from kubellm.gateway.routing.lifecycle import Ticket
-    from kubellm.gateway.routing.tenancy import Tenancy
 
 
 class FlowGate(Gate):
@@ -47,6 +47,11 @@ class FlowGate(Gate):
         self.prefilling: dict[str, int] = {}
         # replica -> (low-band prompt tokens owed, when) under `headroom_prefill_rate`
         self.low_prefill: dict[str, tuple[float, float]] = {}
+
+    def identify(self, headers: Mapping[str, str]) -> Caller | None:
+        """The tenant of a request from its headers, names in lower case (None: no tenants
+        declared); raises the 401 or 400 to answer (`Tenancy.identify`)."""
+        return None if self.tenancy is None else self.tenancy.identify(headers)
 
     # ------------------------------------------------------------ the pass
 

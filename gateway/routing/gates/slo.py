@@ -4,7 +4,7 @@ For a model routed `slo-aware`, the pass predicts the lowest TTFT among the open
 (`predicted.Predictions.costs`); `admission.decide` sends the request to the fallback when
 that is past the TTFT budget left and the fallback has room ("predicted-ttft").
 
-Every policy's answers teach the model (`routing/predicted.py`, `routing/latency.py`):
+Every policy's answers teach the model (`routing/latency/predictions.py`, `latency/model.py`):
 through the ticket, an attempt sent is the replica's state at dispatch (`sent`), its first
 token the prefill it took (`first_token`), and a whole streamed 200 answer from the replica
 it was sent to the prediction's error (`over` with `learn`: TTFT from the dispatch, not
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from kubellm.gateway.discovery.base import ModelTarget
 from kubellm.gateway.routing.dispatch import Gate, Pass
-from kubellm.gateway.routing.predicted import Predictions
+from kubellm.gateway.routing.latency.predictions import Predictions
 from kubellm.gateway.routing.scorers.base import Candidate
 
 if TYPE_CHECKING:

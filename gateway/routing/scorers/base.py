@@ -36,7 +36,9 @@ class RoutingRequest:
     # router from `body` (the parsed request, kept by reference) when the model asks.
     kv_hashes: tuple[int, ...] = ()
     body: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
-    prompt_chars: int = 0  # the prompt's length (latency prediction: routing/predicted.py)
+    prompt_chars: int = (
+        0  # the prompt's length (latency prediction: routing/latency/predictions.py)
+    )
 
 
 class Scorer(Protocol):

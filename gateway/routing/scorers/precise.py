@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kubellm.gateway.routing.kv_index import KVIndex
-from kubellm.gateway.routing.kv_tier_index import DEFAULT_VALUE, TierValue
+from kubellm.gateway.routing.index.kv_events import KVIndex
+from kubellm.gateway.routing.index.kv_tiers import DEFAULT_VALUE, TierValue
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.prefix import PrefixIndex
 

@@ -78,7 +78,7 @@ def test_a_static_model_may_run_a_canary_rollout():
 def test_a_static_endpoint_may_name_its_own_kv_events_port():
     """Replicas on one host (prefixIndex precise) publish on ports of their own: the
     gateway follows each on its endpoint's port, else on routing.kvEventsPort."""
-    from kubellm.gateway.routing.precise import default_address
+    from kubellm.gateway.routing.index.precise_routing import default_address
 
     document = {"models": [{"name": "m", "routing": {"prefixIndex": "precise"}, "endpoints": [
         "http://127.0.0.1:8001", {"url": "http://127.0.0.1:8002", "kvEventsPort": 7002},

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 from kubellm.gateway.discovery import static
-from kubellm.gateway.routing import slo
+from kubellm.gateway.routing.latency import metrics as slo
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kubellm import api

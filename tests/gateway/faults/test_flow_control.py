@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from kubellm.gateway.routing import tenants
+from kubellm.gateway.routing.flow import tenants
 
 from tests.fixtures.engines import free_port
 from tests.gateway.faults.peers import GatewayProcess

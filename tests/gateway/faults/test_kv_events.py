@@ -13,8 +13,8 @@ import asyncio
 import threading
 
 import pytest
-from kubellm.gateway.routing import kv_index
-from kubellm.gateway.routing.kv_index import KVEventsSubscriber, KVIndex
+from kubellm.gateway.routing.index import kv_events as kv_index
+from kubellm.gateway.routing.index.kv_events import KVEventsSubscriber, KVIndex
 
 from kubellm import kv_blocks
 from kubellm.fleet.processes import free_port_pair

@@ -147,7 +147,7 @@ def test_a_gigabyte_scrape_answer_keeps_the_gateway_small(
 
 
 def test_only_the_read_families_are_parsed_and_their_lines_are_bounded() -> None:
-    from kubellm.gateway.routing.load import MAX_SAMPLE_LINES, relevant_lines
+    from kubellm.gateway.routing.replicas.load import MAX_SAMPLE_LINES, relevant_lines
 
     other = "".join(f'vllm:other{{x="{i}"}} 1\n' for i in range(50_000))
     text = relevant_lines(METRICS.decode() + other)

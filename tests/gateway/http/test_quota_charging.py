@@ -13,9 +13,9 @@ import socket
 import httpx
 import pytest
 from kubellm.gateway.discovery.base import FallbackTarget
-from kubellm.gateway.routing import tenants
-from kubellm.gateway.routing.flow import FlowSettings
-from kubellm.gateway.routing.tenancy import TenancySettings
+from kubellm.gateway.routing.flow import tenants
+from kubellm.gateway.routing.flow.controller import TenancySettings
+from kubellm.gateway.routing.settings import FlowSettings
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse

@@ -12,10 +12,9 @@ import httpx
 import openai
 import pytest
 from kubellm.gateway.discovery.base import FallbackTarget
-from kubellm.gateway.routing import tenants
-from kubellm.gateway.routing.flow import FlowSettings
-from kubellm.gateway.routing.settings import Thresholds
-from kubellm.gateway.routing.tenancy import TenancySettings
+from kubellm.gateway.routing.flow import tenants
+from kubellm.gateway.routing.flow.controller import TenancySettings
+from kubellm.gateway.routing.settings import FlowSettings, Thresholds
 from prometheus_client import generate_latest
 
 from kubellm.api import SLO
@@ -202,7 +201,7 @@ def test_sheddable_work_waits_while_a_chat_on_the_replica_awaits_its_first_token
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         interactive = pool.submit(_stream, gw, "chat-app", "chat")
         wait_until(lambda: len(engine.bodies) == 1, 5, "the chat at the engine")
-        assert scheduler.prefilling == {server.url: 1}
+        assert scheduler.flow.prefilling == {server.url: 1}
         batch = pool.submit(chat, gw, "nightly-eval", "batch")
         flow = scheduler.tenancy.flows["tiny"]
         wait_until(lambda: len(flow) == 1, 5, "the batch request held at the gateway")
@@ -210,7 +209,7 @@ def test_sheddable_work_waits_while_a_chat_on_the_replica_awaits_its_first_token
         assert interactive.result(timeout=20) == 200  # its first token: the hold ends
         assert batch.result(timeout=20).status_code == 200
     assert [b["messages"][0]["content"] for b in engine.bodies] == ["chat", "batch"]
-    assert scheduler.prefilling == {}
+    assert scheduler.flow.prefilling == {}
 
     other.behaviour.first_byte_delay = 3.0  # long enough to see the batch go beside it
     off = TenancySettings(declared().tenants, replace(flow_settings, hold_prefill=False))
@@ -227,7 +226,7 @@ def test_sheddable_work_waits_while_a_chat_on_the_replica_awaits_its_first_token
         assert not interactive.done()  # the chat had not begun to answer
         assert interactive.result(timeout=20) == 200
         assert batch.result(timeout=20).status_code == 200
-    assert gw.gateway.scheduler.prefilling == {}
+    assert gw.gateway.scheduler.flow.prefilling == {}
 
 
 def test_sheddable_prompts_reach_a_replica_one_at_a_time_under_the_prefill_budget(engines, gateway):

@@ -7,8 +7,8 @@ import random
 
 from kubellm.gateway.discovery.base import Endpoint, FallbackTarget, ModelTarget
 from kubellm.gateway.routing.dispatch import Pass
-from kubellm.gateway.routing.load import LoadView
-from kubellm.gateway.routing.outliers import OutlierDetector
+from kubellm.gateway.routing.replicas.load import LoadView
+from kubellm.gateway.routing.replicas.outliers import OutlierDetector
 from kubellm.gateway.routing.router import Router, routing_request
 from kubellm.gateway.routing.scorers.base import Candidate
 

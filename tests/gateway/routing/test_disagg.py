@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from kubellm.gateway.discovery.base import PrefillSplit
 from kubellm.gateway.routing.disagg import REASONS, Inputs, decide, plan
-from kubellm.gateway.routing.predicted import CHARS_PER_TOKEN, Predictions
+from kubellm.gateway.routing.latency.predictions import CHARS_PER_TOKEN, Predictions
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 # Llama 3.1 8B on an H100 (engine_image/sim_profiles.py), 30 ms ITL, 2 s TTFT targets

@@ -9,7 +9,7 @@ from collections import deque
 from math import inf
 
 import pytest
-from kubellm.gateway.routing.flow import (
+from kubellm.gateway.routing.flow.queues import (
     DEFAULT_OUTPUT_TOKENS,
     Flow,
     FlowSettings,

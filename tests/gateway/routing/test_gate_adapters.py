@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 from kubellm.gateway.discovery.base import AdapterRef
-from kubellm.gateway.routing import adapters
 from kubellm.gateway.routing.admission import Route
 from kubellm.gateway.routing.dispatch import admit_once
 from kubellm.gateway.routing.gates.adapters import AdapterGate
+from kubellm.gateway.routing.replicas import adapters
 from prometheus_client import CollectorRegistry
 
 from tests.gateway.routing.passes import A, B, candidate, make_pass, router, target

@@ -5,12 +5,12 @@ band's TTL, drops)."""
 from __future__ import annotations
 
 import pytest
-from kubellm.gateway.routing import tenants
 from kubellm.gateway.routing.admission import Route
 from kubellm.gateway.routing.dispatch import Decision, admit_once
-from kubellm.gateway.routing.flow import FlowSettings
+from kubellm.gateway.routing.flow import tenants
+from kubellm.gateway.routing.flow.controller import Caller, Tenancy, TenancySettings
 from kubellm.gateway.routing.gates.flow import FlowGate
-from kubellm.gateway.routing.tenancy import Caller, Tenancy, TenancySettings
+from kubellm.gateway.routing.settings import FlowSettings
 from prometheus_client import CollectorRegistry
 
 from tests.gateway.routing.passes import A, B, candidate, make_pass, router, target
@@ -100,7 +100,7 @@ async def test_a_request_dropped_by_flow_control_is_refused_with_429():
     import asyncio
 
     from kubellm.gateway.discovery.base import FixedDiscovery
-    from kubellm.gateway.routing.flow import DROP_HEADER
+    from kubellm.gateway.routing.flow.queues import DROP_HEADER
     from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings
 
     settings = TenancySettings(tenants.parse(DOC), FlowSettings(max_band=1, ttl_seconds=30))

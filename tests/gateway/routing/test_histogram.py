@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from kubellm.gateway.routing.histogram import Histogram
+from kubellm.gateway.routing.latency.histogram import Histogram
 from prometheus_client import CollectorRegistry
 from prometheus_client import Histogram as Reference
 from prometheus_client.exposition import generate_latest

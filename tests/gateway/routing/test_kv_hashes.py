@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 import pytest
-from kubellm.gateway.routing.kv_hashes import BlockHasher, external, hash_function
+from kubellm.gateway.routing.index.kv_hashes import BlockHasher, external, hash_function
 
 needs_vllm_module = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="compares with vLLM's own functions"
@@ -80,8 +80,8 @@ def test_an_adapter_requests_hashes_are_vllms_with_its_extra_keys(vllm_hashing: 
     from types import SimpleNamespace
 
     from kubellm.gateway.discovery.base import AdapterRef, Endpoint, ModelTarget
-    from kubellm.gateway.routing.kv_hashes import SimPromptTokenizer
-    from kubellm.gateway.routing.precise import PreciseRouting
+    from kubellm.gateway.routing.index.kv_hashes import SimPromptTokenizer
+    from kubellm.gateway.routing.index.precise_routing import PreciseRouting
     from vllm.utils.hashing import get_hash_fn_by_name
 
     from kubellm.api import Routing

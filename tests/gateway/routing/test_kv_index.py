@@ -10,7 +10,7 @@ import time
 import tracemalloc
 
 import pytest
-from kubellm.gateway.routing.kv_index import EventAddress, KVEventsSubscriber, KVIndex
+from kubellm.gateway.routing.index.kv_events import EventAddress, KVEventsSubscriber, KVIndex
 
 from tests.fixtures.engines import free_port
 

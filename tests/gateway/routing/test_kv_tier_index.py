@@ -5,8 +5,8 @@ the reload and prefill costs."""
 from __future__ import annotations
 
 import pytest
-from kubellm.gateway.routing.kv_index import KVIndex
-from kubellm.gateway.routing.kv_tier_index import DEFAULT_VALUE, TierValue
+from kubellm.gateway.routing.index.kv_events import KVIndex
+from kubellm.gateway.routing.index.kv_tiers import DEFAULT_VALUE, TierValue
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.precise import PrecisePrefixScorer
 from kubellm.gateway.routing.scorers.prefix import PrefixIndex
@@ -129,7 +129,7 @@ def test_precise_scorer_ranks_gpu_then_host_then_a_miss() -> None:
 )
 def test_the_latency_model_charges_a_reload_not_a_prefill(gpu, host, disk) -> None:
     """TTFT with a prefix matched by tier = TTFT with it all on the GPU + its reloads."""
-    from kubellm.gateway.routing.kv_tier_index import cached_tokens
+    from kubellm.gateway.routing.index.kv_tiers import cached_tokens
     from kubellm.gateway.routing.latency import Dispatch, Prior
 
     prior, block, per_token = Prior(), 16, 131_072

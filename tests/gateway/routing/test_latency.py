@@ -1,4 +1,4 @@
-"""The latency model (routing/latency.py): its prior, its forgetting, stale inputs (its
+"""The latency model (routing/latency/model.py): its prior, its forgetting, stale inputs (its
 cost per decision is measured by bench/slo_routing.py, not asserted)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from kubellm.gateway.routing.latency import (
+from kubellm.gateway.routing.latency.model import (
     MIN_SAMPLES_FOR_SPEED,
     OUT_OF_REACH,
     RATE,
@@ -18,7 +18,7 @@ from kubellm.gateway.routing.latency import (
     slo_scores,
     speed_factors,
 )
-from kubellm.gateway.routing.predicted import Predictions
+from kubellm.gateway.routing.latency.predictions import Predictions
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 H100 = Prior()  # the H100 8B profile's step costs: 7 ms, 32 us / prompt token, 80 us / seq

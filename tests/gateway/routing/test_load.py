@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from kubellm.gateway.routing.load import EngineStats, LoadView, parse_engine_metrics
-from kubellm.gateway.routing.outliers import OutlierDetector
+from kubellm.gateway.routing.replicas.load import EngineStats, LoadView, parse_engine_metrics
+from kubellm.gateway.routing.replicas.outliers import OutlierDetector
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -152,7 +152,7 @@ def test_a_replica_whose_scrape_failed_is_down_until_one_succeeds():
 
 def test_the_router_leaves_down_replicas_out_while_another_is_healthy():
     from kubellm.gateway.discovery.base import Endpoint, ModelTarget
-    from kubellm.gateway.routing.outliers import OutlierDetector as Outliers
+    from kubellm.gateway.routing.replicas.outliers import OutlierDetector as Outliers
     from kubellm.gateway.routing.router import Router
 
     view = LoadView()

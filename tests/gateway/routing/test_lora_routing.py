@@ -14,7 +14,7 @@ import time
 import httpx
 from kubellm.engine import sim_profiles
 from kubellm.gateway.discovery.base import AdapterRef, find_model
-from kubellm.gateway.routing import adapters
+from kubellm.gateway.routing.replicas import adapters
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 from kubellm import metrics

@@ -24,11 +24,11 @@ from typing import Any
 import httpx
 import pytest
 from kubellm.gateway.discovery.base import Endpoint, ModelTarget
-from kubellm.gateway.routing.kv_hashes import BlockHasher, PromptTokenizer
-from kubellm.gateway.routing.kv_index import EventAddress, KVEventsSubscriber, KVIndex
-from kubellm.gateway.routing.load import LoadView
-from kubellm.gateway.routing.outliers import OutlierDetector
-from kubellm.gateway.routing.precise import PreciseRouting
+from kubellm.gateway.routing.index.kv_events import EventAddress, KVEventsSubscriber, KVIndex
+from kubellm.gateway.routing.index.kv_hashes import BlockHasher, PromptTokenizer
+from kubellm.gateway.routing.index.precise_routing import PreciseRouting
+from kubellm.gateway.routing.replicas.load import LoadView
+from kubellm.gateway.routing.replicas.outliers import OutlierDetector
 from kubellm.gateway.routing.router import Router, home, routing_request
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 from kubellm.gateway.discovery.base import Endpoint, ModelTarget
-from kubellm.gateway.routing.kv_hashes import BlockHasher, PromptTokenizer
-from kubellm.gateway.routing.kv_index import KVEventsSubscriber, KVIndex
-from kubellm.gateway.routing.load import LoadView
-from kubellm.gateway.routing.outliers import OutlierDetector
-from kubellm.gateway.routing.precise import PreciseRouting
+from kubellm.gateway.routing.index.kv_events import KVEventsSubscriber, KVIndex
+from kubellm.gateway.routing.index.kv_hashes import BlockHasher, PromptTokenizer
+from kubellm.gateway.routing.index.precise_routing import PreciseRouting
+from kubellm.gateway.routing.replicas.load import LoadView
+from kubellm.gateway.routing.replicas.outliers import OutlierDetector
 from kubellm.gateway.routing.router import Router, routing_request
 from prometheus_client import CollectorRegistry
 
@@ -185,7 +185,7 @@ def test_an_hf_model_s_tokenizer_comes_from_its_own_repository_unless_a_flag_nam
     """No --tokenizer for an hf:// model: its repository and revision, as the engines load
     it (transformers is not asked here: the loader is replaced, nothing is downloaded). A
     flag wins; a pvc:// model without a flag has none (scored approximately)."""
-    from kubellm.gateway.routing import precise as module
+    from kubellm.gateway.routing.index import precise_routing as module
 
     loaded: list[tuple[str, str | None]] = []
 
@@ -220,7 +220,7 @@ def test_a_tokenizer_that_failed_to_load_is_tried_again_after_a_while(
     """A hub or volume briefly unreachable must not leave the model approximate until the
     gateway restarts: RETRY_S after a failure the load is tried again; a model with no
     tokenizer to load (pvc:// without a flag) is not."""
-    from kubellm.gateway.routing import precise as module
+    from kubellm.gateway.routing.index import precise_routing as module
 
     attempts: list[str] = []
 
@@ -251,7 +251,7 @@ def test_a_tokenizer_that_failed_to_load_is_tried_again_after_a_while(
 
 
 def test_tokenizer_flags_name_a_tokenizer_per_model():
-    from kubellm.gateway.routing.precise import tokenizer_pairs
+    from kubellm.gateway.routing.index.precise_routing import tokenizer_pairs
 
     assert tokenizer_pairs(["m=/models/m", "n=org/name"]) == {"m": "/models/m", "n": "org/name"}
     with pytest.raises(ValueError, match="MODEL=PATH"):
@@ -296,8 +296,8 @@ HUB_STALLS = """
 import asyncio, os, sys
 from kubellm.api import Routing
 from kubellm.gateway.discovery.base import Endpoint, ModelTarget
-from kubellm.gateway.routing.kv_index import KVEventsSubscriber, KVIndex
-from kubellm.gateway.routing.precise import PreciseRouting
+from kubellm.gateway.routing.index.kv_events import KVEventsSubscriber, KVIndex
+from kubellm.gateway.routing.index.precise_routing import PreciseRouting
 
 class Recorder(KVEventsSubscriber):
     synced = []

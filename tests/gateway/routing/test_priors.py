@@ -1,4 +1,4 @@
-"""Where each replica's latency prior comes from (routing/predicted.py replica_priors,
+"""Where each replica's latency prior comes from (routing/latency/predictions.py replica_priors,
 LatencyModel.set_priors): its own step costs (a simulated replica's profile), else its
 model's status.capacity decode bound (Prior.from_capacity), else the default (H100 8B)."""
 
@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget, StepCosts
-from kubellm.gateway.routing.latency import Dispatch, LatencyModel, Prior
-from kubellm.gateway.routing.predicted import Predictions, replica_priors
+from kubellm.gateway.routing.latency.model import Dispatch, LatencyModel, Prior
+from kubellm.gateway.routing.latency.predictions import Predictions, replica_priors
 from kubellm.gateway.routing.scheduler import Scheduler
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 

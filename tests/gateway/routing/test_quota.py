@@ -7,8 +7,8 @@ import asyncio
 import uuid
 
 import pytest
-from kubellm.gateway.routing import quota
-from kubellm.gateway.routing.quota import Limiter, MemoryStore, RedisStore, verdict
+from kubellm.gateway.routing.flow import quota
+from kubellm.gateway.routing.flow.quota import Limiter, MemoryStore, RedisStore, verdict
 
 
 class Clock:
@@ -157,8 +157,8 @@ async def test_a_hung_redis_costs_one_timeout_not_one_per_request(caplog):
     and the breaker's open time has passed, the quota counts again."""
     import signal
 
-    from kubellm.gateway.routing.tenancy import Caller, Tenancy, TenancySettings
-    from kubellm.gateway.routing.tenants import parse
+    from kubellm.gateway.routing.flow.controller import Caller, Tenancy, TenancySettings
+    from kubellm.gateway.routing.flow.tenants import parse
     from prometheus_client import CollectorRegistry
 
     from tests.fixtures.redis import redis_server

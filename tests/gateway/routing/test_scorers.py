@@ -327,8 +327,8 @@ def test_saturation_thresholds():
 
 
 def _router(presume_home: bool = False):
-    from kubellm.gateway.routing.load import LoadView
-    from kubellm.gateway.routing.outliers import OutlierDetector
+    from kubellm.gateway.routing.replicas.load import LoadView
+    from kubellm.gateway.routing.replicas.outliers import OutlierDetector
     from kubellm.gateway.routing.router import Router
 
     return Router(LoadView(), OutlierDetector(), random.Random(0), presume_home=presume_home)

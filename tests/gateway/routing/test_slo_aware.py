@@ -12,7 +12,7 @@ import pytest
 from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget
 from kubellm.gateway.routing.admission import Route, decide
 from kubellm.gateway.routing.gates.slo import SPEED_EVERY
-from kubellm.gateway.routing.latency import Dispatch
+from kubellm.gateway.routing.latency.model import Dispatch
 from kubellm.gateway.routing.router import routing_request
 from kubellm.gateway.routing.scheduler import Scheduler
 from kubellm.gateway.routing.scorers.base import Candidate

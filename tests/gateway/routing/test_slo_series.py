@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kubellm.gateway.routing import slo as slo_metrics
+from kubellm.gateway.routing.latency import metrics as slo_metrics
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 

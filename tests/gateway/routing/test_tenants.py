@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 from kubellm.gateway.protocol.errors import GatewayError
-from kubellm.gateway.routing import tenants
-from kubellm.gateway.routing.tenants import FallbackRule, effective_priority
+from kubellm.gateway.routing.flow import tenants
+from kubellm.gateway.routing.flow.tenants import FallbackRule, effective_priority
 
 CHAT_KEY, EVAL_KEY = "sk-chat", "sk-eval"
 DOC = {
@@ -201,7 +201,7 @@ def test_a_fairness_id_splits_the_tenants_flow_only_when_plain():
 def test_tenancy_flags_name_a_bad_value(tmp_path, argv, named):
     import argparse
 
-    from kubellm.gateway.routing import tenant_flags
+    from kubellm.gateway.routing.flow import flags as tenant_flags
 
     path = tmp_path / "t.yaml"
     path.write_text("tenants:\n  - name: a\n")

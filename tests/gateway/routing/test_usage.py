@@ -1,12 +1,12 @@
-"""Token counts from request bodies and checked upstream `usage` (routing/usage.py)."""
+"""Token counts from request bodies and checked upstream `usage` (gateway/protocol/usage.py)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from kubellm.gateway.routing import usage
-from kubellm.gateway.routing.flow import estimate_prompt_tokens
+from kubellm.gateway.protocol import usage
+from kubellm.gateway.routing.flow.queues import estimate_prompt_tokens
 
 
 @pytest.mark.parametrize(

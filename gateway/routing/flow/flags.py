@@ -6,8 +6,12 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from kubellm.gateway.routing.settings import FlowSettings
+
 if TYPE_CHECKING:
-    from kubellm.gateway.routing.tenancy import TenancySettings
+    from kubellm.gateway.routing.flow.controller import TenancySettings
+
+_FLOW = FlowSettings()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,19 +33,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--band-ttl",
         type=float,
-        default=60.0,
+        default=_FLOW.ttl_seconds,
         help="seconds a sheddable request (priority < 0) may wait for a replica",
     )
     group.add_argument(
         "--max-band-queue",
         type=int,
-        default=5000,
+        default=_FLOW.max_band,
         help="requests waiting per priority band and model",
     )
     group.add_argument(
         "--headroom-load",
         type=float,
-        default=None,
+        default=_FLOW.headroom_load,
         help="sheddable requests dispatch only to replicas with fewer requests than this "
         "(keep it a few under maxNumSeqs, so high bands find a free slot; default: only the "
         "engine queue and KV usage bound them)",
@@ -49,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--headroom-hold-prefill",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=_FLOW.hold_prefill,
         help="while a stream of priority >= 0 awaits its first token on a replica, sheddable "
         "requests go to other replicas, so its prefill does not share engine steps with a "
         "long batch prompt (--no-headroom-hold-prefill: they may go there)",
@@ -57,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--headroom-prefill-rate",
         type=float,
-        default=None,
+        default=_FLOW.headroom_prefill_rate,
         metavar="TOKENS_PER_S",
         help="sheddable requests' prompt tokens a replica is sent per second at most, one "
         "request at a time (about half the replica's prefill speed, e.g. 15000 for an 8B "
@@ -78,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--headroom-kv-usage",
         type=float,
-        default=0.8,
+        default=_FLOW.headroom_kv,
         help="sheddable requests dispatch only to replicas under this KV-cache usage",
     )
 
@@ -102,9 +106,8 @@ def settings_from(args: argparse.Namespace) -> TenancySettings | None:
     path = getattr(args, "tenants", None)
     if not path:
         return None
-    from kubellm.gateway.routing import tenants
-    from kubellm.gateway.routing.flow import FlowSettings
-    from kubellm.gateway.routing.tenancy import TenancySettings
+    from kubellm.gateway.routing.flow import tenants
+    from kubellm.gateway.routing.flow.controller import TenancySettings
 
     if args.band_ttl <= 0:
         raise ValueError("--band-ttl: more than 0 seconds")
@@ -124,7 +127,7 @@ def settings_from(args: argparse.Namespace) -> TenancySettings | None:
         raise ValueError(f"--tenants: {error}") from None
     flow = FlowSettings(
         max_band=args.max_band_queue,
-        max_total=max(args.max_band_queue, 5000),
+        max_total=max(args.max_band_queue, _FLOW.max_total),
         ttl_seconds=args.band_ttl,
         headroom_kv=args.headroom_kv_usage,
         headroom_load=args.headroom_load,

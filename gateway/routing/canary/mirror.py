@@ -38,9 +38,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from kubellm.gateway.discovery.base import CanarySplit, ModelTarget
-from kubellm.gateway.routing.load import LoadView
-from kubellm.gateway.routing.revisions import size_class
-from kubellm.gateway.routing.slo import CLASS_TPOT_BUCKETS
+from kubellm.gateway.routing.canary.revisions import size_class
+from kubellm.gateway.routing.latency.metrics import CLASS_TPOT_BUCKETS
+from kubellm.gateway.routing.replicas.load import LoadView
 from prometheus_client import CollectorRegistry, Counter, Histogram, Summary
 
 from kubellm import metrics

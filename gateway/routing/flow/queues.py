@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubellm.gateway.routing.scorers.base import Candidate
+from kubellm.gateway.routing.settings import FlowSettings
 
 DROP_HEADER = "x-kubellm-drop-reason"
 MAX_FLOWS = 10_000  # fair-share counters kept per model (idle flows forgotten past it)
@@ -72,27 +73,6 @@ RECENT_SERVICES = 256  # dispatched requests whose quantile is the typical one (
 # the derived fair budget: each replica's slots x this x the typical request's service
 FAIR_SLOTS = 1.5
 FAIR_QUANTILE = 0.25  # ... and the typical request is this quantile of the last ones
-
-
-@dataclass(frozen=True)
-class FlowSettings:
-    max_band: int = 5000  # waiters per band and model (llm-d's default)
-    max_total: int = 5000  # waiters per model, all bands
-    ttl_seconds: float = 60.0  # the longest wait of a sheddable request (llm-d's default)
-    headroom_below: int = 0  # bands below this dispatch only under the lower line
-    headroom_kv: float = 0.8
-    headroom_load: float | None = None  # requests per replica; None: learnt (`Flow.learn`)
-    # without headroom_load: this share of each replica's slots, learnt from its scrapes,
-    # is kept free of sheddable work (12 of maxNumSeqs 16)
-    headroom_reserve: float = 0.25
-    # a replica where a high-band stream awaits its first token takes no low band meanwhile
-    hold_prefill: bool = True
-    # low-band prompt tokens per second a replica is sent at most (None: no bound)
-    headroom_prefill_rate: float | None = None
-    # service tokens (prompt + 2 x output) in flight per replica that a band's tenants
-    # share while more than one is active (None: derived, `fair_capacity`)
-    fair_in_flight_tokens: float | None = None
-    fair_in_flight: bool = True  # False: no fair in-flight budget
 
 
 @dataclass(eq=False)

@@ -4,7 +4,7 @@ them.
 
 - `output_bound`: the most tokens an answer may have: `max_completion_tokens` or
   `max_tokens` times its choices (`n`, `best_of`), else `DEFAULT_OUTPUT_BOUND`. A quota
-  reserves prompt + this at admission (`quota.py`).
+  reserves prompt + this at admission (`routing/flow/quota.py`).
 - `figures` / `parse`: an upstream's `usage`, or None unless both figures are whole numbers
   from 0 to `MAX_FIGURE` (a negative, infinite, fractional or boolean figure is a hostile
   or broken peer's: the gateway's own count is used instead).
@@ -19,12 +19,13 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from kubellm.gateway.protocol import sse
+
 # An answer that names no max_tokens is reserved this many output tokens (engines answer
 # up to the context left, which the gateway does not know); a longer answer's excess is
 # charged when it ends.
 DEFAULT_OUTPUT_BOUND = 4096
 MAX_FIGURE = 1 << 32  # no one answer counts more tokens than this
-_EVENT_CARRY = 64 * 1024  # an event split across pieces, kept to be filtered whole
 
 
 def _count(value: object) -> int | None:
@@ -86,26 +87,34 @@ class UsageStrip:
     out of its event. Feed it the body's pieces; it passes the rest through unchanged,
     holding an event split across pieces until it is whole (`end` gives what is left)."""
 
-    __slots__ = ("_carry",)
+    __slots__ = ("_events",)
 
     def __init__(self) -> None:
-        self._carry = b""
+        self._events = sse.Framer()
 
     def feed(self, data: bytes) -> bytes:
-        if self._carry or not data.endswith(b"\n\n"):
-            events, sep, carry = (self._carry + data).rpartition(b"\n\n")
-            if len(carry) > _EVENT_CARRY:  # no event is this large: passed on as it is
-                self._carry = b""
-                return events + sep + carry
-            self._carry = carry
-            data = events + sep
+        if not self._events.whole(data):
+            events, given_up = self._events.feed(data)
+            if given_up:  # no event is this large: passed on as it is
+                return events + given_up
+            data = events
         if b'"usage"' not in data:
             return data
         return b"".join(_strip_event(e) for e in data.split(b"\n\n") if e)
 
     def end(self) -> bytes:
-        carry, self._carry = self._carry, b""
-        return carry
+        return self._events.end()
+
+
+def in_events(events: bytes) -> dict[str, int] | None:
+    """The last `usage` (`parse`) among whole SSE events, or None."""
+    found = None
+    for line in events.split(b"\n"):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            figures = parse(line[6:])
+            if figures is not None:
+                found = figures
+    return found
 
 
 def _strip_event(event: bytes) -> bytes:

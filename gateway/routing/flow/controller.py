@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from kubellm.gateway.protocol import usage
 from kubellm.gateway.protocol.errors import GatewayError
-from kubellm.gateway.routing import flow as flows
-from kubellm.gateway.routing import quota, slo, usage
-from kubellm.gateway.routing.histogram import Histogram
-from kubellm.gateway.routing.tenants import (
+from kubellm.gateway.routing.flow import queues as flows
+from kubellm.gateway.routing.flow import quota
+from kubellm.gateway.routing.flow.tenants import (
     FAIRNESS_HEADER,
     OBJECTIVE_HEADER,
     PRIORITY_HEADER,
@@ -28,6 +28,8 @@ from kubellm.gateway.routing.tenants import (
     effective_priority,
     flow_id,
 )
+from kubellm.gateway.routing.latency import metrics as slo
+from kubellm.gateway.routing.latency.histogram import Histogram
 from prometheus_client import CollectorRegistry, Counter
 
 from kubellm import metrics

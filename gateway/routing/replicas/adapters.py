@@ -33,7 +33,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
-from kubellm.gateway.routing.load import read_answer
+from kubellm.gateway.discovery.base import ModelTarget
+from kubellm.gateway.routing.replicas.load import read_answer
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.bounded_load import within_bound
 from kubellm.gateway.routing.scorers.consistent_hash import rendezvous_weight
@@ -41,7 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kubellm import metrics
 from kubellm.contracts import registered_adapters
-from kubellm.metrics import LoraInfo
+from kubellm.metrics import LoraInfo, parse_lora_info
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,16 @@ class _Replica:
     info: LoraInfo | None = None
     info_at: float = 0.0
     sent: OrderedDict[str, None] = field(default_factory=OrderedDict)  # LRU of our sends
+
+
+def lora_replicas(targets: Iterable[ModelTarget]) -> dict[str, tuple[str, frozenset[str]]]:
+    """Replicas of models with adapters: url -> (served name, the adapters wanted)."""
+    return {
+        e.url: (t.served_name, frozenset(a.name for a in t.adapters))
+        for t in targets
+        if t.adapters
+        for e in t.endpoints
+    }
 
 
 class AdapterView:
@@ -87,6 +98,10 @@ class AdapterView:
     def record_info(self, url: str, info: LoraInfo | None) -> None:
         replica = self._get(url)
         replica.info, replica.info_at = info, self.clock()
+
+    def record_scrape(self, url: str, text: str) -> None:
+        """A replica's scraped /metrics: its `vllm:lora_requests_info` (a load-view hook)."""
+        self.record_info(url, parse_lora_info(text))
 
     def loaded(self, url: str, name: str) -> None:
         """A load this gateway asked for succeeded."""

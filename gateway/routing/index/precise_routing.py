@@ -25,17 +25,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubellm.gateway.discovery.base import Endpoint, ModelTarget
-from kubellm.gateway.routing.kv_hashes import (
-    BlockHasher,
-    PromptTokenizer,
-    SimPromptTokenizer,
-    load_tokenizer,
-)
-from kubellm.gateway.routing.kv_index import (
+from kubellm.gateway.routing.index.kv_events import (
     EventAddress,
     KVEventsSubscriber,
     KVIndex,
     event_address,
+)
+from kubellm.gateway.routing.index.kv_hashes import (
+    BlockHasher,
+    PromptTokenizer,
+    SimPromptTokenizer,
+    load_tokenizer,
 )
 
 from kubellm.sources import parse_source

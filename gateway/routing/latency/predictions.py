@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kubellm.gateway.discovery.base import ModelTarget
-from kubellm.gateway.routing.histogram import Histogram
-from kubellm.gateway.routing.latency import (
+from kubellm.gateway.routing.latency.histogram import Histogram
+from kubellm.gateway.routing.latency.model import (
     DECODE_BOUND_RANGE,
     PREFILL_RATE_WINDOW_S,
     Dispatch,

@@ -13,14 +13,17 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kubellm.gateway.routing.histogram import Histogram
+from kubellm.gateway.routing.latency.histogram import Histogram
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from kubellm import metrics
+
+if TYPE_CHECKING:
+    from kubellm.gateway.discovery.base import ModelTarget
 
 # A chunk carrying generated text (engines send an empty role chunk before the first token).
 TOKEN = re.compile(rb'"(?:content|text)":\s*"[^"]')
@@ -57,6 +60,11 @@ def without_credentials(url: str) -> str:
     return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}"
 
 
+def labels(target: ModelTarget) -> tuple[str, str, str]:
+    """The metric labels of a model: served name, deployment, namespace."""
+    return (target.served_name, target.deployment, target.namespace)
+
+
 @dataclass
 class GatewayMetrics:
     registry: CollectorRegistry
@@ -89,6 +97,10 @@ class GatewayMetrics:
         if found is None:
             found = self._targets[labels] = TargetMetrics(self, labels)
         return found
+
+    def refused(self, status: int) -> None:
+        """A request refused before it named a model (labels empty: no cardinality)."""
+        self.requests.labels("", "", "", "none", str(status)).inc()
 
     def publish_endpoints(self, rows: Sequence[tuple[tuple[str, ...], str, str]]) -> None:
         """Replace the endpoint series with `rows` of (model labels, url, state)."""
@@ -168,7 +180,7 @@ class Ledger:
 
 class RevisionMetrics:
     """One model's figures per revision while a canary rollout splits its traffic: answers
-    by outcome, SLO-meeting answers, TTFT and ITL (routing/revisions.py chooses the side;
+    by outcome, SLO-meeting answers, TTFT and ITL (routing/canary/revisions.py chooses the side;
     the operator's canary analysis compares the canary's figures with the rest)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -195,7 +207,7 @@ class RevisionMetrics:
             buckets=_ITL, registry=registry,
         )  # fmt: skip
         # The canary analysis' figures: per prompt-size class, one client's answers counted
-        # at most CLIENT_CAP times per step (routing/revisions.py, operator/rollout.py).
+        # at most CLIENT_CAP times per step (routing/canary/revisions.py, operator/rollout.py).
         classed = [*names, "class"]
         self.class_requests = Counter(
             _name(metrics.GATEWAY_REVISION_CLASS_REQUESTS, "_total"),
@@ -328,15 +340,6 @@ def create(registry: CollectorRegistry | None = None) -> GatewayMetrics:
             registry=r,
         ),
     )
-
-
-def met_slo(
-    ttft: float | None, itl_max_mean: float | None, ttft_target: float, itl_target: float
-) -> bool:
-    """Goodput test for one successful request: TTFT and mean ITL within their targets."""
-    if ttft is None or ttft > ttft_target:
-        return False
-    return itl_max_mean is None or itl_max_mean <= itl_target
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """vLLM's runtime adapter API: the only requests the routing core sends to engines besides
 its scrapes.
 
-The routing core decides where an adapter is loaded (`routing.adapters`); these send
+The routing core decides where an adapter is loaded (`routing.replicas.adapters`); these send
 the requests, for both front ends (the scheduler wires them to its client in `start`, so
 the standalone proxy and the endpoint picker load adapters alike): POST
 `/v1/load_lora_adapter` {lora_name, lora_path} and `/v1/unload_lora_adapter` {lora_name}

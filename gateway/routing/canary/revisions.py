@@ -33,12 +33,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from kubellm.gateway.discovery.base import CanarySplit, ModelTarget
+from kubellm.gateway.routing.latency.metrics import STABLE_REVISION
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.scorers.prefix import prompt_text
-from kubellm.gateway.routing.slo import STABLE_REVISION
 
 if TYPE_CHECKING:
-    from kubellm.gateway.routing.slo import GatewayMetrics, RequestRecord
+    from kubellm.gateway.routing.latency.metrics import GatewayMetrics, RequestRecord
 
 BUCKETS = 10_000
 

@@ -49,7 +49,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubellm.gateway.routing.kv_tier_index import LOWER, LowerTiers, matched_by_tier
+from kubellm.gateway.routing.index.kv_tiers import LOWER, LowerTiers, matched_by_tier
 
 from kubellm import kv_blocks
 
