@@ -132,7 +132,7 @@ def test_a_non_streamed_answer_is_the_one_the_replica_gives_whole(gateway):
     replica = VllmShaped()
     server = ServerThread(replica.app()).start()
     try:
-        gw = gateway({"m": model("m", [server])})
+        gw = gateway({"m": model("m", [server])}, assemble_non_streamed=True)
         chat = {"model": "m", "messages": [{"role": "user", "content": "weather?"}],
                 "tools": [{"type": "function", "function": {"name": "get_weather"}}]}  # fmt: skip
         completion = {"model": "m", "prompt": "p", "n": 2, "logprobs": 1, "max_tokens": 3}
@@ -161,11 +161,11 @@ def test_a_non_streamed_answer_is_the_one_the_replica_gives_whole(gateway):
         server.stop()
 
 
-def test_with_assembly_off_a_non_streamed_request_goes_as_it_came(gateway):
+def test_by_default_a_non_streamed_request_goes_as_it_came(gateway):
     replica = VllmShaped()
     server = ServerThread(replica.app()).start()
     try:
-        gw = gateway({"m": model("m", [server])}, assemble_non_streamed=False)
+        gw = gateway({"m": model("m", [server])})
         body = {"model": "m", "messages": [{"role": "user", "content": "weather?"}]}
         answer = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=10)
         assert answer.status_code == 200, answer.text
