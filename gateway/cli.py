@@ -75,8 +75,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=_D.assemble_non_streamed,
         help="send non-streamed requests to replicas as streams and assemble the answer, a "
-        "stall found between its pieces (~1.45x the CPU); off (the default): forwarded as "
-        "they came, a stall found by the replica's scraped token counters standing still",
+        "stall found between its pieces (~1.45x the CPU); --no-assemble-non-streamed: as "
+        "they came, a stall found by the replica's scraped token counters standing still "
+        "(a replica without them: --total-timeout only)",
     )
     up.add_argument(
         "--max-upstream-head-bytes",

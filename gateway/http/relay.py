@@ -12,7 +12,8 @@
   chunk, timing TTFT and ITL; if the replica dies, stalls or breaks the framing
   mid-stream, the client's stream ends at once with an SSE error event, never a hang
   and never the bytes that could not be parsed.
-- A whole answer (a non-streamed request, forwarded whole) is watched by the replica's
+- A whole answer (a non-streamed request forwarded whole, `--no-assemble-non-streamed`) is
+  watched by the replica's
   own progress (`ProgressWatch`): its scraped token counters standing still for the stall
   time below is a failed attempt, retried elsewhere.
 - A client that asked for a whole answer, sent to replicas as a stream

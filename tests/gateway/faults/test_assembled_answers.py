@@ -101,7 +101,8 @@ def test_a_replica_frozen_mid_answer_is_left_for_another_long_before_the_idle_ti
 
 
 def test_a_replica_whose_token_counters_stand_still_is_left_when_forwarded_whole(engines, gateway):
-    """Issue 38: non-streamed requests are forwarded whole (no tokens on the way to watch).
+    """Issue 38: non-streamed requests forwarded whole (`--no-assemble-non-streamed`: no
+    tokens on the way to watch).
     A replica that takes them and never answers, its scraped token counters standing still,
     is taken for stalled (`relay.ProgressWatch`, `relay.STALL_FLOOR_S` here) and the request
     goes to another replica, long before the idle timeout (60 s) or the total (600 s);
@@ -111,7 +112,10 @@ def test_a_replica_whose_token_counters_stand_still_is_left_when_forwarded_whole
     frozen.behaviour.token_counters = "still"
     slow.behaviour.first_byte_delay = relay.STALL_FLOOR_S * 1.5
     slow.behaviour.token_counters = "moving"
-    gw = gateway({"m": model("m", [frozen_server, slow_server], policy="round-robin")})
+    gw = gateway(
+        {"m": model("m", [frozen_server, slow_server], policy="round-robin")},
+        assemble_non_streamed=False,
+    )
     wait_until(lambda: frozen.scrapes > 1 and slow.scrapes > 1, 30, "both replicas scraped")
     answers = [ask(gw.url, f"p{i}", timeout=50) for i in range(2)]
     assert [a.status_code for a in answers] == [200] * 2, [a.text[:200] for a in answers]

@@ -161,11 +161,11 @@ def test_a_non_streamed_answer_is_the_one_the_replica_gives_whole(gateway):
         server.stop()
 
 
-def test_by_default_a_non_streamed_request_goes_as_it_came(gateway):
+def test_with_assembly_off_a_non_streamed_request_goes_as_it_came(gateway):
     replica = VllmShaped()
     server = ServerThread(replica.app()).start()
     try:
-        gw = gateway({"m": model("m", [server])})
+        gw = gateway({"m": model("m", [server])}, assemble_non_streamed=False)
         body = {"model": "m", "messages": [{"role": "user", "content": "weather?"}]}
         answer = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=10)
         assert answer.status_code == 200, answer.text
