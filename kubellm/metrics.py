@@ -19,6 +19,10 @@ PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"  # tokens looked up
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"  # tokens found cached
 TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"  # histogram
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"  # histogram
+# Counters of tokens processed (prompt) and generated: a replica's progress (the gateway's
+# stall watch on answers forwarded whole reads them).
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
 # With LoRA on: a gauge set to the time of its last update, one series per label set
 # max_lora, running_lora_adapters and waiting_lora_adapters (comma-joined names); older
 # label sets stay exported with older times, so the current one has the largest value.

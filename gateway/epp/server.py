@@ -170,6 +170,11 @@ class EndpointPicker:
         whatever ends it, every slot the exchange acquired is released (`Exchange.close`)."""
         settings = self.settings
         if self.streams >= settings.max_streams:
+            # The client's first message is read before the refusal: a message arriving on a
+            # stream the server already ended is answered with RST_STREAM, which can reach the
+            # client's gRPC core beside the status and turn it into INTERNAL (issue 39.1).
+            loop = asyncio.get_running_loop()
+            await _read_by(context, loop.time() + min(REFUSAL_READ_S, settings.body_timeout))
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the endpoint picker holds {self.streams} ext_proc streams (--max-streams)",
@@ -242,6 +247,9 @@ _ALLOWED = {
     "response": frozenset({"response_body", "response_trailers"}),
     "ended": frozenset({"response_trailers"}),
 }
+
+
+REFUSAL_READ_S = 1.0  # how long a stream refused at the cap may take to send its first message
 
 
 async def _read_by(context: Any, deadline: float) -> Any:

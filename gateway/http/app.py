@@ -250,30 +250,31 @@ class Gateway:
         if ticket.route == "fallback":
             assert target.fallback is not None
             return await self._forward_fallback(call, ticket, target.fallback, body, stream)
-        # A non-streamed request goes to the replica as a stream, so the first-byte and
-        # stall timeouts (and the retry until the answer is whole) bound it too; its answer
-        # is assembled here (`protocol.assemble`, which says which requests cannot be).
+        # A non-streamed request is forwarded whole, each attempt watched for the replica's
+        # progress (`relay.ProgressWatch`); with --assemble-non-streamed it goes as a stream
+        # and its answer is assembled here (`protocol.assemble` says which requests can be),
+        # as is the answer of a replica that streams anyway.
         whole = None
-        if (
-            not stream
-            and self.settings.assemble_non_streamed
-            and assemble.assembles(body, call.path)
-        ):
-            raw = assemble.streamed_body(body, raw)
-            whole = relay.Whole(
-                functools.partial(
+        assembling = False
+        if not stream:
+            assembler = None
+            if assemble.assembles(body, call.path):
+                assembling = self.settings.assemble_non_streamed
+                assembler = functools.partial(
                     assemble.Assembler,
                     call.path == CHAT,
                     self.settings.max_response_bytes,
                     assemble.choices_of(body, call.path),
-                ),
-                self.pace,
-                target.slo.itl_seconds,
+                )
+            if assembling:
+                raw = assemble.streamed_body(body, raw)
+            whole = relay.Whole(
+                assembler, self.pace, target.slo.itl_seconds, self.scheduler.load.progressed_since
             )
         strip = stream and caller is not None and not usage.wants_usage(body)
         if strip:  # its tenant is charged the replica's usage, which the client did not ask
             raw = json.dumps(usage.asking_usage(body), ensure_ascii=False).encode()
-        connect, deadlines = self.settings.timeouts(target, stream or whole is not None)
+        connect, deadlines = self.settings.timeouts(target, stream or assembling)
         headers = _forward_headers(call.headers)
         headers["x-request-id"] = _attempt_id(headers.get("x-request-id"))
         if target.prefill is not None:  # P/D: the prompt may be computed on a prefill replica
@@ -282,7 +283,7 @@ class Gateway:
                 headers, self.settings.connect_timeout,
             )  # fmt: skip
         forward = Forward(
-            call.path, raw, headers, stream or whole is not None, deadlines, connect,
+            call.path, raw, headers, stream or assembling, deadlines, connect,
             self.settings.attempts, whole,
         )  # fmt: skip
         try:

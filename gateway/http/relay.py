@@ -12,8 +12,13 @@
   chunk, timing TTFT and ITL; if the replica dies, stalls or breaks the framing
   mid-stream, the client's stream ends at once with an SSE error event, never a hang
   and never the bytes that could not be parsed.
-- A client that asked for a whole answer (the gateway sends such requests to replicas as
-  streams, `protocol.assemble`) gets it only once the replica's stream was read to its
+- A whole answer (a non-streamed request forwarded whole, `--no-assemble-non-streamed`) is
+  watched by the replica's
+  own progress (`ProgressWatch`): its scraped token counters standing still for the stall
+  time below is a failed attempt, retried elsewhere.
+- A client that asked for a whole answer, sent to replicas as a stream
+  (`--assemble-non-streamed`, `protocol.assemble`) or streamed by the replica anyway, gets
+  it only once the stream was read to its
   `[DONE]` and assembled (`Whole`): until then nothing was sent, so a stream that breaks,
   reports an error, outgrows its bounds or stalls is a failed attempt like a 5xx, and the
   next replica is tried. A replica that leaves its response open after `[DONE]` is
@@ -103,12 +108,59 @@ class Pace:
 
 @dataclass(frozen=True)
 class Whole:
-    """A non-streamed request sent as a stream: its answer assembled (`assembler` makes one
-    per attempt) before anything reaches the client, stalls found by `pace`."""
+    """A non-streamed request to replicas: an answer that comes as a stream (asked as one
+    with `--assemble-non-streamed`, or a replica streaming anyway) is assembled (`assembler`
+    makes one per attempt; None: a request `protocol.assemble` cannot assemble, its answer
+    relayed as it comes) before anything reaches the client, stalls found by `pace`.
+    Forwarded whole, each attempt is watched by `progressed` (`ProgressWatch`)."""
 
-    assembler: Callable[[], Assembler]
+    assembler: Callable[[], Assembler] | None
     pace: Pace
     itl_target: float
+    progressed: Callable[[str, float], bool | None] | None = None
+
+
+class ProgressWatch:
+    """A non-streamed request forwarded whole shows no tokens on its way, so a replica is
+    taken for stalled when its own token counters (`vllm:prompt_tokens_total` +
+    `vllm:generation_tokens_total`, scraped each second: `progressed(url, since)`) stood
+    still for `stall` seconds while the request was out: the attempt's task is cancelled and
+    `ReadTimeout` raised, a failed attempt like a stall mid-stream. A replica whose counters
+    are not known (not scraped, or no such counters) is bounded by the request's timeouts only.
+    One timer per attempt, checked every `stall / 2` from `stall` on.
+
+        with ProgressWatch(progressed, url, stall):
+            ... await the answer ..."""
+
+    __slots__ = ("_handle", "_progressed", "_stall", "_task", "_url", "stalled")
+
+    def __init__(
+        self, progressed: Callable[[str, float], bool | None], url: str, stall: float
+    ) -> None:
+        self._progressed = progressed
+        self._url = url
+        self._stall = stall
+        self.stalled = False
+
+    def __enter__(self) -> ProgressWatch:
+        self._task = asyncio.current_task()
+        self._handle = asyncio.get_running_loop().call_later(self._stall, self._check)
+        return self
+
+    def _check(self) -> None:
+        if self._progressed(self._url, time.monotonic() - self._stall) is False:
+            self.stalled = True
+            assert self._task is not None
+            self._task.cancel()
+        else:
+            self._handle = asyncio.get_running_loop().call_later(self._stall / 2, self._check)
+
+    def __exit__(self, kind: object, error: object, tb: object) -> None:
+        self._handle.cancel()
+        self._task = None
+        if kind is asyncio.CancelledError and self.stalled:
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # our own cancel
+            raise upstream.ReadTimeout("progress on the replica's token counters", self._stall)
 
 
 def new_session(connect_timeout: float, read_timeout: float) -> aiohttp.ClientSession:
@@ -257,24 +309,19 @@ async def open_upstream(
         deadlines = Deadlines(min(budget.first_byte, left), idle, left)
         attempt = ticket.attempt(url)
         response: AnyResponse | None = None
+        watch = None
+        progressed = None if whole is None or forward.stream else whole.progressed
+        if progressed is not None and progressed(url, 0.0) is not None:  # counters known
+            watch = ProgressWatch(progressed, url, idle)
         try:
-            response = await _post(forward, url, deadlines, pool, session)
-            if response.status >= 500:
-                attempt.failed()
-                failures.append(f"{url}: HTTP {response.status}")
-                response.close()
-                continue
-            if forward.stream and response.status == 200:
-                first = await (response.readchunk() if whole is None else response.readsome())
-                if whole is None:
-                    opened = Opened(url, response, first=first)
-                elif response.headers.get("content-type", "").startswith("text/event-stream"):
-                    body = await _assembled(response, first, whole, url, ticket)
-                    opened = Opened(url, response, body=body, assembled=True)
-                else:  # the replica answered whole after all: relayed so
-                    opened = Opened(url, response, body=first + await response.read())
-            else:
-                opened = Opened(url, response, body=await response.read())
+            with watch or contextlib.nullcontext():
+                response = await _post(forward, url, deadlines, pool, session)
+                if response.status >= 500:
+                    attempt.failed()
+                    failures.append(f"{url}: HTTP {response.status}")
+                    response.close()
+                    continue
+                opened = await _opened(forward, url, response, ticket)
         except (*UPSTREAM_ERRORS, AssemblyError) as error:
             fatal = isinstance(
                 error, upstream.ConnectFailed | upstream.ReadTimeout | aiohttp.ClientConnectorError
@@ -293,6 +340,22 @@ async def open_upstream(
         opened.failures = failures
         return opened
     raise AllUpstreamsFailed(failures)
+
+
+async def _opened(forward: Forward, url: str, response: AnyResponse, ticket: Ticket) -> Opened:
+    """What was read of a replica's usable answer: a stream's first piece, a whole answer,
+    or a non-streamed request's stream assembled (`Whole`)."""
+    whole = forward.whole
+    if response.status != 200 or (whole is None and not forward.stream):
+        return Opened(url, response, body=await response.read())
+    if whole is None:
+        return Opened(url, response, first=await response.readchunk())
+    if whole.assembler is not None and response.headers.get("content-type", "").startswith(
+        "text/event-stream"
+    ):
+        body = await _assembled(response, await response.readsome(), whole, url, ticket)
+        return Opened(url, response, body=body, assembled=True)
+    return Opened(url, response, body=await response.read())  # whole, as asked or not
 
 
 MID_STREAM_ERROR = sse_error_event(
@@ -366,6 +429,7 @@ async def _assembled(
     the reads or the assembler raise. After `[DONE]` the response's end is awaited for
     `DONE_GRACE_S` at most (so the connection can be pooled), then the caller's close
     closes it. A client that leaves meanwhile was served what came (`ticket.generated`)."""
+    assert whole.assembler is not None
     assembler = whole.assembler()
     try:
         return await _assemble(response, first, whole, url, assembler)

@@ -211,9 +211,12 @@ class _Connection(asyncio.Protocol):
         self.until_close = status not in (204, 304) and not framed
 
     def on_body(self, body: bytes) -> None:
+        self._last = self.loop.time()
         if not self._got_body:
             self._got_body = True
-        self._last = self.loop.time()
+            timer = self._timer  # the first byte: the idle deadline now, if it is sooner
+            if timer is not None and self._last + self._deadlines.idle < timer.when():
+                self._arm(self._next_deadline()[0])
         self._chunk.append(body)
         self._chunk_size += len(body)
         if self._chunk_size >= _MAX_PIECE:

@@ -43,6 +43,9 @@ class Behaviour:
     # a prefill leg's answer (kv_transfer_params.do_remote_decode): "params" as vLLM's
     # NixlConnector answers, "garbage" (not JSON), "none" (no params)
     prefill_answer: str = "params"
+    # vLLM's token counters on /metrics: None (not exported), "still" (a replica making no
+    # progress), "moving" (advancing at each scrape)
+    token_counters: str | None = None
 
 
 @dataclass
@@ -54,6 +57,7 @@ class FakeEngine:
     active: int = 0
     cancelled: int = 0
     completed: int = 0
+    scrapes: int = 0
 
     def app(self) -> Starlette:
         return Starlette(
@@ -84,6 +88,15 @@ class FakeEngine:
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
             f'vllm:kv_cache_usage_perc{{model_name="m"}} {b.kv_usage}\n'
         )
+        if b.token_counters is not None:
+            self.scrapes += 1
+            moved = self.scrapes if b.token_counters == "moving" else 1
+            text += (
+                "# TYPE vllm:prompt_tokens counter\n"
+                f'vllm:prompt_tokens_total{{model_name="m"}} 100\n'
+                "# TYPE vllm:generation_tokens counter\n"
+                f'vllm:generation_tokens_total{{model_name="m"}} {moved}\n'
+            )
         return Response(text, status_code=b.metrics_status, media_type="text/plain")
 
     async def _complete(self, request: Request) -> Response:

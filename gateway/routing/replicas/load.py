@@ -17,6 +17,7 @@ or froze is never mistaken for an idle one once its last figures go stale.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ class EngineStats:
     running: float | None
     kv_usage: float | None
     scraped_at: float
+    tokens: float | None = None  # prompt + generated tokens so far (the replica's counters)
 
 
 # A replica that says it holds more requests than this is not believed (vLLM's largest
@@ -50,11 +52,17 @@ def parse_engine_metrics(text: str, scraped_at: float) -> EngineStats:
     1e300, and one replica's figures must never reach the arithmetic of admission."""
     sums = {metrics.NUM_REQUESTS_WAITING: 0.0, metrics.NUM_REQUESTS_RUNNING: 0.0}
     kv = 0.0
+    tokens: float | None = None
     bad: set[str] = set()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, value = sample.name, sample.value
-            if name in sums:
+            if name in _TOKEN_COUNTERS:
+                if math.isfinite(value) and value >= 0.0:
+                    tokens = (tokens or 0.0) + value
+                else:
+                    bad.add(_TOKENS)
+            elif name in sums:
                 if 0.0 <= value <= MAX_REQUESTS:  # False for NaN
                     sums[name] += value
                 else:
@@ -77,7 +85,12 @@ def parse_engine_metrics(text: str, scraped_at: float) -> EngineStats:
         ),
         kv_usage=known(metrics.KV_CACHE_USAGE, kv, 1.0),
         scraped_at=scraped_at,
+        tokens=None if _TOKENS in bad else tokens,
     )
+
+
+_TOKEN_COUNTERS = frozenset({metrics.PROMPT_TOKENS, metrics.GENERATION_TOKENS})
+_TOKENS = "tokens"
 
 
 # The families the gateway reads from an engine's /metrics (the load gauges, and the LoRA
@@ -91,6 +104,8 @@ READ_FAMILIES = (
     metrics.NUM_REQUESTS_RUNNING,
     metrics.KV_CACHE_USAGE,
     metrics.LORA_REQUESTS_INFO,
+    metrics.PROMPT_TOKENS.removesuffix("_total"),  # the family's name, and its samples'
+    metrics.GENERATION_TOKENS.removesuffix("_total"),
 )
 MAX_SAMPLE_LINES = 10_000
 
@@ -123,6 +138,7 @@ class LoadView:
         self._stats: dict[str, EngineStats] = {}
         self._own_at_scrape: dict[str, int] = {}
         self._failing: set[str] = set()
+        self._progress: dict[str, tuple[float, float]] = {}  # url -> (tokens, when they moved)
         self._listeners: list[Callable[[], None]] = []
         # called with (url, metrics text) after each successful scrape (LoRA info reads it)
         self.scrape_hooks: list[Callable[[str, str], None]] = []
@@ -154,6 +170,12 @@ class LoadView:
 
     def record(self, url: str, stats: EngineStats) -> None:
         self._failing.discard(url)
+        if stats.tokens is None:
+            self._progress.pop(url, None)
+        else:
+            seen = self._progress.get(url)
+            if seen is None or seen[0] != stats.tokens:
+                self._progress[url] = (stats.tokens, stats.scraped_at)
         self._stats[url] = stats
         self._own_at_scrape[url] = self.in_flight.get(url, 0)
         self._notify()
@@ -165,6 +187,13 @@ class LoadView:
     def down(self, url: str) -> bool:
         """The latest scrape failed (an endpoint never scraped yet is not down)."""
         return url in self._failing
+
+    def progressed_since(self, url: str, since: float) -> bool | None:
+        """Whether the replica's token counters moved at a scrape at or after `since` (this
+        view's clock); None when they are not known (never scraped, or no such counters).
+        A replica whose scrapes fail keeps its last movement: a frozen process stands still."""
+        seen = self._progress.get(url)
+        return None if seen is None else seen[1] >= since
 
     def stats(self, url: str) -> EngineStats | None:
         """The engine's stats if fresh, else None (unknown)."""
@@ -194,6 +223,8 @@ class LoadView:
         for url in [u for u in self._stats if u not in keep]:
             del self._stats[url]
             self._own_at_scrape.pop(url, None)
+        for url in [u for u in self._progress if u not in keep]:
+            del self._progress[url]
         self._failing &= keep
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import httpx
+from kubellm.gateway.http import relay
 
 from tests.gateway.conftest import model
 from tests.gateway.faults.peers import Later, Request, chunked, echo_id
@@ -97,3 +98,28 @@ def test_a_replica_frozen_mid_answer_is_left_for_another_long_before_the_idle_ti
     assert frozen.requests, "the frozen replica was never tried"
     labels = {"model": "m", "deployment": "m", "namespace": "default"}
     wait_until(lambda: gw.metric("kubellm_gateway_ready_endpoints", **labels) == 1, 10, "ejection")
+
+
+def test_a_replica_whose_token_counters_stand_still_is_left_when_forwarded_whole(engines, gateway):
+    """Issue 38: non-streamed requests forwarded whole (`--no-assemble-non-streamed`: no
+    tokens on the way to watch).
+    A replica that takes them and never answers, its scraped token counters standing still,
+    is taken for stalled (`relay.ProgressWatch`, `relay.STALL_FLOOR_S` here) and the request
+    goes to another replica, long before the idle timeout (60 s) or the total (600 s);
+    a slow replica whose counters move is waited for."""
+    (frozen, frozen_server), (slow, slow_server) = engines(2)
+    frozen.behaviour.first_byte_delay = 600
+    frozen.behaviour.token_counters = "still"
+    slow.behaviour.first_byte_delay = relay.STALL_FLOOR_S * 1.5
+    slow.behaviour.token_counters = "moving"
+    gw = gateway(
+        {"m": model("m", [frozen_server, slow_server], policy="round-robin")},
+        assemble_non_streamed=False,
+    )
+    wait_until(lambda: frozen.scrapes > 1 and slow.scrapes > 1, 30, "both replicas scraped")
+    answers = [ask(gw.url, f"p{i}", timeout=50) for i in range(2)]
+    assert [a.status_code for a in answers] == [200] * 2, [a.text[:200] for a in answers]
+    assert all(a.json()["choices"][0]["text"].startswith(slow.name) for a in answers)
+    assert frozen.bodies, "the frozen replica was never tried"
+    assert all("stream" not in body for body in frozen.bodies + slow.bodies)  # whole
+    assert slow.completed == 2  # waited for, never abandoned as stalled

@@ -132,7 +132,7 @@ def test_a_non_streamed_answer_is_the_one_the_replica_gives_whole(gateway):
     replica = VllmShaped()
     server = ServerThread(replica.app()).start()
     try:
-        gw = gateway({"m": model("m", [server])})
+        gw = gateway({"m": model("m", [server])}, assemble_non_streamed=True)
         chat = {"model": "m", "messages": [{"role": "user", "content": "weather?"}],
                 "tools": [{"type": "function", "function": {"name": "get_weather"}}]}  # fmt: skip
         completion = {"model": "m", "prompt": "p", "n": 2, "logprobs": 1, "max_tokens": 3}

@@ -74,11 +74,16 @@ def test_concurrent_requests_reserve_their_max_tokens(engines, gateway):
 def test_an_abandoned_non_streamed_request_is_charged_what_was_served(engines, gateway):
     """A non-streamed request reaches the replica, which streams slowly; the client leaves.
     It was refunded whole (nothing counted); now its prompt and the tokens that came back
-    are charged to the tenant."""
+    are charged to the tenant (assembled from a stream: forwarded whole, by default, only the
+    prompt is known to have been served)."""
     ((engine, server),) = engines(1)
     engine.behaviour.tokens = 200
     engine.behaviour.token_delay = 0.1
-    gw = gateway({"tiny": model("tiny", [server])}, tenancy=settings(tokensPerMinute=100000))
+    gw = gateway(
+        {"tiny": model("tiny", [server])},
+        tenancy=settings(tokensPerMinute=100000),
+        assemble_non_streamed=True,
+    )
     body = json.dumps({"model": "tiny", "max_tokens": 200, **HELLO}).encode()
     port = int(gw.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=30) as client:

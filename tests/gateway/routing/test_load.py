@@ -198,3 +198,47 @@ def test_figures_outside_their_range_are_unknown(written, believed):
     view.record("a", stats)
     load = view.load("a")
     assert math.isfinite(load) and load >= 1.0
+
+
+COUNTERS = """\
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{{engine="0",model_name="tiny"}} {prompt}
+vllm:prompt_tokens_created{{engine="0",model_name="tiny"}} 1.7e9
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{{engine="0",model_name="tiny"}} {generated}
+vllm:generation_tokens_total{{engine="1",model_name="tiny"}} 5.0
+"""
+
+
+def test_token_counters_are_summed_and_a_bad_one_makes_them_unknown():
+    stats = parse_engine_metrics(VLLM_METRICS + COUNTERS.format(prompt=10, generated=20), 0.0)
+    assert stats.tokens == 35.0
+    assert parse_engine_metrics(VLLM_METRICS, 0.0).tokens is None  # not exported
+    for bad in ("NaN", "-1", "+Inf"):
+        text = VLLM_METRICS + COUNTERS.format(prompt=10, generated=bad)
+        assert parse_engine_metrics(text, 0.0).tokens is None, bad
+
+
+def test_progress_is_when_the_token_counters_last_moved():
+    clock = Clock()
+    view = LoadView(clock=clock)
+    assert view.progressed_since("a", 0.0) is None  # never scraped: unknown
+
+    def scrape(tokens: float | None) -> None:
+        view.record("a", EngineStats(0, 0, 0.0, scraped_at=clock(), tokens=tokens))
+
+    scrape(10.0)
+    assert view.progressed_since("a", clock.now) is True
+    clock.now += 3
+    scrape(10.0)  # standing still
+    assert view.progressed_since("a", clock.now - 2) is False
+    view.scrape_failed("a")  # a frozen process: no new scrape, no movement
+    clock.now += 3
+    assert view.progressed_since("a", clock.now - 5) is False
+    scrape(11.0)
+    assert view.progressed_since("a", clock.now) is True
+    scrape(None)  # the counters are gone: unknown again
+    assert view.progressed_since("a", 0.0) is None
+    scrape(12.0)
+    view.forget(["b"])
+    assert view.progressed_since("a", 0.0) is None
