@@ -25,14 +25,7 @@ import pytest
 
 from tests.fixtures.engines import free_port, running_vllm, tiny_spec
 
-# Not yet run to green on the CI machine (written while the shared vLLM lock was held by a
-# benchmark): opt in with KUBELLM_PD_PAIR=1 until it has been, then drop the gate.
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        os.environ.get("KUBELLM_PD_PAIR") != "1", reason="KUBELLM_PD_PAIR=1 runs it"
-    ),
-]
+pytestmark = pytest.mark.vllm
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 12,
