@@ -35,7 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kubellm.engine.sim_profiles import PROFILES, Profile
 from kubellm.gateway.routing.disagg import Inputs, decide
-from kubellm.gateway.routing.latency import PREFILL_RATE_WINDOW_S, Dispatch, Prior, ReplicaModel
+from kubellm.gateway.routing.latency.model import (
+    PREFILL_RATE_WINDOW_S,
+    Dispatch,
+    Prior,
+    ReplicaModel,
+)
 
 from kubellm import capacity
 

@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from tests.fixtures.engines import free_port, running_vllm, tiny_spec
+from tests.gateway.faults.peers import GatewayProcess
 
 pytestmark = pytest.mark.vllm
 
@@ -89,7 +90,43 @@ def test_decode_gives_the_same_tokens_computing_none_of_the_prompt(pair) -> None
         assert hits == prompt_tokens
 
 
-def test_a_decode_leg_whose_prefill_engine_died_recomputes_and_answers(pair) -> None:
+def counted(gateway: GatewayProcess, name: str, **labels: str) -> float:
+    """The sum of the gateway's counter `name` over series carrying `labels`."""
+    text = httpx.get(f"{gateway.url}/metrics", timeout=30).text
+    total = 0.0
+    for series, value in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        if all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def legs(gateway: GatewayProcess, outcome: str) -> float:
+    """The gateway's prefill legs with `outcome` (ok, failed)."""
+    return counted(gateway, "kubellm_gateway_disagg_legs_total", role="prefill", outcome=outcome)
+
+
+@pytest.fixture(scope="module")
+def gateway(pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    """The kubellm gateway in front of the pair, splitting every request (`Always`)."""
+    endpoints = [{"url": pair["prefill"], "role": "prefill"},
+                 {"url": pair["decode"], "role": "decode"}]  # fmt: skip
+    models = [{"name": "tiny", "endpoints": endpoints, "prefill": {"split": "Always"}}]
+    process = GatewayProcess(tmp_path_factory.mktemp("gateway"), models)
+    yield process
+    process.stop()
+
+
+def test_through_the_gateway_the_decode_replica_computes_none_of_the_prompt(pair, gateway) -> None:
+    prompt = "Requests through the gateway are split into a prefill and a decode leg. " * 6
+    alone = complete(pair["prefill"], prompt)
+    before, ok_before = external_hits(pair["decode"]), legs(gateway, "ok")
+    answer = complete(gateway.url, prompt)
+    assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert external_hits(pair["decode"]) - before == answer["usage"]["prompt_tokens"]
+    assert legs(gateway, "ok") == ok_before + 1
+
+
+def test_a_decode_leg_whose_prefill_engine_died_still_answers(pair, gateway) -> None:
     prompt = "A decode leg outliving its prefill engine still answers the client. " * 6
     alone = complete(pair["prefill"], prompt)  # the reference, not cached on decode
     params = prefill_leg(pair["prefill"], prompt)
@@ -100,6 +137,22 @@ def test_a_decode_leg_whose_prefill_engine_died_recomputes_and_answers(pair) -> 
     print(
         f"after the prefill engine died: external hits {external_hits(pair['decode']) - before:g}"
     )
+
+    # Through the gateway: the prefill leg to the dead engine fails (or, once the gateway's
+    # scrapes have seen it gone, no leg is tried) and the decode replica prefills locally:
+    # one answer, the same tokens, never a leg that succeeded.
+    def local() -> float:
+        gone = counted(gateway, "kubellm_gateway_disagg_decisions_total",
+                       reason="no-prefill-replica")  # fmt: skip
+        return legs(gateway, "failed") + gone
+
+    before_local, ok = local(), legs(gateway, "ok")
+    prompt = "With its prefill replica gone, the gateway prefills on the decode replica. " * 6
+    reference = complete(pair["decode"], prompt)
+    answer = complete(gateway.url, prompt)
+    assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert local() == before_local + 1
+    assert legs(gateway, "ok") == ok
 
 
 def _kill_listener(port: int) -> None:

@@ -130,7 +130,7 @@ def test_precise_scorer_ranks_gpu_then_host_then_a_miss() -> None:
 def test_the_latency_model_charges_a_reload_not_a_prefill(gpu, host, disk) -> None:
     """TTFT with a prefix matched by tier = TTFT with it all on the GPU + its reloads."""
     from kubellm.gateway.routing.index.kv_tiers import cached_tokens
-    from kubellm.gateway.routing.latency import Dispatch, Prior
+    from kubellm.gateway.routing.latency.model import Dispatch, Prior
 
     prior, block, per_token = Prior(), 16, 131_072
     value = TierValue.from_physics(prior.prefill_token_s, per_token)
