@@ -259,7 +259,7 @@ async def prefill_leg(
         scheduler.failed(url)
         disagg.legs.labels(*names, "prefill", "failed").inc()
         return None
-    scheduler.succeeded(url)
+    scheduler.outliers.success(url)
     disagg.legs.labels(*names, "prefill", "ok").inc()
     disagg.prefill.labels(*names).observe(time.monotonic() - start)
     # the decode replica computes none of the prompt: predicted and learnt as cached
