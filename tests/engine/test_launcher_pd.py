@@ -116,10 +116,14 @@ def test_vllms_parser_reads_each_roles_command_line(vllm_parser, role: str, gpus
 def test_the_nixl_alias_exposes_the_wheels_modules_as_vllm_imports_them(tmp_path) -> None:
     """`nixl._api` through the launcher's alias is the nixl-cu12 wheel's module."""
     import importlib.util
+    import platform
     import subprocess
 
     if importlib.util.find_spec("nixl_cu12") is None:
-        pytest.skip("the nixl-cu12 wheel is not installed (the engine-cpu extra)")
+        # pyproject declares nixl-cu12 for Linux x86_64 only: missing there, the install is broken
+        if sys.platform == "linux" and platform.machine() == "x86_64":
+            pytest.fail("nixl-cu12 is missing: pip install -e '.[dev,engine-cpu]' installs it")
+        pytest.skip("no nixl-cu12 wheel for this platform")
     shim = launcher.write_nixl_shim(tmp_path)
     probe = "import nixl._api as a, nixl_cu12._api as b; assert a is b and a.nixl_agent"
     result = subprocess.run([sys.executable, "-c", probe], env={"PYTHONPATH": shim},
