@@ -105,3 +105,14 @@ async def test_without_a_role_the_params_are_ignored_and_bad_params_are_a_400() 
         ))  # fmt: skip
         assert bad.status_code == 400
         assert bad.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_a_role_needs_a_spec_with_spec_prefill(tmp_path, capsys) -> None:
+    from kubellm import cli
+
+    assert cli.main(["engine", "--backend", "sim", "--role", "decode"]) == 2
+    assert "--role decode: give the --spec" in capsys.readouterr().err
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"model": {"source": "hf://org/m"}}))
+    assert cli.main(["engine", "--backend", "sim", "--role", "prefill", "--spec", str(spec)]) == 2
+    assert "spec.prefill" in capsys.readouterr().err
