@@ -54,8 +54,8 @@ from kubellm.sources import parse_source
 # The supervisor's key for a deployment's canary replicas (spec.rollout.strategy Canary).
 CANARY_SUFFIX = "--canary"
 # ... and for its prefill role's replicas (spec.prefill; the deployment's own key runs the
-# decode role then). A canary revision runs the decode role only here (the operator runs
-# both roles of a canary in a cluster).
+# decode role then). A canary revision runs the decode role only here, the prefill replicas
+# the stable revision (the operator runs both roles of a canary in a cluster).
 PREFILL_SUFFIX = "--prefill"
 # With --engine sim, these annotations make a revision's simulated engines misbehave on
 # purpose (kubellm engine --slow-steps / --fail-prompts-over): a bad revision to try a
@@ -105,6 +105,8 @@ class LocalDeployment:
     rollout_status: dict[str, Any] = field(default_factory=dict)  # status.rollout
     acted_action: str | None = None  # the rollout-action annotation already acted on
     prefill_total: int = 0  # spec.prefill.replicas, or the autoscaler's write of it
+    prefill_spec: int | None = None  # spec.prefill.replicas as last applied
+    prefill_runs: str = ""  # the engine identity the prefill replicas run
 
     @property
     def name(self) -> str:
@@ -171,7 +173,7 @@ class LocalRuntime:
                 self.supervisor.set_command(name, self._command(manifest), _events(manifest))
                 self.supervisor.set_replicas(name, manifest.spec.replicas)
                 changes.append(f"{name} created with {manifest.spec.replicas} replica(s)")
-                changes.extend(self._apply_prefill(self.deployments[name], None))
+                changes.extend(self._apply_prefill(self.deployments[name]))
                 continue
             old = current.manifest
             current.manifest = manifest
@@ -202,29 +204,31 @@ class LocalRuntime:
                 if current.stable is None:
                     self.supervisor.set_replicas(name, manifest.spec.replicas)
                 changes.append(f"{name} scaled to {manifest.spec.replicas}")
-            changes.extend(self._apply_prefill(current, old))
+            changes.extend(self._apply_prefill(current))
             if len(changes) == before and old.spec != manifest.spec:
                 changes.append(f"{name} updated")  # routing, fallback, SLO: the gateway follows
         return changes
 
-    def _apply_prefill(
-        self, deployment: LocalDeployment, old: api.LLMDeployment | None
-    ) -> list[str]:
-        """The prefill role's replicas (spec.prefill): started, replaced with the engine
-        spec, scaled to spec.prefill.replicas, or removed with spec.prefill."""
+    def _apply_prefill(self, deployment: LocalDeployment) -> list[str]:
+        """The prefill role's replicas (spec.prefill): started, replaced when the engine spec
+        they run changes (during a canary rollout: the stable revision's, so a request's two
+        legs stay on one revision; the canary's requests prefill locally), scaled when
+        spec.prefill.replicas changes, or removed with spec.prefill."""
         manifest, key, name = deployment.manifest, deployment.prefill_key, deployment.name
         prefill = manifest.spec.prefill
         if prefill is None:
             if key not in self.supervisor.commands:
                 return []
             self.supervisor.forget(key)
-            deployment.prefill_total = 0
+            deployment.prefill_total, deployment.prefill_runs, deployment.prefill_spec = 0, "", None
             return [f"{name} prefill role removed"]
-        had = old is not None and old.spec.prefill is not None
-        if not had or engine_identity_json(old) != engine_identity_json(manifest):
-            self.supervisor.set_command(key, self._command(manifest, role="prefill"))
-        if not had or old.spec.prefill.replicas != prefill.replicas:  # type: ignore[union-attr]
-            deployment.prefill_total = prefill.replicas
+        stable = deployment.stable
+        runs = stable if stable is not None and stable.spec.prefill is not None else manifest
+        if deployment.prefill_runs != engine_identity_json(runs):
+            deployment.prefill_runs = engine_identity_json(runs)
+            self.supervisor.set_command(key, self._command(runs, role="prefill"))
+        if deployment.prefill_spec != prefill.replicas:
+            deployment.prefill_spec = deployment.prefill_total = prefill.replicas
             self.supervisor.set_replicas(key, prefill.replicas)
             return [f"{name} prefill role at {prefill.replicas} replica(s)"]
         return []
@@ -369,6 +373,8 @@ class LocalRuntime:
                 if d.stable is not None:  # the spec went back to the stable revision
                     d.stable = None
                 self.supervisor.set_replicas(d.name, d.total)
+            for change in self._apply_prefill(d):  # it follows the stable revision
+                self.supervisor.event(f"rollout: {change}")
             for kind, reason, message in decision.events:
                 lines.append(f"rollout: {d.name}: {reason}: {message}")
                 self.supervisor.event(f"rollout: {d.name}: {kind} {reason}: {message}")
@@ -387,7 +393,10 @@ class LocalRuntime:
             split = prefill_split(manifest.spec)
             roles = {key: DECODE_ROLE if split else None for key in runs}
             if split is not None:
-                runs[deployment.prefill_key] = manifest
+                stable = deployment.stable
+                runs[deployment.prefill_key] = (
+                    stable if stable is not None and stable.spec.prefill is not None else manifest
+                )
                 roles[deployment.prefill_key] = PREFILL_ROLE
             endpoints = tuple(
                 GatewayEndpoint(
