@@ -72,3 +72,40 @@ def test_a_sim_fleet_with_spec_prefill_runs_both_roles_and_the_gateway_splits(
     assert fleet.process.returncode == 0, out
     assert "prefill role at 1 replica(s)" in out, out
     assert all(pid for pid in pids)
+
+
+def _pd(**spec: Any) -> Any:
+    from kubellm import manifests
+
+    return manifests.parse({
+        "apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment", "metadata": {"name": "a"},
+        "spec": {"model": {"source": "file:///m"}, "rollout": {"strategy": "Canary"}, **spec},
+    })  # fmt: skip
+
+
+async def test_the_local_runtime_runs_the_prefill_role_on_the_stable_revision(
+    tmp_path: Path,
+) -> None:
+    from kubellm.fleet.processes import Supervisor
+    from kubellm.fleet.runtime import LocalBackend, LocalRuntime
+
+    supervisor = Supervisor(tmp_path / "logs")
+    runtime = LocalRuntime(supervisor, tmp_path, engine="sim")
+    prefill = {"replicas": 1, "autoscaling": {"maxReplicas": 3}}
+    assert "a prefill role at 1 replica(s)" in runtime.apply([_pd(prefill=prefill)])
+    assert supervisor.desired == {"a": 1, "a--prefill": 1}
+    assert "--role" in (decode := supervisor.commands["a"](0, 1)) and "decode" in decode
+    assert "prefill" in supervisor.commands["a--prefill"](0, 1)
+    command = supervisor.commands["a--prefill"]
+    # a canary revision: the prefill replicas keep the stable revision (no restart)
+    changes = runtime.apply([_pd(prefill=prefill, model={"source": "file:///m2"})])
+    assert any("starts as a canary" in c for c in changes)
+    assert supervisor.commands["a--prefill"] is command
+    # the autoscaler's write of spec.prefill.replicas
+    backend = LocalBackend(runtime)
+    (target,) = await backend.targets()
+    assert target.prefill is not None and not target.scales_decode
+    await backend.write_prefill_replicas(target, 3)
+    assert supervisor.desired["a--prefill"] == 3
+    assert runtime.apply([_pd(model={"source": "file:///m2"})])[-1] == "a prefill role removed"
+    assert supervisor.desired["a--prefill"] == 0
