@@ -1,10 +1,11 @@
 """The Kubernetes `Backend`: LLMDeployments, EndpointSlices, /scale, status, Events.
 
 Plain HTTP with httpx against the API server (configuration from
-`kubellm.kube`). The autoscaler writes only four things: the /scale
+`kubellm.kube`). The autoscaler writes only five things: the /scale
 subresource, `status.autoscaler` and `status.adapters` (merge patches of those
-fields alone, through the status subresource), and Events; the operator owns
-the rest.
+fields alone, through the status subresource), spec.prefill.replicas (a merge patch
+of that field alone: a custom resource has one scale subresource, the decode role's),
+and Events; the operator owns the rest.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import Any
 
 import httpx
 import pydantic
-from kubellm.autoscaler.backend import AdapterTarget, Endpoint, Target
+from kubellm.autoscaler.backend import AdapterTarget, Endpoint, Target, target_for
 
 from kubellm import api, contracts, kube
-from kubellm.contracts import DEPLOYMENT_LABEL
+from kubellm.contracts import DEPLOYMENT_LABEL, PREFILL_ROLE, ROLE_LABEL
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,15 @@ class KubernetesBackend:
         return response.json().get("items", [])
 
     async def endpoints(self, target: Target | AdapterTarget) -> list[Endpoint]:
+        """The replicas serving whole requests (spec.prefill: the decode role's)."""
+        return await self._endpoints(target, prefill=False)
+
+    async def prefill_endpoints(self, target: Target) -> list[Endpoint]:
+        return await self._endpoints(target, prefill=True)
+
+    async def _endpoints(self, target: Target | AdapterTarget, prefill: bool) -> list[Endpoint]:
+        """The slices' endpoints of the prefill role (ROLE_LABEL prefill: its Service's
+        slices carry its labels) or of the rest."""
         selector = f"{DEPLOYMENT_LABEL}={target.name}"
         response = await self.client.get(
             f"/apis/discovery.k8s.io/v1/namespaces/{target.namespace}/endpointslices",
@@ -53,8 +63,11 @@ class KubernetesBackend:
         response.raise_for_status()
         found: dict[str, Endpoint] = {}
         for item in response.json().get("items", []):
-            if (item.get("metadata", {}).get("labels") or {}).get(DEPLOYMENT_LABEL) != target.name:
+            labels = item.get("metadata", {}).get("labels") or {}
+            if labels.get(DEPLOYMENT_LABEL) != target.name:
                 continue  # the server filters; this keeps a lax one honest
+            if (labels.get(ROLE_LABEL) == PREFILL_ROLE) != prefill:
+                continue
             for endpoint in slice_endpoints(item):  # one pod may sit in two slices (dual-stack)
                 found.setdefault(endpoint.name, endpoint)
         return sorted(found.values(), key=lambda e: e.name)
@@ -63,6 +76,14 @@ class KubernetesBackend:
         response = await self.client.patch(
             kube.llmd_path(target.namespace, target.name, "scale"),
             json={"spec": {"replicas": replicas}},
+            headers=MERGE_PATCH,
+        )
+        response.raise_for_status()
+
+    async def write_prefill_replicas(self, target: Target, replicas: int) -> None:
+        response = await self.client.patch(
+            kube.llmd_path(target.namespace, target.name),
+            json={"spec": {"prefill": {"replicas": replicas}}},
             headers=MERGE_PATCH,
         )
         response.raise_for_status()
@@ -123,21 +144,7 @@ def _target(item: dict[str, Any]) -> Target | None:
             "skipping LLMDeployment %s/%s: %s", meta.get("namespace"), meta.get("name"), error
         )
         return None
-    autoscaling = deployment.spec.autoscaling
-    if autoscaling is None or not autoscaling.enabled:
-        return None
-    return Target(
-        namespace=deployment.metadata.namespace,
-        name=deployment.metadata.name,
-        served_name=deployment.served_name,
-        replicas=deployment.spec.replicas,
-        autoscaling=autoscaling,
-        status=dict((item.get("status") or {}).get("autoscaler") or {}),
-        has_fallback=deployment.spec.fallback is not None and bool(deployment.spec.fallback.url),
-        fallback_max_concurrency=deployment.spec.fallback.max_concurrency
-        if deployment.spec.fallback is not None
-        else None,
-    )
+    return target_for(deployment, dict((item.get("status") or {}).get("autoscaler") or {}))
 
 
 def _adapter_target(item: dict[str, Any]) -> AdapterTarget | None:

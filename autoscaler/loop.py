@@ -10,7 +10,10 @@ Each period (`Autoscaler.step`):
 4. when the decision differs from /scale: write /scale and record an Event;
 5. merge status.autoscaler (desired, reason, message, last scale time,
    inputs, and the policy state) when it changed; export metrics;
-6. per deployment with adapters: read its ready replicas' /v1/models and
+6. per deployment with spec.prefill.autoscaling: its prefill role after the decode role
+   (`kubellm.autoscaler.prefill_loop`: queued prefill work against the TTFT budget,
+   spec.prefill.replicas, status.autoscaler.prefill);
+7. per deployment with adapters: read its ready replicas' /v1/models and
    `vllm:lora_requests_info` (the same scrape as step 3, once per period) and
    write status.adapters when it changed (`kubellm.autoscaler.adapters`).
 
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from kubellm.autoscaler import adapters, observe, overflow, rate
+from kubellm.autoscaler import adapters, observe, overflow, prefill_loop, rate
 from kubellm.autoscaler import policy as p
 from kubellm.autoscaler.backend import AdapterTarget, Backend, Target
 from kubellm.autoscaler.overflow import GatewayWindow
@@ -110,7 +113,8 @@ class Autoscaler:
             self._failed(target, result, "status.adapters of %s not written: %r", "adapters")
         outcomes = []
         for target, result in zip(targets, results, strict=True):
-            if not self._failed(target, result, "autoscaling %s failed: %r", "target"):
+            failed = self._failed(target, result, "autoscaling %s failed: %r", "target")
+            if not failed and result is not None:
                 outcomes.append(result)
         return outcomes
 
@@ -136,7 +140,16 @@ class Autoscaler:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=remaining)
 
-    async def _one(self, target: Target, gateway_text: str | None) -> Outcome:
+    async def _one(self, target: Target, gateway_text: str | None) -> Outcome | None:
+        """The decode role's period (when spec.autoscaling is on), then the prefill role's
+        (spec.prefill.autoscaling), which follows the decode role's count."""
+        outcome = await self._decode(target, gateway_text) if target.scales_decode else None
+        if target.prefill is not None:
+            decode = outcome.decision.replicas if outcome is not None else target.replicas
+            await prefill_loop.tend(self.backend, self._scrape, target, decode, self.clock())
+        return outcome
+
+    async def _decode(self, target: Target, gateway_text: str | None) -> Outcome:
         endpoints = [e for e in await self.backend.endpoints(target) if e.ready]
         texts = await asyncio.gather(*(self._scrape(e.metrics_url) for e in endpoints))
         replicas = observe.fold_ranks(

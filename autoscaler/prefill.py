@@ -26,10 +26,14 @@ prefill Deployment's replicas from it, zero while decode is zero).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kubellm import api
+
+# Recommendations kept for the scale-down window at most (as status.autoscaler's)
+MAX_SAMPLES = api.MAX_STATUS_SAMPLES
 
 
 @dataclass(frozen=True)
@@ -69,3 +73,101 @@ def coordinate(decode: int, prefill: int, prefill_min: int) -> tuple[int, int]:
     if decode <= 0:
         return 0, 0
     return decode, max(prefill, prefill_min)
+
+
+@dataclass(frozen=True)
+class PrefillObservation:
+    """The prefill role in one control period: its ready replicas' requests (every request
+    there is a prompt: a prefill leg asks for one token) and their cumulative prompt tokens
+    and finished requests (vLLM's counters), and the decode role's replicas as decided now."""
+
+    now: float
+    current: int  # spec.prefill.replicas now
+    decode_replicas: int
+    ready: int  # ready prefill replicas, every one scraped
+    fresh: bool  # every ready replica's scrape worked
+    waiting: float = 0.0
+    running: float = 0.0
+    prompt_tokens: float = 0.0  # vllm:prompt_tokens_total, summed
+    requests: float = 0.0  # vllm:request_success_total, summed
+
+
+@dataclass(frozen=True)
+class PrefillDecision:
+    replicas: int
+    reason: str
+    message: str
+    status: dict[str, Any]  # status.autoscaler.prefill, camelCase
+
+
+# A throughput measured over a period blends into the learned one with this weight.
+LEARN_WEIGHT = 0.5
+
+
+def learn_throughput(seen: PrefillObservation, status: Mapping[str, Any]) -> float | None:
+    """One prefill replica's prompt tokens/s: learned from the periods in which every ready
+    replica had a queue at both ends (a saturated replica computes at its throughput), else
+    the figure learned before (None: never saturated yet)."""
+    learned = status.get("tokensPerSecond")
+    before, since = status.get("promptTokens"), status.get("sampleTime")
+    saturated = seen.ready > 0 and seen.waiting >= seen.ready
+    if not (saturated and status.get("saturated") and status.get("ready") == seen.ready):
+        return learned
+    if before is None or since is None or seen.now <= since or seen.prompt_tokens < before:
+        return learned  # a restarted replica's counters went back: no figure this period
+    measured = (seen.prompt_tokens - before) / (seen.now - since) / seen.ready
+    if measured <= 0:
+        return learned
+    return measured if learned is None else LEARN_WEIGHT * measured + (1 - LEARN_WEIGHT) * learned
+
+
+def decide(
+    seen: PrefillObservation,
+    status: Mapping[str, Any],
+    spec: api.PrefillAutoscaling,
+    ttft_seconds: float,
+) -> PrefillDecision:
+    """The prefill role's replicas this period: the queued and running prompt tokens (the
+    requests there times the mean prompt) against the TTFT budget (`prefill_ask`), the
+    highest ask of the scale-down window, and the pair's coordination (`coordinate`).
+    A period with a failed scrape never lowers the count."""
+    tps = learn_throughput(seen, status)
+    mean_prompt = seen.prompt_tokens / seen.requests if seen.requests > 0 else 0.0
+    signals = PrefillSignals(
+        seen.waiting * mean_prompt, seen.running * mean_prompt, tps or 0.0, seen.current
+    )
+    ask = prefill_ask(signals, spec, ttft_seconds)
+    if not seen.fresh:
+        ask = max(ask, seen.current)
+    window = spec.scale_down_stabilization_seconds
+    past = [(float(r["time"]), int(r["replicas"])) for r in status.get("recommendations") or []]
+    held = stabilised(past, seen.now, window, ask)
+    _, replicas = coordinate(seen.decode_replicas, held, spec.min_replicas)
+    work = (signals.queued_tokens + signals.running_tokens) / tps if tps else None
+    if seen.decode_replicas <= 0:
+        reason, why = "PairAtZero", "the decode role is at zero"
+    elif tps is None:
+        reason, why = "NoThroughputYet", "no prefill throughput learned yet (never saturated)"
+    elif held > ask:
+        reason, why = "ScaleDownHeld", f"a higher ask within the last {window} s holds"
+    else:
+        reason, why = (
+            "QueuedPrefillWork",
+            (
+                f"{work:.2f} s of queued prefill work at {tps:.0f} tokens/s per replica against "
+                f"{spec.target_queue_share:g} x TTFT {ttft_seconds:g} s"
+            ),
+        )
+    message = f"prefill {seen.current} -> {replicas} replicas; {why}"
+    kept = [{"time": t, "replicas": n} for t, n in past if seen.now - t <= window]
+    return PrefillDecision(
+        replicas, reason, message,
+        {
+            "desiredReplicas": replicas, "reason": reason, "message": message,
+            "tokensPerSecond": None if tps is None else round(tps, 3),
+            "queuedSeconds": None if work is None else round(work, 4),
+            "promptTokens": seen.prompt_tokens, "sampleTime": seen.now, "ready": seen.ready,
+            "saturated": seen.ready > 0 and seen.waiting >= seen.ready,
+            "recommendations": [*kept, {"time": seen.now, "replicas": ask}][-MAX_SAMPLES:],
+        },
+    )  # fmt: skip

@@ -156,21 +156,33 @@ def _vllm(args: argparse.Namespace) -> int:
     return launcher.run(plan, health_url=health)
 
 
-def sim_profile(name: str | None, spec: str | None) -> tuple[sim_profiles.Profile, str | None]:
+def sim_profile(
+    name: str | None, spec: str | None, role: str | None = None
+) -> tuple[sim_profiles.Profile, str | None]:
     """The simulator's profile (named, or the default for the spec's hardware) with the
-    spec's engine fields mapped on, and the spec's served name (None without a spec)."""
+    spec's engine fields mapped on (`role`'s: the prefill role's overrides, the KV link),
+    and the spec's served name (None without a spec)."""
     from kubellm.engine import launcher, sim_profiles
 
+    from kubellm import capacity
+
     if spec is None:
+        if role is not None:
+            raise ValueError(f"--role {role}: give the --spec with spec.prefill")
         return sim_profiles.get(name or sim_profiles.default_for(cpu=False)), None
     try:
         target = launcher.load_target(spec)
+        role_spec = launcher.role_spec(target.spec, role)
     except launcher.LaunchError as error:
         raise ValueError(str(error)) from None
-    cpu = target.spec.resources.gpu.count == 0
+    cpu = role_spec.resources.gpu.count == 0
     base = sim_profiles.get(name or sim_profiles.default_for(cpu))
-    profile = sim_profiles.from_spec(base, target.spec.engine, cpu=cpu)
+    profile = sim_profiles.from_spec(base, role_spec.engine, cpu=cpu)
     profile = profile.with_overrides(max_loras=contracts.max_loras(target.spec))
+    if role_spec.prefill is not None:
+        profile = profile.with_overrides(
+            kv_link_gbps=capacity.kv_link_gbps(role_spec.prefill.kv_connector)
+        )
     return profile, target.served_name
 
 
@@ -210,7 +222,7 @@ def _sim(args: argparse.Namespace) -> int:
     from kubellm.engine import sim_server as server
 
     try:
-        profile, served = sim_profile(args.profile, args.spec)
+        profile, served = sim_profile(args.profile, args.spec, args.role)
         profile = profile.slowed(args.slowdown)
         events_port = sim_kv_events_port(args.spec, args.kv_events_port)
         return server.serve(
@@ -226,6 +238,7 @@ def _sim(args: argparse.Namespace) -> int:
             kv_events_port=events_port,
             slow_steps=args.slow_steps,
             fail_prompts_over=args.fail_prompts_over,
+            role=args.role,
         )
     except ValueError as error:
         print(f"kubellm engine: {error}", file=sys.stderr)

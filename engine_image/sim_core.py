@@ -45,6 +45,12 @@ What it copies from vLLM (v1 engine), because the control plane depends on it:
   synchronously before the forward pass; its `max_cpu_loras` defaults to
   `max_loras`, so an evicted adapter is read from disk again) and counts in
   `lora_loads`.
+- A decode role's remote KV (P/D, vLLM's NixlConnector): a request that arrives with a
+  prefill role's `kv_transfer_params` (`remote_kv`) takes its prompt's KV from the
+  connector at admission: blocks for the whole prompt, every token but the last counted
+  computed (vLLM recomputes the last one to make the first token), the tokens beyond the
+  local prefix hit counted as external hits. The transfer's time is the runtime's (it
+  waits before adding the request; sim_runtime). After a preemption it is recomputed.
 """
 
 from __future__ import annotations
@@ -235,6 +241,7 @@ class Request:
     lora: str | None = None  # the adapter it runs with, or None for the base model
     lora_path: str = ""  # where the engine loaded the adapter from (in its block hashes)
     cache_salt: str | None = None  # in block 0's hash, as vLLM's cache_salt
+    remote_kv: bool = False  # its prompt's KV comes from a prefill role (P/D)
     _lookup: tuple[int, list[bytes]] | None = None  # the prompt's hashes, by token count
     _since: int = -1  # BatchEngine: its fields are current as of this bulk step (-1: not bulk)
 
@@ -297,6 +304,8 @@ class Engine:
             )
         self.external_queries = 0  # vLLM's external_prefix_cache_queries / _hits (tokens)
         self.external_hits = 0
+        # a KV connector is asked for what the GPU lacks: the offload tiers, or a P/D role's
+        self.kv_connector = self.tiers is not None
         self._reload_s = 0.0  # offloaded blocks loaded for this step's admissions
 
     # ------------------------------------------------------------------ requests
@@ -375,6 +384,21 @@ class Engine:
         self._cache_full_blocks(request, (start + len(tiers)) * size, store=False)
         request.computed = (start + len(tiers)) * size
 
+    def _receive_remote(self, request: Request) -> None:
+        """The prompt's KV beyond the local hit arrives from the prefill role: counted as
+        external hits (NIXL's count: the prompt less the local hit) and cached here."""
+        external = request.num_tokens - request.computed
+        self.external_hits += external
+        request.cached_tokens += external
+        request.computed = request.num_tokens - 1
+        self._cache_full_blocks(request, request.computed, store=False)
+
+    def cached_prefix_tokens(self, prompt: list[int], cache_salt: str | None = None) -> int:
+        """Tokens of `prompt` found in this replica's prefix cache now (a base-model request)."""
+        return len(self._lookup_prefix(Request("", prompt, 1, cache_salt=cache_salt))) * (
+            self.profile.block_size
+        )
+
     def _admit(self, request: Request, hit: list[int]) -> None:
         """Take the hit blocks, allocate the rest for the first chunk, count the lookup."""
         size = self.profile.block_size
@@ -383,7 +407,7 @@ class Engine:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(hit) * size
             request.cached_tokens = len(hit) * size
-            if self.tiers is not None:  # the connector is asked for what the GPU lacks
+            if self.kv_connector:  # the connector is asked for what the GPU lacks
                 self.external_queries += request.num_tokens - len(hit) * size
         for block_id in hit:
             self.pool.touch(block_id)
@@ -502,6 +526,8 @@ class Engine:
             hit = self._lookup_prefix(request)
             offloaded = self._lookup_offloaded(request, len(hit))
             found = (len(hit) + len(offloaded)) * self.profile.block_size
+            if request.remote_kv and request.preemptions == 0:
+                found = request.num_tokens - 1  # the transfer brings all but the last token
             want = request.num_tokens - found
             if want > budget and not self.profile.chunked_prefill:
                 break
@@ -514,7 +540,9 @@ class Engine:
             self._admit(request, hit)
             for _ in range(new_blocks):
                 request.blocks.append(self.pool.allocate())
-            if offloaded:
+            if request.remote_kv and request.preemptions == 0:
+                self._receive_remote(request)
+            elif offloaded:
                 self._load_offloaded(request, offloaded)
             self._cache_full_blocks(request, request.computed + want)
             scheduled.append((request, want))

@@ -82,6 +82,13 @@ class Profile:
     host_gbps: float = kv_tiers.RELOAD_GBPS[kv_tiers.CPU]  # PCIe (kubellm.kv_tiers cites)
     disk_read_gbps: float = kv_tiers.RELOAD_GBPS[kv_tiers.STORAGE]  # local NVMe
     disk_write_gbps: float = kv_tiers.STORE_GBPS[kv_tiers.STORAGE]
+    # P/D: the link a prefill role's KV reaches a decode role over, GB/s (capacity.KV_LINK_GBPS
+    # has NVLink, RDMA and TCP figures; spec.prefill.kvConnector.linkBandwidthGBps sets it)
+    kv_link_gbps: float = capacity.KV_LINK_GBPS["rdma"]
+
+    def kv_transfer_seconds(self, tokens: int) -> float:
+        """Moving `tokens` tokens' KV from a prefill replica over the link."""
+        return self.kv_bytes_per_token * tokens / (self.kv_link_gbps * 1e9)
 
     def step_seconds(self, prefill_tokens: int, decode_tokens: int) -> float:
         return (

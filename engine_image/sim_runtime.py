@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -86,6 +87,7 @@ class Simulator:
         time_scale: float,
         tok: tokenizer.Tokenizer,
         publisher: KVEventPublisher | None = None,
+        role: str | None = None,
     ) -> None:
         self.served_model_name = served_model_name
         self.profile = profile
@@ -94,6 +96,10 @@ class Simulator:
         # KV events (spec.routing.prefixIndex precise): each step's batch, published
         self.publisher = publisher
         self.engine = Engine(profile, vocab_size=tok.vocab_size, kv_events=publisher is not None)
+        # P/D (spec.prefill): "prefill" answers kv_transfer_params, "decode" takes them
+        self.role = role
+        self.engine_id = uuid.uuid4().hex
+        self.engine.kv_connector = self.engine.kv_connector or role is not None
         self.streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
@@ -166,6 +172,13 @@ class Simulator:
             else None
         )  # fmt: skip
         self._lora_loads_counted = 0
+        # a P/D role's connector counts as vLLM's does (the offload tiers' export them too)
+        self._external = (
+            (counter(sim_tiers.EXTERNAL_QUERIES, "External prefix cache queries, in tokens."),
+             counter(sim_tiers.EXTERNAL_HITS, "External prefix cache hits, in tokens."), [0, 0])
+            if role is not None and self.engine.tiers is None
+            else None
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the stepping task
 
@@ -246,6 +259,7 @@ class Simulator:
         streaming: bool = True,
         lora: str | None = None,
         cache_salt: str | None = None,
+        remote_kv: bool = False,
     ) -> _Stream:
         reason = self.engine.validate(len(prompt_tokens), max_tokens)
         if reason:
@@ -254,6 +268,7 @@ class Simulator:
         request = Request(
             f"sim-{next(self._ids)}", list(prompt_tokens), max_tokens, lora=lora,
             lora_path=self.adapters.get(lora, "") if lora else "", cache_salt=cache_salt,
+            remote_kv=remote_kv,
         )  # fmt: skip
         stream = _Stream(request, self.clock.now(), streaming)
         self.streams[request.request_id] = stream
@@ -261,6 +276,27 @@ class Simulator:
         assert self._wake is not None
         self._wake.set()
         return stream
+
+    def kv_transfer_params(self, stream: _Stream, host: str, port: int) -> dict[str, object]:
+        """A prefill role's answer naming the finished request's KV blocks, as vLLM's
+        NixlConnector gives it (request_finished): the decode role pulls them with these."""
+        request = stream.request
+        hashes = request._lookup[1] if request._lookup else []
+        cached = (self.engine.pool.cached.get(h) for h in hashes)
+        return {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": [b for b in cached if b is not None],
+            "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
+            "remote_host": host, "remote_port": port, "tp_size": 1,
+        }  # fmt: skip
+
+    async def receive_kv(self, prompt_tokens: list[int], cache_salt: str | None) -> None:
+        """Wait while a prefill role's KV for the prompt's part not cached here crosses the
+        link (vLLM's NIXL pulls it before the request is scheduled; other requests step on)."""
+        missing = len(prompt_tokens) - self.engine.cached_prefix_tokens(prompt_tokens, cache_salt)
+        await self.clock.sleep_until(
+            self.clock.now() + self.profile.kv_transfer_seconds(max(0, missing))
+        )
 
     async def tokens(self, stream: _Stream) -> AsyncIterator[str]:
         """The text pieces of a request as they are generated; aborts it if abandoned."""
@@ -300,6 +336,11 @@ class Simulator:
             for key, (child, counted) in self._offload.items():
                 child.inc(values[key] - counted)
                 self._offload[key] = (child, values[key])
+        if self._external is not None:
+            queries, hits, counted = self._external
+            queries.inc(self.engine.external_queries - counted[0])
+            hits.inc(self.engine.external_hits - counted[1])
+            counted[:] = [self.engine.external_queries, self.engine.external_hits]
         if self.c_lora_loads is not None:
             self.c_lora_loads.inc(self.engine.lora_loads - self._lora_loads_counted)
             self._lora_loads_counted = self.engine.lora_loads

@@ -117,6 +117,8 @@ def create_app(
     adapters: dict[str, str] | None = None,
     kv_events: tuple[str, int] | None = None,
     fail_prompts_over: int | None = None,
+    role: str | None = None,
+    kv_address: tuple[str, int] = ("127.0.0.1", 0),
 ) -> Starlette:
     """The simulator as an ASGI app (run it with uvicorn, or in-process via httpx).
 
@@ -125,13 +127,22 @@ def create_app(
     (replay on port + 1), as vLLM's --kv-events-config does (sim_events).
     `fail_prompts_over`: misbehave on purpose, answering 500 (OpenAI's envelope) to every
     prompt longer than this many tokens (a bad revision, for a test).
+    `role` (P/D, spec.prefill; vLLM's kv_transfer_params protocol, gateway/protocol/
+    kv_transfer.py): "prefill" answers a request asking `do_remote_decode` with the
+    `kv_transfer_params` naming its KV blocks (host and port: `kv_address`); "decode"
+    takes a request carrying `do_remote_prefill` params with its prompt's KV from the
+    connector (the transfer's time: the prompt's uncached KV bytes over the profile's
+    `kv_link_gbps`; counted in vllm:external_prefix_cache_hits). Without a role the params
+    are ignored, as vLLM without a KV connector does.
     """
     if fail_prompts_over is not None and fail_prompts_over < 1:
         raise ValueError(f"--fail-prompts-over must be at least 1, got {fail_prompts_over}")
     chosen = profiles.get(profile) if isinstance(profile, str) else profile
     chosen = chosen.with_overrides(block_size=block_size, num_blocks=num_blocks)
     publisher = KVEventPublisher(*kv_events) if kv_events else None
-    sim = Simulator(served_model_name, chosen, time_scale, tokenizer.load(tokenizer_dir), publisher)
+    sim = Simulator(
+        served_model_name, chosen, time_scale, tokenizer.load(tokenizer_dir), publisher, role
+    )
     if adapters and not chosen.max_loras:
         raise ValueError("adapters need LoRA on: give the profile max_loras (spec.engine.maxLoras)")
     sim.adapters.update(adapters or {})
@@ -236,11 +247,20 @@ def create_app(
         stream_mode = _field(body, "stream", bool, False)
         options = _field(body, "stream_options", dict, None) or {}
         include_usage = bool(options.get("include_usage"))
+        kv_params = _field(body, "kv_transfer_params", dict, None) or {}
+        remote = sim.role == "decode" and kv_params.get("do_remote_prefill") is True
+        publish = sim.role == "prefill" and kv_params.get("do_remote_decode") is True
+        salt = _field(body, "cache_salt", str, None) or None
+        if remote and lora is None:
+            reason = sim.engine.validate(len(prompt_ids), max_tokens)
+            if reason:
+                raise APIError(400, reason, "max_tokens")
+            await sim.receive_kv(prompt_ids, salt)
         try:
-            salt = _field(body, "cache_salt", str, None) or None
             request = sim.submit(
-                prompt_ids, max_tokens, streaming=stream_mode, lora=lora, cache_salt=salt
-            )
+                prompt_ids, max_tokens, streaming=stream_mode, lora=lora, cache_salt=salt,
+                remote_kv=remote and lora is None,
+            )  # fmt: skip
         except RequestRejected as error:
             raise APIError(400, str(error), "max_tokens") from None
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{request.request.request_id}"
@@ -286,9 +306,11 @@ def create_app(
                       "logprobs": None, "finish_reason": "length"}  # fmt: skip
         else:
             choice = {"index": 0, "text": text_out, "logprobs": None, "finish_reason": "length"}
-        return JSONResponse({"id": ident, "object": kind, "created": int(time.time()),
-                             "model": answered_as, "choices": [choice],
-                             "usage": usage})  # fmt: skip
+        answer = {"id": ident, "object": kind, "created": int(time.time()),
+                  "model": answered_as, "choices": [choice], "usage": usage}  # fmt: skip
+        if publish:
+            answer["kv_transfer_params"] = sim.kv_transfer_params(request, *kv_address)
+        return JSONResponse(answer)
 
     def guarded(chat: bool):  # type: ignore[no-untyped-def]
         async def endpoint(http: HTTPRequest) -> Response:
@@ -389,6 +411,7 @@ def serve(
     kv_events_port: int | None = None,
     slow_steps: float | None = None,
     fail_prompts_over: int | None = None,
+    role: str | None = None,
 ) -> int:
     """Run the simulator with uvicorn until interrupted."""
     import uvicorn
@@ -400,13 +423,15 @@ def serve(
         served_model_name, profile, time_scale,
         block_size=block_size, num_blocks=num_blocks, tokenizer_dir=tokenizer,
         adapters=adapters, kv_events=(host, kv_events_port) if kv_events_port else None,
-        fail_prompts_over=fail_prompts_over,
+        fail_prompts_over=fail_prompts_over, role=role, kv_address=(host, port),
     )  # fmt: skip
     chosen = app.state.simulator.profile
     line = banner(host, port, served_model_name, chosen.name, time_scale)
     if slow_steps is not None or fail_prompts_over is not None:
         line += (f", MISBEHAVING on purpose (slow steps x{slow_steps or 1:g}, failing "
                  f"prompts over {fail_prompts_over or 'no'} tokens)")  # fmt: skip
+    if role is not None:
+        line += f", P/D {role} role (KV link {chosen.kv_link_gbps:g} GB/s)"
     if kv_events_port:
         line += f", KV events on {kv_events_port} (replay {kv_events_port + 1})"
     print(f"{line}; {describe(chosen)}", file=sys.stderr, flush=True)

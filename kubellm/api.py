@@ -1287,8 +1287,43 @@ class AutoscalerGatewaySample(_Status):
     replica: float
 
 
+class PrefillRecommendation(_Status):
+    """One past recommendation for the prefill role (time: seconds since the epoch)."""
+
+    time: float
+    replicas: int
+
+
+class PrefillAutoscalerStatus(_Status):
+    """The prefill role's autoscaling (spec.prefill.autoscaling): its decision, and what it
+    learns (one replica's prompt tokens/s while saturated) and last sampled."""
+
+    desired_replicas: int | None = None
+    reason: str | None = None
+    message: str | None = None
+    tokens_per_second: float | None = Field(
+        default=None, description="Prompt tokens/s one prefill replica computed while saturated."
+    )
+    queued_seconds: float | None = Field(
+        default=None, description="Queued and running prefill work, seconds of one replica."
+    )
+    prompt_tokens: float | None = Field(
+        default=None, description="The ready prefill replicas' prompt tokens at sampleTime."
+    )
+    sample_time: float | None = None
+    ready: int | None = None
+    saturated: bool | None = None
+    recommendations: list[PrefillRecommendation] | None = Field(
+        default=None, max_length=MAX_STATUS_SAMPLES
+    )
+
+
 class AutoscalerStatus(_Status):
     """Written by the autoscaler only; its state lives here so a restart loses nothing."""
+
+    prefill: PrefillAutoscalerStatus | None = Field(
+        default=None, description="The prefill role's (spec.prefill.autoscaling)."
+    )
 
     desired_replicas: int | None = None
     reason: str | None = None

@@ -16,9 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubellm import kv_tiers
+
+if TYPE_CHECKING:
+    from kubellm import api
 
 GIB = 2**30
 GB = 10**9
@@ -28,6 +31,16 @@ GB = 10**9
 # ConnectX-7 NIC per GPU (50 GB/s line rate, ~45 achieved with GPUDirect), TCP over a
 # 100 GbE pod network (12.5 GB/s line rate, ~10 achieved by one stream).
 KV_LINK_GBPS = {"nvlink": 360.0, "rdma": 45.0, "tcp": 10.0}
+# The transport each KV connector uses where spec.prefill.kvConnector does not give the
+# link's bandwidth (others: TCP)
+CONNECTOR_LINK = {"Nixl": "rdma", "Mooncake": "rdma", "P2pNccl": "rdma"}
+
+
+def kv_link_gbps(connector: api.KVConnector) -> float:
+    """The KV link's GB/s between a prefill and a decode pod: the connector's
+    linkBandwidthGBps, else its transport's figure."""
+    return connector.link_bandwidth_gbps or KV_LINK_GBPS[CONNECTOR_LINK.get(connector.type, "tcp")]
+
 
 # Bits per weight, including the scale overhead of each format:
 # - bf16/fp16: 16 bits, no scales.

@@ -221,6 +221,12 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
                        "rule), kv-queue+fallback+cost (the cost rule), each also with "
                        "+predict (spec.autoscaling.predictive); default: kv-queue and "
                        "kv-queue+fallback+cost")  # fmt: skip
+    trace.add_argument("--pd", type=int, metavar="REPLICAS",
+                       help="also plan prefill/decode disaggregation on REPLICAS replicas: "
+                       "whether the conditional split serves more of the trace than "
+                       "aggregated serving on the same GPUs, and at which P:D")  # fmt: skip
+    trace.add_argument("--pd-link-gbps", type=float, metavar="GBPS",
+                       help="--pd: the KV link between the roles (default 45: RDMA)")  # fmt: skip
     trace.add_argument("--png", metavar="FILE", help="plot load, oracle and replicas")
     trace.add_argument("--seed", type=int, help="default 0")
     trace.add_argument("--calibrate", metavar="URL",

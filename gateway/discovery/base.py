@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from kubellm.api import SLO, LLMDeploymentSpec, Routing
-from kubellm.capacity import KV_LINK_GBPS, kv_bytes_per_token
+from kubellm.capacity import KV_LINK_GBPS, kv_bytes_per_token, kv_link_gbps
 from kubellm.contracts import (
     PREFILL_ROLE,
     FallbackTarget,  # the core builds it from a spec: fallback_target
@@ -79,18 +79,13 @@ class PrefillSplit:
     link_bytes_per_s: float = KV_LINK_GBPS["rdma"] * 1e9
 
 
-# The transport each connector uses by default where spec.prefill.kvConnector does not
-# say the link's bandwidth (capacity.KV_LINK_GBPS)
-_CONNECTOR_LINK = {"Nixl": "rdma", "Mooncake": "rdma", "P2pNccl": "rdma"}
-
-
 def prefill_split(spec: LLMDeploymentSpec) -> PrefillSplit | None:
     """The split settings of a spec with a prefill role (None: aggregated)."""
     prefill = spec.prefill
     if prefill is None:
         return None
     connector = prefill.kv_connector
-    gbps = connector.link_bandwidth_gbps or KV_LINK_GBPS[_CONNECTOR_LINK.get(connector.type, "tcp")]
+    gbps = kv_link_gbps(connector)
     arch = spec.model.architecture
     kv_bytes = 1 if spec.engine.kv_cache_dtype.startswith("fp8") else 2
     per_token = (

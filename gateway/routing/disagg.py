@@ -230,7 +230,10 @@ async def prefill_leg(
     settings = target.prefill
     if settings is None:
         return None
-    prefills = scheduler.router.candidates(target, target.prefill_endpoints)
+    # the decode replica's revision only: a canary request's two legs stay on the canary
+    revision = next((e.revision for e in target.endpoints if e.url == decode.url), None)
+    same = tuple(e for e in target.prefill_endpoints if e.revision == revision)
+    prefills = scheduler.router.candidates(target, same)
     slo = target.slo
     verdict, url = plan(
         scheduler.predictions, ticket.routing, decode, prefills, settings,

@@ -274,6 +274,15 @@ def _write_state(run_dir: Path, gateway_url: str, runtime: LocalRuntime) -> None
                     {"name": r.name, "url": r.url, "state": r.state}
                     for r in runtime.supervisor.endpoints(d.canary_key)
                 ],
+                "prefillReplicas": [
+                    {
+                        "name": r.name,
+                        "url": r.url,
+                        "state": r.state,
+                        "pid": r.process.pid if r.process else None,
+                    }
+                    for r in runtime.supervisor.endpoints(d.prefill_key)
+                ],
             }
             for name, d in runtime.deployments.items()
         },

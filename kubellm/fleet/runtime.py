@@ -31,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from kubellm import api, capacity
-from kubellm.autoscaler.backend import AdapterTarget, Target
+from kubellm.autoscaler.backend import AdapterTarget, Target, target_for
 from kubellm.autoscaler.backend import Endpoint as ScalerEndpoint
 from kubellm.contracts import (
+    DECODE_ROLE,
+    PREFILL_ROLE,
     ROLLOUT_ACTION_ANNOTATION,
     ROLLOUT_ACTIONS,
     FallbackTarget,
@@ -42,15 +44,19 @@ from kubellm.contracts import (
     fallback_target,
     revision,
 )
-from kubellm.fleet.processes import CommandFor, Supervisor
+from kubellm.fleet.processes import CommandFor, Supervisor, free_port
 from kubellm.gateway.discovery.base import Endpoint as GatewayEndpoint
-from kubellm.gateway.discovery.base import ModelTarget, StepCosts, canary_split
+from kubellm.gateway.discovery.base import ModelTarget, StepCosts, canary_split, prefill_split
 from kubellm.gateway.discovery.kubernetes import adapter_refs
 from kubellm.operator import rollout
 from kubellm.sources import parse_source
 
 # The supervisor's key for a deployment's canary replicas (spec.rollout.strategy Canary).
 CANARY_SUFFIX = "--canary"
+# ... and for its prefill role's replicas (spec.prefill; the deployment's own key runs the
+# decode role then). A canary revision runs the decode role only here, the prefill replicas
+# the stable revision (the operator runs both roles of a canary in a cluster).
+PREFILL_SUFFIX = "--prefill"
 # With --engine sim, these annotations make a revision's simulated engines misbehave on
 # purpose (kubellm engine --slow-steps / --fail-prompts-over): a bad revision to try a
 # canary rollout on. Annotations are not part of the engine identity: change them together
@@ -98,10 +104,17 @@ class LocalDeployment:
     stable: api.LLMDeployment | None = None
     rollout_status: dict[str, Any] = field(default_factory=dict)  # status.rollout
     acted_action: str | None = None  # the rollout-action annotation already acted on
+    prefill_total: int = 0  # spec.prefill.replicas, or the autoscaler's write of it
+    prefill_spec: int | None = None  # spec.prefill.replicas as last applied
+    prefill_runs: str = ""  # the engine identity the prefill replicas run
 
     @property
     def name(self) -> str:
         return self.manifest.metadata.name
+
+    @property
+    def prefill_key(self) -> str:
+        return self.name + PREFILL_SUFFIX
 
     @property
     def canary_key(self) -> str:
@@ -148,9 +161,9 @@ class LocalRuntime:
         for name in list(self.deployments):
             if name not in wanted:  # removed or renamed: its canary's replicas go too
                 self.supervisor.forget(name)
-                canary = self.deployments[name].canary_key
-                if canary in self.supervisor.desired:
-                    self.supervisor.forget(canary)
+                for key in (self.deployments[name].canary_key, self.deployments[name].prefill_key):
+                    if key in self.supervisor.desired:
+                        self.supervisor.forget(key)
                 del self.deployments[name]
                 changes.append(f"{name} removed")
         for name, manifest in wanted.items():
@@ -160,6 +173,7 @@ class LocalRuntime:
                 self.supervisor.set_command(name, self._command(manifest), _events(manifest))
                 self.supervisor.set_replicas(name, manifest.spec.replicas)
                 changes.append(f"{name} created with {manifest.spec.replicas} replica(s)")
+                changes.extend(self._apply_prefill(self.deployments[name]))
                 continue
             old = current.manifest
             current.manifest = manifest
@@ -190,14 +204,45 @@ class LocalRuntime:
                 if current.stable is None:
                     self.supervisor.set_replicas(name, manifest.spec.replicas)
                 changes.append(f"{name} scaled to {manifest.spec.replicas}")
+            changes.extend(self._apply_prefill(current))
             if len(changes) == before and old.spec != manifest.spec:
                 changes.append(f"{name} updated")  # routing, fallback, SLO: the gateway follows
         return changes
 
-    def _command(self, manifest: api.LLMDeployment, canary: bool = False) -> CommandFor:
+    def _apply_prefill(self, deployment: LocalDeployment) -> list[str]:
+        """The prefill role's replicas (spec.prefill): started, replaced when the engine spec
+        they run changes (during a canary rollout: the stable revision's, so a request's two
+        legs stay on one revision; the canary's requests prefill locally), scaled when
+        spec.prefill.replicas changes, or removed with spec.prefill."""
+        manifest, key, name = deployment.manifest, deployment.prefill_key, deployment.name
+        prefill = manifest.spec.prefill
+        if prefill is None:
+            if key not in self.supervisor.commands:
+                return []
+            self.supervisor.forget(key)
+            deployment.prefill_total, deployment.prefill_runs, deployment.prefill_spec = 0, "", None
+            return [f"{name} prefill role removed"]
+        stable = deployment.stable
+        runs = stable if stable is not None and stable.spec.prefill is not None else manifest
+        if deployment.prefill_runs != engine_identity_json(runs):
+            deployment.prefill_runs = engine_identity_json(runs)
+            self.supervisor.set_command(key, self._command(runs, role="prefill"))
+        if deployment.prefill_spec != prefill.replicas:
+            deployment.prefill_spec = deployment.prefill_total = prefill.replicas
+            self.supervisor.set_replicas(key, prefill.replicas)
+            return [f"{name} prefill role at {prefill.replicas} replica(s)"]
+        return []
+
+    def _command(
+        self, manifest: api.LLMDeployment, canary: bool = False, role: str | None = None
+    ) -> CommandFor:
         base = [sys.executable, "-m", "kubellm.cli", "engine"]
         self.run_dir.mkdir(parents=True, exist_ok=True)
         suffix = CANARY_SUFFIX if canary else ""
+        if manifest.spec.prefill is not None:  # P/D: the deployment's own replicas decode
+            role = role or "decode"
+            base += ["--role", role]
+            suffix += PREFILL_SUFFIX if role == "prefill" else ""
         spec_file = self.run_dir / f"{manifest.metadata.name}{suffix}.json"
         spec_file.write_text(engine_spec_json(manifest))
         if self.engine == "sim":
@@ -216,8 +261,14 @@ class LocalRuntime:
             return lambda index, port: [*base, "--backend", "sim", "--port", str(port),
                                         "--served-model-name", manifest.served_name,
                                         *extra, *self.sim_hardware(index)]  # fmt: skip
-        return lambda _index, port: [*base, "--spec", str(spec_file), "--port", str(port),
-                                    "--host", "127.0.0.1"]  # fmt: skip
+
+        def vllm(_index: int, port: int) -> list[str]:
+            # a P/D role's NIXL side channel: its own port (the pair shares one host)
+            side = ["--kv-side-channel-port", str(free_port())] if role else []
+            return [*base, "--spec", str(spec_file), "--port", str(port), "--host",
+                    "127.0.0.1", *side]  # fmt: skip
+
+        return vllm
 
     def sim_hardware(self, index: int) -> list[str]:
         """The simulator flags of replica `index`: its profile and slowdown, if given."""
@@ -230,7 +281,9 @@ class LocalRuntime:
                 out += ["--slowdown", f"{factor:g}"]
         return out
 
-    def sim_step_costs(self, manifest: api.LLMDeployment, index: int) -> StepCosts | None:
+    def sim_step_costs(
+        self, manifest: api.LLMDeployment, index: int, role: str | None = None
+    ) -> StepCosts | None:
         """What a step of simulated replica `index` of `manifest` costs in wall seconds,
         as `kubellm engine --backend sim` picks its profile (`sim_hardware`, the spec's
         engine fields) and runs it at --time-scale: the slo-aware latency model's prior
@@ -241,12 +294,14 @@ class LocalRuntime:
         if self.engine != "sim" or not self.sim_time_scale > 0:
             return None
         from kubellm.engine import sim_profiles  # the composition root may import it
+        from kubellm.engine.launcher import role_spec
 
-        cpu = manifest.spec.resources.gpu.count == 0
+        spec = role_spec(manifest.spec, role if manifest.spec.prefill is not None else None)
+        cpu = spec.resources.gpu.count == 0
         names, slowdowns = self.sim_profiles, self.sim_slowdowns
         name = names[index % len(names)] if names else sim_profiles.default_for(cpu)
         try:
-            profile = sim_profiles.from_spec(sim_profiles.get(name), manifest.spec.engine, cpu=cpu)
+            profile = sim_profiles.from_spec(sim_profiles.get(name), spec.engine, cpu=cpu)
             if slowdowns:
                 profile = profile.slowed(slowdowns[index % len(slowdowns)])
         except ValueError:
@@ -318,6 +373,8 @@ class LocalRuntime:
                 if d.stable is not None:  # the spec went back to the stable revision
                     d.stable = None
                 self.supervisor.set_replicas(d.name, d.total)
+            for change in self._apply_prefill(d):  # it follows the stable revision
+                self.supervisor.event(f"rollout: {change}")
             for kind, reason, message in decision.events:
                 lines.append(f"rollout: {d.name}: {reason}: {message}")
                 self.supervisor.event(f"rollout: {d.name}: {kind} {reason}: {message}")
@@ -333,11 +390,20 @@ class LocalRuntime:
             manifest = deployment.manifest
             canary_revision = revision(manifest)
             runs = {deployment.name: deployment.stable or manifest, deployment.canary_key: manifest}
+            split = prefill_split(manifest.spec)
+            roles = {key: DECODE_ROLE if split else None for key in runs}
+            if split is not None:
+                stable = deployment.stable
+                runs[deployment.prefill_key] = (
+                    stable if stable is not None and stable.spec.prefill is not None else manifest
+                )
+                roles[deployment.prefill_key] = PREFILL_ROLE
             endpoints = tuple(
                 GatewayEndpoint(
                     url=r.url, draining=r.state == "draining", kv_events_port=r.kv_events_port,
                     revision=canary_revision if key == deployment.canary_key else None,
-                    step_costs=self.sim_step_costs(spec, r.index),
+                    step_costs=self.sim_step_costs(spec, r.index, roles[key]),
+                    role=roles[key],
                 )
                 for key, spec in runs.items()
                 for r in self.supervisor.endpoints(key)
@@ -354,6 +420,7 @@ class LocalRuntime:
                 adapters=adapter_refs(manifest.spec),
                 canary=canary_split(deployment.rollout_status),
                 decode_tokens_per_second_bound=_decode_bound(manifest.spec),
+                prefill=split,
             )
         return targets
 
@@ -401,20 +468,14 @@ class LocalBackend:
     async def targets(self) -> list[Target]:
         out = []
         for deployment in self.runtime.deployments.values():
-            spec = deployment.manifest.spec
-            if spec.autoscaling is None or not spec.autoscaling.enabled:
-                continue
-            out.append(
-                Target(
-                    namespace=deployment.manifest.metadata.namespace,
-                    name=deployment.name,
-                    served_name=deployment.manifest.served_name,
-                    replicas=self.runtime.desired_replicas(deployment.name),
-                    autoscaling=spec.autoscaling,
-                    status=dict(deployment.autoscaler_status),
-                    has_fallback=spec.fallback is not None and bool(spec.fallback.url),
-                )
+            target = target_for(
+                deployment.manifest,
+                dict(deployment.autoscaler_status),
+                self.runtime.desired_replicas(deployment.name),
+                deployment.prefill_total,
             )
+            if target is not None:
+                out.append(target)
         return out
 
     async def adapter_targets(self) -> list[AdapterTarget]:
@@ -431,14 +492,25 @@ class LocalBackend:
         ]
 
     async def endpoints(self, target: Target | AdapterTarget) -> list[ScalerEndpoint]:
+        return self._endpoints(target.name)
+
+    def _endpoints(self, key: str) -> list[ScalerEndpoint]:
         return [
             ScalerEndpoint(name=r.name, metrics_url=f"{r.url}/metrics", ready=r.state == "ready")
-            for r in self.runtime.supervisor.endpoints(target.name)
+            for r in self.runtime.supervisor.endpoints(key)
             if r.state in ("starting", "ready", "crashed")
         ]
 
     async def write_replicas(self, target: Target, replicas: int) -> None:
         self.runtime.scale(target.name, replicas)
+
+    async def prefill_endpoints(self, target: Target) -> list[ScalerEndpoint]:
+        return self._endpoints(self.runtime.deployments[target.name].prefill_key)
+
+    async def write_prefill_replicas(self, target: Target, replicas: int) -> None:
+        deployment = self.runtime.deployments[target.name]
+        deployment.prefill_total = replicas
+        self.runtime.supervisor.set_replicas(deployment.prefill_key, replicas)
 
     async def write_status(self, target: Target, autoscaler: dict[str, Any]) -> None:
         status = self.runtime.deployments[target.name].autoscaler_status

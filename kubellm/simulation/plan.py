@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from kubellm import api, manifests
-from kubellm.engine.sim_profiles import Profile
-from kubellm.simulation import calibrate, experiment, traces
+from kubellm.engine.sim_profiles import PROFILES, Profile
+from kubellm.simulation import calibrate, experiment, pd, traces
 from kubellm.simulation.fleet import Fleet
 from kubellm.simulation.gateway import ApiModel
 
@@ -55,6 +55,7 @@ LABELS.update({f"{k}{experiment.PREDICT}": f"{v}, predictive" for k, v in list(L
 DEFAULT_GPU_HOUR_PRICE = experiment.GPU_HOUR_PRICE
 DEFAULT_API_PRICE = 0.20
 CALIBRATION_SECONDS = 120.0
+PROFILE = "llama-3.1-8b-h100"  # one simulated replica (experiment's)
 OBJECTIVE = 0.99
 
 
@@ -117,6 +118,8 @@ def _defaults(args: argparse.Namespace) -> None:
         "calibrate_timeout": 120.0,
         "calibrate_prompt_tokens": None,
         "calibrate_output_tokens": None,
+        "pd": None,
+        "pd_link_gbps": pd.LINK / 1e9,
     }
     for name, value in defaults.items():
         if getattr(args, name, None) is None:
@@ -148,6 +151,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--calibrate-bisections must not be negative"
     if args.min_replicas < 1 or args.max_replicas < args.min_replicas:
         return "--min-replicas must be at least 1 and at most --max-replicas"
+    if args.pd is not None and args.pd < 2:
+        return "--pd: a prefill and a decode role need at least 2 replicas"
+    if not args.pd_link_gbps > 0:
+        return "--pd-link-gbps must be positive"
     if args.api_max_concurrency < 1:
         return "--api-max-concurrency must be at least 1"
     if args.gpu_hour_price is not None and args.gpu_hour_price <= 0:
@@ -353,8 +360,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             "clipped": trace.clipped,
         },
         "replica": {
-            "profile": "llama-3.1-8b-h100"
-            + (f" x{slowdown:g} step costs" if slowdown != 1.0 else ""),
+            "profile": PROFILE + (f" x{slowdown:g} step costs" if slowdown != 1.0 else ""),
             "slowdown": slowdown,
             "gpus": gpus,
             "capacity_rps": capacity,
@@ -385,12 +391,25 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         },
         "wall_s": round(time.perf_counter() - started, 1),
     }
+    if args.pd is not None:
+        document["pd"] = plan_pd(args, arrivals)
+        document["wall_s"] = round(time.perf_counter() - started, 1)
     if measured is not None:
         document["calibration"] = measured.to_json()
     if args.png is not None:
         _plot(args.png, trace, capacity, oracle, args.interval, results)
         document["png"] = str(args.png)
     return document
+
+
+def plan_pd(args: argparse.Namespace, arrivals: list[traces.Arrival]) -> dict[str, Any]:
+    """`--pd REPLICAS`: P/D on the trace (`pd.plan_trace`: the P/D bench's simulation and
+    the gateway's own split rule), on the plan's replica profile at its datasheet costs."""
+    profile = PROFILES[PROFILE]
+    pool = pd.Pool(PROFILE, args.tensor_parallel, args.pd, profile.kv_bytes_per_token,
+                   args.pd_link_gbps * 1e9)  # fmt: skip
+    reqs = [pd.Req(a.time, a.prompt_tokens, a.output_tokens) for a in arrivals]
+    return pd.plan_trace(reqs, pool, (args.ttft, args.itl))
 
 
 def _figures(summary: dict[str, Any]) -> dict[str, Any]:
@@ -478,6 +497,8 @@ def text(document: dict[str, Any]) -> str:
         f"spec.autoscaling.fallbackCostRatio for these prices and requests: "
         f"{even['fallback_cost_ratio']:g} (modelLoadSeconds: {r['load_seconds']:g})",
     ]
+    if "pd" in document:
+        lines += ["", *pd.plan_lines(document["pd"])]
     if "png" in document:
         lines.append(f"wrote {document['png']}")
     lines.append(f"simulated in {document['wall_s']:g} s")

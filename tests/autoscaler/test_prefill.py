@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from kubellm.autoscaler.prefill import PrefillSignals, coordinate, prefill_ask, stabilised
+from kubellm.autoscaler.prefill import (
+    PrefillObservation,
+    PrefillSignals,
+    coordinate,
+    decide,
+    learn_throughput,
+    prefill_ask,
+    stabilised,
+)
 
 from kubellm import api
 
@@ -61,3 +69,49 @@ def test_scale_down_waits_for_the_window(asks, now, ask, expected) -> None:
 )
 def test_the_pair_scales_to_zero_together(decode, prefill, prefill_min, expected) -> None:
     assert coordinate(decode, prefill, prefill_min) == expected
+
+
+def _seen(now: float, waiting: float, tokens: float, **kw: float) -> PrefillObservation:
+    fields = {"current": 1, "decode_replicas": 2, "ready": 1, "fresh": True, "running": 0.0,
+              "requests": tokens / 1_000, **kw}  # fmt: skip
+    return PrefillObservation(now=now, waiting=waiting, prompt_tokens=tokens, **fields)
+
+
+BUSY = {"saturated": True, "ready": 1, "promptTokens": 0, "sampleTime": 0}
+
+
+@pytest.mark.parametrize(
+    ("before", "seen", "expected"),
+    [
+        # saturated at both ends, same replicas: 10,000 tokens in 2 s on one replica
+        (BUSY, _seen(2, 3, 20_000), 10_000),
+        # blended into what was learned (weight 0.5)
+        ({"saturated": True, "ready": 1, "promptTokens": 0, "sampleTime": 0,
+          "tokensPerSecond": 6_000}, _seen(2, 3, 20_000), 8_000),
+        # not saturated now: an idle replica's rate is not its throughput
+        ({"saturated": True, "ready": 1, "promptTokens": 0, "sampleTime": 0,
+          "tokensPerSecond": 6_000}, _seen(2, 0, 2_000), 6_000),
+        # the replica set changed, or a counter went back (a restart): keep the old figure
+        ({**BUSY, "ready": 2}, _seen(2, 3, 20_000), None),
+        ({"saturated": True, "ready": 1, "promptTokens": 50_000, "sampleTime": 0},
+         _seen(2, 3, 20_000), None),
+    ],
+)  # fmt: skip
+def test_throughput_is_learned_only_while_saturated(before, seen, expected) -> None:
+    assert learn_throughput(seen, before) == expected
+
+
+def test_decide_scales_on_work_holds_lower_asks_and_follows_decode_to_zero() -> None:
+    learned = {"saturated": True, "ready": 1, "promptTokens": 0, "sampleTime": 0,
+               "tokensPerSecond": 10_000}  # fmt: skip
+    up = decide(_seen(5, 30, 50_000), learned, SPEC, ttft_seconds=2.0)
+    assert (up.replicas, up.reason) == (3, "QueuedPrefillWork")  # 30 x 1,000 tokens: 3 s / 1 s
+    later = decide(_seen(10, 0, 60_000, current=3), up.status, SPEC, ttft_seconds=2.0)
+    assert (later.replicas, later.reason) == (3, "ScaleDownHeld")
+    window = SPEC.scale_down_stabilization_seconds
+    gone = decide(_seen(6 + window, 0, 60_000, current=3), later.status, SPEC, 2.0)
+    assert gone.replicas == SPEC.min_replicas
+    paired = decide(_seen(5, 30, 50_000, decode_replicas=0), learned, SPEC, 2.0)
+    assert (paired.replicas, paired.reason) == (0, "PairAtZero")
+    stale = decide(_seen(5, 0, 50_000, current=3, fresh=False), learned, SPEC, 2.0)
+    assert stale.replicas == 3  # a failed scrape never lowers the count

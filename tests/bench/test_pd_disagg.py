@@ -24,7 +24,7 @@ import pd_disagg as pd
 )
 def test_every_request_ends_whole_and_the_kv_books_balance(pool, shape, prefill, workload):
     requests = pd.workload(workload, 3.0 if pool == "8B/H100" else 0.5, 60, seed=1)
-    sim = pd.Sim(pool, shape, prefill, requests, (2.0, 0.03))
+    sim = pd.Sim(pd.POOLS[pool], shape, prefill, requests, (2.0, 0.03))
     jobs = sim.run()
     assert len(jobs) == len(requests)
     assert all(j.left == 0 and j.first >= j.req.t and j.last >= j.first for j in jobs)

@@ -62,7 +62,9 @@ CONTRACT: dict[str, set[Grant]] = {
         ("", "secrets", ("get",)),
     ),
     "autoscaler": _grants(
-        ("kubellm.io", "llmdeployments", ("get", "list", "watch")),
+        # patch: spec.prefill.replicas (the prefill role's; the kind's one scale
+        # subresource is the decode role's spec.replicas)
+        ("kubellm.io", "llmdeployments", ("get", "list", "watch", "patch")),
         ("kubellm.io", "llmdeployments/scale", ("get", "patch", "update")),
         ("kubellm.io", "llmdeployments/status", ("patch",)),
         ("discovery.k8s.io", "endpointslices", ("list", "watch")),

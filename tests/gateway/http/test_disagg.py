@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from kubellm.gateway.discovery.base import Endpoint, PrefillSplit
+from kubellm.gateway.discovery.base import CanarySplit, Endpoint, PrefillSplit
 from kubellm.gateway.routing.settings import Thresholds
 
 from kubellm.api import SLO
@@ -104,3 +104,38 @@ def test_a_prefill_replica_never_takes_a_whole_request(engines, gateway):
     for _ in range(4):
         gw.client().chat.completions.create(model="tiny", messages=SHORT)
     assert pre.bodies == [] and len(dec.bodies) == 4
+
+
+def test_both_legs_of_a_canary_request_stay_on_the_canary_revision(engines, gateway):
+    (pre, pre_server), (pre_canary, pre_canary_server), (dec, dec_server) = engines(3)
+    target = replace(
+        _pd(pre_server.url, dec_server.url),
+        endpoints=(
+            Endpoint(pre_server.url, role="prefill"),
+            Endpoint(pre_canary_server.url, role="prefill", revision="r2"),
+            Endpoint(dec_server.url, role="decode", revision="r2"),
+        ),
+        canary=CanarySplit("r2", 100),
+    )
+    gw = gateway({"tiny": target})
+    for _ in range(3):
+        gw.client().chat.completions.create(model="tiny", messages=SHORT)
+    assert len(dec.bodies) == 3 and len(pre_canary.bodies) == 3
+    assert pre.bodies == []  # never the stable revision's prefill replica
+
+
+def test_a_revision_without_prefill_replicas_prefills_locally(engines, gateway):
+    (pre, pre_server), (dec, dec_server) = engines(2)
+    target = replace(
+        _pd(pre_server.url, dec_server.url),
+        endpoints=(
+            Endpoint(pre_server.url, role="prefill"),
+            Endpoint(dec_server.url, role="decode", revision="r2"),
+        ),
+        canary=CanarySplit("r2", 100),
+    )
+    gw = gateway({"tiny": target})
+    gw.client().chat.completions.create(model="tiny", messages=SHORT)
+    assert pre.bodies == [] and "kv_transfer_params" not in dec.bodies[0]
+    assert gw.metric("kubellm_gateway_disagg_decisions_total", **LABELS, split="false",
+                     reason="no-prefill-replica") == 1  # fmt: skip
