@@ -195,6 +195,31 @@ def route_response(
     return ProcessingResponse(**{phase: answer}, dynamic_metadata=metadata)
 
 
+MAX_ROUTE_ANSWERS = 4096
+_ROUTE_ANSWERS: dict[tuple[Any, ...], bytes] = {}
+
+
+def route_answer(
+    phase: str,
+    endpoints: Iterable[str],
+    set_headers: Mapping[str, str],
+    header: str = DESTINATION,
+    namespace: str = METADATA_NAMESPACE,
+) -> bytes:
+    """`route_response` without a body, serialised: it depends only on its arguments, so
+    each one is built once and kept (up to MAX_ROUTE_ANSWERS; a pool has few endpoint
+    lists)."""
+    endpoints = tuple(endpoints)
+    key = (phase, header, namespace, endpoints, *set_headers.items())
+    cached = _ROUTE_ANSWERS.get(key)
+    if cached is None:
+        if len(_ROUTE_ANSWERS) >= MAX_ROUTE_ANSWERS:
+            _ROUTE_ANSWERS.clear()
+        answer = route_response(phase, endpoints, set_headers, header, namespace)
+        cached = _ROUTE_ANSWERS[key] = answer.SerializeToString()
+    return cached
+
+
 def _streamed_body(phase: str, body: bytes, end_of_stream: bool) -> Any:
     streamed = {"body": body, "end_of_stream": end_of_stream}
     return ProcessingResponse(

@@ -14,8 +14,9 @@ routing state and the SLO outcome (the same calls the HTTP gateway makes):
   with the core's 502), `ticket.respond`; then, where Envoy's modes allow a mode override
   (neither body mode FULL_DUPLEX_STREAMED) and the core needs no more of the answer
   (`ticket.body_needed`: a non-streamed answer within its TTFT target, no tenant, not the
-  fallback), the answer asks Envoy to send no response body (`ticket.body_unseen`), and
-  Envoy's close of the stream is the exchange's end; else body chunks -> `ticket.chunk`;
+  fallback), the exchange ends there (`ticket.body_unseen`): the answer asks Envoy to send
+  no response body and the picker closes the stream (Envoy relays the rest alone); else
+  body chunks -> `ticket.chunk`;
 - the response's end, or the stream closing early (client gone, replica died mid-stream)
   -> `finish`;
 - messages out of the protocol's order close the stream with INVALID_ARGUMENT, and every
@@ -222,6 +223,8 @@ class EndpointPicker:
                 held = size
                 for answer in answers:
                     await context.write(answer)
+                if exchange.over:
+                    return
         finally:
             self.buffered -= held
             self.streams -= 1
@@ -295,6 +298,7 @@ class Exchange:
         # for: the usage event is taken out of the answer's body (`_response_body`)
         self.strip: usage.UsageStrip | None = None
         self.rewritten = False  # the body sent upstream is not the client's (`_route`)
+        self.over = False  # nothing more to read: the picker ends the stream (`process`)
 
     @property
     def routed(self) -> bool:
@@ -405,11 +409,16 @@ class Exchange:
         if self.response_mode in _OVERRIDABLE and self.request_mode in _OVERRIDABLE:
             now = time.monotonic()
             if ticket is None or not ticket.body_needed(now):
-                # nothing more to learn from this exchange: Envoy is asked to send no body;
-                # its close of the stream is the end (`close`)
-                if ticket is not None:
-                    ticket.body_unseen(now)
+                # nothing more to learn from this exchange: it ends here, and the picker
+                # ends the ext_proc stream after this answer (Envoy takes a server's close
+                # as "processing complete" and relays the rest alone: one message and a
+                # thread hop each side fewer per request than waiting for Envoy's close);
+                # the override also tells Envoy to send no body should the close lag
                 self.response_mode = m.NONE
+                if ticket is not None:  # (Envoy's own local reply: Envoy closes the stream)
+                    ticket.body_unseen(now)
+                    self.finish()
+                    self.over = True
                 return [m.skip_response_body(self.request_mode)]
         if self.strip is not None:  # the body will be shorter than the replica's
             return [m.CONTINUE_RESPONSE_HEADERS_UNSIZED]
@@ -554,17 +563,18 @@ class Exchange:
         body: bytes,
         route: str,
         extra: dict[str, str] | None = None,
-    ) -> m.ProcessingResponse:
+    ) -> m.ProcessingResponse | bytes:
         self.phase = "routed"
         settings = self.picker.settings
         set_headers = {ROUTE_HEADER: route, **(extra or {})}
-        if body:
-            set_headers["content-length"] = str(len(body))
-        rewritten = body if phase == "request_body" and self.rewritten else None
-        return m.route_response(
-            phase, endpoints, set_headers, settings.destination_header,
-            settings.metadata_namespace, rewritten,
-        )  # fmt: skip
+        header, namespace = settings.destination_header, settings.metadata_namespace
+        if not body or not (self.rewritten or self.request_mode == m.FULL_DUPLEX):
+            # the body goes on as Envoy holds it, with its own content-length: the answer
+            # depends on the endpoints and the route only (built once, kept)
+            return m.route_answer(phase, endpoints, set_headers, header, namespace)
+        set_headers["content-length"] = str(len(body))
+        rewritten = body if phase == "request_body" else None  # full duplex: body_pieces
+        return m.route_response(phase, endpoints, set_headers, header, namespace, rewritten)
 
     def _moved_to(self, ticket: Ticket, served: str) -> Attempt | None:
         """Envoy retried on a later endpoint of the list: the request is counted there."""
