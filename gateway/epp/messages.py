@@ -167,18 +167,23 @@ def route_response(
     set_headers: Mapping[str, str] | None = None,
     header: str = DESTINATION,
     namespace: str = METADATA_NAMESPACE,
+    body: bytes | None = None,
 ) -> Any:
     """The answer that routes: the picked endpoints (best first, comma-separated) in the
     destination header and, the same value, in the dynamic metadata; the route cache is
     cleared so Envoy picks the route again with the new header.
 
     `phase` is `request_headers` (full-duplex and header-only requests) or
-    `request_body` (buffered mode: the headers were answered before the body came)."""
+    `request_body` (buffered mode: the headers were answered before the body came).
+    `body`, in buffered mode only, replaces the request's body (the caller sets its
+    content-length); in full-duplex mode the body is sent back in pieces (`body_pieces`)."""
     value = ",".join(endpoints)
     common = _CommonResponse(
         header_mutation={"set_headers": _header_options({header: value, **(set_headers or {})})},
         clear_route_cache=True,
     )
+    if body is not None:
+        common.body_mutation.body = body
     answer = (
         _HeadersResponse(response=common)
         if phase == "request_headers"
@@ -188,6 +193,31 @@ def route_response(
     inner = metadata.fields[namespace].struct_value
     inner.fields[header].string_value = value
     return ProcessingResponse(**{phase: answer}, dynamic_metadata=metadata)
+
+
+MAX_ROUTE_ANSWERS = 4096
+_ROUTE_ANSWERS: dict[tuple[Any, ...], bytes] = {}
+
+
+def route_answer(
+    phase: str,
+    endpoints: Iterable[str],
+    set_headers: Mapping[str, str],
+    header: str = DESTINATION,
+    namespace: str = METADATA_NAMESPACE,
+) -> bytes:
+    """`route_response` without a body, serialised: it depends only on its arguments, so
+    each one is built once and kept (up to MAX_ROUTE_ANSWERS; a pool has few endpoint
+    lists)."""
+    endpoints = tuple(endpoints)
+    key = (phase, header, namespace, endpoints, *set_headers.items())
+    cached = _ROUTE_ANSWERS.get(key)
+    if cached is None:
+        if len(_ROUTE_ANSWERS) >= MAX_ROUTE_ANSWERS:
+            _ROUTE_ANSWERS.clear()
+        answer = route_response(phase, endpoints, set_headers, header, namespace)
+        cached = _ROUTE_ANSWERS[key] = answer.SerializeToString()
+    return cached
 
 
 def _streamed_body(phase: str, body: bytes, end_of_stream: bool) -> Any:
@@ -207,6 +237,17 @@ def body_pieces(body: bytes, phase: str = "request_body") -> list[Any]:
 def echo_chunk(body: bytes, end_of_stream: bool) -> Any:
     """A response body chunk passed through unchanged (full-duplex mode)."""
     return _streamed_body("response_body", body, end_of_stream)
+
+
+def replace_chunk(body: bytes) -> Any:
+    """A response body chunk replaced by `body` (STREAMED or BUFFERED mode)."""
+    return ProcessingResponse(response_body={"response": {"body_mutation": {"body": body}}})
+
+
+# The response's headers continued without its content-length: its body will change.
+CONTINUE_RESPONSE_HEADERS_UNSIZED = ProcessingResponse(
+    response_headers={"response": {"header_mutation": {"remove_headers": ["content-length"]}}}
+).SerializeToString()
 
 
 def immediate(

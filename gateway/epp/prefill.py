@@ -7,8 +7,9 @@ client's request carrying the returned `kv_transfer_params`) with the decode rep
 destination. No sidecar to deploy, version or secure beside every decode pod, and the
 decision, the fallback to local prefill and the metrics are the HTTP gateway's
 (`routing/disagg.prefill_leg`). The cost: the picker's stream waits for the prefill (the
-TTFT the client would wait anyway), and only full-duplex streamed mode can replace the
-body (in buffered mode the request is computed locally: decision `local`, nothing sent).
+TTFT the client would wait anyway). The decode leg's body replaces the client's in both
+request body modes the picker serves: in pieces (full-duplex streamed) or whole (a body
+mutation of the buffered body, the bootstrap's default).
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ routing state and the SLO outcome (the same calls the HTTP gateway makes):
   with the core's 502), `ticket.respond`; then, where Envoy's modes allow a mode override
   (neither body mode FULL_DUPLEX_STREAMED) and the core needs no more of the answer
   (`ticket.body_needed`: a non-streamed answer within its TTFT target, no tenant, not the
-  fallback), the answer asks Envoy to send no response body (`ticket.body_unseen`), and
-  Envoy's close of the stream is the exchange's end; else body chunks -> `ticket.chunk`;
+  fallback), the exchange ends there (`ticket.body_unseen`): the answer asks Envoy to send
+  no response body and the picker closes the stream (Envoy relays the rest alone); else
+  body chunks -> `ticket.chunk`;
 - the response's end, or the stream closing early (client gone, replica died mid-stream)
   -> `finish`;
 - messages out of the protocol's order close the stream with INVALID_ARGUMENT, and every
@@ -53,7 +54,7 @@ from kubellm.gateway.discovery.base import (
 from kubellm.gateway.epp import messages as m
 from kubellm.gateway.epp import prefill
 from kubellm.gateway.epp.settings import PickerSettings
-from kubellm.gateway.protocol import errors
+from kubellm.gateway.protocol import errors, usage
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.openai import PATHS, parse_body
 from kubellm.gateway.routing.canary import mirror
@@ -222,6 +223,8 @@ class EndpointPicker:
                 held = size
                 for answer in answers:
                     await context.write(answer)
+                if exchange.over:
+                    return
         finally:
             self.buffered -= held
             self.streams -= 1
@@ -291,6 +294,11 @@ class Exchange:
         self.ticket: Ticket | None = None
         self.attempt: Attempt | None = None  # the replica the request was sent to
         self.done_seen = False  # the stream's `data: [DONE]` went by: the answer is whole
+        # a tenant's stream whose replica was asked for the usage its client did not ask
+        # for: the usage event is taken out of the answer's body (`_response_body`)
+        self.strip: usage.UsageStrip | None = None
+        self.rewritten = False  # the body sent upstream is not the client's (`_route`)
+        self.over = False  # nothing more to read: the picker ends the stream (`process`)
 
     @property
     def routed(self) -> bool:
@@ -393,18 +401,27 @@ class Exchange:
                     return [self._immediate(ticket.attempts_failed(1))]
                 attempt.started()
             ticket.respond(status)
+        if status != 200:
+            self.strip = None  # an error's body is passed on as the replica sent it
         if http.end_of_stream:
             self.finish()
             return [m.CONTINUE_RESPONSE_HEADERS]
         if self.response_mode in _OVERRIDABLE and self.request_mode in _OVERRIDABLE:
             now = time.monotonic()
             if ticket is None or not ticket.body_needed(now):
-                # nothing more to learn from this exchange: Envoy is asked to send no body;
-                # its close of the stream is the end (`close`)
-                if ticket is not None:
-                    ticket.body_unseen(now)
+                # nothing more to learn from this exchange: it ends here, and the picker
+                # ends the ext_proc stream after this answer (Envoy takes a server's close
+                # as "processing complete" and relays the rest alone: one message and a
+                # thread hop each side fewer per request than waiting for Envoy's close);
+                # the override also tells Envoy to send no body should the close lag
                 self.response_mode = m.NONE
+                if ticket is not None:  # (Envoy's own local reply: Envoy closes the stream)
+                    ticket.body_unseen(now)
+                    self.finish()
+                    self.over = True
                 return [m.skip_response_body(self.request_mode)]
+        if self.strip is not None:  # the body will be shorter than the replica's
+            return [m.CONTINUE_RESPONSE_HEADERS_UNSIZED]
         return [m.CONTINUE_RESPONSE_HEADERS]
 
     def _response_body(self, request: m.ProcessingRequest) -> list[Any]:
@@ -416,6 +433,14 @@ class Exchange:
             self.done_seen = True
         if http.end_of_stream:
             self.finish()
+        strip = self.strip
+        if strip is not None:  # the usage event the client did not ask for is taken out
+            data = strip.feed(http.body) if http.body else b""
+            if http.end_of_stream:
+                data += strip.end()
+            if self.response_mode == m.FULL_DUPLEX:
+                return [m.echo_chunk(data, http.end_of_stream)]
+            return [m.CONTINUE_RESPONSE_BODY if data == http.body else m.replace_chunk(data)]
         if self.response_mode == m.FULL_DUPLEX:
             return [m.echo_chunk(http.body, http.end_of_stream)]
         return [m.CONTINUE_RESPONSE_BODY]
@@ -473,6 +498,10 @@ class Exchange:
         )
         if ticket.refusal is not None:
             return [self._immediate(ticket.refusal)]
+        if self._asks_usage(ticket, path, parsed):  # settled on the replica's own figures
+            body = json.dumps(usage.asking_usage(parsed), ensure_ascii=False).encode()
+            self.body = bytearray(body)  # full-duplex mode sends it back (`body_pieces`)
+            self.strip, self.rewritten = usage.UsageStrip(), True
         if ticket.route == "fallback":
             forwarder = await self.picker.forwarder()
             if forwarder is None:
@@ -487,19 +516,33 @@ class Exchange:
                 503, f"No endpoint of model `{model}` is in the gateway's endpoint subset.",
                 "server_error", "service_unavailable",
             ))]  # fmt: skip
-        if ticket.target.prefill is not None and self.request_mode == m.FULL_DUPLEX:
+        if ticket.target.prefill is not None and self.request_mode in _REWRITABLE:
             assert self.picker._client is not None
             body = await prefill.split(
                 self.sched, self.picker.disagg, self.picker._client, ticket, urls[0],
                 path, parsed, body,
             )  # fmt: skip
-            self.body = bytearray(body)  # the decode leg's, sent back to Envoy
+            self.body, self.rewritten = bytearray(body), True  # the decode leg's, to Envoy
             urls = urls[:1]  # Envoy's retry on another replica would lose the KV's params
         self.attempt = ticket.attempt(urls[0])
         if path in PATHS and self.picker.started:
             self.picker.mirror.offer(target, urls[0], path, parsed, routing.prompt_chars)
         listed = [host_port(u) for u in urls[: settings.endpoints_per_answer]]
         return [self._answer(phase, listed, body, ticket.route)]
+
+    def _asks_usage(self, ticket: Ticket, path: str, parsed: dict[str, Any]) -> bool:
+        """A tenant's stream is settled (usage, quotas, the fair budget) on the replica's
+        usage: asked for here (a body mutation) where the client did not ask, in the body
+        modes where the picker can both rewrite the request and take the event out of the
+        answer. Other requests' bodies go through untouched (no usage is settled on them)."""
+        return (
+            ticket.stream
+            and ticket.caller is not None
+            and path in PATHS
+            and not usage.wants_usage(parsed)
+            and self.request_mode in _REWRITABLE
+            and self.response_mode in _REWRITABLE_ANSWER
+        )
 
     def _no_model(self, path: str, models: Mapping[str, ModelTarget]) -> m.ProcessingResponse:
         """A request naming no model reaches no replica: `GET /v1/models` is answered here
@@ -520,15 +563,18 @@ class Exchange:
         body: bytes,
         route: str,
         extra: dict[str, str] | None = None,
-    ) -> m.ProcessingResponse:
+    ) -> m.ProcessingResponse | bytes:
         self.phase = "routed"
         settings = self.picker.settings
         set_headers = {ROUTE_HEADER: route, **(extra or {})}
-        if body:
-            set_headers["content-length"] = str(len(body))
-        return m.route_response(
-            phase, endpoints, set_headers, settings.destination_header, settings.metadata_namespace
-        )
+        header, namespace = settings.destination_header, settings.metadata_namespace
+        if not body or not (self.rewritten or self.request_mode == m.FULL_DUPLEX):
+            # the body goes on as Envoy holds it, with its own content-length: the answer
+            # depends on the endpoints and the route only (built once, kept)
+            return m.route_answer(phase, endpoints, set_headers, header, namespace)
+        set_headers["content-length"] = str(len(body))
+        rewritten = body if phase == "request_body" else None  # full duplex: body_pieces
+        return m.route_response(phase, endpoints, set_headers, header, namespace, rewritten)
 
     def _moved_to(self, ticket: Ticket, served: str) -> Attempt | None:
         """Envoy retried on a later endpoint of the list: the request is counted there."""
@@ -560,6 +606,10 @@ class Exchange:
 # Body modes under which Envoy honours a mode override (not FULL_DUPLEX_STREAMED in either
 # direction of the filter's configuration; Envoy 1.40, ext_proc.cc).
 _OVERRIDABLE = frozenset({m.BUFFERED, m.STREAMED, m.NONE})
+# Body modes in which the picker can replace the request's body (whole), and the answer's
+# body chunk by chunk.
+_REWRITABLE = frozenset({m.BUFFERED, m.FULL_DUPLEX})
+_REWRITABLE_ANSWER = frozenset({m.BUFFERED, m.STREAMED, m.FULL_DUPLEX})
 _KINDS = frozenset(kind for kinds in _ALLOWED.values() for kind in kinds)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget, PrefillSplit
 from kubellm.gateway.epp.server import EndpointPicker, Exchange
@@ -69,3 +70,49 @@ async def test_the_picker_runs_the_prefill_leg_and_sends_the_decode_leg(pair, pr
     finally:
         exchange.close()
         await exchange.picker.stop()
+
+
+@pytest.mark.parametrize("mode", ["buffered", "full-duplex"])
+@pytest.mark.parametrize("prefill_status", [200, 500])
+def test_a_split_through_the_real_envoy(pair, envoy_stack, mode, prefill_status):
+    """Envoy + `kubellm epp` over static discovery with roles, `split: Always`: the prefill
+    engine answers the leg and the decode engine receives its `kv_transfer_params` (the
+    decode leg's body replaces the client's: a buffered body's mutation, or the full-duplex
+    pieces); the client gets one answer, the decode engine's. A prefill engine answering
+    500: the decode engine computes the prompt itself (the client's body), one answer."""
+    (pre, dec), servers = pair
+    pre.behaviour.status = prefill_status
+    modes = {} if mode == "buffered" else {
+        "request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "FULL_DUPLEX_STREAMED"
+    }  # fmt: skip
+    stack = envoy_stack(
+        [{"name": "tiny", "prefill": {"split": "Always"},
+          "endpoints": [{"url": servers[0].url, "role": "prefill"},
+                        {"url": servers[1].url, "role": "decode"}]}],
+        **modes,
+    )  # fmt: skip
+    messages = [{"role": "user", "content": "hello"}]
+    for stream in (False, True):
+        answer = httpx.post(
+            f"{stack.url}/v1/chat/completions",
+            json={"model": "tiny", "messages": messages, "stream": stream},
+            timeout=60,
+        )
+        assert answer.status_code == 200, answer.text
+        if stream:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                      for line in answer.text.splitlines()
+                      if line.startswith("data: {")]  # fmt: skip
+            text = "".join(deltas)
+        else:
+            text = answer.json()["choices"][0]["message"]["content"]
+        assert text.startswith(dec.name)  # one answer, the decode replica's
+        leg, decode = pre.bodies[-1], dec.bodies[-1]
+        assert leg["max_tokens"] == 1 and leg["kv_transfer_params"]["do_remote_decode"] is True
+        assert decode["messages"] == messages and decode["stream"] is stream
+        if prefill_status == 200:
+            params = decode["kv_transfer_params"]
+            assert params["remote_engine_id"] == pre.name and params["do_remote_prefill"] is True
+        else:  # local prefill on the decode engine
+            assert "kv_transfer_params" not in decode
+    assert len(pre.bodies) == 2 and len(dec.bodies) == 2  # one leg each, no retry

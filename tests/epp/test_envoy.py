@@ -194,6 +194,7 @@ class ScriptedReplica:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
         self.drop = threading.Event()
+        self.hold = 10.0  # the longest it holds the connection without `drop`
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
 
@@ -216,7 +217,7 @@ class ScriptedReplica:
             conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                          b"transfer-encoding: chunked\r\n\r\n"
                          + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")  # fmt: skip
-            self.drop.wait(10)
+            self.drop.wait(self.hold)
             conn.shutdown(socket.SHUT_RDWR)
 
 
@@ -330,8 +331,10 @@ MESSAGES = "http.inference.ext_proc.stream_msgs_sent"  # Envoy's messages to the
 def test_a_non_streamed_answer_ends_the_exchange_at_its_status_line(envoy_stack, sims):
     """The bootstrap's modes: for a non-streamed answer within its TTFT target the picker
     asks Envoy (ext_proc's mode override) to send no response body, so an exchange is
-    three messages (request headers, request body, response headers) and Envoy's close of
-    the stream is its end: counted once, whole, with its TTFT and goodput, the slot
+    three messages (request headers, request body, response headers) and the picker's
+    answer to the last one is its end (the picker closes the stream; Envoy counts it
+    closed by the processor and relays the body alone): counted once, whole, with its TTFT
+    and goodput, the slot
     released (one request in flight at most: a slot left held would make the next one
     wait out its TTFT budget and get a 429). A stream is still followed event by event."""
     stack = envoy_stack(
@@ -357,3 +360,19 @@ def test_a_non_streamed_answer_ends_the_exchange_at_its_status_line(envoy_stack,
                code="200") == 4, 5, "the EPP to count the stream")  # fmt: skip
     assert stack.envoy_stat(MESSAGES) > 3 * 3 + 3  # its body chunks went to the picker
     assert stack.metric("kubellm_gateway_inter_token_latency_seconds_count") >= 1
+
+
+def test_a_non_streamed_exchange_ends_for_the_picker_with_its_status_line(envoy_stack, scripted):
+    """The picker ends a non-streamed exchange whose body the core does not need at the
+    response headers (it closes the ext_proc stream; Envoy relays the body alone): the
+    request is counted and its slot freed while the replica is still sending the body.
+    It waited for Envoy's close at the body's end before (issue 38: one message and its
+    thread hops fewer per request)."""
+    scripted.hold = 120.0  # the body does not end before the test's deadline
+    stack = envoy_stack([{"name": "tiny", "endpoints": [scripted.url], "slo": {"ttftSeconds": 30}}])
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=BODY, timeout=60) as response:
+        assert response.status_code == 200
+        wait_until(lambda: stack.metric("kubellm_gateway_requests_total", code="200") == 1, 30,
+                   "the picker to count the answer at its status line")  # fmt: skip
+        assert stack.metric("kubellm_gateway_pending_requests") == 0
+        scripted.drop.set()

@@ -70,8 +70,14 @@ def _body(data: bytes = BODY, end: bool = True) -> Any:
     return ProcessingRequest(request_body=HttpBody(body=data, end_of_stream=end))
 
 
+def _parsed(answer: Any) -> Any:
+    """An answer as a message (the picker writes some answers serialised already)."""
+    return m.ProcessingResponse.FromString(answer) if isinstance(answer, bytes) else answer
+
+
 def _destination(answer: Any) -> tuple[str, str]:
     """(header value, metadata value) of a routing answer."""
+    answer = _parsed(answer)
     which = answer.WhichOneof("response")
     assert which in ("request_headers", "request_body")
     phase = getattr(answer, which)
@@ -118,6 +124,7 @@ async def test_buffered_mode_answers_headers_at_once_and_routes_on_the_body():
     (first,) = await exchange.handle(_headers(protocol_config=_config(Mode.BUFFERED)))
     assert first == m.CONTINUE_REQUEST_HEADERS
     (answer,) = await exchange.handle(_body())
+    answer = _parsed(answer)
     assert answer.WhichOneof("response") == "request_body"
     assert answer.request_body.response.clear_route_cache
     header, metadata = _destination(answer)
@@ -290,15 +297,17 @@ async def test_the_picker_stops_envoy_sending_what_the_core_does_not_need(
     assert all(v == 0 for v in picker.scheduler.load.in_flight.values())
 
 
-async def test_a_body_that_comes_despite_the_override_is_followed():
-    """A gateway without `allow_mode_override` sends the body anyway: counted at its end."""
+async def test_an_exchange_whose_body_is_not_needed_ends_at_the_status_line():
+    """The picker ends the stream after its answer to the response headers (Envoy then
+    relays the body alone, with or without `allow_mode_override`): the request is counted
+    and its slot freed at once, before any close of Envoy's."""
     picker = _picker()
     exchange = Exchange(picker)
     await exchange.handle(_headers(protocol_config=_config(Mode.BUFFERED, Mode.STREAMED)))
     await exchange.handle(_body())
     await exchange.handle(_response())
-    chunk = ProcessingRequest(response_body=HttpBody(body=b'{"choices": []}', end_of_stream=True))
-    assert await exchange.handle(chunk) == [m.CONTINUE_RESPONSE_BODY]
-    exchange.close()
+    assert exchange.over
     assert _count(picker, "kubellm_gateway_requests_total", target="replica", code="200") == 1
     assert all(v == 0 for v in picker.scheduler.load.in_flight.values())
+    exchange.close()
+    assert _count(picker, "kubellm_gateway_requests_total", target="replica", code="200") == 1

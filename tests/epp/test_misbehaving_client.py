@@ -44,8 +44,8 @@ def _response_headers(status: int) -> Any:
     return ext.ProcessingRequest(response_headers=ext.HttpHeaders(headers=values))
 
 
-def _body(model: str = "tiny") -> Any:
-    data = json.dumps({"model": model, "prompt": "hi", "max_tokens": 2}).encode()
+def _body(model: str = "tiny", stream: bool = False) -> Any:
+    data = json.dumps({"model": model, "prompt": "hi", "max_tokens": 2, "stream": stream}).encode()
     return ext.ProcessingRequest(request_body=ext.HttpBody(body=data, end_of_stream=True))
 
 
@@ -127,9 +127,10 @@ async def test_a_local_reply_before_any_request_is_passed_on_and_acquires_nothin
     [
         [_response_headers(413), _headers("/v1/completions", end=True)],  # a request after
         [_headers("/v1/completions", end=False), _body(), _body(), _headers("/x", end=True)],
-        [
+        [  # (a stream: the picker follows its answer; a non-streamed one's ends at its
+            # status line, where the picker closes the stream)
             _headers("/v1/completions", end=False),
-            _body(),
+            _body(stream=True),
             _response_headers(200),
             _headers("/v1/completions", end=True),
         ],

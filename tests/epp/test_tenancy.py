@@ -16,6 +16,7 @@ from kubellm.gateway.routing.flow.controller import TenancySettings
 from kubellm.gateway.routing.settings import SchedulerSettings
 
 from tests.epp.protos import core, ext
+from tests.epp.test_exchange import _parsed
 from tests.fixtures.polling import eventually
 
 REPLICAS = ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
@@ -79,7 +80,7 @@ async def test_the_key_names_the_tenant_the_objective_and_fairness_id_are_honour
         **{"x-gateway-inference-objective": "batch",
            "x-gateway-inference-fairness-id": "user-7"},
     )  # fmt: skip
-    assert not answers[0].HasField("immediate_response")  # routed
+    assert not _parsed(answers[0]).HasField("immediate_response")  # routed
     caller = exchange.ticket.caller
     assert (caller.tenant.name, caller.priority, caller.flow) == ("chat-app", -2, "chat-app/user-7")
     exchange.close()
