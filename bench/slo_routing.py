@@ -15,6 +15,13 @@ Pools: `h100` = 4 x llama-3.1-8b-h100; `mixed` = 2 x H100 + 2 x llama-3.1-8b-a10
 `production` workload (prompts median 1,000, answers median 400 up to 2,000 tokens): its
 knee is 5-10 req/s, where a replica's 16 slots, not its steps, bound it. `--non-streamed`
 runs the requests as the gateway sees non-streamed ones (no first token: nothing learnt).
+Not tuned on either (added 2026-12-03, issue #38's second round): `1fast3slow2x` (one H100
+and three 2x slower, 16 slots each, `production`) and `3fast1slow3x` (three H100 and one
+3x slower, 32 slots each, under `rag`: prompts median 3,000 tokens, answers median 100);
+the `chat` workload (prompts median 300, answers median 600) for `--workload`.
+`--thresholds gateway` runs kubellm's policies behind the gateway's default saturation
+thresholds (a request waits in the gateway while every replica is saturated, and is
+refused once its TTFT budget is spent); the default, none, sends every request at once.
 
 Each case is 60 simulated seconds of arrivals (`--seconds`): long enough for the fleet to
 reach its steady state (answers last up to ~20 s at the knee). The runs of 1,200 requests
@@ -34,6 +41,7 @@ verdict against issue #30's targets.
     python bench/slo_routing.py --pools mixed --rates 30,45,60 --requests 1200
     python bench/slo_routing.py --pools h100 --rates 80 --policies slo-aware --floor
     python bench/slo_routing.py --pools 2fast2slow --seconds 120 [--non-streamed]
+    python bench/slo_routing.py --pools 1fast3slow2x,3fast1slow3x [--thresholds gateway]
 """
 
 from __future__ import annotations
@@ -49,9 +57,11 @@ from pathlib import Path
 from kubellm.engine import sim_profiles
 from kubellm.gateway.routing.latency.predictions import Predictions
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.settings import Thresholds
 
 from kubellm import api
 from kubellm.bench.stats import percentile
+from kubellm.simulation.gateway import NEVER_SATURATED
 
 # Run as a script, bench/ is on sys.path; run from the repository root, as `bench._slo`.
 try:
@@ -83,13 +93,21 @@ POOLS = {
     "slow": [H100, H100, H100, H100.slowed(1.5)],
     "2fast2slow": [H100.with_overrides(max_num_seqs=16)] * 2
     + [H100.with_overrides(max_num_seqs=16).slowed(1.5)] * 2,
+    # not tuned on (2026-12-03, issue #38's second round): other ratios, other limits
+    "1fast3slow2x": [H100.with_overrides(max_num_seqs=16)]
+    + [H100.with_overrides(max_num_seqs=16).slowed(2.0)] * 3,
+    "3fast1slow3x": [H100.with_overrides(max_num_seqs=32)] * 3
+    + [H100.with_overrides(max_num_seqs=32).slowed(3.0)],
 }
 # Workloads (bench/_slo/fleet.py `workload`'s knobs) and each pool's own.
 WORKLOADS: dict[str, dict[str, int]] = {
     "default": {},
     "production": {"prompt_median": 1000, "answer_median": 400, "answer_max": 2000},
+    # not tuned on (2026-12-03): long documents with short answers, chat with long answers
+    "rag": {"prompt_median": 3000, "answer_median": 100, "answer_max": 500},
+    "chat": {"prompt_median": 300, "answer_median": 600, "answer_max": 2000},
 }
-POOL_WORKLOAD = {"2fast2slow": "production"}
+POOL_WORKLOAD = {"2fast2slow": "production", "1fast3slow2x": "production", "3fast1slow3x": "rag"}
 # Each pool's sweep: from under every policy's knee to past 1.4x prefix-aware's 90%-rate.
 # Each pool's knee lies near its steady-state capacity bound (`capacity`): 85 / 58 / 77
 # req/s. (The sweeps of the runs of 1,200 requests, before 2026-12-02's runs of 60 s:
@@ -99,6 +117,8 @@ RATES = {
     "mixed": [30.0, 35.0, 40.0, 45.0, 50.0, 55.0, 60.0],
     "slow": [50.0, 55.0, 60.0, 65.0, 70.0, 75.0, 80.0, 95.0],
     "2fast2slow": [3.0, 5.0, 7.0, 9.0, 11.0],
+    "1fast3slow2x": [2.0, 4.0, 6.0, 8.0],
+    "3fast1slow3x": [10.0, 15.0, 20.0, 25.0],
 }
 POLICIES = ["prefix-aware", "least-load", "slo-aware", "power_of_two", "cache_aware"]
 SLO = api.SLO(ttftSeconds=1.0, itlSeconds=0.05)
@@ -238,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         "--non-streamed", action="store_true",
         help="requests the gateway sees as non-streamed (no first token: nothing learnt)",
     )  # fmt: skip
+    parser.add_argument(
+        "--thresholds", choices=("none", "gateway"), default="none",
+        help="none: every request goes to a replica at once (the figures before "
+        "2026-12-03); gateway: the gateway's default saturation thresholds, a request "
+        "waiting in the gateway while every replica is saturated and refused (429) once "
+        "its TTFT budget is spent",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="every other rate, 10 s per case")
     parser.add_argument(
         "--floor", action="store_true",
@@ -279,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = Fleet(
                     POOLS[pool], policy, SLO, seed=args.seed, present=20 if args.floor else 0,
                     streamed=not args.non_streamed,
+                    thresholds=Thresholds() if args.thresholds == "gateway" else NEVER_SATURATED,
                 ).run(jobs)  # fmt: skip
                 row = summarize(run.outcomes, rate, duration)
                 results[pool].setdefault(policy, []).append(row)

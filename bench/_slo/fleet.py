@@ -30,12 +30,14 @@ from dataclasses import dataclass, field
 from kubellm.engine import sim_core
 from kubellm.engine.sim_profiles import Profile
 from kubellm.gateway.discovery.base import Endpoint, ModelTarget
-from kubellm.gateway.routing.dispatch import Pass, admit_once
+from kubellm.gateway.routing.admission import CompletionRate, Route
+from kubellm.gateway.routing.dispatch import WAKE_IN, Pass, admit_once
 from kubellm.gateway.routing.gates.slo import SloGate
 from kubellm.gateway.routing.replicas.load import LoadView
 from kubellm.gateway.routing.replicas.outliers import OutlierDetector
 from kubellm.gateway.routing.router import Router, routing_request
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
+from kubellm.gateway.routing.settings import Thresholds
 
 from kubellm import api
 from kubellm.simulation.gateway import NEVER_SATURATED
@@ -133,6 +135,7 @@ class Fleet:
         changes: Sequence[tuple[float, int, Profile]] = (),
         present: int = 0,
         streamed: bool = True,
+        thresholds: Thresholds = NEVER_SATURATED,
     ) -> None:
         self.replicas = [
             Replica(sim_core.Engine(p), f"http://replica-{i}") for i, p in enumerate(profiles)
@@ -159,6 +162,13 @@ class Fleet:
         )
         self.outstanding = [0] * len(self.replicas)  # the peers' own counts
         self.gates = (SloGate(self.router.predictions, lambda t: ("m", "", "")),)
+        # NEVER_SATURATED: every request goes to a replica at once. The gateway's defaults
+        # (`Thresholds()`): a replica whose engine queues `max_waiting` or whose KV cache is
+        # full is saturated; with every one saturated a request waits in the gateway (the
+        # pass again when a step ends or WAKE_IN passes) until its TTFT budget is spent,
+        # then it is refused (429: no fallback here), as `Scheduler._wait` does.
+        self.thresholds = thresholds
+        self.completions = CompletionRate(clock=lambda: self.now)
 
     # ------------------------------------------------------------ routing
 
@@ -171,22 +181,33 @@ class Fleet:
                                  kv_usage=kv, running=running))  # fmt: skip
         return out
 
-    def choose(self, request: RoutingRequest) -> tuple[int, list[Candidate]]:
-        """The replica for `request` and the candidates it was chosen among."""
+    def choose(
+        self, request: RoutingRequest, p: Pass | None = None, position: int = 1
+    ) -> tuple[int | None, list[Candidate]]:
+        """The replica for `request` and the candidates it was chosen among; None: it
+        waits (`p`, its admission pass, passes again later), -1: refused."""
         candidates = self._candidates()
         if self.policy == "power_of_two":
             a, b = self.rng.sample(range(len(self.replicas)), 2)
             return (a if self.outstanding[a] <= self.outstanding[b] else b), candidates
         if self.policy == "cache_aware":
             return self._cache_aware(request), candidates
-        p = Pass(self.target, request, self.now, self.now + self.slo.ttft_seconds, True,
-                 NEVER_SATURATED)  # fmt: skip
-        p.refresh(self.target, candidates, self.now, None, 0, 1, True)
+        if p is None:
+            p = self.admission(request)
+        p.refresh(self.target, candidates, self.now, None, 0, position, True)
         decision = admit_once(p, self.gates, self.router)
-        assert decision is not None  # never saturated: a replica
+        if decision is None:
+            return None, candidates
+        if decision.route is not Route.REPLICA:
+            return -1, candidates
         order = decision.order
         urls = [r.url for r in self.replicas]
         return urls.index(order[0].url), candidates
+
+    def admission(self, request: RoutingRequest) -> Pass:
+        """A request's admission pass, begun now (its budget: the TTFT target)."""
+        return Pass(self.target, request, self.now, self.now + self.slo.ttft_seconds, True,
+                    self.thresholds, rate=self.completions.rate)  # fmt: skip
 
     def _cache_aware(self, request: RoutingRequest) -> int:
         loads = self.outstanding
@@ -227,9 +248,65 @@ class Fleet:
         predictions = self.router.predictions
         (slo,) = self.gates
         counter = 0
+        # requests in the gateway's queue, in arrival order: (job, its request, its pass)
+        waiting: list[tuple[Job, RoutingRequest, Pass | None]] = []
+
+        def send(job: Job, request: RoutingRequest, index: int, order: list[Candidate]) -> None:
+            nonlocal counter
+            now = self.now
+            if index < 0:  # refused: it never reaches a replica (a miss)
+                result.outcomes.append(Outcome(job, -1, now))
+                return
+            replica = self.replicas[index]
+            outcome = Outcome(job, index, now, routing=request, order=order,
+                              served=replica.url, target=self.target)  # fmt: skip
+            slo.sent(outcome, replica.url)  # type: ignore[arg-type]
+            assert outcome.dispatch is not None
+            predicted = predictions.model.predict(replica.url, outcome.dispatch[1])
+            outcome.predicted_ttft, outcome.predicted_itl = predicted
+            self.router.routed(request, replica.url, [r.url for r in self.replicas])
+            counter += 1
+            rid = f"r{counter}"
+            live[rid] = outcome
+            result.outcomes.append(outcome)
+            replica.in_flight += 1
+            self.outstanding[index] += 1
+            replica.engine.add(
+                sim_core.Request(rid, tokens_of(job.text), job.max_tokens, arrival=now)
+            )
+            if self.present and counter % self.present == 0:
+                wait = step_end[index] - now if replica.busy else 0.0
+                outcome.present_ttft = wait + _first_token_in(replica.engine, rid)
+            if not replica.busy:
+                replica.busy = True
+                push(now, "step", index)
+
+        def admit_waiting() -> None:
+            """Each queued request's pass again, in order (`Scheduler._wait`)."""
+            still = []
+            for position, (job, request, p) in enumerate(waiting, 1):
+                first = p is None
+                if p is None:
+                    p = self.admission(request)
+                index, candidates = self.choose(request, p, position)
+                if on_decision is not None:
+                    on_decision()
+                if index is None:
+                    still.append((job, request, p))
+                    if first:  # it passes again at least every WAKE_IN, and at its deadline
+                        wake = p.now + WAKE_IN
+                        while wake < p.deadline:
+                            push(wake, "wake", None)
+                            wake += WAKE_IN
+                        push(p.deadline, "wake", None)
+                else:
+                    send(job, request, index, candidates)
+            waiting[:] = still
+
         while events:
             now, _, kind, payload = heapq.heappop(events)
             self.now = now
+            retry = False
             if kind == "scrape":
                 for r in self.replicas:
                     e = r.engine
@@ -237,35 +314,12 @@ class Fleet:
             elif kind == "change":
                 index, profile = payload  # type: ignore[misc]
                 self.replicas[index].engine.profile = profile
-            elif kind == "arrive":
-                job: Job = payload  # type: ignore[assignment]
-                request = routing_request("m", {"prompt": job.text}, None)
-                index, candidates = self.choose(request)
-                if on_decision is not None:
-                    on_decision()
-                replica = self.replicas[index]
-                outcome = Outcome(job, index, now, routing=request, order=candidates,
-                                  served=replica.url, target=self.target)  # fmt: skip
-                slo.sent(outcome, replica.url)  # type: ignore[arg-type]
-                assert outcome.dispatch is not None
-                predicted = predictions.model.predict(replica.url, outcome.dispatch[1])
-                outcome.predicted_ttft, outcome.predicted_itl = predicted
-                self.router.routed(request, replica.url, [r.url for r in self.replicas])
-                counter += 1
-                rid = f"r{counter}"
-                live[rid] = outcome
-                result.outcomes.append(outcome)
-                replica.in_flight += 1
-                self.outstanding[index] += 1
-                replica.engine.add(
-                    sim_core.Request(rid, tokens_of(job.text), job.max_tokens, arrival=now)
-                )
-                if self.present and counter % self.present == 0:
-                    wait = step_end[index] - now if replica.busy else 0.0
-                    outcome.present_ttft = wait + _first_token_in(replica.engine, rid)
-                if not replica.busy:
-                    replica.busy = True
-                    push(now, "step", index)
+            elif kind in ("arrive", "wake"):
+                if kind == "arrive":
+                    job: Job = payload  # type: ignore[assignment]
+                    request = routing_request("m", {"prompt": job.text}, None)
+                    waiting.append((job, request, None))
+                retry = True
             elif kind == "step":  # a step starts: it runs until `done`
                 index = payload  # type: ignore[assignment]
                 step = self.replicas[index].engine.step()
@@ -289,10 +343,16 @@ class Fleet:
                     # every policy's answers train the model (its MAPE is reported for all);
                     # a whole (non-streamed) answer, as in the gateway, only ends its attempt
                     slo.over(outcome, learn=self.streamed)  # type: ignore[arg-type]
+                    self.completions.record(replica.url)
+                    retry = True
                 if replica.engine.has_work:
                     push(now, "step", index)
                 else:
                     replica.busy = False
+            if kind == "scrape":
+                retry = True
+            if retry and waiting:
+                admit_waiting()
         return result
 
 

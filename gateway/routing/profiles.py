@@ -277,8 +277,9 @@ class _Slo:
         if predictions is None:
             return None
         slo = cycle.target.slo
+        cached = predictions.tiered(cycle.target, cycle.request)  # the KV events' tiers
         costs = predictions.costs(
-            cycle.request, cycle.candidates, slo.ttft_seconds, slo.itl_seconds
+            cycle.request, cycle.candidates, slo.ttft_seconds, slo.itl_seconds, cached
         )
         return Scored("slo", slo_scores({url: cost for url, (cost, _, _) in costs.items()}))
 

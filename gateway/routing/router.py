@@ -73,6 +73,7 @@ class Router:
         self.precise = precise
         # slo-aware's latency model (learnt under every policy: routing/latency/predictions.py)
         self.predictions = Predictions(registry=registry)
+        self.predictions.precise = precise  # its tiered match, where a model routes by it
         self.shared = Shared(
             self.index, self.sessions, precise, predictions=self.predictions,
             sharing=self.sharing if presume_home else None,

@@ -103,3 +103,19 @@ def test_the_present_ttft_is_exact_alone_and_never_above_the_observed_one() -> N
     gaps = [(o.first - o.sent) - o.present_ttft for o in outcomes]
     assert all(gap >= -1e-9 for gap in gaps)
     assert sum(gap > 1e-3 for gap in gaps) > len(gaps) // 10
+
+
+def test_with_the_gateways_thresholds_a_request_waits_then_is_refused() -> None:
+    """`--thresholds gateway`: with every replica saturated (here one request in flight
+    each) a request waits in the gateway and is refused once its TTFT budget is spent, as
+    the scheduler does without a fallback; without thresholds it goes to a replica."""
+    from kubellm.gateway.routing.settings import Thresholds
+
+    jobs = [Job(0.0, "a" * 4000, 2000), Job(0.01, "b" * 4000, 10)]
+    capped = Fleet([H100], "slo-aware", SLO, thresholds=Thresholds(max_in_flight=1))
+    first, second = capped.run(jobs).outcomes
+    assert first.replica == 0 and first.first is not None
+    assert second.replica == -1 and second.first is None  # refused: a miss
+    assert second.sent >= jobs[1].arrival + SLO.ttft_seconds  # after its whole budget
+    both = Fleet([H100], "slo-aware", SLO).run(jobs).outcomes
+    assert [o.replica for o in both] == [0, 0]

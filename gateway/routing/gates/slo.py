@@ -44,15 +44,19 @@ class SloGate(Gate):
 
     def narrow(self, p: Pass) -> None:
         if p.open and p.target.routing.policy == "slo-aware":
-            slo = p.target.slo
-            costs = self.predictions.costs(p.routing, p.open, slo.ttft_seconds, slo.itl_seconds)
+            slo, predictions = p.target.slo, self.predictions
+            cached = predictions.tiered(p.target, p.routing)
+            costs = predictions.costs(p.routing, p.open, slo.ttft_seconds, slo.itl_seconds, cached)
             p.predicted = min(ttft for _, ttft, _ in costs.values())
 
     def sent(self, ticket: Ticket, url: str) -> None:
         candidate = next((c for c in ticket.order if c.url == url), None)
         if candidate is None:  # a replica the front end chose itself
             candidate = Candidate(url=url, in_flight=self.in_flight(url))
-        dispatch = self.predictions.sent(url, ticket.routing, candidate)
+        cached = self.predictions.tiered(ticket.target, ticket.routing)
+        dispatch = self.predictions.sent(
+            url, ticket.routing, candidate, None if cached is None else cached.get(url)
+        )
         ticket.dispatch = [url, dispatch, self.predictions.clock(), False, None]
 
     def first_token(self, ticket: Ticket, now: float) -> None:

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kubellm.gateway.discovery.base import ModelTarget
+from kubellm.gateway.routing.index.kv_tiers import DEFAULT_VALUE, TierValue, cached_tokens
 from kubellm.gateway.routing.latency.histogram import Histogram
 from kubellm.gateway.routing.latency.model import (
     DECODE_BOUND_RANGE,
@@ -42,6 +43,9 @@ from kubellm.gateway.routing.scorers.prefix import CHUNK_CHARS, PrefixIndex
 from prometheus_client import CollectorRegistry, Gauge
 
 from kubellm import metrics
+
+if TYPE_CHECKING:
+    from kubellm.gateway.routing.index.precise_routing import PreciseRouting
 
 # The simulator and the approximate prefix index count ~4 characters per token.
 CHARS_PER_TOKEN = 4
@@ -114,6 +118,10 @@ class Predictions:
         # the answers' mean length (tokens, streamed answers of every replica)
         self.slots: dict[str, list[float]] = {}
         self.answer_tokens = PRIOR_ANSWER_LENGTH
+        # spec.routing.prefixIndex precise: the KV events' index (the router sets it), whose
+        # match by tier replaces the record of what was sent where (`tiered`)
+        self.precise: PreciseRouting | None = None
+        self.tier_value: TierValue = DEFAULT_VALUE
         r = registry or CollectorRegistry()
         self._ratios: dict[tuple[tuple[str, str, str], str], tuple[Any, Any]] = {}
         self.ratio = Histogram(
@@ -135,19 +143,30 @@ class Predictions:
     # ---------------------------------------------------------------- features
 
     def dispatch(
-        self, url: str, request: RoutingRequest, candidate: Candidate, now: float | None = None
+        self,
+        url: str,
+        request: RoutingRequest,
+        candidate: Candidate,
+        now: float | None = None,
+        cached: int | None = None,
     ) -> Dispatch:
         """The replica's state for this request now. The prompts ahead count less what the
         replica has computed of them since the last of them began (the first token of the
         one before, or the time the queue formed): the gateway knows what it sent, not how
-        far the engine has got, and counting whole prompts doubled the prefill ahead."""
+        far the engine has got, and counting whole prompts doubled the prefill ahead.
+        `cached`: the prompt tokens the replica holds as its KV events say (`tiered`: a
+        host or disk hit at its worth, so the prefill left carries the reload); None: as
+        this gateway's record of the prompts it sent there says."""
         tokens = request.prompt_chars // CHARS_PER_TOKEN
         hashes = request.chunk_hashes
         ahead = self.ahead.get(url)
-        cached = 0
-        if hashes:
+        if cached is not None:
+            cached = min(tokens, cached)
+        elif hashes:
             matched = self.index.matched(url, hashes)
             cached = min(tokens, matched * CHUNK_CHARS // CHARS_PER_TOKEN)
+        else:
+            cached = 0
         now = self.clock() if now is None else now
         running, waiting = candidate.running, candidate.waiting
         slots = 0.0 if running is None else self._slots(url, running, waiting, now)
@@ -208,18 +227,43 @@ class Predictions:
         candidates: Sequence[Candidate],
         ttft_target: float,
         itl_target: float,
+        cached: Mapping[str, int] | None = None,
     ) -> dict[str, tuple[float, float, float]]:
         """Per candidate URL: (SLO cost, predicted TTFT, predicted ITL); see latency.slo_cost
-        (the cost counts the ITL this request leaves the ones already there too)."""
+        (the cost counts the ITL this request leaves the ones already there too). `cached`:
+        `tiered`'s answer (a URL left out: the record of what was sent there)."""
         out = {}
         model = self.model
         now = self.clock()
         for c in candidates:
             self._fade(c.url, now)
-            dispatch = self.dispatch(c.url, request, c)
+            dispatch = self.dispatch(c.url, request, c, None, (cached or {}).get(c.url))
             ttft, itl = model.predict(c.url, dispatch)
             others = model.others_itl(c.url, dispatch)
             out[c.url] = (slo_cost(ttft, itl, ttft_target, itl_target, others), ttft, itl)
+        return out
+
+    def tiered(self, target: ModelTarget, request: RoutingRequest) -> dict[str, int] | None:
+        """The prompt tokens each of `target`'s replicas holds as its KV events say, by
+        tier: a GPU block whole, a host or disk block at its worth (`tier_value`: 1 -
+        reload / prefill per token, kv_tiers.cached_tokens), so the prediction's prefill
+        includes the reload. Only replicas whose events are fresh; None where the model
+        is not routed by the precise index (or its prompt cannot be hashed)."""
+        precise = self.precise
+        if precise is None or target.routing.prefix_index != "precise":
+            return None
+        # hashed once per body (PreciseRouting keeps the last few requests' hashes)
+        hashes = request.kv_hashes or precise.kv_hashes(target, request.body)
+        if not hashes:
+            return None
+        index, out = precise.index, {}
+        size = precise.block_size(target)  # a replica with only offloaded blocks: its peers'
+        for endpoint in target.endpoints:
+            url = endpoint.url
+            block = index.block_size(url) or size
+            if block and precise.fresh(url):
+                held = index.matched_by_tier(url, hashes)
+                out[url] = cached_tokens(self.tier_value, *held, block)
         return out
 
     def _fade(self, url: str, now: float) -> None:
@@ -231,10 +275,13 @@ class Predictions:
 
     # ---------------------------------------------------------------- the ticket's calls
 
-    def sent(self, url: str, request: RoutingRequest, candidate: Candidate) -> Dispatch:
-        """An attempt starts on `url`: its features, and its prefill counted as ahead."""
+    def sent(
+        self, url: str, request: RoutingRequest, candidate: Candidate, cached: int | None = None
+    ) -> Dispatch:
+        """An attempt starts on `url`: its features (`cached`: as `dispatch`), and its
+        prefill counted as ahead."""
         now = self.clock()
-        dispatch = self.dispatch(url, request, candidate, now)
+        dispatch = self.dispatch(url, request, candidate, now, cached)
         uncached = dispatch.uncached
         ahead = self.ahead.get(url)
         if ahead is None:  # [tokens, requests, when the first of them began its prefill]
