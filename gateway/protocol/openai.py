@@ -4,7 +4,9 @@
 the rest). Anything the gateway could not process is refused here, with a 400 in
 OpenAI's envelope, before any routing code sees it: invalid JSON or UTF-8, a lone
 surrogate escape (`"\\ud800"`, which no UTF-8 encoder accepts), nesting deeper than
-`MAX_DEPTH`, or a field of the wrong type.
+`MAX_DEPTH`, or a field of the wrong type. A client's `kv_transfer_params` is refused
+too: they tell an engine where to pull KV blocks from, which only the gateway's prefill
+leg may say.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ def parse_body(raw: bytes, path: str) -> dict[str, Any]:
                 "Request body holds a lone UTF-16 surrogate escape (e.g. \\ud800): "
                 "text must be valid Unicode."
             ) from None
+    if "kv_transfer_params" in body:
+        # They name the host and port an engine pulls KV blocks from; only the gateway's
+        # own prefill leg sets them (protocol/kv_transfer.py).
+        raise errors.bad_request(
+            "`kv_transfer_params` is set by the gateway for split requests, not by clients.",
+            "kv_transfer_params",
+        )
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise errors.bad_request("`model` is required and must be a non-empty string.", "model")

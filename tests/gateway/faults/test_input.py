@@ -33,6 +33,14 @@ def post(url: str, raw: bytes, headers: dict[str, str] | None = None) -> httpx.R
             "nested deeper",
         ),
         (b'{"model": "m", "messages": "\xff\xfe"}', "UTF-8"),
+        # KV-transfer parameters name a host and port the engine pulls KV blocks from: only
+        # the gateway's own prefill leg may set them, never a client.
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
+            b'"kv_transfer_params": {"do_remote_prefill": true, "remote_host": "10.0.0.9", '
+            b'"remote_port": 5600, "remote_block_ids": [1]}}',
+            "kv_transfer_params",
+        ),
     ],
 )
 def test_bodies_the_gateway_cannot_process_are_400_envelopes(engines, gateway, raw, says):
