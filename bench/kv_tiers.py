@@ -59,19 +59,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kubellm.engine.sim_core import Engine, Request
 from kubellm.engine.sim_profiles import get as get_profile
+from kubellm.gateway.discovery.base import Endpoint, ModelTarget
 from kubellm.gateway.routing.index.kv_events import KVIndex
-from kubellm.gateway.routing.index.kv_tiers import DEFAULT_VALUE, TierValue
+from kubellm.gateway.routing.index.precise_routing import PreciseRouting
+from kubellm.gateway.routing.replicas.load import LoadView
+from kubellm.gateway.routing.replicas.outliers import OutlierDetector
+from kubellm.gateway.routing.router import Router, routing_request
 from kubellm.gateway.routing.scorers.base import Candidate
-from kubellm.gateway.routing.scorers.bounded_load import within_bound
 from kubellm.gateway.routing.scorers.prefix import PrefixIndex
 
-from kubellm import kv_blocks, kv_tiers
+from kubellm import api, kv_tiers
 
 ANSWER = 150
 CHUNK = 256  # tokens per chunk of the approximate (cache_aware) index
 CONTENDERS = ("no-tier", "tier-blind", "tier-aware", "cache_aware")
 WORKLOADS = ("chat x0.5", "chat x1.5", "chat x3", "doc-qa")
-GPU_ONLY = TierValue.fixed({"GPU": 1.0})
+LOWER_TIERS = (kv_tiers.CPU, kv_tiers.STORAGE)
+SCRAPE_S = 1.0  # the gateway's default scrape interval
 
 
 @dataclass
@@ -91,6 +95,14 @@ class Result:
     cpu_s: float = 0.0
 
 
+class _InProcessEvents(PreciseRouting):
+    """Precise routing whose replicas' events reach the index as each step publishes them
+    (no sockets, nothing lost): every replica is fresh unless its index overflowed."""
+
+    def fresh(self, url: str) -> bool:
+        return not self.index.overflowed(url)
+
+
 class Fleet:
     def __init__(self, args: argparse.Namespace, tiered: bool, rule: str) -> None:
         profile = get_profile("llama-3.1-8b-h100").with_overrides(max_model_len=40_960)
@@ -100,15 +112,29 @@ class Fleet:
             profile = profile.with_overrides(host_tier_blocks=host)
         self.profile = profile
         self.engines = [Engine(profile, kv_events=True) for _ in range(args.replicas)]
-        self.urls = [f"r{i}" for i in range(args.replicas)]
+        self.urls = [f"http://r{i}" for i in range(args.replicas)]
         self.clock = [0.0] * args.replicas
         self.seq = [0] * args.replicas
-        self.kv = KVIndex()
-        self.approx = PrefixIndex(capacity=1 << 20)
+        self.now = 0.0  # the gateway's clock: the arrival being routed
         self.rule = rule
-        self.value = GPU_ONLY if rule == "tier-blind" else DEFAULT_VALUE
         self.in_flight = [0] * args.replicas
-        self.hasher = kv_blocks.BlockHasher(profile.block_size)
+        self.scraped: list[tuple[float, float, float] | None] = [None] * args.replicas
+        self.scraped_at = -SCRAPE_S
+        # kubellm's contenders: the shipped router (prefix-aware, spec.routing.prefixIndex
+        # precise) fed the replicas' KV events; tier-blind drops the lower tiers' events,
+        # as kubellm's index did before it knew tiers
+        self.kv = KVIndex(clock=lambda: self.now)
+        self.precise = _InProcessEvents({"m": "simulator"}, index=self.kv, clock=lambda: self.now)
+        self.router = Router(LoadView(clock=lambda: self.now), OutlierDetector(10**9, 1.0),
+                             rng=random.Random(args.seed), precise=self.precise)  # fmt: skip
+        self.router.index.clock = lambda: self.now
+        self.target = ModelTarget(
+            served_name="m", deployment="m",
+            endpoints=tuple(Endpoint(u) for u in self.urls),
+            routing=api.Routing(policy="prefix-aware", prefix_index="precise"),
+        )  # fmt: skip
+        self.precise.prepare({"m": self.target})
+        self.approx = PrefixIndex(capacity=1 << 20)  # cache_aware's tree of prompts sent
 
     def pool_tokens(self) -> int:
         return self.profile.num_blocks * self.profile.block_size * len(self.engines)
@@ -116,16 +142,20 @@ class Fleet:
     def route(self, prompt: list[int]) -> int:
         if self.rule == "cache_aware":
             return self._cache_aware(prompt)
-        hashes = self.hasher.block_hashes(prompt[: len(prompt) - 1], max_blocks=1 << 20)
-        candidates = [Candidate(url=u, load=self.in_flight[i]) for i, u in enumerate(self.urls)]
-        kept = within_bound(candidates, 1.25)
-        total = max(1, len(hashes))
-
-        def score(c: Candidate) -> tuple[float, float]:
-            worth = self.value.blocks(*self.kv.matched_by_tier(c.url, hashes)) / total
-            return worth, -c.load
-
-        return self.urls.index(max(kept, key=score).url)
+        if self.now - self.scraped_at >= SCRAPE_S:  # the engines' gauges, as last scraped
+            self.scraped_at = self.now
+            self.scraped = [(float(len(e.running)), float(len(e.waiting)), e.kv_cache_usage())
+                            for e in self.engines]  # fmt: skip
+        candidates = []
+        for i, url in enumerate(self.urls):
+            running, waiting, kv = self.scraped[i] or (None, None, None)
+            own = self.in_flight[i]
+            load = float(own) if running is None else max(own, running + waiting)
+            candidates.append(Candidate(url, load, own, waiting, kv, running))
+        request = routing_request("m", {"prompt": prompt}, None)
+        order = self.router.order(self.target, request, candidates)
+        self.router.routed(request, order[0].url, self.urls)
+        return self.urls.index(order[0].url)
 
     def _cache_aware(self, prompt: list[int]) -> int:
         loads = self.in_flight
@@ -141,10 +171,13 @@ class Fleet:
 
     def sent(self, index: int, prompt: list[int]) -> None:
         self.in_flight[index] += 1
-        self.approx.record(self.urls[index], _chunks(prompt))
+        if self.rule == "cache_aware":
+            self.approx.record(self.urls[index], _chunks(prompt))
 
     def publish(self, index: int) -> None:
         events = self.engines[index].take_events()
+        if self.rule == "tier-blind":
+            events = [e for e in events if e.get("medium") not in LOWER_TIERS]
         if events:
             self.kv.apply(self.urls[index], self.seq[index], [0.0, events, 0])
             self.seq[index] += 1
@@ -211,6 +244,7 @@ def run(args: argparse.Namespace, workload: str, contender: str) -> Result:
             else:
                 session.history += [rng.randrange(50_000) for _ in range(rng.randint(200, 800))]
                 prompt = list(session.history)
+            fleet.now = at
             index = fleet.route(prompt)
             fleet.sent(index, prompt)
             rid = f"q{next(counter)}"
