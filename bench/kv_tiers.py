@@ -4,9 +4,12 @@ One run, every contender on the same requests. Replicas are the simulator's pure
 (engine_image/sim_core.py, Llama 3.1 8B on one H100: 16-token blocks, its KV pool from
 kubellm.capacity) with the host tier of engine_image/sim_tiers.py (write-through LRU,
 reload over PCIe at 50 GB/s, stores overlapped). Each replica's KV events feed the
-gateway's precise index (gateway/routing/kv_index.py, with kv_tier_index), as they would
-in a fleet with spec.routing.prefixIndex precise. The clock is simulated: each replica
-advances by its steps' durations; figures do not depend on this machine's load.
+gateway's precise index (gateway/routing/index/kv_events.py, with index/kv_tiers.py), as
+they would in a fleet with spec.routing.prefixIndex precise. The clock is simulated: each
+replica advances by its steps' durations; figures do not depend on this machine's load.
+Every session starts cold (its first turn computes its whole history, whatever the
+router), so figures count the turns arriving after `--warmup` simulated seconds; the
+p90 of every turn (the first version's measure) is printed beside.
 
 Workloads:
 - `chat x0.5`, `chat x1.5`, `chat x3`: multi-turn chat and agent sessions, found under
@@ -19,11 +22,11 @@ Workloads:
   question; nothing is ever reused (the tier only costs).
 
 Contenders:
-- `no-tier`: no offload tier; kubellm's precise routing (GPU blocks).
-- `tier-blind`: host tier; the same routing, counting GPU blocks only (what kubellm did
-  before: events with medium CPU ignored).
-- `tier-aware`: host tier; kubellm's precise scorer with a block's worth by tier
-  (kv_tier_index.DEFAULT_VALUE: CPU 0.92).
+- `no-tier`: no offload tier; kubellm's shipped routing (prefix-aware, precise index).
+- `tier-blind`: host tier; the same routing with the lower tiers' events dropped (what
+  kubellm did before: events with medium CPU ignored).
+- `tier-aware`: host tier; the shipped routing, a block counted at its tier's worth
+  (index/kv_tiers.DEFAULT_VALUE: CPU 0.92).
 - `cache_aware`: host tier; vllm-router's cache_aware rule (inherited from SGLang's
   router: if the load is imbalanced, max - min > 32 and max > 1.5 x min, the least loaded;
   else the worker whose prefix tree of prompts sent matches most, when the match is over
@@ -31,17 +34,23 @@ Contenders:
   gateway's approximate prefix index over token chunks: running vllm-router as a process
   in front of simulated in-process engines on a simulated clock is not possible.
 
-kubellm's routing (all three kubellm contenders): the bounded-load filter (load bound 1.25
-on in-flight requests, scorers/bounded_load.py), then the highest prefix score, ties to
-the least loaded.
+kubellm's routing (all three kubellm contenders) is the shipped router's
+(`router.Router.order`, the prefix-aware profile with its defaults: bounded load 1.25,
+widened 2x for replicas holding half the prompt; prefix 4, home 2, load scorers), over
+candidates with the gateway's own in-flight counts and the engines' gauges scraped every
+second. (The first version of this bench re-implemented it as the bare bounded-load
+filter then the prefix score: without the holders' wider bound it spread turns off their
+home and lost to cache_aware at 0.5x, p90 0.457 s against 0.177.)
 
 Figures: hit rate by tier (prompt tokens found on the GPU, in host memory; the rest were
-computed), TTFT p50/p90 (simulated seconds, arrival to first token), the share of
-requests within the TTFT SLO (--ttft-slo). Goodput as a rate sweep (the highest rate at
-which 90% meet the SLO) is not run: each workload runs at one offered load.
+computed: the engines' prefix-cache counters), TTFT p50/p90 (simulated seconds, arrival to
+first token), the share of turns within the TTFT SLO (--ttft-slo); what no router can
+beat (`Bound`: best TTFT and the most turns/s the replicas could serve, against those
+offered); goodput (`--sweep`): per contender, the chat working set (so the sessions and
+their turns per second) rising until fewer than 90% of turns meet the SLO.
 
-    python bench/kv_tiers.py                 # all workloads, 2 replicas, 120 s each
-    python bench/kv_tiers.py --workloads "chat x3" --seconds 60
+    python bench/kv_tiers.py                 # all workloads, 2 replicas, then the sweep
+    python bench/kv_tiers.py --workloads "chat x3" --sweep ""
 """
 
 from __future__ import annotations
