@@ -141,6 +141,9 @@ class ModelTarget:
     # status.capacity.decodeTokensPerSecondBound (None: not known): the slo-aware latency
     # model's replicas of this model start from a prior scaled to it until they have answers.
     decode_tokens_per_second_bound: float | None = None
+    # status.capacity (kvTokensGPU, kvTokensHost) of a replica with a host-memory KV tier
+    # (spec.engine.kvOffload; None: no tier): the approximate prefix index models both
+    kv_tier_tokens: tuple[int, int] | None = None
     # spec.prefill: requests may be split between the prefill and the decode role
     prefill: PrefillSplit | None = None
 

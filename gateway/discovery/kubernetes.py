@@ -119,12 +119,28 @@ def decode_bounds(items: list[Mapping[str, Any]]) -> dict[tuple[str, str], float
     return out
 
 
+def tier_tokens(items: list[Mapping[str, Any]]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(namespace, name) -> its status.capacity (kvTokensGPU, kvTokensHost), where the
+    operator wrote both as positive integers (a replica with a host-memory tier)."""
+    out = {}
+    for item in items:
+        meta = item.get("metadata") or {}
+        capacity = (item.get("status") or {}).get("capacity")
+        if not isinstance(capacity, Mapping):
+            continue
+        pair = capacity.get("kvTokensGPU"), capacity.get("kvTokensHost")
+        if all(type(v) is int and v > 0 for v in pair):
+            out[meta.get("namespace", "default"), meta.get("name", "")] = pair
+    return out
+
+
 def build_targets(
     deployments: list[LLMDeployment],
     slices: list[Mapping[str, Any]],
     keys: Mapping[SecretKey, str],
     splits: Mapping[tuple[str, str], CanarySplit] | None = None,
     bounds: Mapping[tuple[str, str], float] | None = None,
+    tiers: Mapping[tuple[str, str], tuple[int, int]] | None = None,
 ) -> dict[str, ModelTarget]:
     """Served name -> target. A served name claimed twice goes to the first by namespace/name.
     A canary pod is in two slices (the engine Service's and the canary's): its revision
@@ -169,6 +185,7 @@ def build_targets(
                 (d.metadata.namespace, d.metadata.name)
             ),
             prefill=prefill_split(d.spec),
+            kv_tier_tokens=(tiers or {}).get((d.metadata.namespace, d.metadata.name)),
         )
     return targets
 
@@ -242,7 +259,7 @@ class KubernetesDiscovery:
         items = list(self._deployments.values())
         self._models = build_targets(
             deployments, list(self._slices.values()), self._keys, canary_splits(items),
-            decode_bounds(items),
+            decode_bounds(items), tier_tokens(items),
         )  # fmt: skip
         on_change()
 

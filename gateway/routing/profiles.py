@@ -73,6 +73,7 @@ from typing import Protocol
 
 from kubellm.gateway.discovery.base import ModelTarget
 from kubellm.gateway.routing.canary.revisions import for_request as revision_candidates
+from kubellm.gateway.routing.index import approx_tiers
 from kubellm.gateway.routing.index.precise_routing import PreciseRouting
 from kubellm.gateway.routing.latency.model import slo_scores
 from kubellm.gateway.routing.latency.predictions import Predictions
@@ -223,6 +224,14 @@ class _Prefix:
                 precise.index, precise.fresh, self.shared.index,
                 precise.fallback(target.served_name),
             )  # fmt: skip
+        tiers = target.kv_tier_tokens  # a host tier: the approximate index models both
+        chunks = (
+            None
+            if tiers is None
+            else approx_tiers.ChunkTiers.from_tokens(*tiers, prefix.CHUNK_CHARS)
+        )
+        for c in cycle.candidates:
+            self.shared.index.set_tiers(c.url, chunks)
         scores = scorer.score(cycle.request, cycle.candidates)
         shares = {c.url: s for c, s in zip(cycle.candidates, scores, strict=True)}
         cycle.held = {url for url, share in shares.items() if share >= HOLDER_SHARE}

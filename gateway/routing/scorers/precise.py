@@ -71,5 +71,6 @@ class PrecisePrefixScorer:
                 continue
             if self.on_fallback is not None:
                 self.on_fallback(c.url, "stale" if blocks else "unhashed")
-            out.append(self.approximate.matched(c.url, chunks) / len(chunks) if chunks else 0.0)
+            gpu, host = self.approximate.matched_by_tier(c.url, chunks)
+            out.append(self.tier_value.blocks(gpu, host, 0) / len(chunks) if chunks else 0.0)
         return out

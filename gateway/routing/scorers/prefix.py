@@ -23,6 +23,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kubellm.gateway.routing.index import approx_tiers
+from kubellm.gateway.routing.index.kv_tiers import DEFAULT_VALUE
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 CHUNK_CHARS = 256
@@ -100,24 +102,52 @@ def affinity_key(text: str, hashes: tuple[int, ...]) -> int:
 
 class PrefixIndex:
     """Per endpoint, an LRU set of chain hashes sent there, bounded in entries, each with
-    the time it was last sent (`matched_since`: what was sent there lately)."""
+    the time it was last sent (`matched_since`: what was sent there lately). For an
+    endpoint with a host tier (`set_tiers`), two LRUs: the GPU's and, below it, what the
+    host tier still holds (index/approx_tiers.py)."""
 
     def __init__(self, capacity: int = 65_536, clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = capacity
         self.clock = clock
         self._by_url: dict[str, OrderedDict[int, float]] = {}
+        self._tiers: dict[str, approx_tiers.ChunkTiers] = {}
+        self._host: dict[str, OrderedDict[int, float]] = {}  # evicted from the GPU, on host
+
+    def set_tiers(self, url: str, tiers: approx_tiers.ChunkTiers | None) -> None:
+        """The endpoint's tiers in chunks (None: no host tier, one LRU of `capacity`)."""
+        if self._tiers.get(url) == tiers:
+            return
+        if tiers is None:
+            self._tiers.pop(url, None)
+            self._host.pop(url, None)
+            return
+        self._tiers[url] = tiers = approx_tiers.ChunkTiers(
+            min(tiers.gpu, self.capacity), min(tiers.host, self.capacity)
+        )
+        approx_tiers.spill(
+            self._by_url.setdefault(url, OrderedDict()), self._host.setdefault(url, OrderedDict()),
+            tiers,
+        )  # fmt: skip
 
     def record(self, url: str, hashes: Sequence[int]) -> None:
         index = self._by_url.setdefault(url, OrderedDict())
         now = self.clock()
+        host = self._host.get(url)
         for h in hashes:
             index[h] = now
             index.move_to_end(h)
+            if host:
+                host.pop(h, None)  # reloaded into the GPU
+        tiers = self._tiers.get(url)
+        if tiers is not None and host is not None:
+            approx_tiers.spill(index, host, tiers)
         while len(index) > self.capacity:
             index.popitem(last=False)
 
     def matched(self, url: str, hashes: Sequence[int]) -> int:
-        """Length of the longest prefix of the chain present on `url`."""
+        """Length of the longest prefix of the chain present on `url` (in any tier)."""
+        if url in self._tiers:
+            return sum(self.matched_by_tier(url, hashes))
         index = self._by_url.get(url)
         if not index:
             return 0
@@ -128,36 +158,59 @@ class PrefixIndex:
             count += 1
         return count
 
+    def matched_by_tier(self, url: str, hashes: Sequence[int]) -> tuple[int, int]:
+        """(GPU, host tier) chunks of the chain's longest prefix held on `url`; without a
+        host tier, everything held counts as the GPU's."""
+        host = self._host.get(url)
+        if url not in self._tiers or host is None:
+            return self.matched(url, hashes), 0
+        return approx_tiers.matched_by_tier(self._by_url.get(url, OrderedDict()), host, hashes)
+
     def matched_since(self, url: str, hashes: Sequence[int], since: float) -> int:
         """Length of the longest prefix of the chain sent to `url` at or after `since`."""
         index = self._by_url.get(url)
         if not index:
             return 0
+        host = self._host.get(url) or {}
         count = 0
         for h in hashes:
-            if index.get(h, -math.inf) < since:
+            if index.get(h, host.get(h, -math.inf)) < since:
                 break
             count += 1
         return count
 
     def forget(self, url: str) -> None:
+        """The endpoint is gone or restarted: nothing of it is held (its tiers stay known)."""
         self._by_url.pop(url, None)
+        if url in self._host:
+            self._host[url] = OrderedDict()
 
     def size(self, url: str) -> int:
-        return len(self._by_url.get(url, ()))
+        return len(self._by_url.get(url, ())) + len(self._host.get(url, ()))
 
 
 class PrefixScorer:
+    """Score = the prompt's longest chain held on the endpoint / its length; with a host
+    tier, a chunk held there (evicted from the GPU) counts `host_weight` (kv_tiers'
+    DEFAULT_VALUE: 1 - reload / prefill per token)."""
+
     name = "prefix"
 
-    def __init__(self, index: PrefixIndex) -> None:
+    def __init__(
+        self, index: PrefixIndex, host_weight: float = DEFAULT_VALUE.weights["CPU"]
+    ) -> None:
         self.index = index
+        self.host_weight = host_weight
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         total = len(request.chunk_hashes)
         if not total:
             return [0.0] * len(candidates)
-        return [self.index.matched(c.url, request.chunk_hashes) / total for c in candidates]
+        out = []
+        for c in candidates:
+            gpu, host = self.index.matched_by_tier(c.url, request.chunk_hashes)
+            out.append((gpu + self.host_weight * host) / total)
+        return out
 
 
 class Sharing:

@@ -199,6 +199,28 @@ def test_a_models_decode_bound_comes_from_its_status_capacity(status, bound):
     ].decode_tokens_per_second_bound is None  # fmt: skip
 
 
+# status.capacity -> the tiers the approximate prefix index models (None: no host tier)
+TIERS_TABLE = [
+    ({"capacity": {"kvTokensGPU": 440_000, "kvTokensHost": 1_600_000}}, (440_000, 1_600_000)),
+    ({"capacity": {"kvTokensGPU": 440_000}}, None),  # no host tier
+    ({"capacity": {"kvTokensGPU": 440_000, "kvTokensHost": 0}}, None),
+    ({"capacity": {"kvTokensGPU": 440_000, "kvTokensHost": 1.5e6}}, None),  # not an integer
+    ({"capacity": {"kvTokensGPU": True, "kvTokensHost": 10}}, None),
+    ({"capacity": "x"}, None),
+    ({}, None),
+]
+
+
+@pytest.mark.parametrize(("status", "tiers"), TIERS_TABLE)
+def test_a_models_kv_tiers_come_from_its_status_capacity(status, tiers):
+    item = {**_llmd("llama"), "status": status}
+    slices = [_slice("llama", [("10.0.0.1", {"ready": True})])]
+    targets = k8s.build_targets(
+        k8s.parse_deployments([item]), slices, {}, None, None, k8s.tier_tokens([item])
+    )
+    assert targets["llama"].kv_tier_tokens == tiers
+
+
 def test_a_static_model_may_give_its_decode_bound():
     models = parse({"models": [{"name": "a", "decodeTokensPerSecondBound": 143},
                                {"name": "b"}]})  # fmt: skip
