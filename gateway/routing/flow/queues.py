@@ -17,7 +17,8 @@ tenant. The decisions are pure (the caller passes the clock's reading):
   `x-kubellm-drop-reason` header and `kubellm_gateway_tenant_dropped_total`.
 - **Headroom.** Requests of bands below `headroom_below` (default 0: the sheddable ones)
   dispatch only to replicas below a lower saturation line (`below_line`): no engine queue,
-  KV usage under `headroom_kv`, and load under `headroom_load` when set. The rest of each
+  KV usage under `headroom_kv`, and load under `headroom_load` when set (else 3/4 of the
+  replica's learnt slots; not learnt yet: `LOW_RAMP` past its last scrape). The rest of each
   replica stays free for the high bands, so a chat request finds a slot at once instead of
   waiting inside the engine behind batch work; low bands still use every replica while the
   high ones are idle (work-conserving up to the line).
