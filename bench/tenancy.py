@@ -202,6 +202,15 @@ def has_text(event: str) -> bool:
     return bool((choices[0].get("delta") or {}).get("content"))
 
 
+def refusal(response: httpx.Response, tenant: str) -> dict[str, Any]:
+    """A refused request: its status and flow control's reason (`x-kubellm-drop-reason`:
+    shed, ttl, band-full, queue-full; none: the pass's own `saturated`)."""
+    reason = response.headers.get("x-kubellm-drop-reason") or "saturated"
+    status = response.status_code
+    return {"ok": False, "status": f"{status} {reason}" if status == 429 else status,
+            "tenant": tenant}  # fmt: skip
+
+
 async def one(client: httpx.AsyncClient, url: str, tenant: str, text: str, max_tokens: int,
               stream: bool) -> dict[str, Any]:  # fmt: skip
     """One chat request; TTFT (first content event, or the whole answer) and tokens."""
@@ -217,7 +226,7 @@ async def one(client: httpx.AsyncClient, url: str, tenant: str, text: str, max_t
                                      headers=headers) as response:  # fmt: skip
                 if response.status_code != 200:
                     await response.aread()
-                    return {"ok": False, "status": response.status_code, "tenant": tenant}
+                    return refusal(response, tenant)
                 async for line in response.aiter_lines():
                     if line.startswith("data: {") and has_text(line[6:]):
                         first = first or time.monotonic()
@@ -226,7 +235,7 @@ async def one(client: httpx.AsyncClient, url: str, tenant: str, text: str, max_t
             response = await client.post(f"{url}/v1/chat/completions", json=body,
                                          headers=headers)  # fmt: skip
             if response.status_code != 200:
-                return {"ok": False, "status": response.status_code, "tenant": tenant}
+                return refusal(response, tenant)
             first = time.monotonic()
             usage = response.json().get("usage", {})
             tokens = int(usage.get("completion_tokens") or 0)
@@ -294,10 +303,18 @@ async def phase(args: argparse.Namespace, url: str, interactive: bool, batch: bo
         "ttft_p99": percentile(ttfts, 99) if ttfts else None,
         "interactive": len(chat), "interactive_refused": sum(not r["ok"] for r in chat),
         "batch": len(bulk), "batch_refused": sum(not r["ok"] for r in bulk),
-        "refusals": sorted({str(r["status"]) for r in chat + bulk if not r["ok"]}),
+        "refusals": {who: _count(str(r["status"]) for r in rs if not r["ok"])
+                     for who, rs in (("interactive", chat), ("batch", bulk))},
         "output_tokens_per_s": sum(r["tokens"] for r in served) / (args.seconds),
         "seconds": wall,
     }  # fmt: skip
+
+
+def _count(values: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
 
 
 async def warm_up(args: argparse.Namespace, url: str) -> None:
@@ -748,7 +765,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{fmt(both['gateway_ttft_p99'])}, gateway wait "
                       f"{fmt(a['gateway_wait_p99'])} -> {fmt(both['gateway_wait_p99'])}, "
                       f"engine TTFT {fmt(a['engine_ttft_p99'])} -> "
-                      f"{fmt(both['engine_ttft_p99'])}", flush=True)  # fmt: skip
+                      f"{fmt(both['engine_ttft_p99'])}; refused with both (status and "
+                      f"x-kubellm-drop-reason): {both['refusals']}", flush=True)  # fmt: skip
         if "fairness" in scenarios:
             rows = fairness(args, seed)
             out.setdefault("fairness", []).extend(rows)

@@ -19,8 +19,19 @@ the pool, `fair_capacity`), `off` (`--fair-in-flight-tokens off`: counters only)
 `qQxK` (the derived rule at quantile Q, `FAIR_QUANTILE`, and K slots, `FAIR_SLOTS`),
 `N` (a fixed budget per replica).
 
+The interference scenario (`--scenarios interference`, bench/_interference_sim.py) runs
+the gateway's own admission pass with its flow gate, load view and router (not a copy of
+them) on the same clock: an interactive tenant (priority 10) beside a batch tenant (-1),
+the issue's tenants file, per mix (`--mixes`: the issue's shape and mixes not tuned on)
+and contender (`shipped`: the defaults; `before`: the low band's line as it was before
+the ramp, `queues.LOW_RAMP` infinite; `prefill-N`: `--headroom-prefill-rate N`).
+Printed: the chats' TTFT p50/p99 alone and beside the batch, the chats refused (with the
+reason), the batch's output tokens/s alone and beside the chats, and where the chats'
+p99 was (the wait at the gateway, the wait in the engine before its first step).
+
     python bench/tenancy_sim.py                       # every workload, every contender
     python bench/tenancy_sim.py --workloads issue --contenders shipped,off --seconds 120
+    python bench/tenancy_sim.py --scenarios interference --mixes issue --seconds 40 --warm 10
 """
 
 from __future__ import annotations
@@ -28,8 +39,10 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import math
 import sys
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -215,8 +228,57 @@ def _capacity(
         flow._typical = None
 
 
+def interference(args: argparse.Namespace) -> dict[str, Any]:
+    """The interference phase per mix: the chats alone (no batch: the same for every
+    contender), then per contender the batch alone and both."""
+    try:  # run as a script (bench/ on the path), or as bench.tenancy_sim
+        import _interference_sim as sim  # type: ignore[import-not-found]
+    except ImportError:
+        from bench import _interference_sim as sim
+
+    out: dict[str, Any] = {}
+    print(f"interference: 4 x llama-3.1-8b-h100 (maxNumSeqs 16), tenants interactive "
+          f"(priority 10), batch (-1), three at 0; {args.seconds:g} simulated s per phase, the "
+          f"first {args.warm:g} not counted; the gateway's pass and flow gate")  # fmt: skip
+    print(f"{'mix':21} {'contender':13} {'p50 alone':>9} {'p99 alone':>9} {'p50 both':>8} "
+          f"{'p99 both':>8} {'p99 x':>6} {'chats refused':>17} {'batch tok/s':>11} "
+          f"{'both':>6} {'both/alone':>10} {'gw wait':>7} {'engine wait':>11}")  # fmt: skip
+    for name in args.mixes.split(","):
+        mix = sim.MIXES[name]
+        run_ = partial(sim.run, mix, seconds=args.seconds, warm=args.warm, profile=H100)
+        alone = run_(sim.contender("shipped"), True, False)
+        for contender in args.interference_contenders.split(","):
+            settings = sim.contender(contender)
+            ramp = flows.LOW_RAMP
+            flows.LOW_RAMP = math.inf if contender == "before" else ramp
+            try:
+                batch = run_(settings, False, True)
+                both = run_(settings, True, True)
+            finally:
+                flows.LOW_RAMP = ramp
+            out.setdefault(name, []).append(
+                {"contender": contender, "alone": alone, "batch_alone": batch, "both": both}
+            )
+            ratio = both["ttft_p99"] / alone["ttft_p99"]
+            kept = both["batch_output_per_s"] / batch["batch_output_per_s"]
+            refused = f"{sum(both['interactive_refused'].values())}/{both['interactive']}"
+            if both["interactive_refused"]:
+                refused += " " + ",".join(both["interactive_refused"])
+            print(f"{name:21} {contender:13} {alone['ttft_p50']:>9.3f} {alone['ttft_p99']:>9.3f} "
+                  f"{both['ttft_p50']:>8.3f} {both['ttft_p99']:>8.3f} {ratio:>6.1f} "
+                  f"{refused:>17} {batch['batch_output_per_s']:>11.0f} "
+                  f"{both['batch_output_per_s']:>6.0f} {kept:>10.0%} "
+                  f"{both['gateway_wait_p99']:>7.3f} {both['engine_wait_p99']:>11.3f}",
+                  flush=True)  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenarios", default="fairness,interference")
+    parser.add_argument("--mixes", default="issue,batch-256,chat-16/s,chat-not-streamed,"
+                        "mix-150-200/3000-100,2fast2slow")  # fmt: skip
+    parser.add_argument("--interference-contenders", default="shipped,before,prefill-15000")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--contenders", default="shipped,off,q0.5x1.5,q0.25x1,q0.25x2,q0.1x1.5")
     parser.add_argument("--seconds", type=float, default=90.0, help="simulated s per run")
@@ -230,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'workload':20} {'contender':9} {'shares':>20} {'jain':>6} {'service/s':>9} "
           f"{'prompt/s':>8} {'output/s':>8} {'short p99 s':>11} "
           f"{'budget/replica':>14}")  # fmt: skip
+    if "interference" in args.scenarios.split(","):
+        rows["interference"] = interference(args)  # type: ignore[assignment]
+    if "fairness" not in args.scenarios.split(","):
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+        return 0
     for name in args.workloads.split(","):
         work = WORKLOADS[name]
         for contender in args.contenders.split(","):

@@ -17,7 +17,8 @@ tenant. The decisions are pure (the caller passes the clock's reading):
   `x-kubellm-drop-reason` header and `kubellm_gateway_tenant_dropped_total`.
 - **Headroom.** Requests of bands below `headroom_below` (default 0: the sheddable ones)
   dispatch only to replicas below a lower saturation line (`below_line`): no engine queue,
-  KV usage under `headroom_kv`, and load under `headroom_load` when set. The rest of each
+  KV usage under `headroom_kv`, and load under `headroom_load` when set (else 3/4 of the
+  replica's learnt slots; not learnt yet: `LOW_RAMP` past its last scrape). The rest of each
   replica stays free for the high bands, so a chat request finds a slot at once instead of
   waiting inside the engine behind batch work; low bands still use every replica while the
   high ones are idle (work-conserving up to the line).
@@ -73,6 +74,7 @@ RECENT_SERVICES = 256  # dispatched requests whose quantile is the typical one (
 # the derived fair budget: each replica's slots x this x the typical request's service
 FAIR_SLOTS = 1.5
 FAIR_QUANTILE = 0.25  # ... and the typical request is this quantile of the last ones
+LOW_RAMP = 4  # (below_line) low-band requests a replica of unknown slots takes per scrape
 
 
 @dataclass(eq=False)
@@ -385,7 +387,10 @@ def below_line(
 ) -> bool:
     """Whether a low band may dispatch to `candidate`: no engine queue, KV usage under the
     lower line, load under `headroom_load` when set, else under (1 - `headroom_reserve`)
-    of its learnt `slots` when known (unknown figures count as below), with
+    of its learnt `slots` when known, else at most `LOW_RAMP` past what its last scrape
+    saw (none: `LOW_RAMP` of the gateway's own): a replica whose slots are not learnt
+    takes the low band a few per scrape until its engine queues and they are, instead of
+    every waiting batch request between two scrapes (unknown figures count as below), with
     `hold_prefill` no high-band stream there awaiting its first token (`prefilling`), and
     with `headroom_prefill_rate` its low-band prefill debt drained (`debt`, `drained`)."""
     if prefilling > 0 and settings.hold_prefill:
@@ -399,7 +404,9 @@ def below_line(
     limit = settings.headroom_load
     if limit is None and slots:
         limit = max(1.0, math.floor(slots * (1 - settings.headroom_reserve)))
-    return limit is None or candidate.load < limit
+    if limit is None:  # slots not learnt (the engine never queued): a few past the scrape
+        limit = (candidate.running or 0.0) + (candidate.waiting or 0.0) + LOW_RAMP
+    return candidate.load < limit
 
 
 def drained(debt: float, elapsed: float, rate: float) -> float:

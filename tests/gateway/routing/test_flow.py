@@ -11,6 +11,7 @@ from math import inf
 import pytest
 from kubellm.gateway.routing.flow.queues import (
     DEFAULT_OUTPUT_TOKENS,
+    LOW_RAMP,
     Flow,
     FlowSettings,
     Waiter,
@@ -179,6 +180,25 @@ def test_leave_is_idempotent_and_empties_the_queues():
 )
 def test_the_lower_saturation_line(candidate, settings, below):
     assert below_line(candidate, settings) is below
+
+
+@pytest.mark.parametrize(
+    ("load", "running", "waiting", "below"),
+    [
+        (17, 16, 0, True),  # the engine had 16 running, not queueing: a few more may go
+        (16 + LOW_RAMP, 16, 0, False),  # no more than LOW_RAMP past the scrape before the next
+        (LOW_RAMP - 1, None, None, True),  # nothing scraped yet: a few per replica
+        (LOW_RAMP, None, None, False),  # ... and no flood before the first scrape
+    ],
+)
+def test_before_its_slots_are_learnt_a_replica_takes_the_low_band_a_few_at_a_time(
+    load, running, waiting, below
+):
+    """Issue 38's interference: with no slots learnt (the engine never queued) the line
+    was the scrape's queue alone, so between two scrapes every waiting batch request went
+    (64 per replica at once) and chats queued in the engines behind them."""
+    candidate = Candidate("a", load=load, in_flight=load, waiting=waiting, running=running)
+    assert below_line(candidate, FlowSettings()) is below
 
 
 @pytest.mark.parametrize(
