@@ -108,16 +108,25 @@ class Pace:
 
 @dataclass(frozen=True)
 class Whole:
-    """A non-streamed request to replicas: an answer that comes as a stream (asked as one
-    with `--assemble-non-streamed`, or a replica streaming anyway) is assembled (`assembler`
-    makes one per attempt; None: a request `protocol.assemble` cannot assemble, its answer
-    relayed as it comes) before anything reaches the client, stalls found by `pace`.
-    Forwarded whole, each attempt is watched by `progressed` (`ProgressWatch`)."""
+    """A non-streamed request to replicas. Per attempt, `streams(url)` says whether that
+    replica gets it as a stream (`streamed()`: that body; None for both: a request
+    `protocol.assemble` cannot assemble, always forwarded whole). An answer that comes as a
+    stream (asked as one, or a replica streaming anyway) is assembled (`assembler` makes
+    one per attempt; None: relayed as it comes) before anything reaches the client, stalls
+    found by `pace`. Forwarded whole, each attempt is watched by `progressed`
+    (`ProgressWatch`)."""
 
     assembler: Callable[[], Assembler] | None
     pace: Pace
     itl_target: float
     progressed: Callable[[str, float], bool | None] | None = None
+    streams: Callable[[str], bool] | None = None
+    streamed: Callable[[], bytes] | None = None
+
+
+def always(url: str) -> bool:
+    """`Whole.streams` for `--assemble-non-streamed`: every replica gets a stream."""
+    return True
 
 
 class ProgressWatch:
@@ -232,11 +241,11 @@ class Forward:
     path: str  # appended to each replica's base URL
     body: bytes
     headers: dict[str, str]
-    stream: bool
-    deadlines: Deadlines
+    stream: bool  # the client's stream (False: `whole` says how each attempt goes)
+    deadlines: Deadlines  # a stream's (an attempt forwarded whole: first byte = total)
     connect_timeout: float
     attempts: int
-    whole: Whole | None = None  # a non-streamed request sent as a stream (`Whole`)
+    whole: Whole | None = None  # a non-streamed request (`Whole`)
 
 
 @dataclass
@@ -263,13 +272,14 @@ class AllUpstreamsFailed(Exception):
 async def _post(
     forward: Forward,
     url: str,
+    body: bytes,
     deadlines: Deadlines,
     pool: upstream.Pool,
     session: aiohttp.ClientSession | None,
 ) -> AnyResponse:
     if url.startswith("http://") or session is None:
         return await pool.post(
-            url + forward.path, forward.body, forward.headers, deadlines, forward.connect_timeout
+            url + forward.path, body, forward.headers, deadlines, forward.connect_timeout
         )
     timeout = aiohttp.ClientTimeout(
         total=None if math.isinf(deadlines.total) else deadlines.total,
@@ -278,7 +288,7 @@ async def _post(
     )
     response = await session.post(
         url + forward.path,
-        data=forward.body,
+        data=body,
         headers=forward.headers,
         timeout=timeout,
         allow_redirects=False,
@@ -303,19 +313,22 @@ async def open_upstream(
         if left <= 0:
             failures.append("the request's total timeout passed")
             break
-        idle = budget.idle
+        body, first_byte, idle, watch = forward.body, budget.first_byte, budget.idle, None
         if whole is not None:
             idle = stall_seconds(whole.pace.p99(url), whole.itl_target, idle)
-        deadlines = Deadlines(min(budget.first_byte, left), idle, left)
+            if whole.streamed is not None and whole.streams is not None and whole.streams(url):
+                body = whole.streamed()  # assembled: the stream's deadlines bound it
+            else:  # forwarded whole: its first byte is its end
+                first_byte = left
+                progressed = whole.progressed
+                if progressed is not None and progressed(url, 0.0) is not None:  # counted
+                    watch = ProgressWatch(progressed, url, idle)
+        deadlines = Deadlines(min(first_byte, left), idle, left)
         attempt = ticket.attempt(url)
         response: AnyResponse | None = None
-        watch = None
-        progressed = None if whole is None or forward.stream else whole.progressed
-        if progressed is not None and progressed(url, 0.0) is not None:  # counters known
-            watch = ProgressWatch(progressed, url, idle)
         try:
             with watch or contextlib.nullcontext():
-                response = await _post(forward, url, deadlines, pool, session)
+                response = await _post(forward, url, body, deadlines, pool, session)
                 if response.status >= 500:
                     attempt.failed()
                     failures.append(f"{url}: HTTP {response.status}")
