@@ -268,7 +268,8 @@ class Gateway:
                 raw, body = split, json.loads(split)
         forward = Forward(
             call.path, raw, headers, stream, deadlines, connect, self.settings.attempts,
-            None if stream else self._whole(call.path, body, raw, target),
+            None if stream else self._whole(call.path, body, raw),
+            relay.Progress(self.pace, target.slo.itl_seconds, self.scheduler.load.progressed_since),
         )  # fmt: skip
         try:
             opened = await relay.open_upstream(forward, ticket, self.replicas, self.client)
@@ -292,9 +293,7 @@ class Gateway:
         stats = self.scheduler.load.stats(url)
         return stats is None or stats.tokens is None
 
-    def _whole(
-        self, path: str, body: dict[str, Any], raw: bytes, target: ModelTarget
-    ) -> relay.Whole:
+    def _whole(self, path: str, body: dict[str, Any], raw: bytes) -> relay.Whole:
         """How a non-streamed request goes to each replica (`relay.Whole`): as a stream,
         its answer assembled here, where that buys a stall watch (by default a replica
         without fresh token counters: `_uncounted`), else whole, watched
@@ -310,10 +309,7 @@ class Gateway:
             )
             streamed = functools.partial(assemble.streamed_body, body, raw)
             streams = self._streams
-        load = self.scheduler.load
-        return relay.Whole(
-            assembler, self.pace, target.slo.itl_seconds, load.progressed_since, streams, streamed
-        )
+        return relay.Whole(assembler, streams, streamed)
 
     async def _forward_fallback(
         self,
