@@ -26,10 +26,10 @@
   replica without known counters: the first-byte deadline (whole: the total timeout).
 - **A stall** between an assembled stream's pieces is a replica silent for
   `stall_seconds`: `STALL_FACTOR` times the 99th percentile of the gaps between the pieces
-  of its own recent whole answers (`Pace`; the model's ITL target until `PACE_MIN_SAMPLES` gaps were seen), at least
-  `STALL_FLOOR_S`, at most the idle timeout. A replica frozen mid-answer is left within
-  seconds, not at the idle timeout (a minute by default); a slow replica (long gaps of its
-  own) is given time in proportion.
+  of its own recent whole answers (`Pace`; the model's ITL target until
+  `PACE_MIN_SAMPLES` gaps were seen), at least `STALL_FLOOR_S`, at most the idle timeout.
+  A replica frozen mid-answer is left within seconds, not at the idle timeout (a minute by
+  default); a slow replica (long gaps of its own) is given time in proportion.
 - `DisconnectWatch` cancels the request's work (and so closes the upstream request)
   as soon as the client disconnects, mid-stream included.
 """
