@@ -44,9 +44,7 @@ def test_a_request_queued_past_the_first_byte_deadline_is_waited_for_while_count
 
 @pytest.mark.parametrize("counters", ["still", None])
 @pytest.mark.parametrize("stream", [True, False])
-def test_without_moving_counters_the_first_byte_deadline_holds(
-    engines, gateway, stream, counters
-):
+def test_without_moving_counters_the_first_byte_deadline_holds(engines, gateway, stream, counters):
     """Counters exported but standing still (a frozen engine), or none at all: the request
     is left at its first-byte deadline (the stall time at least where counters are known)
     for the other replica, as issue 27 asks, never held to the total timeout."""
