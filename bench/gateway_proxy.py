@@ -72,6 +72,10 @@ a time, its upstream the same raw backend; this process's CPU time per request m
 that of a bare ASGI app (before the upstream client became aiohttp this figure used
 httpx.MockTransport and wall time: the two are not strictly comparable).
 
+`--wrk [--rounds 3]`: issue 38's measurement with wrk (bench/_proxy/wrk.py): non-streamed
+requests, one core per proxy, medians of three rounds; the gateway (shipped defaults first),
+Envoy direct, Envoy + `kubellm epp`, vllm-router if installed: req/s and CPU per request.
+
 `--instructions [--requests 300]`: the gateway server's machine instructions per
 request and per stream under valgrind's callgrind (bench/_proxy/instructions.py), with
 `--baseline-python` the landed checkout's beside it; `--instructions-paths
@@ -98,10 +102,10 @@ from typing import Any
 
 try:  # run as a script, bench/ is on sys.path
     import _fleet
-    from _proxy import inprocess, instructions, load, paths, report
+    from _proxy import inprocess, instructions, load, paths, report, wrk
 except ImportError:  # imported as bench.gateway_proxy
     from bench import _fleet
-    from bench._proxy import inprocess, instructions, load, paths, report
+    from bench._proxy import inprocess, instructions, load, paths, report, wrk
 
 PHASES = (("json-max", False), ("stream", True), ("stream-closed", True))
 
@@ -239,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--in-process", action="store_true", help="only the in-process CPU figure")
     p.add_argument(
+        "--wrk",
+        action="store_true",
+        help="the issue's measurement: wrk on the load core, one core per proxy, non-streamed "
+        "requests, medians of --rounds (bench/_proxy/wrk.py); needs wrk",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="--wrk: rounds per path")
+    p.add_argument(
         "--instructions",
         action="store_true",
         help="only the gateway's instructions per request under callgrind (with "
@@ -259,6 +270,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"in-process (CPU time): gateway {r['gateway_ms']:.3f} ms/request, bare app "
               f"{r['bare_ms']:.3f} ms; the gateway's own CPU {r['gateway_cpu_ms']:.3f} ms/request "
               f"-> ceiling ~{r['ceiling_rps_per_core']:.0f} req/s per core")  # fmt: skip
+        return 0
+    if args.wrk:
+        result = wrk.wrk_mode(args)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"conditions": vars(args), **result}, indent=2))
+        print(f"wrote {out}")
         return 0
     if args.instructions:
         instructions.instructions_mode(

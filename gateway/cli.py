@@ -74,10 +74,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--assemble-non-streamed",
         action=argparse.BooleanOptionalAction,
         default=_D.assemble_non_streamed,
-        help="send non-streamed requests to replicas as streams and assemble the answer, a "
-        "stall found between its pieces (~1.45x the CPU); --no-assemble-non-streamed: as "
-        "they came, a stall found by the replica's scraped token counters standing still "
-        "(a replica without them: --total-timeout only)",
+        help="default (neither flag): a non-streamed request goes whole to a replica whose "
+        "scraped token counters are fresh (a stall found by them standing still), as a stream "
+        "assembled here to any other (a stall found between its pieces); "
+        "--assemble-non-streamed: as streams to every replica (~1.45x the CPU); "
+        "--no-assemble-non-streamed: whole to every replica (a replica without the counters: "
+        "--total-timeout only)",
     )
     up.add_argument(
         "--max-upstream-head-bytes",

@@ -4,7 +4,10 @@
 
 Non-streamed requests get a fixed chat completion at once; streamed ones (`"stream":
 true`) get `bench_chunks` SSE chunks `bench_itl_ms` apart (the first at once), then
-`data: [DONE]`. Anything not a POST gets an empty 200 (the health probe). SIGINT stops it.
+`data: [DONE]`. `GET /metrics` answers vLLM's token counters (`vllm:prompt_tokens_total`,
+`vllm:generation_tokens_total`), moved by every answer as an engine's are, so the gateway's
+default forwards non-streamed requests whole here as it would to vLLM. Anything else not a
+POST gets an empty 200 (the health probe). SIGINT stops it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,22 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+TOKENS = [0]  # tokens answered so far, all connections
+
+
+def metrics() -> bytes:
+    text = (
+        "# TYPE vllm:prompt_tokens counter\n"
+        f'vllm:prompt_tokens_total{{model_name="m"}} {TOKENS[0]}\n'
+        "# TYPE vllm:generation_tokens counter\n"
+        f'vllm:generation_tokens_total{{model_name="m"}} {TOKENS[0]}\n'
+    ).encode()
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(text),
+        text,
+    )
+
+
 class Server(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.t: asyncio.Transport = transport  # type: ignore[assignment]
@@ -85,8 +104,9 @@ class Server(asyncio.Protocol):
 
     def handle(self, head: bytes, body: bytes) -> None:
         if not head.startswith(b"post"):
-            self.t.write(EMPTY)
+            self.t.write(metrics() if head.startswith(b"get /metrics") else EMPTY)
             return
+        TOKENS[0] += 1
         if not STREAM.search(body):
             self.t.write(JSON_RESPONSE)
             return

@@ -81,14 +81,15 @@ def gateway(
     python: str = sys.executable,
     profile: str | None = None,
     gc_log: str | None = None,
+    flags: tuple[str, ...] = (),
 ) -> Started:
-    """`kubellm gateway --static` over the backend; under cProfile (`profile`) or with
-    its GC pauses logged (`gc_log`) when asked."""
+    """`kubellm gateway --static` over the backend, with `flags`; under cProfile (`profile`)
+    or with its GC pauses logged (`gc_log`) when asked."""
     port = _fleet.free_port()
     static = procs.dir / f"static-{port}.yaml"
     backend_url = f"http://127.0.0.1:{backend_port}"
     static.write_text(yaml.safe_dump({"models": [{"name": "m", "endpoints": [backend_url]}]}))
-    cli = ["--port", str(port), "--static", str(static)]
+    cli = ["--port", str(port), "--static", str(static), *flags]
     if profile:
         command = [python, str(INSTRUMENTED), "profile", profile, *cli]
     elif gc_log:

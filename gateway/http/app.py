@@ -90,6 +90,9 @@ class Gateway:
         self._replicas: upstream.Pool | None = None  # the plain-http replicas' client
         self.disagg = DisaggMetrics(self.metrics.registry)  # P/D splits (http/prefill.py)
         self.pace = relay.Pace()  # replicas' gaps within whole answers: what a stall is
+        # which replicas get a non-streamed request as a stream (`_whole`)
+        mode = s.assemble_non_streamed
+        self._streams = relay.always if mode else None if mode is False else self._uncounted
         # the canary's shadow step (routing/canary/mirror.py)
         self.mirror = mirror.Mirror(
             mirror.metrics_for(self.metrics.registry), mirror.aiohttp_post(lambda: self.client),
@@ -250,41 +253,23 @@ class Gateway:
         if ticket.route == "fallback":
             assert target.fallback is not None
             return await self._forward_fallback(call, ticket, target.fallback, body, stream)
-        # A non-streamed request is forwarded whole, each attempt watched for the replica's
-        # progress (`relay.ProgressWatch`); with --assemble-non-streamed it goes as a stream
-        # and its answer is assembled here (`protocol.assemble` says which requests can be),
-        # as is the answer of a replica that streams anyway.
-        whole = None
-        assembling = False
-        if not stream:
-            assembler = None
-            if assemble.assembles(body, call.path):
-                assembling = self.settings.assemble_non_streamed
-                assembler = functools.partial(
-                    assemble.Assembler,
-                    call.path == CHAT,
-                    self.settings.max_response_bytes,
-                    assemble.choices_of(body, call.path),
-                )
-            if assembling:
-                raw = assemble.streamed_body(body, raw)
-            whole = relay.Whole(
-                assembler, self.pace, target.slo.itl_seconds, self.scheduler.load.progressed_since
-            )
         strip = stream and caller is not None and not usage.wants_usage(body)
         if strip:  # its tenant is charged the replica's usage, which the client did not ask
             raw = json.dumps(usage.asking_usage(body), ensure_ascii=False).encode()
-        connect, deadlines = self.settings.timeouts(target, stream or assembling)
+        connect, deadlines = self.settings.timeouts(target, True)
         headers = _forward_headers(call.headers)
         headers["x-request-id"] = _attempt_id(headers.get("x-request-id"))
         if target.prefill is not None:  # P/D: the prompt may be computed on a prefill replica
-            raw = await prefill.split(
+            split = await prefill.split(
                 self.scheduler, self.disagg, self.replicas, ticket, call.path, body, raw,
                 headers, self.settings.connect_timeout,
             )  # fmt: skip
+            if split is not raw:  # the decode leg's body: its own fields
+                raw, body = split, json.loads(split)
         forward = Forward(
-            call.path, raw, headers, stream or assembling, deadlines, connect,
-            self.settings.attempts, whole,
+            call.path, raw, headers, stream, deadlines, connect, self.settings.attempts,
+            None if stream else self._whole(call.path, body, raw),
+            relay.Progress(self.pace, target.slo.itl_seconds, self.scheduler.load.progressed_since),
         )  # fmt: skip
         try:
             opened = await relay.open_upstream(forward, ticket, self.replicas, self.client)
@@ -300,6 +285,31 @@ class Gateway:
         await self._answer(
             call, ticket, opened.response, opened.first, opened.body, None, strip_usage
         )
+
+    def _uncounted(self, url: str) -> bool:
+        """The replica's token counters are not known from a fresh scrape (none exported,
+        or its scrapes stale): forwarded whole, a freeze there would be bounded only by the
+        total timeout, so it gets non-streamed requests as streams (the default)."""
+        stats = self.scheduler.load.stats(url)
+        return stats is None or stats.tokens is None
+
+    def _whole(self, path: str, body: dict[str, Any], raw: bytes) -> relay.Whole:
+        """How a non-streamed request goes to each replica (`relay.Whole`): as a stream,
+        its answer assembled here, where that buys a stall watch (by default a replica
+        without fresh token counters: `_uncounted`), else whole, watched
+        by the replica's counters (`relay.ProgressWatch`). `protocol.assemble` says which
+        requests can be assembled; a replica that streams anyway is assembled too."""
+        assembler = streams = streamed = None
+        if assemble.assembles(body, path):
+            assembler = functools.partial(
+                assemble.Assembler,
+                path == CHAT,
+                self.settings.max_response_bytes,
+                assemble.choices_of(body, path),
+            )
+            streamed = functools.partial(assemble.streamed_body, body, raw)
+            streams = self._streams
+        return relay.Whole(assembler, streams, streamed)
 
     async def _forward_fallback(
         self,

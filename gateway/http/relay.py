@@ -12,23 +12,24 @@
   chunk, timing TTFT and ITL; if the replica dies, stalls or breaks the framing
   mid-stream, the client's stream ends at once with an SSE error event, never a hang
   and never the bytes that could not be parsed.
-- A whole answer (a non-streamed request forwarded whole, `--no-assemble-non-streamed`) is
-  watched by the replica's
-  own progress (`ProgressWatch`): its scraped token counters standing still for the stall
-  time below is a failed attempt, retried elsewhere.
-- A client that asked for a whole answer, sent to replicas as a stream
-  (`--assemble-non-streamed`, `protocol.assemble`) or streamed by the replica anyway, gets
-  it only once the stream was read to its
-  `[DONE]` and assembled (`Whole`): until then nothing was sent, so a stream that breaks,
-  reports an error, outgrows its bounds or stalls is a failed attempt like a 5xx, and the
-  next replica is tried. A replica that leaves its response open after `[DONE]` is
+- A non-streamed request goes to each replica either whole or as a stream (`Whole`, per
+  attempt: by default whole where the replica's token counters are fresh, a stream
+  elsewhere; docs/operations.md, "Non-streamed requests"). A stream, or a replica streaming
+  anyway, is read to its `[DONE]` and assembled before anything is sent, so a stream that
+  breaks, reports an error, outgrows its bounds or stalls is a failed attempt like a 5xx,
+  and the next replica is tried. A replica that leaves its response open after `[DONE]` is
   answered at `[DONE]` (its connection closed, never pooled).
-- **A stall** on that path is a replica silent for `stall_seconds`: `STALL_FACTOR` times
-  the 99th percentile of the gaps between the pieces of its own recent whole answers
-  (`Pace`; the model's ITL target until `PACE_MIN_SAMPLES` gaps were seen), at least
-  `STALL_FLOOR_S`, at most the idle timeout. A replica frozen mid-answer is left within
-  seconds, not at the idle timeout (a minute by default); a slow replica (long gaps of its
-  own) is given time in proportion.
+- **The first byte** (a whole answer: its end) of a replica whose scraped token counters
+  are known is waited for while they move (`ProgressWatch`): a request queued behind
+  others in a busy engine is not cut at the first-byte deadline, a frozen engine is left
+  once they stood still for the stall time (never before the first-byte deadline). A
+  replica without known counters: the first-byte deadline (whole: the total timeout).
+- **A stall** between an assembled stream's pieces is a replica silent for
+  `stall_seconds`: `STALL_FACTOR` times the 99th percentile of the gaps between the pieces
+  of its own recent whole answers (`Pace`; the model's ITL target until
+  `PACE_MIN_SAMPLES` gaps were seen), at least `STALL_FLOOR_S`, at most the idle timeout.
+  A replica frozen mid-answer is left within seconds, not at the idle timeout (a minute by
+  default); a slow replica (long gaps of its own) is given time in proportion.
 - `DisconnectWatch` cancels the request's work (and so closes the upstream request)
   as soon as the client disconnects, mid-stream included.
 """
@@ -107,44 +108,67 @@ class Pace:
 
 
 @dataclass(frozen=True)
-class Whole:
-    """A non-streamed request to replicas: an answer that comes as a stream (asked as one
-    with `--assemble-non-streamed`, or a replica streaming anyway) is assembled (`assembler`
-    makes one per attempt; None: a request `protocol.assemble` cannot assemble, its answer
-    relayed as it comes) before anything reaches the client, stalls found by `pace`.
-    Forwarded whole, each attempt is watched by `progressed` (`ProgressWatch`)."""
+class Progress:
+    """What tells a working replica from a frozen one, per attempt: the gaps between the
+    pieces of its recent assembled answers (`pace`, the model's ITL target until known:
+    the stall time, `stall_seconds`) and its scraped token counters (`progressed`, for
+    `ProgressWatch`)."""
 
-    assembler: Callable[[], Assembler] | None
     pace: Pace
     itl_target: float
     progressed: Callable[[str, float], bool | None] | None = None
 
 
+@dataclass(frozen=True)
+class Whole:
+    """A non-streamed request to replicas. Per attempt, `streams(url)` says whether that
+    replica gets it as a stream (`streamed()`: that body; None for both: a request
+    `protocol.assemble` cannot assemble, always forwarded whole). An answer that comes as a
+    stream (asked as one, or a replica streaming anyway) is assembled (`assembler` makes
+    one per attempt; None: relayed as it comes) before anything reaches the client."""
+
+    assembler: Callable[[], Assembler] | None
+    streams: Callable[[str], bool] | None = None
+    streamed: Callable[[], bytes] | None = None
+
+
+def always(url: str) -> bool:
+    """`Whole.streams` for `--assemble-non-streamed`: every replica gets a stream."""
+    return True
+
+
 class ProgressWatch:
-    """A non-streamed request forwarded whole shows no tokens on its way, so a replica is
-    taken for stalled when its own token counters (`vllm:prompt_tokens_total` +
-    `vllm:generation_tokens_total`, scraped each second: `progressed(url, since)`) stood
-    still for `stall` seconds while the request was out: the attempt's task is cancelled and
-    `ReadTimeout` raised, a failed attempt like a stall mid-stream. A replica whose counters
-    are not known (not scraped, or no such counters) is bounded by the request's timeouts only.
-    One timer per attempt, checked every `stall / 2` from `stall` on.
+    """Until a replica's first byte (a non-streamed request forwarded whole: its whole
+    answer) nothing of the request shows, and a request queued in a busy engine may wait
+    long for it. So a replica whose token counters are known is waited for as long as they
+    move (`vllm:prompt_tokens_total` + `vllm:generation_tokens_total`, scraped each second:
+    `progressed(url, since)`: the engine works through its queue), and taken for stalled
+    once they stood still for `stall` seconds, checked from `first` on (the first-byte
+    deadline: never sooner) every `stall / 2`: the attempt's task is cancelled and
+    `ReadTimeout` raised, a failed attempt like a stall mid-stream. A replica whose
+    counters are not known gets no watch (`open_upstream`: the first-byte deadline).
 
         with ProgressWatch(progressed, url, stall):
             ... await the answer ..."""
 
-    __slots__ = ("_handle", "_progressed", "_stall", "_task", "_url", "stalled")
+    __slots__ = ("_first", "_handle", "_progressed", "_stall", "_task", "_url", "stalled")
 
     def __init__(
-        self, progressed: Callable[[str, float], bool | None], url: str, stall: float
+        self,
+        progressed: Callable[[str, float], bool | None],
+        url: str,
+        stall: float,
+        first: float | None = None,
     ) -> None:
         self._progressed = progressed
         self._url = url
         self._stall = stall
+        self._first = stall if first is None else first
         self.stalled = False
 
     def __enter__(self) -> ProgressWatch:
         self._task = asyncio.current_task()
-        self._handle = asyncio.get_running_loop().call_later(self._stall, self._check)
+        self._handle = asyncio.get_running_loop().call_later(self._first, self._check)
         return self
 
     def _check(self) -> None:
@@ -232,11 +256,12 @@ class Forward:
     path: str  # appended to each replica's base URL
     body: bytes
     headers: dict[str, str]
-    stream: bool
-    deadlines: Deadlines
+    stream: bool  # the client's stream (False: `whole` says how each attempt goes)
+    deadlines: Deadlines  # a stream's (an attempt forwarded whole: first byte = total)
     connect_timeout: float
     attempts: int
-    whole: Whole | None = None  # a non-streamed request sent as a stream (`Whole`)
+    whole: Whole | None = None  # a non-streamed request (`Whole`)
+    progress: Progress | None = None  # stalls and the first byte's wait (`open_upstream`)
 
 
 @dataclass
@@ -263,13 +288,14 @@ class AllUpstreamsFailed(Exception):
 async def _post(
     forward: Forward,
     url: str,
+    body: bytes,
     deadlines: Deadlines,
     pool: upstream.Pool,
     session: aiohttp.ClientSession | None,
 ) -> AnyResponse:
     if url.startswith("http://") or session is None:
         return await pool.post(
-            url + forward.path, forward.body, forward.headers, deadlines, forward.connect_timeout
+            url + forward.path, body, forward.headers, deadlines, forward.connect_timeout
         )
     timeout = aiohttp.ClientTimeout(
         total=None if math.isinf(deadlines.total) else deadlines.total,
@@ -278,7 +304,7 @@ async def _post(
     )
     response = await session.post(
         url + forward.path,
-        data=forward.body,
+        data=body,
         headers=forward.headers,
         timeout=timeout,
         allow_redirects=False,
@@ -297,25 +323,34 @@ async def open_upstream(
     failures: list[str] = []
     start = time.monotonic()
     budget = forward.deadlines
-    whole = forward.whole
+    whole, progress = forward.whole, forward.progress
     for url in ticket.urls()[: max(1, forward.attempts)]:
         left = budget.total - (time.monotonic() - start)
         if left <= 0:
             failures.append("the request's total timeout passed")
             break
-        idle = budget.idle
-        if whole is not None:
-            idle = stall_seconds(whole.pace.p99(url), whole.itl_target, idle)
-        deadlines = Deadlines(min(budget.first_byte, left), idle, left)
+        body, first_byte, idle, watch = forward.body, budget.first_byte, budget.idle, None
+        whole_body = whole is not None
+        if whole is not None and whole.streams is not None and whole.streams(url):
+            assert whole.streamed is not None
+            body, whole_body = whole.streamed(), False  # a stream, assembled
+        if progress is not None:
+            stall = stall_seconds(progress.pace.p99(url), progress.itl_target, idle)
+            if whole is not None:  # between the pieces of an answer assembled
+                idle = stall
+            progressed = progress.progressed
+            if progressed is not None and progressed(url, 0.0) is not None:  # counted
+                # queued in the engine or computing, as long as its counters move
+                watch = ProgressWatch(progressed, url, stall, max(first_byte, stall))
+                first_byte = left
+        if whole_body:  # forwarded whole: its first byte is its end
+            first_byte = left
+        deadlines = Deadlines(min(first_byte, left), idle, left)
         attempt = ticket.attempt(url)
         response: AnyResponse | None = None
-        watch = None
-        progressed = None if whole is None or forward.stream else whole.progressed
-        if progressed is not None and progressed(url, 0.0) is not None:  # counters known
-            watch = ProgressWatch(progressed, url, idle)
         try:
             with watch or contextlib.nullcontext():
-                response = await _post(forward, url, deadlines, pool, session)
+                response = await _post(forward, url, body, deadlines, pool, session)
                 if response.status >= 500:
                     attempt.failed()
                     failures.append(f"{url}: HTTP {response.status}")
@@ -353,7 +388,9 @@ async def _opened(forward: Forward, url: str, response: AnyResponse, ticket: Tic
     if whole.assembler is not None and response.headers.get("content-type", "").startswith(
         "text/event-stream"
     ):
-        body = await _assembled(response, await response.readsome(), whole, url, ticket)
+        assembler = whole.assembler()
+        pace = forward.progress.pace if forward.progress is not None else None
+        body = await _assembled(response, await response.readsome(), assembler, pace, url, ticket)
         return Opened(url, response, body=body, assembled=True)
     return Opened(url, response, body=await response.read())  # whole, as asked or not
 
@@ -422,24 +459,27 @@ async def relay(
 
 
 async def _assembled(
-    response: AnyResponse, first: bytes, whole: Whole, url: str, ticket: Ticket
+    response: AnyResponse,
+    first: bytes,
+    assembler: Assembler,
+    pace: Pace | None,
+    url: str,
+    ticket: Ticket,
 ) -> bytes:
-    """Read a replica's stream to its `[DONE]` (`first`: the piece already read) into a new
-    assembler, the gaps between pieces into `whole.pace`; the answer's JSON. Raises what
+    """Read a replica's stream to its `[DONE]` (`first`: the piece already read) into
+    `assembler`, the gaps between pieces into `pace`; the answer's JSON. Raises what
     the reads or the assembler raise. After `[DONE]` the response's end is awaited for
     `DONE_GRACE_S` at most (so the connection can be pooled), then the caller's close
     closes it. A client that leaves meanwhile was served what came (`ticket.generated`)."""
-    assert whole.assembler is not None
-    assembler = whole.assembler()
     try:
-        return await _assemble(response, first, whole, url, assembler)
+        return await _assemble(response, first, pace, url, assembler)
     except asyncio.CancelledError:  # the client left: what came was served
         ticket.generated(assembler.events)
         raise
 
 
 async def _assemble(
-    response: AnyResponse, first: bytes, whole: Whole, url: str, assembler: Assembler
+    response: AnyResponse, first: bytes, pace: Pace | None, url: str, assembler: Assembler
 ) -> bytes:
     """`_assembled`'s reading loop."""
     read = response.readsome
@@ -461,7 +501,8 @@ async def _assemble(
         gaps.append(now - last)
         last = now
     content = assembler.answer()
-    whole.pace.observe(url, gaps)
+    if pace is not None:
+        pace.observe(url, gaps)
     return content
 
 

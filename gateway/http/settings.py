@@ -32,12 +32,13 @@ class GatewaySettings:
     max_upstream_head_bytes: int = 64 * 1024
     max_upstream_headers: int = 100
     max_response_bytes: int = 32 * 1024 * 1024  # a non-streamed answer, held or assembled
-    # Non-streamed requests go to replicas as streams, assembled here, a stall found between
-    # the stream's pieces (any replica). Off: forwarded as they came (~1.45x fewer
-    # instructions), a frozen replica found only by its scraped token counters standing
-    # still (`relay.ProgressWatch`; replicas without them: the total timeout). Kept on: a
-    # replica without the counters would be held to `totalSeconds` (docs/operations.md).
-    assemble_non_streamed: bool = True
+    # How non-streamed requests go to replicas. None (the default): whole to a replica
+    # whose scraped token counters are fresh (a frozen one found by them standing still,
+    # `relay.ProgressWatch`), as a stream assembled here to any other (a stall found between
+    # the stream's pieces), so no replica is held to `totalSeconds`. True: as streams to
+    # every replica (~1.45x the instructions). False: whole to every replica (one without
+    # the counters bounded by the total timeout only). docs/operations.md says more.
+    assemble_non_streamed: bool | None = None
     # From clients (header timeout, keep-alive and the connection cap: `http.server`).
     body_timeout: float = 30.0  # reading a request body, from its headers to its end
 

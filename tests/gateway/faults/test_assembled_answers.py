@@ -123,3 +123,31 @@ def test_a_replica_whose_token_counters_stand_still_is_left_when_forwarded_whole
     assert frozen.bodies, "the frozen replica was never tried"
     assert all("stream" not in body for body in frozen.bodies + slow.bodies)  # whole
     assert slow.completed == 2  # waited for, never abandoned as stalled
+
+
+def test_by_default_only_a_replica_without_fresh_token_counters_gets_a_stream(engines, gateway):
+    """Issue 38, the proxy's cost: by default a non-streamed request is assembled only
+    where that buys something. A replica whose scraped token counters are fresh gets it
+    whole (its stall watch is `relay.ProgressWatch`); one that exports none, or whose
+    scrapes went stale, gets it as a stream (a stall found between its pieces)."""
+    (counted, counted_server), (bare, bare_server) = engines(2)
+    counted.behaviour.token_counters = "moving"
+    gw = gateway(
+        {"m": model("m", [counted_server, bare_server], policy="round-robin")},
+        stale_after=1.0,
+    )
+    load = gw.gateway.load
+    wait_until(
+        lambda: counted.scrapes > 1 and load.stats(bare_server.url) is not None, 30, "scrapes"
+    )
+    answers = [ask(gw.url, f"p{i}") for i in range(4)]
+    assert [a.status_code for a in answers] == [200] * 4, [a.text[:200] for a in answers]
+    assert counted.bodies and all("stream" not in body for body in counted.bodies)
+    assert bare.bodies and all(body.get("stream") is True for body in bare.bodies)
+    bare_server.stop()  # the counted replica alone, its scrapes then failing
+    counted.behaviour.metrics_status = 500
+    wait_until(lambda: load.stats(counted_server.url) is None, 30, "the counters gone stale")
+    before = len(counted.bodies)
+    answer = ask(gw.url, "stale")
+    assert answer.status_code == 200, answer.text[:200]
+    assert counted.bodies[before:] and counted.bodies[-1].get("stream") is True
