@@ -777,12 +777,17 @@ def decide(
             "the spec again to start a new revision, or `kubellm rollout promote`",
         )
 
-    if rollout.shadow is not None:  # the gateways mirror while the step runs
+    index = max(1, min(int(old.get("step") or 1), len(steps))) - 1
+    step = steps[index]
+    # The gateways mirror while the step runs: in every step of a rollout without a shadow
+    # step; with one, in it only. After it passed, the answers were judged, and mirrors in a
+    # real-traffic step would load the canary's replicas alone, biasing its latency checks.
+    mirrors = rollout.shadow is not None and (step.weight == 0 or all(s.weight > 0 for s in steps))
+    if mirrors:
+        assert rollout.shadow is not None
         old["shadow"] = rollout.shadow.model_dump(by_alias=True)
     else:
         old.pop("shadow", None)
-    index = max(1, min(int(old.get("step") or 1), len(steps))) - 1
-    step = steps[index]
     stable_replicas, canary_replicas = step_split(total, step.weight)
     old["canaryWeight"] = step.weight
     started = parse_time(old.get("stepStartedAt"))
@@ -804,10 +809,13 @@ def decide(
 
     if old.get("baseline") is None and seen.counters is not None:
         old["baseline"] = _baseline(seen.counters)  # figures appeared mid-window: start here
+    analysis = rollout.analysis
+    if rollout.shadow is not None and not mirrors:  # judged in the shadow step
+        analysis = analysis.model_copy(update={"quality": None})
     window = (
         _window(seen.counters, old.get("baseline"), desired),
         _stable_window(seen.counters, old.get("baseline"), desired),
-        rollout.analysis,
+        analysis,
     )
     k = (rollout.shadow or api.RolloutShadow()).first_tokens
     verdict = shadow_verdict(*window, k) if step.weight == 0 else analyse(*window, spec.slo, k)
@@ -821,10 +829,20 @@ def decide(
             )
         nxt = steps[index + 1]
         old.update(step=index + 2, canaryWeight=nxt.weight, stepStartedAt=None, baseline=None)
+        if not _mirrors(rollout, nxt):
+            old.pop("shadow", None)
         old["message"] = f"step {index + 2}/{len(steps)}: canary going to {nxt.weight}%"
         events.append(("Normal", "CanaryStep", f"step {index + 1} passed; {old['message']}"))
         stable_replicas, canary_replicas = step_split(total, nxt.weight)
     return Decision("canary", stable_replicas, canary_replicas, old, events, clear, verdict)
+
+
+def _mirrors(rollout: api.Rollout, step: api.CanaryStep) -> bool:
+    """Whether the gateways mirror during `step`: every step of a rollout with a mirror and
+    no shadow step; with a shadow step, that step only."""
+    if rollout.shadow is None:
+        return False
+    return step.weight == 0 or all(s.weight > 0 for s in rollout.steps)
 
 
 def _action_note() -> str:

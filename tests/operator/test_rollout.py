@@ -417,3 +417,26 @@ def test_a_shadow_step_judges_the_mirror_before_any_real_traffic():
     nxt = rollout.decide(spec(**SHADOW), early.status, seen(canary_ready=True, counters=good,
                                                               now=1061.0))  # fmt: skip
     assert nxt.status["step"] == 2 and nxt.status["canaryWeight"] == 10
+    # past the shadow step the gateways stop mirroring (mirrors would load the canary's
+    # replicas alone, against its latency checks) and the quality gate is not asked again
+    assert "shadow" not in nxt.status
+    zero = {"old": Counters(), "new": Counters()}  # the step's window opens on these
+    real = rollout.decide(spec(**SHADOW), nxt.status, seen(canary_ready=True, counters=zero,
+                                                             now=1062.0)).status  # fmt: skip
+    served = {"old": c(requests=900), "new": c(requests=100)}  # no mirrored request
+    judged = rollout.decide(spec(**SHADOW), real, seen(canary_ready=True, counters=served,
+                                                         now=1200.0))  # fmt: skip
+    assert judged.mode == "promoting", judged.status  # the last step passed, unmirrored
+    assert "no significant regression" in judged.status["message"]
+
+
+def test_without_a_shadow_step_every_step_mirrors_and_is_judged_on_quality():
+    steps = [{"weight": 10, "pauseSeconds": 60}]
+    alone = {**SHADOW, "steps": steps}
+    d = rollout.decide(spec(**alone), {}, seen(canary_ready=True, counters={
+        "old": c(requests=500), "new": Counters()}))  # fmt: skip
+    assert d.status["shadow"]["share"] == 0.1
+    served = {"old": c(requests=900), "new": c(requests=100)}  # no mirrored request yet
+    wait = rollout.decide(spec(**alone), d.status, seen(canary_ready=True, counters=served,
+                                                          now=1200.0))  # fmt: skip
+    assert wait.verdict.reason == "TooFewMirroredRequests"
