@@ -434,12 +434,12 @@ async def main_async(args: argparse.Namespace, engines: Any, work: Path) -> dict
                 print(f"{name}: starting its engine (load {os.getloadavg()[0]:.1f})", flush=True)
                 canary_dir = Path(tempfile.mkdtemp(dir=work))
                 with engines.running_vllm(canary_spec, canary_dir) as url:
-                    if args.runs:
-                        got = await bench_revision(bench, spec, name, url, texts, args)
-                        out["revisions"][name] = got
                     if name == "same" and args.pairs:
                         out["ttft"] = await ttft_pairs(bench, url, texts, args,
                                                        (stable_dir, canary_dir))  # fmt: skip
+                    if args.runs:
+                        got = await bench_revision(bench, spec, name, url, texts, args)
+                        out["revisions"][name] = got
     return out
 
 
