@@ -42,6 +42,13 @@ def _text(gw) -> str:
     return generate_latest(gw.gateway.metrics.registry).decode()
 
 
+def _settled(gw, count: int) -> None:
+    """Wait until `count` mirrors were compared or shed."""
+    wait_until(lambda: _sum(_text(gw), metrics.GATEWAY_MIRROR_REQUESTS)
+               + _sum(_text(gw), metrics.GATEWAY_MIRROR_SHED) >= count, timeout=60,
+               what="every mirror compared or shed")  # fmt: skip
+
+
 def _sum(text: str, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -60,9 +67,7 @@ def test_mirrored_answers_are_compared_and_never_reach_the_client(engines, gatew
     for messages in _stable_prompts(6):
         answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=50)
         assert answer.choices[0].message.content.startswith("r0")  # the stable answer only
-    wait_until(lambda: _sum(_text(gw), metrics.GATEWAY_MIRROR_REQUESTS)
-               + _sum(_text(gw), metrics.GATEWAY_MIRROR_SHED) >= 6, timeout=60,
-               what="every mirror compared or shed")  # fmt: skip
+    _settled(gw, 6)
     text = _text(gw)
     compared = _sum(text, metrics.GATEWAY_MIRROR_REQUESTS, revision="new")
     assert compared >= 1
@@ -89,9 +94,7 @@ def test_identical_revisions_agree(engines, gateway):
     client = gw.client()
     for messages in _stable_prompts(4):
         client.chat.completions.create(model="tiny", messages=messages)
-    wait_until(lambda: _sum(_text(gw), metrics.GATEWAY_MIRROR_REQUESTS)
-               + _sum(_text(gw), metrics.GATEWAY_MIRROR_SHED) >= 4, timeout=60,
-               what="every mirror compared or shed")  # fmt: skip
+    _settled(gw, 4)
     text = _text(gw)
     compared = _sum(text, metrics.GATEWAY_MIRROR_REQUESTS)
     assert compared >= 1 and _sum(text, metrics.GATEWAY_MIRROR_AGREED) == compared
@@ -141,9 +144,7 @@ def test_a_shadow_step_mirrors_while_the_canary_takes_no_request(engines, gatewa
         messages = [{"role": "user", "content": f"Shadow step question {i}. " * 20}]
         answer = client.chat.completions.create(model="tiny", messages=messages)
         assert answer.choices[0].message.content.startswith("r0")
-    wait_until(lambda: _sum(_text(gw), metrics.GATEWAY_MIRROR_REQUESTS)
-               + _sum(_text(gw), metrics.GATEWAY_MIRROR_SHED) >= 6, timeout=60,
-               what="every mirror compared or shed")  # fmt: skip
+    _settled(gw, 6)
     text = _text(gw)
     assert _sum(text, metrics.GATEWAY_MIRROR_REQUESTS, revision="new") >= 1
     assert all(b["temperature"] == 0 for b in canary_engine.bodies)  # mirrors only
@@ -349,9 +350,7 @@ def test_greedy_streams_through_the_gateway_cost_the_stable_replica_nothing_more
         )
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text.startswith("r0")
-    wait_until(lambda: _sum(_text(gw), metrics.GATEWAY_MIRROR_REQUESTS)
-               + _sum(_text(gw), metrics.GATEWAY_MIRROR_SHED) >= 5, timeout=60,
-               what="every mirror compared or shed")  # fmt: skip
+    _settled(gw, 5)
     text = _text(gw)
     compared = _sum(text, metrics.GATEWAY_MIRROR_REQUESTS)
     assert compared >= 1 and _sum(text, metrics.GATEWAY_MIRROR_AGREED) == compared
