@@ -301,6 +301,7 @@ async def ttft_pairs(bench: Bench, canary_url: str, texts: list[str], args: argp
               "shadow": mirror}  # fmt: skip
     rng = random.Random(11)
     urls = [bench.stable_url, canary_url]
+    decoding_before = dict(DECODING)  # the rollouts' (--greedy), restored at the end
     last = (os.cpu_count() or 1) - 1
     out: dict[str, Any] = {}
     for placement in args.placements:
@@ -351,6 +352,7 @@ async def ttft_pairs(bench: Bench, canary_url: str, texts: list[str], args: argp
     pin(dirs[0], None)
     pin(dirs[1], None)
     DECODING.clear()
+    DECODING.update(decoding_before)
     bench.publish(None, None, None)
     return out
 
