@@ -28,6 +28,7 @@ The comparison (pure), decoded the same way on both sides:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -240,24 +241,22 @@ def reusable(body: Mapping[str, Any], path: str) -> bool:
 
 
 def text_agreement(
-    reference: str, canary: Sequence[str], k: int, limit: int
+    reference: str, canary: Sequence[str], k: int, limit: int, text: str | None = None
 ) -> tuple[bool, int, int]:
     """The comparison when the stable side's answer is text (the client's own answer, no
     logprobs): (first k agree, positions compared, positions that agree). The canary's
     tokens are laid along the reference text; a token agrees while the text so far is the
     same, so positions past the first disagreement count as disagreeing. A canary answer
     shorter than k (and than `limit`, the tokens it was asked for) agrees only when it is
-    the whole reference."""
-    joined = "".join(canary)
+    the whole reference. `text`: the canary's answer text where known: the same as the
+    reference, every token agrees (an end-of-sequence token is listed with a string the
+    text leaves out)."""
+    joined = "".join(canary) if text is None else text
     common = next((i for i, (a, b) in enumerate(zip(reference, joined, strict=False))
                    if a != b), min(len(reference), len(joined)))  # fmt: skip
-    aligned, end = 0, 0
-    for token in canary:
-        end += len(token)
-        if end > common:
-            break
-        aligned += 1
     whole = reference == joined
+    ends = itertools.accumulate(len(token) for token in canary)  # increasing
+    aligned = len(canary) if whole else sum(1 for end in ends if end <= common)
     first = aligned >= min(k, len(canary)) and (len(canary) >= k or whole)
     compared = len(canary)
     if not whole and aligned == len(canary) and len(canary) < limit:
@@ -440,7 +439,8 @@ class Mirror:
         if reference is not None and s_chosen is None and c_chosen is not None:
             text = answer_text(stable)  # the client's answer has no logprobs: its text
             agree, compared, agreed = text_agreement(text, c_tokens, split.shadow_tokens,
-                                                     shadow["max_tokens"])  # fmt: skip
+                                                     shadow["max_tokens"],
+                                                     answer_text(answers[1][0]))  # fmt: skip
             if not _has_usage(stable) and job.tokens:
                 s_count = job.tokens
         else:
