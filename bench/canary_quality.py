@@ -118,9 +118,12 @@ class Bench:
             await asyncio.gather(task, return_exceptions=True)
 
 
+DECODING: dict[str, Any] = {}  # the clients' decoding (--greedy: temperature 0)
+
+
 async def one_request(http: Any, url: str, prompt: str, ttfts: list[float] | None) -> bool:
     """A streamed completion through the gateway; its TTFT appended to `ttfts`."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "stream": True}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "stream": True, **DECODING}
     start = time.monotonic()
     first = None
     try:
@@ -216,9 +219,32 @@ async def rollout_run(bench: Bench, spec: Any, canary_url: str, revision: str, t
     out["requests"], out["failed"] = len(done), done.count(False)
     # the mirrors of this run still in flight finish before the next one starts
     end = time.monotonic() + 60
-    while bench.gateway.mirror.in_flight and time.monotonic() < end:
+    while (bench.gateway.mirror.in_flight or bench.gateway.mirror.waiting) and (
+        time.monotonic() < end
+    ):
         await asyncio.sleep(0.1)
     return out
+
+
+def pin(workdir: Path, cores: set[int] | None) -> int:
+    """Pin every thread of the engine started in `workdir` (its launcher and the launcher's
+    children, found by the spec file in their command line) to `cores` (None: all cores).
+    How many threads were pinned."""
+    import psutil
+
+    cores = cores if cores is not None else set(range(os.cpu_count() or 1))
+    marker = str(workdir)
+    count = 0
+    for proc in psutil.process_iter(["cmdline"]):
+        if not any(marker in part for part in proc.info["cmdline"] or []):
+            continue
+        for member in [proc, *proc.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error, OSError):
+                for thread in member.threads():
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(thread.id, cores)
+                        count += 1
+    return count
 
 
 def p99(values: list[float]) -> float:
@@ -260,9 +286,12 @@ async def open_loop(url: str, texts: list[str], rate: float, seconds: float,
     return ttfts, len(results), results.count(False)
 
 
-async def ttft_pairs(bench: Bench, canary_url: str, texts: list[str],
-                     args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
-    """Alternating windows with the shadow (a weight-0 step at --ttft-share) and without."""
+async def ttft_pairs(bench: Bench, canary_url: str, texts: list[str], args: argparse.Namespace,
+                     dirs: tuple[Path, Path]) -> dict[str, Any]:  # fmt: skip
+    """Alternating windows with the shadow (a weight-0 step at --ttft-share) and without,
+    for each client decoding (sampled: the engine's default; greedy: temperature 0) and
+    each placement (shared: both engines on every core; pinned: the stable engine on core
+    0, the canary's on the last core)."""
     from prometheus_client import generate_latest
 
     from kubellm import metrics
@@ -271,35 +300,61 @@ async def ttft_pairs(bench: Bench, canary_url: str, texts: list[str],
     shadow = {"canaryRevision": "shadow-ttft", "phase": "Progressing", "canaryWeight": 0,
               "shadow": mirror}  # fmt: skip
     rng = random.Random(11)
-    rows = []
     urls = [bench.stable_url, canary_url]
-    await open_loop(bench.url, texts, args.rate, 10, rng)  # warm-up, not counted
-    for pair in range(args.pairs):
-        row: dict[str, Any] = {}
-        for mode in ("with", "without") if pair % 2 == 0 else ("without", "with"):
-            if mode == "with":
-                bench.publish(canary_url, "shadow-ttft", shadow)
-            else:
-                bench.publish(None, None, None)
-            before = generated_tokens(urls)
-            text0 = generate_latest(bench.gateway.metrics.registry).decode()
-            ttfts, sent, failed = await open_loop(bench.url, texts, args.rate, args.window, rng)
-            while bench.gateway.mirror.in_flight:  # its mirrors' work belongs to this window
-                await asyncio.sleep(0.1)
-            text1 = generate_latest(bench.gateway.metrics.registry).decode()
-            row[mode] = {"p99": p99(ttfts), "p50": statistics.median(ttfts) if ttfts else None,
-                         "sent": sent, "failed": failed,
-                         "tokens_per_request": (generated_tokens(urls) - before) / max(sent, 1),
-                         "mirrored": _count(text1, metrics.GATEWAY_MIRROR_REQUESTS)
-                         - _count(text0, metrics.GATEWAY_MIRROR_REQUESTS)}  # fmt: skip
-        row["ratio"] = row["with"]["p99"] / row["without"]["p99"]
-        rows.append(row)
-        print(f"  pair {pair + 1}: p99 with {row['with']['p99'] * 1000:.0f} ms, without "
-              f"{row['without']['p99'] * 1000:.0f} ms, ratio {row['ratio']:.3f}; mirrored "
-              f"{row['with']['mirrored']:.0f} of {row['with']['sent']}; load "
-              f"{os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    decoding_before = dict(DECODING)  # the rollouts' (--greedy), restored at the end
+    last = (os.cpu_count() or 1) - 1
+    out: dict[str, Any] = {}
+    for placement in args.placements:
+        pinned = placement == "pinned"
+        threads = (pin(dirs[0], {0} if pinned else None), pin(dirs[1], {last} if pinned else None))
+        print(f"  {placement}: {threads} engine threads placed", flush=True)
+        for decoding in args.decodings:
+            DECODING.clear()
+            DECODING.update({"temperature": 0} if decoding == "greedy" else {})
+            await open_loop(bench.url, texts, args.rate, 10, rng)  # warm-up, not counted
+            rows = []
+            for pair in range(args.pairs):
+                row: dict[str, Any] = {}
+                for mode in ("with", "without") if pair % 2 == 0 else ("without", "with"):
+                    if mode == "with":
+                        bench.publish(canary_url, "shadow-ttft", shadow)
+                    else:
+                        bench.publish(None, None, None)
+                    before = generated_tokens(urls)
+                    text0 = generate_latest(bench.gateway.metrics.registry).decode()
+                    ttfts, sent, failed = await open_loop(bench.url, texts, args.rate,
+                                                          args.window, rng)  # fmt: skip
+                    while bench.gateway.mirror.in_flight or bench.gateway.mirror.waiting:
+                        await asyncio.sleep(0.1)  # its mirrors' work belongs to this window
+                    text1 = generate_latest(bench.gateway.metrics.registry).decode()
+                    row[mode] = {
+                        "p99": p99(ttfts), "p50": statistics.median(ttfts) if ttfts else None,
+                        "sent": sent, "failed": failed,
+                        "tokens_per_request": (generated_tokens(urls) - before) / max(sent, 1),
+                        "mirrored": _count(text1, metrics.GATEWAY_MIRROR_REQUESTS)
+                        - _count(text0, metrics.GATEWAY_MIRROR_REQUESTS),
+                        "shed": _count(text1, metrics.GATEWAY_MIRROR_SHED)
+                        - _count(text0, metrics.GATEWAY_MIRROR_SHED),
+                    }  # fmt: skip
+                row["ratio"] = row["with"]["p99"] / row["without"]["p99"]
+                row["load"] = os.getloadavg()[0]
+                rows.append(row)
+                print(f"  {placement} {decoding} pair {pair + 1}: p99 with "
+                      f"{row['with']['p99'] * 1000:.0f} ms, without "
+                      f"{row['without']['p99'] * 1000:.0f} ms, ratio {row['ratio']:.3f}; p50 "
+                      f"{row['with']['p50'] * 1000:.0f} / {row['without']['p50'] * 1000:.0f} ms;"
+                      f" mirrored {row['with']['mirrored']:.0f} (shed {row['with']['shed']:.0f})"
+                      f" of {row['with']['sent']}; engine tokens per request "
+                      f"{row['with']['tokens_per_request']:.2f} / "
+                      f"{row['without']['tokens_per_request']:.2f}; load {row['load']:.1f}",
+                      flush=True)  # fmt: skip
+            out[f"{placement} {decoding}"] = rows
+    pin(dirs[0], None)
+    pin(dirs[1], None)
+    DECODING.clear()
+    DECODING.update(decoding_before)
     bench.publish(None, None, None)
-    return {"pairs": rows}
+    return out
 
 
 def _count(text: str, name: str) -> float:
@@ -369,18 +424,24 @@ async def main_async(args: argparse.Namespace, engines: Any, work: Path) -> dict
     spec = rollout_spec(args.share, args.min_requests, args.pause)
     out: dict[str, Any] = {"revisions": {}}
     stable_spec = engines.tiny_spec(base)
-    with engines.running_vllm(stable_spec, Path(tempfile.mkdtemp(dir=work))) as stable_url:
+    stable_dir = Path(tempfile.mkdtemp(dir=work))
+    if args.greedy:
+        DECODING["temperature"] = 0
+    with engines.running_vllm(stable_spec, stable_dir) as stable_url:
         bench = Bench(stable_url)
         async with bench.serving():
             for name, (directory, dtype) in variants(base, work, args.only).items():
                 canary_spec = engines.tiny_spec(directory)
                 canary_spec["engine"]["dtype"] = dtype
                 print(f"{name}: starting its engine (load {os.getloadavg()[0]:.1f})", flush=True)
-                with engines.running_vllm(canary_spec, Path(tempfile.mkdtemp(dir=work))) as url:
-                    got = await bench_revision(bench, spec, name, url, texts, args)
-                    out["revisions"][name] = got
+                canary_dir = Path(tempfile.mkdtemp(dir=work))
+                with engines.running_vllm(canary_spec, canary_dir) as url:
                     if name == "same" and args.pairs:
-                        out["ttft"] = await ttft_pairs(bench, url, texts, args)
+                        out["ttft"] = await ttft_pairs(bench, url, texts, args,
+                                                       (stable_dir, canary_dir))  # fmt: skip
+                    if args.runs:
+                        got = await bench_revision(bench, spec, name, url, texts, args)
+                        out["revisions"][name] = got
     return out
 
 
@@ -418,6 +479,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=30.0, help="seconds per TTFT window")
     parser.add_argument("--rate", type=float, default=4.0, help="TTFT load, requests/s (4)")
     parser.add_argument("--ttft-share", type=float, default=0.1, help="mirror share (0.1)")
+    parser.add_argument("--greedy", action="store_true",
+                        help="the rollouts' clients ask for temperature 0 (default: the "
+                        "engine's sampling)")  # fmt: skip
+    parser.add_argument("--decodings", nargs="*", default=["sampled", "greedy"],
+                        help="the TTFT pairs' client decodings (sampled greedy)")  # fmt: skip
+    parser.add_argument("--placements", nargs="*", default=["shared", "pinned"],
+                        help="the TTFT pairs' engine placements (shared pinned)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write every figure here")
     parser.add_argument("-v", "--verbose", action="store_true", help="print each new verdict")
     args = parser.parse_args(argv)
@@ -436,16 +504,16 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, got in out["revisions"].items():
         print(summary(name, got["runs"]))
-    if "ttft" in out:
-        pairs = out["ttft"]["pairs"]
-        ratios = [p["ratio"] for p in pairs]
+    for key, pairs in out.get("ttft", {}).items():
+        ratios, loads = [p["ratio"] for p in pairs], [p["load"] for p in pairs]
         extra = [p["with"]["tokens_per_request"] / max(p["without"]["tokens_per_request"], 1e-9)
                  for p in pairs]  # fmt: skip
-        print(f"stable TTFT p99 with/without the shadow at share {args.ttft_share}, "
+        print(f"stable TTFT p99 with/without the shadow ({key}) at share {args.ttft_share}, "
               f"{args.rate:g} req/s, {args.window:g} s windows: ratios "
               f"{', '.join(f'{r:.3f}' for r in ratios)} (median {statistics.median(ratios):.3f},"
               f" spread {min(ratios):.3f}-{max(ratios):.3f}); engine tokens per real request "
-              f"with/without {statistics.median(extra):.2f}x")  # fmt: skip
+              f"with/without {statistics.median(extra):.2f}x; load {min(loads):.1f}-"
+              f"{max(loads):.1f}")  # fmt: skip
     print(json.dumps({"load_average": os.getloadavg()}))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2, default=str))

@@ -234,6 +234,62 @@ def wilson_upper(successes: float, trials: float, significance: float) -> float:
     return min(1.0, (centre + spread) / (1 + z * z / trials))
 
 
+def wilson_lower(successes: float, trials: float, significance: float) -> float:
+    """The one-sided lower confidence bound on a share (Wilson score interval)."""
+    return 1.0 - wilson_upper(trials - successes, trials, significance) if trials > 0 else 0.0
+
+
+def excess_lower(
+    canary: tuple[float, float], stable: tuple[float, float], significance: float
+) -> float:
+    """The one-sided lower confidence bound on p_canary - p_stable, each (count, trials):
+    Newcombe's hybrid score interval (Wilson bounds of each share, recombined), sound with
+    few trials and zero counts, where a difference of point shares is noise."""
+    (cs, cn), (ss, sn) = canary, stable
+    if cn <= 0 or sn <= 0:
+        return -1.0
+    pc, ps = cs / cn, ss / sn
+    low, high = wilson_lower(cs, cn, significance), wilson_upper(ss, sn, significance)
+    return pc - ps - math.sqrt((pc - low) ** 2 + (high - ps) ** 2)
+
+
+def median_bounds(cumulative: Mapping[float, float], z: float) -> tuple[float, float] | None:
+    """(lower, upper) distribution-free confidence bounds on the median of the values in a
+    cumulative histogram: the values at ranks n/2 -+ z sqrt(n)/2 (the binomial order
+    statistics' normal approximation), read off the histogram like its quantiles."""
+    n = max(cumulative.values(), default=0.0)
+    if n <= 0:
+        return None
+    spread = z * 0.5 / math.sqrt(n)
+    items = cumulative.items()
+    low = histogram_quantile(max(0.0, 0.5 - spread), items)
+    high = histogram_quantile(min(1.0, 0.5 + spread), items)
+    return None if low is None or high is None else (low, high)
+
+
+def slower_lower(
+    canary: Mapping[float, float], stable: Mapping[float, float], z: float
+) -> tuple[float, float]:
+    """One-sided lower confidence bounds on the canary's median over the stable one's, as
+    (ratio, difference), combined from each median's bounds (MOVER, the method Newcombe's
+    interval generalizes; the ratio on a log scale); (1, 0) when either is unknown."""
+    mc, ms = histogram_quantile(0.5, canary.items()), histogram_quantile(0.5, stable.items())
+    bc, bs = median_bounds(canary, z), median_bounds(stable, z)
+    if mc is None or ms is None or bc is None or bs is None or min(mc, ms, bc[0]) <= 0:
+        return 1.0, 0.0
+    (lc, _), (_, us) = bc, bs
+    difference = mc - ms - math.sqrt((mc - lc) ** 2 + (us - ms) ** 2)
+    log_ratio = math.log(mc / ms) - math.sqrt(math.log(mc / lc) ** 2 + math.log(us / ms) ** 2)
+    return math.exp(log_ratio), difference
+
+
+# The latency check's ratio and floor are crossed with 95% confidence (one-sided): on
+# lognormal latencies (sigma 0.6) a canary exactly at maxTTFTRatio fails 3% of the windows
+# of 12-50 answers (the point ratio alone with the Mann-Whitney test: 15-50%), one 1.3x
+# slower 0-1% (6-13%), one 3x slower 67-100% (89-100%).
+BOUND_Z = NormalDist().inv_cdf(0.95)
+
+
 @dataclass(frozen=True)
 class Regression:
     size: str
@@ -247,8 +303,10 @@ def latency_regressions(
     canary: Counters, stable: Counters, analysis: api.RolloutAnalysis
 ) -> tuple[list[Regression], int]:
     """Streamed answers' TTFT and time per token compared class by class: a regression is
-    a median over the allowed ratio AND over the absolute floor AND a significant
-    Mann-Whitney z. Returns the regressions and how many comparisons were made."""
+    a median over the allowed ratio and the absolute floor, each by its one-sided 95%
+    lower confidence bound (`slower_lower`; a point ratio of two small samples' medians is
+    noise), and a significant Mann-Whitney z (at the Bonferroni-corrected significance).
+    Returns the regressions and how many comparisons were made."""
     checks = (
         ("TTFT", "stream_ttft", analysis.max_ttft_ratio, analysis.min_ttft_difference_seconds),
         ("ITL", "tpot", analysis.max_itl_ratio, analysis.min_itl_difference_seconds),
@@ -266,6 +324,9 @@ def latency_regressions(
     for size, name, mine, theirs, ratio, floor in pairs:
         m, t = histogram_quantile(0.5, mine.items()), histogram_quantile(0.5, theirs.items())
         if m is None or t is None or m <= t * ratio or m - t <= floor:
+            continue
+        low_ratio, low_difference = slower_lower(mine, theirs, BOUND_Z)
+        if low_ratio <= ratio or low_difference <= floor:
             continue
         z = mann_whitney_z(mine, theirs)
         if z > limit:
@@ -480,13 +541,20 @@ def analyse(
         )
     burn = canary.burn_rate(slo.objective)
     stable_burn = stable.burn_rate(slo.objective)
-    if burn - stable_burn > analysis.max_burn_rate:
+    budget = 1.0 - slo.objective
+    missed = (max(0.0, canary.requests - canary.slo_met), canary.requests)
+    stable_missed = (max(0.0, stable.requests - stable.slo_met), stable.requests)
+    # the burn over stable's is a difference of two shares: over the allowance only when
+    # its lower confidence bound is (one or two misses more of 50 are no evidence)
+    excess = excess_lower(missed, stable_missed, analysis.significance)
+    if burn - stable_burn > analysis.max_burn_rate and excess > analysis.max_burn_rate * budget:
         return Verdict(
             "Fail",
             "CanarySLOBurn",
             f"the canary burns its SLO error budget at {burn:.1f}x (stable {stable_burn:.1f}x, "
-            f"allowed {analysis.max_burn_rate:g} more, spec.rollout.analysis.maxBurnRate): "
-            f"{canary.requests - canary.slo_met:.0f} of {canary.requests:.0f} requests missed "
+            f"allowed {analysis.max_burn_rate:g} more, spec.rollout.analysis.maxBurnRate; "
+            f"at least {excess / budget:.1f}x more at significance {analysis.significance:g}): "
+            f"{missed[0]:.0f} of {canary.requests:.0f} requests missed "
             f"ttft {slo.ttft_seconds:g} s or itl {slo.itl_seconds:g} s",
             canary,
             stable,
@@ -709,12 +777,17 @@ def decide(
             "the spec again to start a new revision, or `kubellm rollout promote`",
         )
 
-    if rollout.shadow is not None:  # the gateways mirror while the step runs
+    index = max(1, min(int(old.get("step") or 1), len(steps))) - 1
+    step = steps[index]
+    # The gateways mirror while the step runs: in every step of a rollout without a shadow
+    # step; with one, in it only. After it passed, the answers were judged, and mirrors in a
+    # real-traffic step would load the canary's replicas alone, biasing its latency checks.
+    mirrors = rollout.shadow is not None and (step.weight == 0 or all(s.weight > 0 for s in steps))
+    if mirrors:
+        assert rollout.shadow is not None
         old["shadow"] = rollout.shadow.model_dump(by_alias=True)
     else:
         old.pop("shadow", None)
-    index = max(1, min(int(old.get("step") or 1), len(steps))) - 1
-    step = steps[index]
     stable_replicas, canary_replicas = step_split(total, step.weight)
     old["canaryWeight"] = step.weight
     started = parse_time(old.get("stepStartedAt"))
@@ -736,10 +809,13 @@ def decide(
 
     if old.get("baseline") is None and seen.counters is not None:
         old["baseline"] = _baseline(seen.counters)  # figures appeared mid-window: start here
+    analysis = rollout.analysis
+    if rollout.shadow is not None and not mirrors:  # judged in the shadow step
+        analysis = analysis.model_copy(update={"quality": None})
     window = (
         _window(seen.counters, old.get("baseline"), desired),
         _stable_window(seen.counters, old.get("baseline"), desired),
-        rollout.analysis,
+        analysis,
     )
     k = (rollout.shadow or api.RolloutShadow()).first_tokens
     verdict = shadow_verdict(*window, k) if step.weight == 0 else analyse(*window, spec.slo, k)
@@ -753,10 +829,20 @@ def decide(
             )
         nxt = steps[index + 1]
         old.update(step=index + 2, canaryWeight=nxt.weight, stepStartedAt=None, baseline=None)
+        if not _mirrors(rollout, nxt):
+            old.pop("shadow", None)
         old["message"] = f"step {index + 2}/{len(steps)}: canary going to {nxt.weight}%"
         events.append(("Normal", "CanaryStep", f"step {index + 1} passed; {old['message']}"))
         stable_replicas, canary_replicas = step_split(total, nxt.weight)
     return Decision("canary", stable_replicas, canary_replicas, old, events, clear, verdict)
+
+
+def _mirrors(rollout: api.Rollout, step: api.CanaryStep) -> bool:
+    """Whether the gateways mirror during `step`: every step of a rollout with a mirror and
+    no shadow step; with a shadow step, that step only."""
+    if rollout.shadow is None:
+        return False
+    return step.weight == 0 or all(s.weight > 0 for s in rollout.steps)
 
 
 def _action_note() -> str:

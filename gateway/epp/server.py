@@ -526,7 +526,7 @@ class Exchange:
             urls = urls[:1]  # Envoy's retry on another replica would lose the KV's params
         self.attempt = ticket.attempt(urls[0])
         if path in PATHS and self.picker.started:
-            self.picker.mirror.offer(target, urls[0], path, parsed, routing.prompt_chars)
+            self.picker.mirror.offer(target, urls[0], path, parsed, routing.prompt_chars, ticket)
         listed = [host_port(u) for u in urls[: settings.endpoints_per_answer]]
         return [self._answer(phase, listed, body, ticket.route)]
 

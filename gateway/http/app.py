@@ -276,7 +276,7 @@ class Gateway:
         except relay.AllUpstreamsFailed as failed:
             return await call.error(ticket.attempts_failed(len(failed.failures)))
         if target.canary is not None:  # the shadow step: after the request went out
-            self.mirror.offer(target, opened.url, call.path, body, routing.prompt_chars)
+            self.mirror.offer(target, opened.url, call.path, body, routing.prompt_chars, ticket)
         if opened.assembled:
             assert opened.body is not None
             opened.response.close()

@@ -10,6 +10,7 @@ front ends translate their protocol into a handful of calls on it.
         attempt.started()             # it answers: prefix/session recorded
     ticket.respond(status)            # the answer's status line
     ticket.chunk(data)                # each body piece, as it passes to the client
+    ticket.tap = tap                  # optional: sees each piece and the end (the mirror's)
     ticket.body_needed(now)           # after respond: does the core still need the body?
     ticket.body_unseen(now)           # the front end will not follow it: the end is now
     ticket.fail(error)                # the answer is an error the core chose (caller renders)
@@ -45,7 +46,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kubellm.gateway.discovery.base import ModelTarget
 from kubellm.gateway.protocol import errors, sse, usage
@@ -118,6 +119,15 @@ class Attempt:
             core.metrics.target(labels(ticket.target)).prefix_match.observe(ratio)
 
 
+class Tap(Protocol):
+    """Sees a request's answer as it passes (`Ticket.tap`): each body piece, then the end
+    (`whole`: a 200 answer that ended whole). Must not raise or block."""
+
+    def feed(self, data: bytes) -> None: ...
+
+    def end(self, whole: bool) -> None: ...
+
+
 class Ticket:
     """One request, from admission to its end; see the module."""
 
@@ -146,6 +156,7 @@ class Ticket:
         "served",
         "status",
         "stream",
+        "tap",
         "target",
         "timing",
         "ttft",
@@ -190,6 +201,8 @@ class Ticket:
         self.caller: Caller | None = None  # its tenant (tenancy.py), when tenants are declared
         self.good = False  # the answer met the SLO (goodput)
         self.ttft: float | None = None  # the TTFT counted in the model's series, if any
+        # sees the answer's pieces and its end (the canary mirror's reference answer)
+        self.tap: Tap | None = None
 
     # ------------------------------------------------------------ admission (the core's)
 
@@ -266,6 +279,8 @@ class Ticket:
         """A piece of the answer's body passed to the client at `now`."""
         if not data:
             return
+        if self.tap is not None:
+            self.tap.feed(data)
         if self._body is not None:  # non-streamed: the whole answer is its first token
             self._body_piece(data, time.monotonic() if now is None else now)
             return
@@ -332,6 +347,7 @@ class Ticket:
             self._over(False)
             self.record.finish("none", 499)
             self._ended()
+            self._tapped(False)
             return
         if broken is not None:
             self.timing.failed(broken)
@@ -351,6 +367,15 @@ class Ticket:
             status = 502  # the answer started and broke: a server-side failure
         self.record.finish(self.route, status)
         self._ended()
+        self._tapped(whole and status == 200)
+
+    def _tapped(self, whole: bool) -> None:
+        tap, self.tap = self.tap, None
+        if tap is not None:
+            try:
+                tap.end(whole and self.status == 200)
+            except Exception:  # the request's record stands whatever the tap does
+                log.exception("a tap on a request's answer failed")
 
     def _ended(self) -> None:
         for ended in self._core.hooks.ended:

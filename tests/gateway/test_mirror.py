@@ -42,6 +42,13 @@ def _text(gw) -> str:
     return generate_latest(gw.gateway.metrics.registry).decode()
 
 
+def _settled(gw, count: int) -> None:
+    """Wait until `count` mirrors were compared or shed."""
+    wait_until(lambda: _sum(_text(gw), metrics.GATEWAY_MIRROR_REQUESTS)
+               + _sum(_text(gw), metrics.GATEWAY_MIRROR_SHED) >= count, timeout=60,
+               what="every mirror compared or shed")  # fmt: skip
+
+
 def _sum(text: str, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -60,9 +67,7 @@ def test_mirrored_answers_are_compared_and_never_reach_the_client(engines, gatew
     for messages in _stable_prompts(6):
         answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=50)
         assert answer.choices[0].message.content.startswith("r0")  # the stable answer only
-    wait_until(lambda: _sum(_text(gw), metrics.GATEWAY_MIRROR_REQUESTS)
-               + _sum(_text(gw), metrics.GATEWAY_MIRROR_SHED) >= 6, timeout=60,
-               what="every mirror compared or shed")  # fmt: skip
+    _settled(gw, 6)
     text = _text(gw)
     compared = _sum(text, metrics.GATEWAY_MIRROR_REQUESTS, revision="new")
     assert compared >= 1
@@ -89,9 +94,7 @@ def test_identical_revisions_agree(engines, gateway):
     client = gw.client()
     for messages in _stable_prompts(4):
         client.chat.completions.create(model="tiny", messages=messages)
-    wait_until(lambda: _sum(_text(gw), metrics.GATEWAY_MIRROR_REQUESTS)
-               + _sum(_text(gw), metrics.GATEWAY_MIRROR_SHED) >= 4, timeout=60,
-               what="every mirror compared or shed")  # fmt: skip
+    _settled(gw, 4)
     text = _text(gw)
     compared = _sum(text, metrics.GATEWAY_MIRROR_REQUESTS)
     assert compared >= 1 and _sum(text, metrics.GATEWAY_MIRROR_AGREED) == compared
@@ -141,9 +144,7 @@ def test_a_shadow_step_mirrors_while_the_canary_takes_no_request(engines, gatewa
         messages = [{"role": "user", "content": f"Shadow step question {i}. " * 20}]
         answer = client.chat.completions.create(model="tiny", messages=messages)
         assert answer.choices[0].message.content.startswith("r0")
-    wait_until(lambda: _sum(_text(gw), metrics.GATEWAY_MIRROR_REQUESTS)
-               + _sum(_text(gw), metrics.GATEWAY_MIRROR_SHED) >= 6, timeout=60,
-               what="every mirror compared or shed")  # fmt: skip
+    _settled(gw, 6)
     text = _text(gw)
     assert _sum(text, metrics.GATEWAY_MIRROR_REQUESTS, revision="new") >= 1
     assert all(b["temperature"] == 0 for b in canary_engine.bodies)  # mirrors only
@@ -190,3 +191,168 @@ def test_a_pair_with_logprobs_records_divergence_per_token():
     assert _sum(text, metrics.GATEWAY_MIRROR_DIVERGENCE + "_count") == 3
     assert abs(_sum(text, metrics.GATEWAY_MIRROR_DIVERGENCE + "_sum") - 0.5) < 1e-9
     assert _sum(text, metrics.GATEWAY_MIRROR_TPOT + "_count") == 1
+
+
+# ------------------------------------------------------------ the stable side's reference
+
+
+def _sse(texts: list[str]) -> list[bytes]:
+    import json
+
+    choice = {"index": 0, "finish_reason": None}
+    events = [{"id": "c", "object": "text_completion", "created": 0, "model": "tiny",
+               "choices": [{**choice, "text": t}]} for t in texts]  # fmt: skip
+
+    return [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
+
+
+class _Ticket:
+    """What the mirror reads of a request's ticket (lifecycle.Ticket): when it arrived, its
+    tap, and its answer's text events."""
+
+    def __init__(self) -> None:
+        import time
+        from types import SimpleNamespace
+
+        self.arrived = time.monotonic()
+        self.tap = None
+        self.timing = SimpleNamespace(chunks=0)
+
+    def answer(self, pieces: list[bytes], whole: bool = True) -> None:
+        for piece in pieces:
+            self.tap.feed(piece)
+        self.timing.chunks = len(pieces) - 1
+        self.tap.end(whole)
+
+
+def _mirror_with(answers: dict[str, dict], load=None):
+    from kubellm.gateway.routing.canary import mirror
+    from kubellm.gateway.routing.replicas.load import LoadView
+    from prometheus_client import CollectorRegistry
+
+    asked: list[tuple[str, dict]] = []
+
+    async def post(url, path, body):
+        asked.append((url, body))
+        return answers[url], 0.2
+
+    registry = CollectorRegistry()
+    return mirror.Mirror(mirror.metrics_for(registry), post, load or LoadView()), asked, registry
+
+
+def _split_target():
+    from kubellm.gateway.discovery.base import ModelTarget
+
+    return ModelTarget("tiny", "tiny", endpoints=(Endpoint("http://s"),
+                       Endpoint("http://c", revision="new")),
+                       canary=CanarySplit("new", 0, 1.0, 4, 4))  # fmt: skip
+
+
+CANARY_ANSWER = {"choices": [{"text": "The cat sat on", "logprobs": {
+    "tokens": ["The", " cat", " sat", " on"], "token_logprobs": [-0.1] * 4,
+    "top_logprobs": [{}] * 4}}], "usage": {"completion_tokens": 4}}  # fmt: skip
+
+
+def test_a_greedy_request_is_compared_with_the_clients_own_answer_stable_is_not_asked():
+    """The client asked for greedy decoding: its answer from stable (kept as it passed)
+    is the reference; only the canary is asked, and only once that answer ended."""
+    import asyncio
+
+    m, asked, registry = _mirror_with({"http://c": CANARY_ANSWER})
+    body = {"prompt": "x", "temperature": 0, "stream": True, "max_tokens": 4}
+
+    async def run() -> None:
+        ticket = _Ticket()
+        assert m.offer(_split_target(), "http://s", "/v1/completions", body, 1, ticket)
+        await asyncio.sleep(0)
+        assert asked == [] and m.waiting == 1  # nothing asked while the client is served
+        ticket.answer(_sse(["The", " cat", " sat", " on"]))
+        await asyncio.gather(*m.tasks)
+
+    asyncio.run(run())
+    assert [url for url, _ in asked] == ["http://c"]  # stable's work is not done twice
+    assert asked[0][1]["temperature"] == 0 and asked[0][1]["max_tokens"] == 4
+    text = generate_latest(registry).decode()
+    assert _sum(text, metrics.GATEWAY_MIRROR_REQUESTS) == 1
+    assert _sum(text, metrics.GATEWAY_MIRROR_AGREED) == 1
+    assert _sum(text, metrics.GATEWAY_MIRROR_TOKENS_AGREED) == 4
+    assert m.waiting == 0 and m.in_flight == 0
+
+
+def test_a_seeded_request_asks_the_canary_with_the_clients_own_sampling():
+    import asyncio
+
+    m, asked, registry = _mirror_with({"http://c": CANARY_ANSWER})
+    body = {"prompt": "x", "temperature": 0.8, "seed": 7, "top_p": 0.9}
+    whole = {"choices": [{"text": "The cat ran"}], "usage": {"completion_tokens": 3}}
+
+    async def run() -> None:
+        ticket = _Ticket()
+        assert m.offer(_split_target(), "http://s", "/v1/completions", body, 1, ticket)
+        ticket.answer([__import__("json").dumps(whole).encode()])
+        await asyncio.gather(*m.tasks)
+
+    asyncio.run(run())
+    assert [url for url, _ in asked] == ["http://c"]
+    sent = asked[0][1]
+    decoding = (sent["temperature"], sent["seed"], sent["top_p"], sent["stream"])
+    assert decoding == (0.8, 7, 0.9, False)
+    text = generate_latest(registry).decode()
+    assert _sum(text, metrics.GATEWAY_MIRROR_REQUESTS) == 1
+    assert _sum(text, metrics.GATEWAY_MIRROR_AGREED) == 0  # " ran" is not " sat"
+
+
+def test_a_sampled_request_asks_stable_only_when_it_is_idle_and_never_for_a_failed_answer():
+    """Not greedy, not seeded: stable's greedy answer is asked for, after the client's
+    answer ended and only while the replica is idle; otherwise the mirror is shed."""
+    import asyncio
+
+    from kubellm.gateway.routing.replicas.load import LoadView
+
+    load = LoadView()
+    answers = {"http://s": CANARY_ANSWER, "http://c": CANARY_ANSWER}
+    m, asked, registry = _mirror_with(answers, load)
+    body = {"prompt": "x", "stream": True}
+
+    async def run() -> None:
+        busy = _Ticket()
+        assert m.offer(_split_target(), "http://s", "/v1/completions", body, 1, busy)
+        release = load.acquire("http://s")  # another client's request runs there
+        busy.answer(_sse(["a"]))
+        release()
+        failed = _Ticket()
+        assert m.offer(_split_target(), "http://s", "/v1/completions", body, 1, failed)
+        failed.answer(_sse(["a"])[:1], whole=False)  # the client's answer broke off
+        idle = _Ticket()
+        assert m.offer(_split_target(), "http://s", "/v1/completions", body, 1, idle)
+        idle.answer(_sse(["a"]))
+        await asyncio.gather(*m.tasks)
+
+    asyncio.run(run())
+    assert sorted(url for url, _ in asked) == ["http://c", "http://s"]  # the idle one only
+    assert all(b["temperature"] == 0 and b["seed"] == 0 for _, b in asked)
+    text = generate_latest(registry).decode()
+    assert _sum(text, metrics.GATEWAY_MIRROR_SHED, reason="stable-busy") == 1
+    assert _sum(text, metrics.GATEWAY_MIRROR_SHED, reason="no-reference") == 1
+    assert _sum(text, metrics.GATEWAY_MIRROR_REQUESTS) == 1
+    assert m.asking == {} and m.waiting == 0
+
+
+def test_greedy_streams_through_the_gateway_cost_the_stable_replica_nothing_more(engines, gateway):
+    (stable_engine, stable), (canary_engine, canary) = engines(2, prefix="r")
+    canary_engine.name = "r0"  # the same answers as the stable engine
+    gw = gateway({"tiny": _target(stable, canary)})
+    client = gw.client()
+    prompts = _stable_prompts(5)
+    for messages in prompts:
+        stream = client.chat.completions.create(
+            model="tiny", messages=messages, temperature=0, stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text.startswith("r0")
+    _settled(gw, 5)
+    text = _text(gw)
+    compared = _sum(text, metrics.GATEWAY_MIRROR_REQUESTS)
+    assert compared >= 1 and _sum(text, metrics.GATEWAY_MIRROR_AGREED) == compared
+    assert len(stable_engine.bodies) == len(prompts)  # the clients' requests only
+    assert len(canary_engine.bodies) == compared

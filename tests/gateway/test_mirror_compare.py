@@ -46,3 +46,43 @@ def test_divergence_is_zero_on_identical_revisions_and_grows_with_disagreement()
     # the stable token missing from the canary's top: the lowest listed logprob
     missing = [{"x": math.log(0.7), "y": math.log(0.1)}]
     assert mirror.divergence(stable[:1], missing) == pytest.approx([math.log(9)])
+
+
+R = "The cat sat on the mat"
+
+
+@pytest.mark.parametrize(
+    ("canary", "k", "limit", "expected"),
+    [
+        (A, 4, 12, (True, 6, 6)),  # the same text, token by token
+        (B, 3, 12, (True, 6, 3)),  # differs from token 4: past it, nothing agrees
+        (B, 4, 12, (False, 6, 3)),
+        (A[:2], 4, 12, (False, 3, 2)),  # stopped early where stable went on
+        (A[:2], 4, 2, (False, 2, 2)),  # asked for 2 only: agrees on them, not on k
+        (A, 100, 200, (True, 6, 6)),  # shorter than k: the whole answer
+        ([*A, "!"], 100, 200, (False, 7, 6)),  # one token more than stable's answer
+        (["The", " c", "at"], 2, 12, (True, 4, 3)),  # tokens cut otherwise: by text
+        ([], 4, 12, (False, 1, 0)),
+    ],
+)
+def test_text_agreement_lays_the_canary_tokens_along_the_clients_answer(canary, k, limit, expected):
+    assert mirror.text_agreement(R, canary, k, limit) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "path", "expected"),
+    [
+        ({"temperature": 0}, "/v1/completions", True),
+        ({"temperature": 0.0, "stream": True}, "/v1/chat/completions", True),
+        ({"temperature": 0.7, "seed": 3}, "/v1/chat/completions", True),  # seeded
+        ({}, "/v1/chat/completions", False),  # the engine's default sampling
+        ({"temperature": 0.7}, "/v1/completions", False),
+        ({"temperature": 0, "n": 2}, "/v1/completions", False),
+        ({"temperature": 0, "prompt": ["a", "b"]}, "/v1/completions", False),
+        ({"temperature": 0, "best_of": 3}, "/v1/completions", False),
+        ({"seed": True}, "/v1/completions", False),
+        ({"temperature": False}, "/v1/completions", False),
+    ],
+)
+def test_reusable(body, path, expected):
+    assert mirror.reusable(body, path) is expected
