@@ -17,8 +17,8 @@ import yaml
 from kubellm.gateway.epp import envoy
 from kubellm.gateway.epp import messages as m
 
-from tests.epp.conftest import START_TIMEOUT_S, Process, Stack, responds
 from tests.fixtures.engines import free_port, wait_until
+from tests.gateway.epp.conftest import START_TIMEOUT_S, Process, Stack, responds
 
 BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
 IN_A_ROW = 20  # requests answered one after another once the dead picker is out

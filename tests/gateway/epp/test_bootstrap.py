@@ -1,6 +1,6 @@
 """The standalone Envoy bootstrap's ext_proc filter, as data (no Envoy started): what it
 sends the picker. That the picker still gets what it reads through a real Envoy is
-tests/epp/test_envoy.py's and test_tenancy.py's (sessions, tenant headers)."""
+tests/gateway/epp/test_envoy.py's and test_tenancy.py's (sessions, tenant headers)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import pytest
 from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget, PrefillSplit
 from kubellm.gateway.epp.server import EndpointPicker, Exchange
 
-from tests.epp.test_exchange import BODY, Mode, _body, _config, _destination, _headers
+from tests.gateway.epp.test_exchange import BODY, Mode, _body, _config, _destination, _headers
 from tests.gateway.upstream import FakeEngine, ServerThread
 
 

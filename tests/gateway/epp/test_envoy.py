@@ -21,8 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubellm.engine import sim_profiles
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.epp.conftest import Process, responds
 from tests.fixtures.engines import free_port, wait_until
+from tests.gateway.epp.conftest import Process, responds
 
 BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
 SHARED = "You are a careful assistant. Answer in one line. " * 12

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from kubellm.gateway.epp import envoy
 
-from tests.epp.conftest import START_TIMEOUT_S, Process, responds
 from tests.fixtures.engines import free_port, wait_until
+from tests.gateway.epp.conftest import START_TIMEOUT_S, Process, responds
 from tests.gateway.faults.peers import Later, RawEngine, Request, chunked, completion
 
 PICKER_TIMEOUT = 3.0

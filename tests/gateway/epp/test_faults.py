@@ -19,9 +19,9 @@ import pytest
 import yaml
 from kubellm.gateway.epp import messages as m
 
-from tests.epp.conftest import Process, responds
 from tests.fixtures.engines import free_port, wait_until
 from tests.fixtures.polling import eventually
+from tests.gateway.epp.conftest import Process, responds
 from tests.gateway.faults.peers import vm_peak_mib
 
 METHOD = f"/{m.SERVICE}/{m.METHOD}"

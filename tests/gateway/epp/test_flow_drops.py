@@ -20,9 +20,9 @@ import yaml
 from kubellm.gateway.epp import messages as m
 from kubellm.gateway.routing.flow import tenants
 
-from tests.epp.conftest import Process, responds
-from tests.epp.test_faults import HttpHeaders, body, channel, stream
 from tests.fixtures.engines import free_port, wait_until
+from tests.gateway.epp.conftest import Process, responds
+from tests.gateway.epp.test_faults import HttpHeaders, body, channel, stream
 from tests.gateway.upstream import FakeEngine, ServerThread
 
 ANSWER_TIMEOUT_S = 60.0

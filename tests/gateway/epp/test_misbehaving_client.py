@@ -20,8 +20,8 @@ from kubellm.gateway.epp.server import EndpointPicker, PickerSettings, serve
 from kubellm.gateway.routing.admission import Thresholds
 from kubellm.gateway.routing.scheduler import SchedulerSettings
 
-from tests.epp.protos import core, ext
 from tests.fixtures.polling import eventually
+from tests.gateway.epp.protos import core, ext
 
 REPLICA = "http://10.0.0.1:8000"
 METHOD = f"/{m.SERVICE}/{m.METHOD}"

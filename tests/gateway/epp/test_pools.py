@@ -19,8 +19,8 @@ import pytest
 import yaml
 from kubellm.gateway.epp import envoy
 
-from tests.epp.conftest import START_TIMEOUT_S, Process, responds
 from tests.fixtures.engines import free_port, wait_until
+from tests.gateway.epp.conftest import START_TIMEOUT_S, Process, responds
 from tests.gateway.faults.peers import RawEngine, Request, completion, response
 
 

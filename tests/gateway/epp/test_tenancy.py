@@ -15,8 +15,8 @@ from kubellm.gateway.routing.flow import tenants
 from kubellm.gateway.routing.flow.controller import TenancySettings
 from kubellm.gateway.routing.settings import SchedulerSettings
 
-from tests.epp.protos import core, ext
 from tests.fixtures.polling import eventually
+from tests.gateway.epp.protos import core, ext
 
 REPLICAS = ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
 BODY = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2}).encode()

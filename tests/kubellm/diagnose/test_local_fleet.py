@@ -19,9 +19,9 @@ from kubellm import api
 from kubellm.cli import main
 from kubellm.diagnose import collect, triage
 from kubellm.diagnose.snapshot import Snapshot
-from tests.diagnose.test_triage import HEALTHY
 from tests.fixtures.engines import free_port, wait_until
 from tests.fixtures.fleets import write_manifest
+from tests.kubellm.diagnose.test_triage import HEALTHY
 
 IDLE_GATEWAY = Snapshot(window_s=30, request_rate=0.0, engines=2, running=0, waiting=0,
                         kv_cache_usage_max=0.0)  # fmt: skip

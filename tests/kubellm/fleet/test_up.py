@@ -25,7 +25,7 @@ import pytest
 from tests.fixtures.engines import VLLM_START_TIMEOUT_S, wait_until
 from tests.fixtures.fleets import write_manifest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _process_group(pgid: int) -> list[int]:

@@ -174,7 +174,7 @@ def manifest(tmp_path: Path, **changes: object) -> Path:
     """examples/llama-3.1-8b-gpu.yaml with its SLO at the defaults and `changes` applied."""
     import yaml
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     document = yaml.safe_load((root / "examples/llama-3.1-8b-gpu.yaml").read_text())
     spec = document["spec"]
     spec["slo"] = {"ttftSeconds": 2.0, "itlSeconds": 0.1, "objective": 0.99}

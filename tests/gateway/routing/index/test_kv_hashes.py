@@ -69,7 +69,7 @@ def test_unreproducible_algorithms_are_refused_by_name() -> None:
 
 
 # The same against a real vLLM CPU engine's BlockStored events:
-# tests/gateway/routing/test_precise_e2e.py
+# tests/gateway/routing/index/test_precise_e2e.py
 
 
 @needs_vllm_module
