@@ -10,8 +10,9 @@ import pytest
 from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget, PrefillSplit
 from kubellm.gateway.epp.server import EndpointPicker, Exchange
 
+from tests.fixtures.servers import ServerThread
 from tests.gateway.epp.test_exchange import BODY, Mode, _body, _config, _destination, _headers
-from tests.gateway.upstream import FakeEngine, ServerThread
+from tests.gateway.upstream import FakeEngine
 
 
 @pytest.fixture

@@ -21,9 +21,10 @@ from kubellm.gateway.epp import messages as m
 from kubellm.gateway.routing.flow import tenants
 
 from tests.fixtures.engines import free_port, wait_until
+from tests.fixtures.servers import ServerThread
 from tests.gateway.epp.conftest import Process, responds
 from tests.gateway.epp.test_faults import HttpHeaders, body, channel, stream
-from tests.gateway.upstream import FakeEngine, ServerThread
+from tests.gateway.upstream import FakeEngine
 
 ANSWER_TIMEOUT_S = 60.0
 

@@ -31,7 +31,8 @@ from kubellm import metrics
 from kubellm.api import SLO
 from kubellm.contracts import FallbackTarget
 from tests.fixtures.engines import wait_until
-from tests.gateway.upstream import FakeEngine, ServerThread
+from tests.fixtures.servers import ServerThread
+from tests.gateway.upstream import FakeEngine
 
 SLO_SPEC = {"ttftSeconds": 10.0, "itlSeconds": 1.0}  # generous: goodput is deterministic
 SEED = 25

@@ -13,7 +13,8 @@ import pytest
 
 from kubellm.bench import runner, workloads
 from kubellm.cli import main
-from tests.fixtures.engines import _ThreadedServer, free_port
+from tests.fixtures.engines import free_port
+from tests.fixtures.servers import ServerThread
 
 
 def test_rate_run_prints_the_table_and_writes_json_and_png(
@@ -198,8 +199,8 @@ def test_error_summaries_keep_the_address_and_the_retry_after(
     http_client: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     refused = f"127.0.0.1:{free_port()}"
-    busy = _ThreadedServer(_too_busy_app())
-    busy_url = busy.start()
+    busy = ServerThread(_too_busy_app())
+    busy_url = busy.start().url
     try:
         runs = {}
         for name, url in (("refused", f"http://{refused}"), ("busy", busy_url)):
