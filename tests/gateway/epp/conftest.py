@@ -112,6 +112,21 @@ class Stack:
             pytest.fail(f"kubellm epp exited:\n{self.epp.tail()}")
 
 
+def start_envoy(
+    config: dict[str, Any], admin: str, tmp_path: Path, started: list[Process]
+) -> Process:
+    """Envoy on `config` (written to tmp_path/envoy.json, its log beside it), added to
+    `started` (stopped at teardown) and ready on its admin address `admin` (host:port)."""
+    config_file = tmp_path / "envoy.json"
+    config_file.write_text(json.dumps(config))
+    proxy = Process("envoy", envoy.command(str(config_file)), tmp_path / "envoy.log").start()
+    started.append(proxy)
+    wait_until(lambda: not proxy.alive() or responds(f"http://{admin}/ready"),
+               START_TIMEOUT_S, "Envoy to be ready")  # fmt: skip
+    assert proxy.alive(), proxy.tail()
+    return proxy
+
+
 @pytest.fixture
 def envoy_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
     if envoy.binary() is None:

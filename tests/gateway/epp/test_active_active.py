@@ -6,7 +6,6 @@ simulated replicas, all on 127.0.0.1."""
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from kubellm.gateway.epp import envoy
 from kubellm.gateway.epp import messages as m
 
 from tests.fixtures.engines import free_port, wait_until
-from tests.gateway.epp.conftest import START_TIMEOUT_S, Process, Stack, responds
+from tests.gateway.epp.conftest import Process, Stack, start_envoy
 
 BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
 IN_A_ROW = 20  # requests answered one after another once the dead picker is out
@@ -81,14 +80,8 @@ def test_two_pickers_share_the_traffic_and_one_killed_leaves_the_other_routing(t
             "no_traffic_interval": "0.2s", "no_traffic_healthy_interval": "0.2s",
             "healthy_threshold": 1, "grpc_health_check": {"service_name": m.SERVICE},
         }]  # fmt: skip
-        config_file = tmp_path / "envoy.json"
-        config_file.write_text(json.dumps(config))
-        proxy = Process("envoy", envoy.command(str(config_file)), tmp_path / "envoy.log").start()
-        started.append(proxy)
+        proxy = start_envoy(config, f"127.0.0.1:{admin}", tmp_path, started)
         url = f"http://127.0.0.1:{listen}"
-        wait_until(lambda: not proxy.alive() or responds(f"http://127.0.0.1:{admin}/ready"),
-                   START_TIMEOUT_S, "Envoy to be ready")  # fmt: skip
-        assert proxy.alive(), proxy.tail()
 
         # Both pickers route: round robin over the two healthy ones.
         sent = 0

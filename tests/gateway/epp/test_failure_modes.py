@@ -6,7 +6,6 @@ with OpenAI's error envelope."""
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ import yaml
 from kubellm.gateway.epp import envoy
 
 from tests.fixtures.engines import free_port, wait_until
-from tests.gateway.epp.conftest import START_TIMEOUT_S, Process, responds
+from tests.gateway.epp.conftest import START_TIMEOUT_S, Process, responds, start_envoy
 from tests.gateway.faults.peers import Later, RawEngine, Request, chunked, completion
 
 PICKER_TIMEOUT = 3.0
@@ -60,13 +59,7 @@ def stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
             [engine.url.removeprefix("http://")], fail_open, admin=f"127.0.0.1:{admin}",
             epp_timeout_seconds=2.0, picker_timeout_seconds=PICKER_TIMEOUT,
         )  # fmt: skip
-        config_file = tmp_path / "envoy.json"
-        config_file.write_text(json.dumps(config))
-        proxy = Process("envoy", envoy.command(str(config_file)), tmp_path / "envoy.log").start()
-        started.append(proxy)
-        wait_until(lambda: not proxy.alive() or responds(f"http://127.0.0.1:{admin}/ready"),
-                   START_TIMEOUT_S, "Envoy to be ready")  # fmt: skip
-        assert proxy.alive(), proxy.tail()
+        start_envoy(config, f"127.0.0.1:{admin}", tmp_path, started)
         return Stack(f"http://127.0.0.1:{listen}", picker, engine)
 
     yield start

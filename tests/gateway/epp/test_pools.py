@@ -20,7 +20,7 @@ import yaml
 from kubellm.gateway.epp import envoy
 
 from tests.fixtures.engines import free_port, wait_until
-from tests.gateway.epp.conftest import START_TIMEOUT_S, Process, responds
+from tests.gateway.epp.conftest import START_TIMEOUT_S, Process, responds, start_envoy
 from tests.gateway.faults.peers import RawEngine, Request, completion, response
 
 
@@ -84,13 +84,7 @@ def two_tenants(tmp_path: Path) -> Iterator[Callable[[bool], Tenants]]:
         config = envoy.bootstrap_pools(
             pools, fail_open, admin=f"127.0.0.1:{admin}", epp_timeout_seconds=2.0
         )
-        config_file = tmp_path / "envoy.json"
-        config_file.write_text(json.dumps(config))
-        proxy = Process("envoy", envoy.command(str(config_file)), tmp_path / "envoy.log").start()
-        started.append(proxy)
-        wait_until(lambda: not proxy.alive() or responds(f"http://127.0.0.1:{admin}/ready"),
-                   START_TIMEOUT_S, "Envoy to be ready")  # fmt: skip
-        assert proxy.alive(), proxy.tail()
+        start_envoy(config, f"127.0.0.1:{admin}", tmp_path, started)
         return Tenants(urls, engine, pickers)
 
     yield start
