@@ -22,7 +22,7 @@ from kubellm.engine import sim_profiles
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fixtures.engines import free_port, wait_until
-from tests.gateway.epp.conftest import Process, responds
+from tests.gateway.epp.conftest import START_TIMEOUT_S, Process, responds
 
 BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
 SHARED = "You are a careful assistant. Answer in one line. " * 12
@@ -278,7 +278,9 @@ def test_overflow_goes_through_the_fallback_forwarder(envoy_stack, scripted, sim
                         str(forwarder_file), "--port", str(port)],
                         tmp_path / "forwarder.log").start()  # fmt: skip
     try:
-        wait_until(lambda: responds(f"http://127.0.0.1:{port}/health"), 30, "the forwarder")
+        wait_until(
+            lambda: responds(f"http://127.0.0.1:{port}/health"), START_TIMEOUT_S, "the forwarder"
+        )
         stack = envoy_stack(
             [{"name": "tiny", "endpoints": [scripted.url], "fallback": fallback,
               "slo": {"ttftSeconds": 0.05}}],

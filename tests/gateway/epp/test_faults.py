@@ -21,7 +21,7 @@ from kubellm.gateway.epp import messages as m
 
 from tests.fixtures.engines import free_port, wait_until
 from tests.fixtures.polling import eventually
-from tests.gateway.epp.conftest import Process, responds
+from tests.gateway.epp.conftest import START_TIMEOUT_S, Process, responds
 from tests.gateway.faults.peers import vm_peak_mib
 
 METHOD = f"/{m.SERVICE}/{m.METHOD}"
@@ -57,7 +57,9 @@ def picker(tmp_path: Path) -> Iterator[Callable[..., Picker]]:
         ], tmp_path / f"epp-{grpc_port}.log").start()  # fmt: skip
         started.append(process)
         health = f"http://127.0.0.1:{metrics_port}/health"
-        wait_until(lambda: not process.alive() or responds(health), 30, "the EPP to serve")
+        wait_until(
+            lambda: not process.alive() or responds(health), START_TIMEOUT_S, "the EPP to serve"
+        )
         assert process.alive(), process.tail()
         return Picker(process, grpc_port)
 

@@ -22,7 +22,7 @@ from kubellm.gateway.routing.flow import tenants
 
 from tests.fixtures.engines import free_port, wait_until
 from tests.fixtures.servers import ServerThread
-from tests.gateway.epp.conftest import Process, responds
+from tests.gateway.epp.conftest import START_TIMEOUT_S, Process, responds
 from tests.gateway.epp.test_faults import HttpHeaders, body, channel, stream
 from tests.gateway.upstream import FakeEngine
 
@@ -51,7 +51,9 @@ def picker(tmp_path: Path) -> Iterator[tuple[str, str, FakeEngine]]:
     ], tmp_path / "epp.log").start()  # fmt: skip
     health = f"http://127.0.0.1:{metrics_port}/health"
     try:
-        wait_until(lambda: not process.alive() or responds(health), 30, "the EPP to serve")
+        wait_until(
+            lambda: not process.alive() or responds(health), START_TIMEOUT_S, "the EPP to serve"
+        )
         assert process.alive(), process.tail()
         yield f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{metrics_port}/metrics", engine
     finally:
