@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fixtures.engines import VLLM_START_TIMEOUT_S, wait_until
+from tests.fixtures.engines import TINY_EXTRA_ARGS, VLLM_START_TIMEOUT_S, wait_until
 from tests.fixtures.fleets import write_manifest
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -174,7 +174,12 @@ def test_real_vllm_replica_answers_through_the_gateway(
         "tiny",
         {
             "model": {"source": f"file://{tiny_model_dir}", "servedName": "tiny"},
-            "engine": {"dtype": "float32", "maxModelLen": 1024, "blockSize": 32},
+            "engine": {
+                "dtype": "float32",
+                "maxModelLen": 1024,
+                "blockSize": 32,
+                "extraArgs": list(TINY_EXTRA_ARGS),
+            },
             "resources": {"gpu": {"count": 0}},
         },
     )

@@ -12,7 +12,6 @@ small KV pool each:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import socket
@@ -34,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kubellm import metrics
 from kubellm.api import Routing
-from tests.fixtures.engines import running_vllm, tiny_spec, wait_until
+from tests.fixtures.engines import VllmStart, running_vllms, tiny_spec, wait_until
 from tests.fixtures.polling import eventually
 
 pytestmark = pytest.mark.vllm
@@ -48,7 +47,7 @@ BLOCK_SIZE = 32
 def events_spec(model_dir: Path, kv_events_port: int) -> dict[str, Any]:
     spec = tiny_spec(model_dir)
     spec["engine"]["maxNumSeqs"] = 4
-    spec["engine"]["extraArgs"] = ["--num-gpu-blocks-override", str(POOL_BLOCKS)]
+    spec["engine"]["extraArgs"] += ["--num-gpu-blocks-override", str(POOL_BLOCKS)]
     spec["routing"] = {"prefixIndex": "precise", "kvEventsPort": kv_events_port}
     return spec
 
@@ -75,14 +74,11 @@ def engines(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[tuple[str, int]]]:
     """Two vLLM engines with KV events on: [(URL, events port), ...]."""
-    with contextlib.ExitStack() as stack:
-        out = []
-        for _ in range(2):
-            port = _port_pair()
-            spec = events_spec(tiny_model_dir, port)
-            url = stack.enter_context(running_vllm(spec, tmp_path_factory.mktemp("vllm")))
-            out.append((url, port))
-        yield out
+    ports = [_port_pair() for _ in range(2)]
+    starts = [VllmStart(events_spec(tiny_model_dir, port), tmp_path_factory.mktemp("vllm"))
+              for port in ports]  # fmt: skip
+    with running_vllms(starts) as urls:
+        yield list(zip(urls, ports, strict=True))
 
 
 class _Events:
