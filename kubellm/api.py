@@ -48,7 +48,7 @@ INT32_MAX = 2**31 - 1
 # Bounds on strings, lists and maps, far above real use. A real API server estimates the
 # cost of a CEL rule from them (an unbounded string or list counts as the whole request,
 # 3 MiB) and refuses a CRD whose rules' estimated cost is over its budget; bounds also keep
-# what one manifest may make the operator hold (tests/unit/test_crd.py walks the schema).
+# what one manifest may make the operator hold (tests/kubellm/test_crd.py walks the schema).
 MAX_URL = 2048  # a model or adapter source, the fallback URL
 MAX_NAME = 253  # a Kubernetes object name (DNS subdomain), a model name
 MAX_VALUE = 4096  # a free string: an image reference, one engine argument
@@ -249,7 +249,7 @@ OWNED_SHORT_ARGS = {
 def owned_engine_arg(arg: str) -> str | None:
     """The owned argument `arg` sets as vLLM reads it, or None. vLLM's parser turns `_` into
     `-` in a long option's name and accepts any unambiguous prefix (`--hos` is `--host`),
-    so every spelling that can reach an owned option is refused (tests/unit check it with
+    so every spelling that can reach an owned option is refused (tests/kubellm check it with
     vLLM's own parser)."""
     if not arg.startswith("-"):
         return None

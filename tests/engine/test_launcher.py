@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 from kubellm.engine import launcher
-from pydantic import BaseModel
 
 from kubellm import api
 from kubellm.sources import HF_CACHE_DIR
+from tests.fixtures.schema import leaf_fields
 
 
 def _target(engine: dict[str, Any] | None = None, **spec: Any) -> launcher.EngineTarget:
@@ -92,17 +92,6 @@ NOT_FLAGS = {
 }
 
 
-def _leaf_fields(model: type[BaseModel], prefix: str = "") -> set[str]:
-    """Every field by its manifest name, nested ones as `parent.child`."""
-    names = set()
-    for name, info in model.model_fields.items():
-        path = f"{prefix}{info.alias or name}"
-        nested = [a for a in (info.annotation, *getattr(info.annotation, "__args__", ()))
-                  if isinstance(a, type) and issubclass(a, BaseModel)]  # fmt: skip
-        names |= _leaf_fields(nested[0], f"{path}.") if nested else {path}
-    return names
-
-
 def _set_fields(fields: dict[str, Any], prefix: str = "") -> set[str]:
     out = set()
     for key, value in fields.items():
@@ -113,7 +102,7 @@ def _set_fields(fields: dict[str, Any], prefix: str = "") -> set[str]:
 
 def test_the_table_has_a_row_for_every_engine_field() -> None:
     covered = set().union(*(_set_fields(engine) for engine, _, _ in TABLE)) | set(NOT_FLAGS)
-    missing = _leaf_fields(api.EngineSpec) - covered
+    missing = leaf_fields(api.EngineSpec) - covered
     assert not missing, f"engine fields with no row in TABLE (or NOT_FLAGS): {sorted(missing)}"
 
 

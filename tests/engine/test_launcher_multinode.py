@@ -1,5 +1,6 @@
 """A replica spanning nodes: the launcher's leader and worker command lines (vLLM's native
-multi-node launch). That vLLM's own parser reads them as meant: tests/unit/test_engine_args.py."""
+multi-node launch). That vLLM's own parser reads them as meant:
+tests/kubellm/test_engine_args.py."""
 
 from __future__ import annotations
 

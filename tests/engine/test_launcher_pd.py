@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from kubellm.engine import launcher
 
-from tests.unit.test_engine_args import needs_vllm, vllm_parser  # noqa: F401 (fixture)
+from tests.kubellm.test_engine_args import needs_vllm, vllm_parser  # noqa: F401 (fixture)
 
 SPEC: dict[str, Any] = {
     "model": {"source": "hf://org/m", "servedName": "m"},

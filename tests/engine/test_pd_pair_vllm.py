@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fixtures.engines import free_port, running_vllm, tiny_spec
+from tests.fixtures.engines import VllmStart, free_port, running_vllms, tiny_spec
 from tests.gateway.faults.peers import GatewayProcess
 
 pytestmark = pytest.mark.vllm
@@ -47,15 +47,13 @@ def pair(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         pytest.skip("no NIXL wheel for this platform")
     spec = tiny_spec(tiny_model_dir)
     spec["prefill"] = {"split": "Always", "kvConnector": {"type": "Nixl"}}
-    urls: dict[str, str] = {}
-    with contextlib.ExitStack() as stack:
-        for role in ("prefill", "decode"):
-            entry = ("-m", "kubellm.engine", "--role", role,
-                     "--kv-side-channel-port", str(free_port()))  # fmt: skip
-            urls[role] = stack.enter_context(
-                running_vllm(spec, tmp_path_factory.mktemp(role), entry=entry)
-            )
-        yield urls
+    roles = ("prefill", "decode")
+    starts = [VllmStart(spec, tmp_path_factory.mktemp(role),
+                        ("-m", "kubellm.engine", "--role", role,
+                         "--kv-side-channel-port", str(free_port())))
+              for role in roles]  # fmt: skip
+    with running_vllms(starts) as urls:
+        yield dict(zip(roles, urls, strict=True))
 
 
 def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 from kubellm.engine import cli, sim_profiles
-from pydantic import BaseModel
 
 from kubellm import api
+from tests.fixtures.schema import leaf_fields
 
 TINY = sim_profiles.get("tiny-cpu")
 H100 = sim_profiles.get("llama-3.1-8b-h100")
@@ -20,27 +20,16 @@ def _engine(**fields: Any) -> api.EngineSpec:
     return api.EngineSpec.model_validate(fields)
 
 
-def _leaf_fields(model: type[BaseModel], prefix: str = "") -> set[str]:
-    """Every engine field by its manifest name, nested ones as `parent.child`."""
-    names = set()
-    for name, info in model.model_fields.items():
-        path = f"{prefix}{info.alias or name}"
-        nested = [a for a in (info.annotation, *getattr(info.annotation, "__args__", ()))
-                  if isinstance(a, type) and issubclass(a, BaseModel)]  # fmt: skip
-        names |= _leaf_fields(nested[0], f"{path}.") if nested else {path}
-    return names
-
-
 def test_every_engine_field_is_either_simulated_or_ignored_with_a_reason() -> None:
     listed = [*sim_profiles.SPEC_FIELDS, *sim_profiles.IGNORED_FIELDS]
     assert len(listed) == len(set(listed))
-    for field in _leaf_fields(api.EngineSpec):  # the field itself, or its parent, has a row
+    for field in leaf_fields(api.EngineSpec):  # the field itself, or its parent, has a row
         parts = field.split(".")
         rows = [
             ".".join(parts[:n]) for n in range(1, len(parts) + 1) if ".".join(parts[:n]) in listed
         ]
         assert len(rows) == 1, f"spec.engine.{field} needs one row in sim_profiles"
-    fields = _leaf_fields(api.EngineSpec)
+    fields = leaf_fields(api.EngineSpec)
     for row in listed:  # no row for a field that does not exist
         assert any(f == row or f.startswith(f"{row}.") for f in fields), row
     assert all(sim_profiles.IGNORED_FIELDS.values())

@@ -13,7 +13,8 @@ from kubellm.gateway.http.app import Gateway, GatewaySettings, create_app
 from kubellm.gateway.routing.scheduler import SchedulerSettings
 
 from kubellm.api import SLO, Routing
-from tests.gateway.upstream import FakeEngine, ServerThread
+from tests.fixtures.servers import ServerThread
+from tests.gateway.upstream import FakeEngine
 
 _CORE_FIELDS = frozenset(f.name for f in dataclasses.fields(SchedulerSettings))
 

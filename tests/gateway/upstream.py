@@ -5,28 +5,20 @@ JSON), `/v1/models`, `/health` and a vLLM-named `/metrics`. Its `behaviour`
 can be changed while it runs: slow first byte, slow tokens, an error status,
 death mid-stream, and the queue/KV figures its metrics report. It records the
 bodies it received and how many streams were cut off by the client.
-
-`ServerThread` runs any ASGI app under uvicorn on 127.0.0.1 on a free port,
-in its own thread and event loop, and stops it.
+(`tests.fixtures.servers.ServerThread` serves them on loopback.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-
-from tests.fixtures.engines import wait_until
 
 
 @dataclass
@@ -195,53 +187,3 @@ def _chunk(model: str, chat: bool, text: str) -> dict[str, Any]:
         "id": "cmpl-1", "object": "text_completion", "created": 0, "model": model,
         "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}],
     }  # fmt: skip
-
-
-class ServerThread:
-    """An ASGI app served by uvicorn on 127.0.0.1:<free port> in a background thread."""
-
-    def __init__(self, app: Any, tls: tuple[str, str] | None = None) -> None:
-        """`tls`: (certificate file, key file) to serve https."""
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            app,
-            log_level="error",
-            lifespan="auto",
-            timeout_graceful_shutdown=2,
-            ssl_certfile=tls[0] if tls else None,
-            ssl_keyfile=tls[1] if tls else None,
-        )
-        self.server = uvicorn.Server(config)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
-
-    def start(self) -> ServerThread:
-        self.thread.start()
-        wait_until(lambda: self.server.started, 10, "server start")
-        return self
-
-    def call(self, fn: Callable[[], Any]) -> None:
-        """Run `fn` on the server's event loop (for state that belongs to it)."""
-        done = threading.Event()
-
-        def wrapped() -> None:
-            try:
-                fn()
-            finally:
-                done.set()
-
-        self.loop.call_soon_threadsafe(wrapped)
-        assert done.wait(5), "server loop did not run the call"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()

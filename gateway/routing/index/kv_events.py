@@ -19,7 +19,7 @@ start, then (empty, empty, seq -1, empty).
 Memory: one entry is a dict slot from a 64-bit hash to a small int bitmask of replica
 slots (replicas are numbered per index, at most `MAX_REPLICAS`), plus a slot in its
 replica's own set (so clearing a replica costs its own entries, not the whole index);
-measured with tracemalloc in tests/gateway/routing/test_kv_index.py and printed by
+measured with tracemalloc in tests/gateway/routing/index/test_kv_index.py and printed by
 bench/front_end_memory.py. Every peer may be hostile, so the index takes only what vLLM
 sends and bounds the rest:
 
@@ -482,7 +482,7 @@ class KVEventsSubscriber:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
                     continue
-                if await self._take(url, frames[1], frames[2]):
+                if await self.take(url, frames[1], frames[2]):
                     await self._probe(url, address)  # a gap: catch up through replay
                     next_probe = self.clock() + self.probe_interval
         except asyncio.CancelledError:
@@ -495,10 +495,11 @@ class KVEventsSubscriber:
             monitor.close(linger=0)
             sub.close(linger=0)
 
-    async def _take(self, url: str, seq_bytes: bytes, payload: bytes, live: bool = True) -> bool:
-        """Apply one batch, yielding to the event loop between slices; True when it revealed
-        a gap. A batch that is not in vLLM's form is skipped (logged at most once a minute
-        per replica), never an error that would restart the subscriber."""
+    async def take(self, url: str, seq_bytes: bytes, payload: bytes, live: bool = True) -> bool:
+        """Apply one batch (a publisher's sequence-number and payload frames), yielding to the
+        event loop between slices; True when it revealed a gap. A batch that is not in vLLM's
+        form is skipped (logged at most once a minute per replica), never an error that would
+        restart the subscriber."""
         if len(seq_bytes) != 8:
             self._malformed(url, "a sequence number that is not 8 bytes")
             return False
@@ -563,7 +564,7 @@ class KVEventsSubscriber:
                         expected = None
                     elif expected is not None and seq <= expected:
                         self.gaps["replayed"] += 1
-                await self._take(url, frames[2], frames[3], live=False)
+                await self.take(url, frames[2], frames[3], live=False)
             self._fresh_until[url] = self.clock() + self.stale_after
         finally:
             dealer.close(linger=0)

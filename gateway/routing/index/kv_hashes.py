@@ -8,7 +8,8 @@ simulated engine that publishes the same events; it is re-exported here.
 Tokens come from the model's own tokenizer (`PromptTokenizer`): chat requests are
 rendered with the model's chat template and the generation prompt, then encoded without
 special tokens (vLLM's chat default); completion prompts are encoded with them (vLLM's
-completion default); token-id prompts are used as given. tests/gateway/routing/test_kv_hashes.py
+completion default); token-id prompts are used as given.
+tests/gateway/routing/index/test_kv_hashes.py
 checks the result against the BlockStored events of a real vLLM. For a fleet of simulated
 engines, `--tokenizer MODEL=simulator` tokenizes as the simulator does (`SimPromptTokenizer`).
 """

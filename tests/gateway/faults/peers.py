@@ -220,7 +220,8 @@ class GatewayProcess:
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        wait_until(self._healthy, 30, "the gateway process to answer /health")
+        # a deadline for a hang: a process start took over 30 s on the loaded CI machine
+        wait_until(self._healthy, 120, "the gateway process to answer /health")
 
     def _healthy(self) -> bool:
         assert self.process.poll() is None, self.log.read_text()

@@ -16,9 +16,9 @@ import json
 import httpx
 from kubellm.gateway.http import relay
 
+from tests.fixtures.polling import wait_until
 from tests.gateway.conftest import model
 from tests.gateway.faults.peers import Later, Request, chunked, echo_id
-from tests.gateway.upstream import wait_until
 
 HEAD = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from kubellm.gateway.http import relay
 
+from tests.fixtures.polling import wait_until
 from tests.gateway.conftest import model
-from tests.gateway.upstream import wait_until
 
 QUEUE_S = 3.0  # the engine's queue ahead of the request: three first-byte deadlines
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from kubellm.api import SLO
+from tests.fixtures.polling import wait_until
 from tests.gateway.conftest import model
 from tests.gateway.faults.peers import (
     Close,
@@ -24,7 +25,6 @@ from tests.gateway.faults.peers import (
     echo_id,
     response,
 )
-from tests.gateway.upstream import wait_until
 
 LABELS = {"model": "m", "deployment": "m", "namespace": "default"}
 

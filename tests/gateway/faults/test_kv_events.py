@@ -122,7 +122,7 @@ async def test_a_big_batch_is_applied_in_slices_that_let_other_requests_run() ->
         seen_during.append(index.entries(A))
 
     other = asyncio.create_task(another_request())
-    await subscriber._take(A, kv_blocks.seq_bytes(0), payload)
+    await subscriber.take(A, kv_blocks.seq_bytes(0), payload)
     await other
     assert index.entries(A) == n
     assert seen_during and 0 < seen_during[0] < n  # it ran while the batch was being applied
@@ -132,9 +132,9 @@ async def test_malformed_batches_do_not_stop_the_subscriber() -> None:
     subscriber = KVEventsSubscriber(KVIndex())
     bad = kv_blocks.encode_batch(0.0, [{"type": "BlockStored", "block_hashes": [[1], {"a": 2}]}])
     for seq in range(3):
-        assert await subscriber._take(A, kv_blocks.seq_bytes(seq), bad) is False
-    assert await subscriber._take(A, b"\x01" * 300, bad) is False  # a forged sequence number
-    assert await subscriber._take(A, kv_blocks.seq_bytes(3), b"\xc1") is False  # not msgpack
+        assert await subscriber.take(A, kv_blocks.seq_bytes(seq), bad) is False
+    assert await subscriber.take(A, b"\x01" * 300, bad) is False  # a forged sequence number
+    assert await subscriber.take(A, kv_blocks.seq_bytes(3), b"\xc1") is False  # not msgpack
     assert subscriber.malformed == 5
 
 

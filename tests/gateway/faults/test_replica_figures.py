@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.fixtures.polling import wait_until
 from tests.gateway.faults.peers import Close, Later, Request, completion
-from tests.gateway.upstream import wait_until
 
 
 def figures(waiting: str = "0", running: str = "0", kv: str = "0") -> bytes:

@@ -7,8 +7,8 @@ import openai
 import pytest
 from kubellm.gateway.http.app import hash_key
 
+from tests.fixtures.polling import wait_until
 from tests.gateway.conftest import model
-from tests.gateway.upstream import wait_until
 
 CHAT = [{"role": "user", "content": "hello"}]
 

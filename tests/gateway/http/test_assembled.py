@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tests.fixtures.servers import ServerThread
 from tests.gateway.conftest import model
-from tests.gateway.upstream import ServerThread
 
 USAGE = {"prompt_tokens": 21, "total_tokens": 40, "completion_tokens": 19}
 # What the model generates, in the pieces it is streamed in.

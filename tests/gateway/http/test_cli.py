@@ -24,7 +24,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from tests.gateway.upstream import FakeEngine, ServerThread, wait_until
+from tests.fixtures.polling import wait_until
+from tests.fixtures.servers import ServerThread
+from tests.gateway.upstream import FakeEngine
 
 
 def _free_port() -> int:

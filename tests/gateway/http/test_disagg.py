@@ -11,8 +11,8 @@ from kubellm.gateway.discovery.base import CanarySplit, Endpoint, PrefillSplit
 from kubellm.gateway.routing.settings import Thresholds
 
 from kubellm.api import SLO
+from tests.fixtures.polling import wait_until
 from tests.gateway.conftest import model
-from tests.gateway.upstream import wait_until
 
 LABELS = {"model": "tiny", "namespace": "default", "deployment": "tiny"}
 LONG = [{"role": "user", "content": "lorem ipsum " * 4000}]  # ~12k tokens

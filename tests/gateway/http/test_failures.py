@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
+from tests.fixtures.polling import wait_until
 from tests.gateway.conftest import model
-from tests.gateway.upstream import wait_until
 
 CHAT = [{"role": "user", "content": "hello"}]
 

@@ -22,9 +22,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kubellm.api import SLO
+from tests.fixtures.polling import wait_until
+from tests.fixtures.servers import ServerThread
 from tests.gateway.conftest import model
 from tests.gateway.http.test_tenancy import within_one_minute
-from tests.gateway.upstream import ServerThread, wait_until
 
 KEY = "sk-meter"
 

@@ -18,8 +18,8 @@ from kubellm.gateway.routing.settings import FlowSettings, Thresholds
 from prometheus_client import generate_latest
 
 from kubellm.api import SLO
+from tests.fixtures.polling import wait_until
 from tests.gateway.conftest import model
-from tests.gateway.upstream import wait_until
 
 
 def within_one_minute() -> None:

@@ -8,9 +8,9 @@ from kubellm.gateway.http.app import create_metrics_app
 
 from kubellm import usage
 from kubellm.cli import main
+from tests.fixtures.servers import ServerThread
 from tests.gateway.conftest import model
 from tests.gateway.http.test_tenancy import _stream, chat, declared
-from tests.gateway.upstream import ServerThread
 
 TEXT = """\
 # TYPE kubellm_gateway_tenant_requests_total counter

@@ -9,8 +9,8 @@ import pytest
 from kubellm.gateway.discovery.base import FallbackTarget
 
 from kubellm.api import SLO
+from tests.fixtures.polling import wait_until
 from tests.gateway.conftest import model
-from tests.gateway.upstream import wait_until
 
 CHAT = [{"role": "user", "content": "hello"}]
 LABELS = {"model": "tiny", "deployment": "tiny", "namespace": "default"}

@@ -7,8 +7,8 @@ import concurrent.futures
 import math
 from collections import Counter
 
+from tests.fixtures.polling import wait_until
 from tests.gateway.conftest import model
-from tests.gateway.upstream import wait_until
 
 SYSTEM = "You are a careful assistant for the kubellm project. " * 20  # ~1,000 characters
 

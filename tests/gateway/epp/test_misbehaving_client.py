@@ -1,0 +1,151 @@
+"""A hostile ext_proc client (the port has no authentication) against the picker's real
+gRPC server on 127.0.0.1: messages out of the protocol's order close the stream with
+INVALID_ARGUMENT, and no in-flight slot outlives the stream (issue 27, item 6: six
+`request_headers(end_of_stream=true)` on one stream acquired six slots and released one,
+so with `--max-in-flight 1` every later request of every client was shed)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget
+from kubellm.gateway.epp import messages as m
+from kubellm.gateway.epp.server import EndpointPicker, PickerSettings, serve
+from kubellm.gateway.routing.admission import Thresholds
+from kubellm.gateway.routing.scheduler import SchedulerSettings
+
+from tests.fixtures.polling import eventually
+from tests.gateway.epp.protos import core, ext
+
+REPLICA = "http://10.0.0.1:8000"
+METHOD = f"/{m.SERVICE}/{m.METHOD}"
+
+
+def _headers(path: str, end: bool) -> Any:
+    values = [(":method", "POST"), (":path", path), ("content-type", "application/json")]
+    return ext.ProcessingRequest(
+        request_headers=ext.HttpHeaders(
+            headers=core.HeaderMap(
+                headers=[core.HeaderValue(key=k, raw_value=v.encode()) for k, v in values]
+            ),
+            end_of_stream=end,
+        )
+    )
+
+
+def _response_headers(status: int) -> Any:
+    values = core.HeaderMap(headers=[core.HeaderValue(key=":status", raw_value=b"%d" % status)])
+    return ext.ProcessingRequest(response_headers=ext.HttpHeaders(headers=values))
+
+
+def _body(model: str = "tiny", stream: bool = False) -> Any:
+    data = json.dumps({"model": model, "prompt": "hi", "max_tokens": 2, "stream": stream}).encode()
+    return ext.ProcessingRequest(request_body=ext.HttpBody(body=data, end_of_stream=True))
+
+
+@pytest.fixture
+async def picker_server() -> AsyncIterator[tuple[EndpointPicker, str]]:
+    target = ModelTarget("tiny", "tiny", endpoints=(Endpoint(REPLICA),))
+    settings = PickerSettings(scheduler=SchedulerSettings(thresholds=Thresholds(max_in_flight=1)))
+    picker = EndpointPicker(FixedDiscovery({"tiny": target}), settings)
+    servers = await serve(picker, "127.0.0.1", 0, None, None)
+    try:
+        yield picker, f"127.0.0.1:{servers.ports['grpc']}"
+    finally:
+        await servers.stop(0)
+
+
+async def _exchange(address: str, messages: list[Any]) -> tuple[list[Any], grpc.StatusCode]:
+    """Send `messages` on one stream as Envoy does, each after the picker answered the one
+    before; the answers and the stream's final status as the picker set it. Once the picker
+    has closed the stream nothing more is written (a write racing the close would fail on
+    the client's side and hide the picker's status behind the client's own INTERNAL)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.stream_stream(
+            METHOD,
+            request_serializer=m.serialize,
+            response_deserializer=ext.ProcessingResponse.FromString,
+        )(timeout=10)
+        answers: list[Any] = []
+        arrived: asyncio.Queue[bool] = asyncio.Queue()
+
+        async def read() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                async for answer in call:
+                    answers.append(answer)
+                    arrived.put_nowait(True)
+            arrived.put_nowait(False)  # the stream ended
+
+        reader = asyncio.create_task(read())
+        for message in messages:
+            await call.write(message)
+            if not await arrived.get():
+                break
+        else:
+            await call.done_writing()
+        await reader
+        return answers, await call.code()
+
+
+def _in_flight(picker: EndpointPicker) -> int:
+    return sum(picker.scheduler.in_flight().values())
+
+
+async def test_repeated_request_headers_close_the_stream_and_leak_no_slot(picker_server):
+    picker, address = picker_server
+    answers, code = await _exchange(address, [_headers("/v1/models", end=True)] * 6)
+    await eventually(lambda: _in_flight(picker) == 0, 5, "the slots to be released")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(answers) == 1 and answers[0].HasField("immediate_response")  # the first answered
+    # with --max-in-flight 1 the next client is routed, not shed
+    answers, code = await _exchange(address, [_headers("/v1/completions", end=False), _body()])
+    assert code == grpc.StatusCode.OK
+    assert not answers[0].HasField("immediate_response"), answers[0]
+    assert answers[0].HasField("request_body") or answers[0].HasField("request_headers")
+
+
+async def test_a_local_reply_before_any_request_is_passed_on_and_acquires_nothing(
+    picker_server,
+):
+    # Envoy's own reply (the buffer filter's 413) reaches the picker's encode side with no
+    # request message before it: it must pass, not fail the client's answer with a 500.
+    picker, address = picker_server
+    answers, code = await _exchange(address, [_response_headers(413)])
+    assert code == grpc.StatusCode.OK
+    assert len(answers) == 1 and answers[0].HasField("response_headers")
+    assert _in_flight(picker) == 0
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [_response_headers(413), _headers("/v1/completions", end=True)],  # a request after
+        [_headers("/v1/completions", end=False), _body(), _body(), _headers("/x", end=True)],
+        [  # (a stream: the picker follows its answer; a non-streamed one's ends at its
+            # status line, where the picker closes the stream)
+            _headers("/v1/completions", end=False),
+            _body(stream=True),
+            _response_headers(200),
+            _headers("/v1/completions", end=True),
+        ],
+    ],
+    ids=["request-after-response", "headers-after-body", "headers-after-response"],
+)
+async def test_out_of_order_messages_are_invalid_argument_and_release_every_slot(
+    picker_server, messages
+):
+    picker, address = picker_server
+    _, code = await _exchange(address, messages)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    await eventually(lambda: _in_flight(picker) == 0, 5, "the slots to be released")
+    series = picker.metrics.registry.get_sample_value(
+        "kubellm_gateway_pending_requests",
+        {"model": "tiny", "deployment": "tiny", "namespace": "default"},
+    )
+    assert not series  # no request left pending
