@@ -48,9 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--first-byte-timeout",
         type=float,
         default=_D.first_byte_timeout,
-        help="a stream's first body byte (non-streamed requests go to replicas as streams); "
-        "past it, retry on another replica and eject this one (default: 5 x the model's TTFT "
-        "target, at least 10 s)",
+        help="an answer's first body byte; past it, retry on another replica and eject this "
+        "one, unless the replica's scraped token counters still move (a queued engine at work; "
+        "default: 5 x the model's TTFT target, at least 10 s)",
     )
     up.add_argument(
         "--idle-timeout",

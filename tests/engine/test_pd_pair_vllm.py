@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from tests.fixtures.engines import VllmStart, free_port, running_vllms, tiny_spec
+from tests.fixtures.polling import wait_until
 from tests.gateway.faults.peers import GatewayProcess
 
 pytestmark = pytest.mark.vllm
@@ -114,7 +115,20 @@ def gateway(pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayP
     endpoints = [{"url": pair["prefill"], "role": "prefill"},
                  {"url": pair["decode"], "role": "decode"}]  # fmt: skip
     models = [{"name": "tiny", "endpoints": endpoints, "prefill": {"split": "Always"}}]
-    process = GatewayProcess(tmp_path_factory.mktemp("gateway"), models)
+    # On a loaded machine a tiny engine's first byte can pass the default 10 s, which would
+    # eject the only decode replica: the deadline here is for a hang, not for speed.
+    process = GatewayProcess(
+        tmp_path_factory.mktemp("gateway"), models, "--first-byte-timeout", "120"
+    )
+    # Until the gateway's scrapes have seen the prefill replica it prefills locally
+    # (`no-prefill-replica`): wait for one split before the tests count anything.
+    warm = "A request that waits for the gateway to see its prefill replica. " * 4
+    wait_until(
+        lambda: complete(process.url, warm) is not None and legs(process, "ok") >= 1,
+        300,
+        "a first request through the gateway to be split",
+        interval=1,
+    )
     yield process
     process.stop()
 
