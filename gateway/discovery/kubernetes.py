@@ -21,7 +21,7 @@ import base64
 import json
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -107,15 +107,11 @@ def decode_bounds(items: list[Mapping[str, Any]]) -> dict[tuple[str, str], float
     """(namespace, name) -> its status.capacity.decodeTokensPerSecondBound, where the
     operator wrote a positive one."""
     out = {}
-    for item in items:
-        meta = item.get("metadata") or {}
-        capacity = (item.get("status") or {}).get("capacity")
-        if not isinstance(capacity, Mapping):
-            continue
+    for key, capacity in _capacities(items):
         bound = capacity.get("decodeTokensPerSecondBound")
         number = isinstance(bound, (int, float)) and not isinstance(bound, bool)
         if number and bound > 0 and math.isfinite(bound):
-            out[meta.get("namespace", "default"), meta.get("name", "")] = float(bound)
+            out[key] = float(bound)
     return out
 
 
@@ -123,15 +119,22 @@ def tier_tokens(items: list[Mapping[str, Any]]) -> dict[tuple[str, str], tuple[i
     """(namespace, name) -> its status.capacity (kvTokensGPU, kvTokensHost), where the
     operator wrote both as positive integers (a replica with a host-memory tier)."""
     out = {}
+    for key, capacity in _capacities(items):
+        pair = capacity.get("kvTokensGPU"), capacity.get("kvTokensHost")
+        if all(type(v) is int and v > 0 for v in pair):
+            out[key] = pair
+    return out
+
+
+def _capacities(
+    items: list[Mapping[str, Any]],
+) -> Iterator[tuple[tuple[str, str], Mapping[str, Any]]]:
+    """(namespace, name) and status.capacity of each item that has one."""
     for item in items:
         meta = item.get("metadata") or {}
         capacity = (item.get("status") or {}).get("capacity")
-        if not isinstance(capacity, Mapping):
-            continue
-        pair = capacity.get("kvTokensGPU"), capacity.get("kvTokensHost")
-        if all(type(v) is int and v > 0 for v in pair):
-            out[meta.get("namespace", "default"), meta.get("name", "")] = pair
-    return out
+        if isinstance(capacity, Mapping):
+            yield (meta.get("namespace", "default"), meta.get("name", "")), capacity
 
 
 def build_targets(
