@@ -57,7 +57,11 @@ class LeaderOnly(Fleet):
         super().__init__(*args, scrape_interval=COORDINATOR_INTERVAL, **kwargs)  # type: ignore[misc]
         self.start = 0
 
-    def choose(self, request: RoutingRequest) -> tuple[int, list]:
+    def choose(
+        self, request: RoutingRequest, p: object = None, position: int = 1
+    ) -> tuple[int, list]:
+        """The coordinator's pick (it never holds a request back: `p` and `position`, the
+        gateway's admission pass and queue place, do not apply)."""
         best, best_score = 0, math.inf
         n = len(self.replicas)
         for i in range(n):
