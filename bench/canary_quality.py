@@ -33,7 +33,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -489,7 +488,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write every figure here")
     parser.add_argument("-v", "--verbose", action="store_true", help="print each new verdict")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     from tests.fixtures import engines
 
     print(f"load average {os.getloadavg()[0]:.1f}; {args.runs} runs per revision; shadow "

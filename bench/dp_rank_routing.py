@@ -36,13 +36,9 @@ import statistics
 from kubellm.engine import sim_profiles
 from kubellm.gateway.routing.scorers.base import RoutingRequest
 
+from bench._slo.fleet import CHARS_PER_TOKEN, Fleet, Job, Outcome
 from kubellm import api
 from kubellm.bench.stats import percentile
-
-try:  # run as a script, bench/ is on sys.path; imported from the root, as bench._slo
-    from _slo.fleet import CHARS_PER_TOKEN, Fleet, Job, Outcome
-except ImportError:
-    from bench._slo.fleet import CHARS_PER_TOKEN, Fleet, Job, Outcome
 
 PROFILE = "deepseek-v3-dp16-ep-2x8xh100"
 SLO = api.SLO(ttft_seconds=3.0, itl_seconds=0.1)
@@ -57,7 +53,10 @@ class LeaderOnly(Fleet):
         super().__init__(*args, scrape_interval=COORDINATOR_INTERVAL, **kwargs)  # type: ignore[misc]
         self.start = 0
 
-    def choose(self, request: RoutingRequest) -> tuple[int, list]:
+    def choose(
+        self, request: RoutingRequest, p: object = None, position: int = 1
+    ) -> tuple[int, list]:
+        # the signature of `Fleet.choose`; the leader admits at once (no pass, no wait)
         best, best_score = 0, math.inf
         n = len(self.replicas)
         for i in range(n):

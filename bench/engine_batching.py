@@ -132,8 +132,7 @@ def main() -> None:
     for name, concurrency, rate in rows:
         print(f"{name:<40} {concurrency:>11} {rate:>13,.0f} {rate / baseline:>13.1f}x")
     if not args.skip_sim:
-        sys.path.insert(0, str(Path(__file__).parent))
-        import sim_throughput
+        from bench import sim_throughput
 
         print()
         sim_throughput.main()

@@ -100,12 +100,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-try:  # run as a script, bench/ is on sys.path
-    import _fleet
-    from _proxy import inprocess, instructions, load, paths, report, wrk
-except ImportError:  # imported as bench.gateway_proxy
-    from bench import _fleet
-    from bench._proxy import inprocess, instructions, load, paths, report, wrk
+from bench import _fleet
+from bench._proxy import inprocess, instructions, load, paths, report, wrk
 
 PHASES = (("json-max", False), ("stream", True), ("stream-closed", True))
 

@@ -35,8 +35,7 @@ from typing import Any
 import httpx
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_routing import (
+from bench.gateway_routing import (
     Fleet,
     engine_counters,
     free_port,

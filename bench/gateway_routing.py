@@ -86,13 +86,11 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench._fleet import Processes, free_port, wait_healthy
 from kubellm import kv_blocks, metrics
 from kubellm.bench.stats import percentile
 from kubellm.fleet.processes import free_port_pair
 from kubellm.sim_text import ApproxTokens, render_chat
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _fleet import Processes, free_port, wait_healthy
 
 WORDS = [
     "kube", "cluster", "replica", "prefix", "cache", "token", "decode", "prefill",
@@ -274,8 +272,7 @@ class Fleet(Processes):
 
     def _start_envoy_epp(self, policy: str) -> None:
         """Envoy asking `kubellm epp` (the Inference Extension's path), one per --gateways."""
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import _envoy
+        from bench import _envoy
 
         a = self.args
         slo = {"ttftSeconds": a.ttft_slo * a.time_scale, "itlSeconds": a.itl_slo * a.time_scale}

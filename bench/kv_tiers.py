@@ -59,12 +59,9 @@ import argparse
 import heapq
 import json
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kubellm.engine.sim_core import Engine, Request
 from kubellm.engine.sim_profiles import Profile

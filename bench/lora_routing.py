@@ -55,11 +55,10 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench._fleet import Processes, free_port, wait_healthy
 from kubellm.bench.stats import percentile
 
 SIM_LORA_LOADS = "kubellm_sim_lora_loads_total"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _fleet import Processes, free_port, wait_healthy  # noqa: E402  (bench/: shared start-up helpers)
 
 WORDS = ["adapter", "tenant", "lora", "slot", "rank", "weight", "prompt", "answer", "team",
          "support", "ticket", "query", "summary", "contract", "invoice", "report"]  # fmt: skip

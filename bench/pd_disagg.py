@@ -29,8 +29,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from kubellm.gateway.discovery.base import PrefillSplit
 from kubellm.gateway.routing.disagg import plan
 from kubellm.gateway.routing.latency.predictions import CHARS_PER_TOKEN, Predictions

@@ -52,11 +52,9 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench._fleet import free_port, wait_healthy
 from kubellm import metrics
 from kubellm.bench.stats import percentile
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _fleet import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / ".kubellm" / "models" / "tiny"

@@ -53,9 +53,8 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_real_engines import Engines, Front
-from gateway_routing import free_port, quantile, text_of_tokens
+from bench.gateway_real_engines import Engines, Front
+from bench.gateway_routing import free_port, quantile, text_of_tokens
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

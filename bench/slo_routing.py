@@ -59,31 +59,18 @@ from kubellm.gateway.routing.latency.predictions import Predictions
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.settings import Thresholds
 
+from bench._slo.fleet import (
+    CHARS_PER_TOKEN,
+    KUBELLM_POLICIES,
+    PEER_POLICIES,
+    Fleet,
+    Job,
+    Outcome,
+    workload,
+)
 from kubellm import api
 from kubellm.bench.stats import percentile
 from kubellm.simulation.gateway import NEVER_SATURATED
-
-# Run as a script, bench/ is on sys.path; run from the repository root, as `bench._slo`.
-try:
-    from _slo.fleet import (
-        CHARS_PER_TOKEN,
-        KUBELLM_POLICIES,
-        PEER_POLICIES,
-        Fleet,
-        Job,
-        Outcome,
-        workload,
-    )
-except ImportError:  # imported as bench.slo_routing (tests)
-    from bench._slo.fleet import (
-        CHARS_PER_TOKEN,
-        KUBELLM_POLICIES,
-        PEER_POLICIES,
-        Fleet,
-        Job,
-        Outcome,
-        workload,
-    )
 
 H100 = sim_profiles.get("llama-3.1-8b-h100")
 A100 = sim_profiles.get("llama-3.1-8b-a100")

@@ -31,15 +31,10 @@ import hashlib
 import heapq
 import math
 import random
-import sys
 from collections import OrderedDict
 from collections.abc import Container
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gateway_routing import BLOCK, ideal_hit_rate, tenant_workload
-
+from bench.gateway_routing import BLOCK, ideal_hit_rate, tenant_workload
 from kubellm import kv_blocks
 from kubellm.sim_text import ApproxTokens, render_chat
 

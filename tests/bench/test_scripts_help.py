@@ -1,4 +1,5 @@
-"""Every benchmark script answers --help with what it measures, and runs nothing."""
+"""Every benchmark script answers --help with what it measures, and runs nothing, run the
+one way the scripts are run: `python -m bench.x` from the repository root."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ SCRIPTS = sorted(p for p in (ROOT / "bench").glob("*.py") if "__main__" in p.rea
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_help_prints_usage_and_runs_nothing(script: Path) -> None:
     result = subprocess.run(
-        [sys.executable, str(script), "--help"],
+        [sys.executable, "-m", f"bench.{script.stem}", "--help"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
