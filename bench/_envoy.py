@@ -17,7 +17,7 @@ headers only: no TTFT/ITL at the EPP, the least CPU).
     ... send OpenAI requests to path.url ...
     path.stop()
 
-`python bench/_envoy.py --replicas URL,URL --model NAME` starts one and waits (Ctrl-C
+`python -m bench._envoy --replicas URL,URL --model NAME` starts one and waits (Ctrl-C
 stops it), to point `kubellm bench` or any client at it.
 """
 

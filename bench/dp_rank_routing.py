@@ -22,8 +22,8 @@ engines), TTFT p50/p99, mean-ITL p99 and the share of requests meeting the SLO (
 ITL 0.1 s: the 405B example's). Figures are simulated seconds: independent of the load
 of the machine running it.
 
-    python bench/dp_rank_routing.py                      # rates 16, 32, 48 req/s, 60 s each
-    python bench/dp_rank_routing.py --rates 32 --seconds 30 --ranks 8
+    python -m bench.dp_rank_routing                      # rates 16, 32, 48 req/s, 60 s each
+    python -m bench.dp_rank_routing --rates 32 --seconds 30 --ranks 8
 """
 
 from __future__ import annotations

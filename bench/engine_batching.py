@@ -3,7 +3,7 @@ requests on the tiny checkpoint, against plain `transformers` `generate()` servi
 the same checkpoint one request at a time; then the simulator's throughput
 (bench/sim_throughput.py).
 
-    python bench/engine_batching.py [--skip-sim]
+    python -m bench.engine_batching [--skip-sim]
 
 Starts one vLLM CPU server through the launcher on 127.0.0.1 (about a minute),
 stops it at the end. Both engines use one torch thread (vLLM reserves the other

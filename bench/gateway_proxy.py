@@ -58,10 +58,10 @@ Every request carries a distinct ~300-byte prompt (the router's prefix table
 sees real work). Gateway CPU per request is read from /proc for the gateway
 process over each measured phase.
 
-    python bench/gateway_proxy.py                    # all three phases, 5 s each
-    python bench/gateway_proxy.py --seconds 10 --concurrency 100 --streams 100
-    python bench/gateway_proxy.py --in-process       # the gateway's CPU, no sockets
-    python bench/gateway_proxy.py --phases stream --relay-floor --gateway-gc-log /tmp/gc.log
+    python -m bench.gateway_proxy                    # all three phases, 5 s each
+    python -m bench.gateway_proxy --seconds 10 --concurrency 100 --streams 100
+    python -m bench.gateway_proxy --in-process       # the gateway's CPU, no sockets
+    python -m bench.gateway_proxy --phases stream --relay-floor --gateway-gc-log /tmp/gc.log
 
 `--relay-floor` adds a stream row through a bare TCP relay on the gateway's core: what the
 topology itself adds (one more process, two more loopback hops), the floor under any proxy.

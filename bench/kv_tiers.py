@@ -49,8 +49,8 @@ beat (`Bound`: best TTFT and the most turns/s the replicas could serve, against 
 offered); goodput (`--sweep`): per contender, the chat working set (so the sessions and
 their turns per second) rising until fewer than 90% of turns meet the SLO.
 
-    python bench/kv_tiers.py                 # all workloads, 2 replicas, then the sweep
-    python bench/kv_tiers.py --workloads "chat x3" --sweep ""
+    python -m bench.kv_tiers                 # all workloads, 2 replicas, then the sweep
+    python -m bench.kv_tiers --workloads "chat x3" --sweep ""
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ It is a model, not a measurement of the gateway: it has no event lag, no scrape 
 engine batching. It explains the measured figures (docs/operations.md, "Choosing a routing
 policy"): the load bound's spills, not stale knowledge, are what cost hits under pressure.
 
-    python bench/spill_replay.py
-    python bench/spill_replay.py --seeds 7,11,13 --requests 240
+    python -m bench.spill_replay
+    python -m bench.spill_replay --seeds 7,11,13 --requests 240
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ Printed: the chats' TTFT p50/p99 alone and beside the batch, the chats refused (
 reason), the batch's output tokens/s alone and beside the chats, and where the chats'
 p99 was (the wait at the gateway, the wait in the engine before its first step).
 
-    python bench/tenancy_sim.py                       # every workload, every contender
-    python bench/tenancy_sim.py --workloads issue --contenders shipped,off --seconds 120
-    python bench/tenancy_sim.py --scenarios interference --mixes issue --seconds 40 --warm 10
+    python -m bench.tenancy_sim                       # every workload, every contender
+    python -m bench.tenancy_sim --workloads issue --contenders shipped,off --seconds 120
+    python -m bench.tenancy_sim --scenarios interference --mixes issue --seconds 40 --warm 10
 """
 
 from __future__ import annotations
