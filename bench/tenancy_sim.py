@@ -231,10 +231,7 @@ def _capacity(
 def interference(args: argparse.Namespace) -> dict[str, Any]:
     """The interference phase per mix: the chats alone (no batch: the same for every
     contender), then per contender the batch alone and both."""
-    try:  # run as a script (bench/ on the path), or as bench.tenancy_sim
-        import _interference_sim as sim  # type: ignore[import-not-found]
-    except ImportError:
-        from bench import _interference_sim as sim
+    from bench import _interference_sim as sim
 
     out: dict[str, Any] = {}
     print(f"interference: 4 x llama-3.1-8b-h100 (maxNumSeqs 16), tenants interactive "
