@@ -17,7 +17,7 @@ headers only: no TTFT/ITL at the EPP, the least CPU).
     ... send OpenAI requests to path.url ...
     path.stop()
 
-`python bench/_envoy.py --replicas URL,URL --model NAME` starts one and waits (Ctrl-C
+`python -m bench._envoy --replicas URL,URL --model NAME` starts one and waits (Ctrl-C
 stops it), to point `kubellm bench` or any client at it.
 """
 
@@ -36,13 +36,8 @@ from pathlib import Path
 import yaml
 from kubellm.gateway.epp import envoy
 
-try:  # run as a script, or imported with bench/ on sys.path
-    from _fleet import free_port, wait_healthy
-    from _fleet import pinned as _pinned
-except ImportError:  # imported as bench._envoy
-    from bench._fleet import free_port, wait_healthy
-    from bench._fleet import pinned as _pinned
-
+from bench._fleet import free_port, wait_healthy
+from bench._fleet import pinned as _pinned
 
 # The Inference Extension's reference body modes (request, response): the landed
 # bootstrap's default under FailClose.

@@ -3,7 +3,7 @@
 the simulated replicas and gateways the routing benchmarks put in front of them
 (gateway_routing.py, lora_routing.py, gateway_real_engines.py).
 
-Run as scripts, the benchmarks have bench/ on sys.path and import this as `_fleet`.
+The benchmarks import this as `bench._fleet` (they run as `python -m bench.x`).
 """
 
 from __future__ import annotations

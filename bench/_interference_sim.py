@@ -1,4 +1,4 @@
-"""Interference on a simulated clock (bench/tenancy_sim.py --scenario interference): the
+"""Interference on a simulated clock (python -m bench.tenancy_sim --scenario interference): the
 gateway's own admission pass (`dispatch.admit_once`) with its flow gate (`gates/flow.py`,
 `flow/controller.py`, `flow/queues.py`), load view and router, in front of simulated
 replicas (`sim_core`), no process and no wall clock.

@@ -35,11 +35,11 @@ trace, reference sizings; then checks the targets of issue #17. Writes
 `summary.json` and `autoscale.png` to --out (and the figures per policy to
 --json). Details: kubellm/simulation/ (shared with `kubellm plan --trace`).
 
-    python bench/autoscale_sim.py [--mix long|short] [--out bench/out] [--json FILE]
-    python bench/autoscale_sim.py --trace day.csv --rate-scale 2 --gpu-hour-price 4
+    python -m bench.autoscale_sim [--mix long|short] [--out bench/out] [--json FILE]
+    python -m bench.autoscale_sim --trace day.csv --rate-scale 2 --gpu-hour-price 4
     # what-ifs: a spec.autoscaling override (targetRequestsPerReplica=none: derived)
-    python bench/autoscale_sim.py --traces bursty-day --set minReplicas=2
-    python bench/autoscale_sim.py --traces compressed-day  # issue #6's day, for its figures
+    python -m bench.autoscale_sim --traces bursty-day --set minReplicas=2
+    python -m bench.autoscale_sim --traces compressed-day  # issue #6's day, for its figures
 """
 
 from __future__ import annotations

@@ -33,14 +33,14 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench import _client
+
 MODEL = "tiny"
 STABLE = "stable"
 
@@ -122,21 +122,16 @@ DECODING: dict[str, Any] = {}  # the clients' decoding (--greedy: temperature 0)
 
 
 async def one_request(http: Any, url: str, prompt: str, ttfts: list[float] | None) -> bool:
-    """A streamed completion through the gateway; its TTFT appended to `ttfts`."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "stream": True, **DECODING}
-    start = time.monotonic()
-    first = None
+    """A streamed completion through the gateway (`bench._client`); its TTFT appended to
+    `ttfts`."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, **DECODING}
     try:
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
-            async for chunk in r.aiter_bytes():
-                if first is None and b'"text"' in chunk:
-                    first = time.monotonic() - start
-            ok = r.status_code == 200
+        out = await _client.stream(http, url, body, path="/v1/completions")
     except Exception:  # a failed request counts as failed, the load goes on
         return False
-    if ok and first is not None and ttfts is not None:
-        ttfts.append(first)
-    return ok
+    if out["ok"] and ttfts is not None:
+        ttfts.append(out["ttft"])
+    return out["ok"]
 
 
 async def closed_loop(url: str, texts: list[str], concurrency: int, stop: asyncio.Event,
@@ -489,7 +484,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write every figure here")
     parser.add_argument("-v", "--verbose", action="store_true", help="print each new verdict")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     from tests.fixtures import engines
 
     print(f"load average {os.getloadavg()[0]:.1f}; {args.runs} runs per revision; shadow "

@@ -14,7 +14,7 @@ prompts, and edits the manifest twice:
 3. the stable revision's prefix-cache hit rate (its engines' vllm:prefix_cache_* deltas)
    over a window before the bad revision and one after its rollback: within 5 points.
 
-    python bench/canary_rollout.py [--replicas 3] [--concurrency 4] [--json FILE]
+    python -m bench.canary_rollout [--replicas 3] [--concurrency 4] [--json FILE]
 
 Prints each figure; `tests/bench/test_canary_rollout.py` runs it and checks them.
 """

@@ -22,8 +22,8 @@ engines), TTFT p50/p99, mean-ITL p99 and the share of requests meeting the SLO (
 ITL 0.1 s: the 405B example's). Figures are simulated seconds: independent of the load
 of the machine running it.
 
-    python bench/dp_rank_routing.py                      # rates 16, 32, 48 req/s, 60 s each
-    python bench/dp_rank_routing.py --rates 32 --seconds 30 --ranks 8
+    python -m bench.dp_rank_routing                      # rates 16, 32, 48 req/s, 60 s each
+    python -m bench.dp_rank_routing --rates 32 --seconds 30 --ranks 8
 """
 
 from __future__ import annotations
@@ -36,13 +36,9 @@ import statistics
 from kubellm.engine import sim_profiles
 from kubellm.gateway.routing.scorers.base import RoutingRequest
 
+from bench._slo.fleet import CHARS_PER_TOKEN, Fleet, Job, Outcome
 from kubellm import api
 from kubellm.bench.stats import percentile
-
-try:  # run as a script, bench/ is on sys.path; imported from the root, as bench._slo
-    from _slo.fleet import CHARS_PER_TOKEN, Fleet, Job, Outcome
-except ImportError:
-    from bench._slo.fleet import CHARS_PER_TOKEN, Fleet, Job, Outcome
 
 PROFILE = "deepseek-v3-dp16-ep-2x8xh100"
 SLO = api.SLO(ttft_seconds=3.0, itl_seconds=0.1)
@@ -60,8 +56,7 @@ class LeaderOnly(Fleet):
     def choose(
         self, request: RoutingRequest, p: object = None, position: int = 1
     ) -> tuple[int, list]:
-        """The coordinator's pick (it never holds a request back: `p` and `position`, the
-        gateway's admission pass and queue place, do not apply)."""
+        # the signature of `Fleet.choose`; the leader admits at once (no pass, no wait)
         best, best_score = 0, math.inf
         n = len(self.replicas)
         for i in range(n):

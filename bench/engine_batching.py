@@ -3,7 +3,7 @@ requests on the tiny checkpoint, against plain `transformers` `generate()` servi
 the same checkpoint one request at a time; then the simulator's throughput
 (bench/sim_throughput.py).
 
-    python bench/engine_batching.py [--skip-sim]
+    python -m bench.engine_batching [--skip-sim]
 
 Starts one vLLM CPU server through the launcher on 127.0.0.1 (about a minute),
 stops it at the end. Both engines use one torch thread (vLLM reserves the other
@@ -132,8 +132,7 @@ def main() -> None:
     for name, concurrency, rate in rows:
         print(f"{name:<40} {concurrency:>11} {rate:>13,.0f} {rate / baseline:>13.1f}x")
     if not args.skip_sim:
-        sys.path.insert(0, str(Path(__file__).parent))
-        import sim_throughput
+        from bench import sim_throughput
 
         print()
         sim_throughput.main()

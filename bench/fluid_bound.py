@@ -14,7 +14,7 @@ simulation (replicas at their capacity still meet the SLO, no request is
 late, the rate is known exactly): a rule of this family that misses the
 targets here misses them there.
 
-    python bench/fluid_bound.py --traces bursty-hour,smooth-hour
+    python -m bench.fluid_bound --traces bursty-hour,smooth-hour
 """
 
 from __future__ import annotations

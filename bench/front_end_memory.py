@@ -7,8 +7,8 @@ replica has registered, the LRU of those this front end sent there). This measur
 with tracemalloc on the real classes, filled as a full replica would fill them, and prints
 bytes per entry and MiB per replica, for the sizing table in docs/operations.md.
 
-    python bench/front_end_memory.py
-    python bench/front_end_memory.py --kv-gib 64 --kv-bytes-per-token 131072 --adapters 100
+    python -m bench.front_end_memory
+    python -m bench.front_end_memory --kv-gib 64 --kv-bytes-per-token 131072 --adapters 100
 """
 
 from __future__ import annotations

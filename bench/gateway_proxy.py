@@ -58,10 +58,10 @@ Every request carries a distinct ~300-byte prompt (the router's prefix table
 sees real work). Gateway CPU per request is read from /proc for the gateway
 process over each measured phase.
 
-    python bench/gateway_proxy.py                    # all three phases, 5 s each
-    python bench/gateway_proxy.py --seconds 10 --concurrency 100 --streams 100
-    python bench/gateway_proxy.py --in-process       # the gateway's CPU, no sockets
-    python bench/gateway_proxy.py --phases stream --relay-floor --gateway-gc-log /tmp/gc.log
+    python -m bench.gateway_proxy                    # all three phases, 5 s each
+    python -m bench.gateway_proxy --seconds 10 --concurrency 100 --streams 100
+    python -m bench.gateway_proxy --in-process       # the gateway's CPU, no sockets
+    python -m bench.gateway_proxy --phases stream --relay-floor --gateway-gc-log /tmp/gc.log
 
 `--relay-floor` adds a stream row through a bare TCP relay on the gateway's core: what the
 topology itself adds (one more process, two more loopback hops), the floor under any proxy.
@@ -100,12 +100,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-try:  # run as a script, bench/ is on sys.path
-    import _fleet
-    from _proxy import inprocess, instructions, load, paths, report, wrk
-except ImportError:  # imported as bench.gateway_proxy
-    from bench import _fleet
-    from bench._proxy import inprocess, instructions, load, paths, report, wrk
+from bench import _fleet
+from bench._proxy import inprocess, instructions, load, paths, report, wrk
 
 PHASES = (("json-max", False), ("stream", True), ("stream-closed", True))
 

@@ -11,8 +11,8 @@ it. Reported: prefix-cache hit rate from the engines' own counters
 (vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, the delta
 over the run), and TTFT p50/p95 at the client.
 
-    python bench/gateway_real_engines.py
-    python bench/gateway_real_engines.py --policies prefix-aware,round-robin,vllm-router:cache_aware
+    python -m bench.gateway_real_engines
+    python -m bench.gateway_real_engines --policies prefix-aware,round-robin,vllm-router:cache_aware
 
 Prints a table and writes JSON (--out, default bench/results/gateway_real_engines.json).
 """
@@ -35,8 +35,7 @@ from typing import Any
 import httpx
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_routing import (
+from bench.gateway_routing import (
     Fleet,
     engine_counters,
     free_port,

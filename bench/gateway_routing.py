@@ -42,11 +42,11 @@ Times are simulated seconds: with --time-scale S the simulator runs S times
 slower than real time (so a 2-core machine can drive it) and wall figures are
 divided by S.
 
-    python bench/gateway_routing.py                       # full default sweep
-    python bench/gateway_routing.py --rates 6 --requests 60 --workloads shared
-    python bench/gateway_routing.py --policies prefix-aware,vllm-router:cache_aware
-    python bench/gateway_routing.py --policies prefix-aware,envoy+epp:prefix-aware
-    python bench/gateway_routing.py --workloads precise --quick
+    python -m bench.gateway_routing                       # full default sweep
+    python -m bench.gateway_routing --rates 6 --requests 60 --workloads shared
+    python -m bench.gateway_routing --policies prefix-aware,vllm-router:cache_aware
+    python -m bench.gateway_routing --policies prefix-aware,envoy+epp:prefix-aware
+    python -m bench.gateway_routing --workloads precise --quick
     (the peer comes from the bench-peers extra: pip install -e ".[bench-peers]")
 
 `--baseline-python PY` with a policy named `POLICY@landed` (for example
@@ -74,7 +74,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -86,22 +85,18 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import _client
+from bench._fleet import Processes, free_port, wait_healthy
 from kubellm import kv_blocks, metrics
 from kubellm.bench.stats import percentile
 from kubellm.fleet.processes import free_port_pair
 from kubellm.sim_text import ApproxTokens, render_chat
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _fleet import Processes, free_port, wait_healthy
 
 WORDS = [
     "kube", "cluster", "replica", "prefix", "cache", "token", "decode", "prefill",
     "gateway", "router", "engine", "latency", "budget", "queue", "pool", "block",
     "scheduler", "batch", "model", "weight", "memory", "tensor",
 ]  # fmt: skip
-
-
-_TOKEN = re.compile(r'"content":\s*"[^"]')  # a chunk with text, not the empty role chunk
 
 
 def text_of_tokens(rng: random.Random, tokens: int) -> str:
@@ -274,8 +269,7 @@ class Fleet(Processes):
 
     def _start_envoy_epp(self, policy: str) -> None:
         """Envoy asking `kubellm epp` (the Inference Extension's path), one per --gateways."""
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import _envoy
+        from bench import _envoy
 
         a = self.args
         slo = {"ttftSeconds": a.ttft_slo * a.time_scale, "itlSeconds": a.itl_slo * a.time_scale}
@@ -345,31 +339,10 @@ def engine_counters(urls: list[str]) -> tuple[float, float]:
     return queries, hits
 
 
-async def one_request(
-    client: httpx.AsyncClient, url: str, messages: list, max_tokens: int, text: bool = False
-) -> dict:
-    """One streamed chat request: TTFT, mean ITL, and (`text`) the answer's text."""
-    start = time.monotonic()
-    times: list[float] = []
-    pieces: list[str] = []
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "stream": True}
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                return {"ok": False, "status": response.status_code}
-            async for line in response.aiter_lines():
-                if line.startswith("data: {") and _TOKEN.search(line):
-                    times.append(time.monotonic())
-                    if text:
-                        for choice in json.loads(line[6:]).get("choices", []):
-                            pieces.append((choice.get("delta") or {}).get("content") or "")
-    except httpx.HTTPError as error:
-        return {"ok": False, "status": type(error).__name__}
-    if not times:
-        return {"ok": False, "status": "empty"}
-    itl = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-    return {"ok": True, "ttft": times[0] - start, "itl": itl, "text": "".join(pieces)}
+async def one_request(client: httpx.AsyncClient, url: str, messages: list, max_tokens: int) -> dict:
+    """One streamed chat request: TTFT, mean ITL and the answer's text (`bench._client`)."""
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens}
+    return await _client.stream(client, url, body)
 
 
 async def drive(fleet: Fleet, prompts: list, rate: float, args: argparse.Namespace) -> dict:
@@ -406,7 +379,7 @@ async def drive_sessions(
         for turn in turns:
             messages.append({"role": "user", "content": turn})
             sent.append(list(messages))
-            result = await one_request(client, url, list(messages), args.max_tokens, text=True)
+            result = await one_request(client, url, list(messages), args.max_tokens)
             results.append(result)
             messages.append({"role": "assistant", "content": result.get("text") or "ok"})
             await asyncio.sleep(think.expovariate(1 / args.think_time) * args.time_scale)

@@ -49,8 +49,8 @@ beat (`Bound`: best TTFT and the most turns/s the replicas could serve, against 
 offered); goodput (`--sweep`): per contender, the chat working set (so the sessions and
 their turns per second) rising until fewer than 90% of turns meet the SLO.
 
-    python bench/kv_tiers.py                 # all workloads, 2 replicas, then the sweep
-    python bench/kv_tiers.py --workloads "chat x3" --sweep ""
+    python -m bench.kv_tiers                 # all workloads, 2 replicas, then the sweep
+    python -m bench.kv_tiers --workloads "chat x3" --sweep ""
 """
 
 from __future__ import annotations
@@ -59,12 +59,9 @@ import argparse
 import heapq
 import json
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kubellm.engine.sim_core import Engine, Request
 from kubellm.engine.sim_profiles import Profile

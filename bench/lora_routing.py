@@ -18,8 +18,8 @@ the batch's two waits for a slot), TTFT p50/p95 and goodput (requests/s meeting 
 targets) at the client, in simulated seconds (--time-scale S: the simulator runs S times
 slower than real time so a 2-core machine can drive it; figures are divided by S).
 
-    python bench/lora_routing.py                         # the default case
-    python bench/lora_routing.py --requests 600 --rate 24 --seeds 1,2,3
+    python -m bench.lora_routing                         # the default case
+    python -m bench.lora_routing --requests 600 --rate 24 --seeds 1,2,3
 
 Before measuring it prints what is possible on this workload, in expectation for
 independent requests (each request's adapter drawn independently, the Zipf weights):
@@ -55,11 +55,11 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import _client
+from bench._fleet import Processes, free_port, wait_healthy
 from kubellm.bench.stats import percentile
 
 SIM_LORA_LOADS = "kubellm_sim_lora_loads_total"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _fleet import Processes, free_port, wait_healthy  # noqa: E402  (bench/: shared start-up helpers)
 
 WORDS = ["adapter", "tenant", "lora", "slot", "rank", "weight", "prompt", "answer", "team",
          "support", "ticket", "query", "summary", "contract", "invoice", "report"]  # fmt: skip
@@ -261,28 +261,10 @@ def lora_loads(urls: list[str]) -> list[float]:
 
 async def one_request(client: httpx.AsyncClient, url: str, adapter: str, prompt: str,
                       max_tokens: int) -> dict[str, Any]:  # fmt: skip
-    start = time.monotonic()
-    times: list[float] = []
+    """One streamed chat to `adapter`: TTFT and mean ITL (`bench._client`)."""
     body = {"model": adapter, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "stream": True}  # fmt: skip
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                return {"ok": False, "status": response.status_code}
-            async for line in response.aiter_lines():
-                if (
-                    line.startswith("data: {")
-                    and '"content": "' in line
-                    and '"content": ""' not in line
-                ):
-                    times.append(time.monotonic())
-    except httpx.HTTPError as error:
-        return {"ok": False, "status": type(error).__name__}
-    if not times:
-        return {"ok": False, "status": "empty"}
-    itl = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-    return {"ok": True, "ttft": times[0] - start, "itl": itl}
+            "max_tokens": max_tokens}  # fmt: skip
+    return await _client.stream(client, url, body)
 
 
 async def drive(url: str, requests: list[tuple[str, str]], args: argparse.Namespace,

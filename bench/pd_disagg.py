@@ -16,7 +16,7 @@ the rule, not the latency model's error: tests/gateway/routing/test_disagg.py co
 
 Goodput as DistServe defines it: the highest rate at which >= 90% of requests meet both
 the TTFT and the mean-ITL target (bisection over the rate). Run:
-`.venv/bin/python bench/pd_disagg.py [--quick]`.
+`.venv/bin/python -m bench.pd_disagg [--quick]`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kubellm.gateway.discovery.base import PrefillSplit
 from kubellm.gateway.routing.disagg import plan

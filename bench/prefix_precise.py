@@ -26,8 +26,8 @@ within --ttft-slo), and for precise the candidates it had to score approximately
 events stale, or the prompt not hashable yet). Load is the routing core's exact in-flight
 count (no engine scraping here). Prints one table and writes JSON (--out).
 
-    python bench/prefix_precise.py
-    python bench/prefix_precise.py --workloads pressure --requests 60
+    python -m bench.prefix_precise
+    python -m bench.prefix_precise --workloads pressure --requests 60
 """
 
 from __future__ import annotations
@@ -52,11 +52,10 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import _client
+from bench._fleet import free_port, wait_healthy
 from kubellm import metrics
 from kubellm.bench.stats import percentile
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _fleet import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / ".kubellm" / "models" / "tiny"
@@ -285,23 +284,12 @@ class Contender:
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[float, str]:
-    """TTFT (first chunk with text) and the answer's text."""
-    start = time.perf_counter()
-    ttft: float | None = None
-    text = []
-    async with client.stream("POST", f"{url}/v1/chat/completions",
-                             json={**body, "stream": True}) as answer:  # fmt: skip
-        answer.raise_for_status()
-        async for line in answer.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:]).get("choices", []):
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    if ttft is None:
-                        ttft = time.perf_counter() - start
-                    text.append(piece)
-    return (ttft if ttft is not None else time.perf_counter() - start), "".join(text)
+    """TTFT (first chunk with text) and the answer's text (`bench._client`); a refusal, a
+    transport error or an answer with no text raises."""
+    out = await _client.stream(client, url, body)
+    if not out["ok"]:
+        raise httpx.HTTPError(f"streamed chat failed: {out['status']}")
+    return out["ttft"], out["text"]
 
 
 def _counters(urls: list[str]) -> tuple[float, float]:

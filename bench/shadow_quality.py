@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -122,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=60, help="prompts per revision (60)")
     parser.add_argument("--only", nargs="*", default=None, help="revisions to run (all)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kubellm.engine import tiny
 
     from tests.fixtures import engines

@@ -11,7 +11,7 @@ Two figures:
 3. HTTP over loopback: `kubellm engine --backend sim` in its own process,
    64 httpx clients here (the client costs as much as the server).
 
-    .venv/bin/python bench/sim_throughput.py
+    .venv/bin/python -m bench.sim_throughput
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ kubellm policy's answers are predicted and learnt from; only slo-aware decides b
 Figures are wall-clock on a shared machine: compare within one run, and read the load
 average printed.
 
-    python bench/slo_real_engines.py
-    python bench/slo_real_engines.py --rates 2,4 --requests 60 --policies prefix-aware,slo-aware
+    python -m bench.slo_real_engines
+    python -m bench.slo_real_engines --rates 2,4 --requests 60 --policies prefix-aware,slo-aware
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_real_engines import Engines, Front
-from gateway_routing import free_port, quantile, text_of_tokens
+from bench import _client
+from bench.gateway_real_engines import Engines, Front
+from bench.gateway_routing import free_port, quantile, text_of_tokens
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -203,26 +203,13 @@ def workload(args: argparse.Namespace, salt: int, count: int) -> list[dict[str, 
 
 
 async def one(client: httpx.AsyncClient, url: str, item: dict[str, Any]) -> dict[str, Any]:
-    body = {
-        "model": "m", "messages": item["messages"], "max_tokens": item["max_tokens"],
-        "stream": True, "ignore_eos": True,
-    }  # fmt: skip
-    start = time.monotonic()
-    times: list[float] = []
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                return {"ok": False, "status": response.status_code}
-            async for line in response.aiter_lines():
-                if line.startswith("data: {") and '"content":"' in line.replace(" ", ""):
-                    times.append(time.monotonic())
-    except httpx.HTTPError as error:
-        return {"ok": False, "status": type(error).__name__}
-    if not times:
-        return {"ok": False, "status": "empty"}
-    itl = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-    return {"ok": True, "ttft": times[0] - start, "itl": itl}
+    """One streamed chat (`bench._client`); `itl` None for a one-token answer."""
+    body = {"model": "m", "messages": item["messages"], "max_tokens": item["max_tokens"],
+            "ignore_eos": True}  # fmt: skip
+    out = await _client.stream(client, url, body)
+    if out["ok"] and out["tokens"] < 2:
+        out["itl"] = None
+    return out
 
 
 async def drive(url: str, work: list[dict[str, Any]], rate: float, timeout: float) -> list[dict]:

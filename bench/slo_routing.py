@@ -36,12 +36,12 @@ measurement). Then the 90%-rate per policy (DistServe's goodput: the highest rat
 the sweep at which 90% of requests meet both SLOs, linearly interpolated) and the
 verdict against issue #30's targets.
 
-    python bench/slo_routing.py                          # every pool's sweep (minutes)
-    python bench/slo_routing.py --quick                  # every other rate, 10 s each
-    python bench/slo_routing.py --pools mixed --rates 30,45,60 --requests 1200
-    python bench/slo_routing.py --pools h100 --rates 80 --policies slo-aware --floor
-    python bench/slo_routing.py --pools 2fast2slow --seconds 120 [--non-streamed]
-    python bench/slo_routing.py --pools 1fast3slow2x,3fast1slow3x [--thresholds gateway]
+    python -m bench.slo_routing                          # every pool's sweep (minutes)
+    python -m bench.slo_routing --quick                  # every other rate, 10 s each
+    python -m bench.slo_routing --pools mixed --rates 30,45,60 --requests 1200
+    python -m bench.slo_routing --pools h100 --rates 80 --policies slo-aware --floor
+    python -m bench.slo_routing --pools 2fast2slow --seconds 120 [--non-streamed]
+    python -m bench.slo_routing --pools 1fast3slow2x,3fast1slow3x [--thresholds gateway]
 """
 
 from __future__ import annotations
@@ -59,31 +59,18 @@ from kubellm.gateway.routing.latency.predictions import Predictions
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.settings import Thresholds
 
+from bench._slo.fleet import (
+    CHARS_PER_TOKEN,
+    KUBELLM_POLICIES,
+    PEER_POLICIES,
+    Fleet,
+    Job,
+    Outcome,
+    workload,
+)
 from kubellm import api
 from kubellm.bench.stats import percentile
 from kubellm.simulation.gateway import NEVER_SATURATED
-
-# Run as a script, bench/ is on sys.path; run from the repository root, as `bench._slo`.
-try:
-    from _slo.fleet import (
-        CHARS_PER_TOKEN,
-        KUBELLM_POLICIES,
-        PEER_POLICIES,
-        Fleet,
-        Job,
-        Outcome,
-        workload,
-    )
-except ImportError:  # imported as bench.slo_routing (tests)
-    from bench._slo.fleet import (
-        CHARS_PER_TOKEN,
-        KUBELLM_POLICIES,
-        PEER_POLICIES,
-        Fleet,
-        Job,
-        Outcome,
-        workload,
-    )
 
 H100 = sim_profiles.get("llama-3.1-8b-h100")
 A100 = sim_profiles.get("llama-3.1-8b-a100")

@@ -20,8 +20,8 @@ It is a model, not a measurement of the gateway: it has no event lag, no scrape 
 engine batching. It explains the measured figures (docs/operations.md, "Choosing a routing
 policy"): the load bound's spills, not stale knowledge, are what cost hits under pressure.
 
-    python bench/spill_replay.py
-    python bench/spill_replay.py --seeds 7,11,13 --requests 240
+    python -m bench.spill_replay
+    python -m bench.spill_replay --seeds 7,11,13 --requests 240
 """
 
 from __future__ import annotations
@@ -31,15 +31,10 @@ import hashlib
 import heapq
 import math
 import random
-import sys
 from collections import OrderedDict
 from collections.abc import Container
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gateway_routing import BLOCK, ideal_hit_rate, tenant_workload
-
+from bench.gateway_routing import BLOCK, ideal_hit_rate, tenant_workload
 from kubellm import kv_blocks
 from kubellm.sim_text import ApproxTokens, render_chat
 

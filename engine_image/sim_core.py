@@ -442,6 +442,12 @@ class Engine:
                 self.tiers.store(new, parent, tokens[start * size : full * size], size,
                                  request.lora)  # fmt: skip
 
+    def block_hashes(self, request: Request, tokens: Sequence[int]) -> list[bytes]:
+        """The hashes this engine keys the full blocks of `tokens` by, for `request` (its
+        extra keys, its salt): what its cache holds, and what its KV events name
+        (`kv_blocks.external` of each)."""
+        return self._hashes(request, tokens, 0, None)
+
     def _hashes(
         self, request: Request, tokens: Sequence[int], start: int, parent: bytes | None
     ) -> list[bytes]:

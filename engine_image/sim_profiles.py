@@ -21,13 +21,13 @@ and public figures:
   = 262 MB at 3.35 TB/s = 0.08 ms); 0.08 ms per decode token.
 
 `llama-3.1-8b-a100`, `llama-3.1-8b-l4` and `llama-3.1-70b-4xh100` follow the same
-arithmetic from their datasheets (`_derived`: weights per GPU over ~70% of the HBM
+arithmetic from their datasheets (`derived`: weights per GPU over ~70% of the HBM
 bandwidth for the step base, 2 x params FLOP per prompt token at ~50% of the dense bf16
 peak spread over the GPUs, 2,000 tokens of a sequence's KV per decode token; tensor
 parallelism adds two all-reduces per layer per step and ~15% prefill loss). The formula
 gives the H100 profile's figures within 5% (tested), so the profiles compare fairly.
 
-`llama-3.1-405b-2x8xh100` adds pipeline parallelism (`_derived(pipeline=2)`): a step visits
+`llama-3.1-405b-2x8xh100` adds pipeline parallelism (`derived(pipeline=2)`): a step visits
 the two stages in turn and pays one hop between nodes. It is conservative: a real engine
 keeps two batches in flight so both stages work at once, which this one-step-at-a-time
 model does not.
@@ -166,7 +166,7 @@ TP_PREFILL_EFFICIENCY = 0.85
 PIPELINE_HOP_S = capacity.Interconnect().inter_node_latency_s
 
 
-def _derived(
+def derived(
     name: str,
     model: str | capacity.ModelShape,
     *,
@@ -180,7 +180,8 @@ def _derived(
     pipeline: int = 1,
 ) -> Profile:
     """A profile from the datasheet figures of `gpus` GPUs serving `model` in bf16, in
-    `pipeline` stages of gpus / pipeline tensor-parallel GPUs."""
+    `pipeline` stages of gpus / pipeline tensor-parallel GPUs: the formula behind every
+    named profile below, public so that a new GPU or model can be priced the same way."""
     shape = capacity.known_model(model) if isinstance(model, str) else model
     weights = capacity.weight_bytes(shape.params, "bf16")
     per_token = capacity.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, 2)
@@ -221,7 +222,7 @@ def for_shape(
     """A replica of `shape` in bf16 on tensor x pipeline GPUs of the given datasheet, by the
     formula the named profiles are derived with (`kubellm plan --trace --compare-shapes`).
     CapacityError when the weights leave no KV pool."""
-    profile = _derived(
+    profile = derived(
         f"{shape.name}-tp{tensor}-pp{pipeline}", shape, gpus=tensor * pipeline, gpu_gib=gpu_gib,
         bandwidth_gbps=bandwidth_gbps, bf16_tflops=bf16_tflops, pipeline=pipeline,
         max_num_seqs=max_num_seqs,
@@ -238,7 +239,7 @@ def _a100_8b() -> Profile:
     # Step base 16.06 GB / (0.7 x 2,039 GB/s) = 11.3 ms; prefill 2 x 8.03e9 FLOP /
     # 156 TFLOPS = 103 us per token; decode 262 MB / 2,039 GB/s = 0.13 ms per token;
     # the pool as on the H100 (same memory): about 29,000 blocks.
-    return _derived(
+    return derived(
         "llama-3.1-8b-a100", "llama-3.1-8b", gpus=1, gpu_gib=80, bandwidth_gbps=2039,
         bf16_tflops=312, source="kubellm.capacity + NVIDIA A100 SXM4 80 GB datasheet "
         "(2,039 GB/s, 312 TFLOPS bf16)",
@@ -251,7 +252,7 @@ def _l4_8b() -> Profile:
     # tokens: 13 requests of 4,096 tokens); step base 16.06 GB / 210 GB/s = 76 ms;
     # prefill 16.06e9 FLOP / 60.5 TFLOPS = 265 us per token; decode 262 MB / 300 GB/s =
     # 0.87 ms per token.
-    return _derived(
+    return derived(
         "llama-3.1-8b-l4", "llama-3.1-8b", gpus=1, gpu_gib=24, bandwidth_gbps=300,
         bf16_tflops=121, source="kubellm.capacity + NVIDIA L4 24 GB datasheet "
         "(300 GB/s, 121 TFLOPS bf16)",
@@ -266,7 +267,7 @@ def _h100x4_70b() -> Profile:
     # ms (published 70B TP4 H100 ITL at low batch: 15-20 ms); prefill 2 x 70.6e9 FLOP /
     # (4 x 494 TFLOPS x 0.85) = 84 us per token; decode 2,000 x 320 KiB / 4 / 3.35 TB/s =
     # 0.05 ms per token.
-    return _derived(
+    return derived(
         "llama-3.1-70b-4xh100", "llama-3.1-70b", gpus=4, gpu_gib=80, bandwidth_gbps=3350,
         bf16_tflops=989, source="kubellm.capacity + NVIDIA H100 SXM datasheet x 4, tensor "
         "parallel (3.35 TB/s, 989 TFLOPS bf16 each)",
@@ -282,7 +283,7 @@ def _h100x16_405b() -> Profile:
     # of 15 us = 45.8 ms (published 405B bf16 ITL on 2 x 8 H100 at low batch: 40-60 ms);
     # prefill 2 x 405.9e9 FLOP / (8 x 494 TFLOPS x 0.85) = 242 us per token (a chunk
     # visits both stages in turn); decode 2,000 x 504 KiB / 8 / 3.35 TB/s = 0.04 ms.
-    return _derived(
+    return derived(
         "llama-3.1-405b-2x8xh100", "llama-3.1-405b", gpus=16, gpu_gib=80,
         bandwidth_gbps=3350, bf16_tflops=989, pipeline=2,
         source="kubellm.capacity + NVIDIA H100 SXM datasheet x 16, tensor parallel 8 x "

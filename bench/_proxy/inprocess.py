@@ -9,8 +9,9 @@ import subprocess
 import sys
 import time
 
-from . import load
-from .paths import BACKEND, _fleet, wait_port
+from bench import _fleet
+from bench._proxy import load
+from bench._proxy.paths import BACKEND, wait_port
 
 free_port, pinned = _fleet.free_port, _fleet.pinned
 

@@ -34,7 +34,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from .paths import BACKEND, _fleet
+from bench import _fleet
+from bench._proxy.paths import BACKEND
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}
 STREAM = {"bench_chunks": 16, "bench_itl_ms": 25.0}

@@ -12,11 +12,7 @@ from pathlib import Path
 
 import yaml
 
-try:  # run as a script, bench/ is on sys.path
-    import _envoy
-    import _fleet
-except ImportError:  # imported as bench._proxy
-    from bench import _envoy, _fleet
+from bench import _envoy, _fleet
 
 HERE = Path(__file__).resolve().parent
 BACKEND = HERE / "backend.py"

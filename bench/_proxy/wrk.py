@@ -25,12 +25,8 @@ import statistics
 import subprocess
 from typing import Any
 
-from . import load, paths
-
-try:  # run as a script, bench/ is on sys.path
-    import _fleet
-except ImportError:  # imported as bench._proxy
-    from bench import _fleet
+from bench import _fleet
+from bench._proxy import load, paths
 
 # wrk's Lua: each request a distinct prompt (a per-thread counter up front)
 SCRIPT = """

@@ -1,7 +1,7 @@
 """`kubellm plan --trace FILE`: replicas, cost and SLO attainment for a recorded trace.
 
 Given a trace of requests (arrival time, prompt and output tokens: the CSV
-columns `bench/autoscale_sim.py --trace` reads, or a JSONL of the same
+columns `python -m bench.autoscale_sim --trace` reads, or a JSONL of the same
 fields), the SLO and the prices, it answers what a platform team asks before
 buying GPUs:
 

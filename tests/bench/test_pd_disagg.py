@@ -3,14 +3,9 @@ held on both roles returned, a split request's prompt computed on the prefill ro
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import pd_disagg as pd
+from bench import pd_disagg as pd
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ DEEPSEEK_RANK = sim_profiles.get("deepseek-v3-dp16-ep-2x8xh100")
 
 
 def test_the_formula_gives_the_hand_derived_h100_profile_within_five_percent() -> None:
-    derived = sim_profiles._derived(
+    derived = sim_profiles.derived(
         "check", "llama-3.1-8b", gpus=1, gpu_gib=80, bandwidth_gbps=3350, bf16_tflops=989,
         source="",
     )  # fmt: skip

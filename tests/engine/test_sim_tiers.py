@@ -57,7 +57,7 @@ def test_an_evicted_prefix_reloads_from_its_tier(host, disk, found_in, prefill) 
     e = engine(host, disk)
     run(e, "a1", A)
     run(e, "b", B)
-    assert not e.pool.cached.keys() & set(e._hashes(Request("x", A, 1), A[:20], 0, None))
+    assert not e.pool.cached.keys() & set(e.block_hashes(Request("x", A, 1), A[:20]))
     request, seconds, ran = run(e, "a2", A)
     assert ran == prefill
     if found_in is None:
@@ -107,7 +107,7 @@ def test_engine_announces_offloaded_blocks_with_their_medium() -> None:
     run(e, "b", B)
     run(e, "a2", A)
     events = e.take_events()
-    a = {kv_blocks.external(x) for x in e._hashes(Request("x", A, 1), A[:20], 0, None)}
+    a = {kv_blocks.external(x) for x in e.block_hashes(Request("x", A, 1), A[:20])}
     cpu = {h for ev in events if ev["type"] == "BlockStored" and ev["medium"] == "CPU"
            for h in ev["block_hashes"]}  # fmt: skip
     gpu_removed = {h for ev in events if ev["type"] == "BlockRemoved" and ev["medium"] == "GPU"

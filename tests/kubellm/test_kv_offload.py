@@ -134,8 +134,16 @@ def test_vllm_reads_the_disk_tier_as_a_file_system_secondary_tier(
     assert tier.get("enable_kv_events", False) is (prefix_index == "precise")
 
 
+def resources(deployment: Any) -> dict[str, Any]:
+    """The engine container's resources in the workload the operator renders (the worker's,
+    where a replica spans pods: each pod pins its part)."""
+    spec = builders.engine_workload(deployment)["spec"]
+    template = spec.get("template") or spec["leaderWorkerTemplate"]["workerTemplate"]
+    (engine,) = [c for c in template["spec"]["containers"] if c["name"] == "engine"]
+    return engine["resources"]
+
+
 def test_pod_memory_request_grows_with_the_host_tier() -> None:
-    resources = builders._resources
     plain = llmd(resources={"memory": "32Gi", "gpu": {"memoryGiB": 80}})
     assert resources(plain)["requests"]["memory"] == "32Gi"
     tiered = llmd({"kvOffload": {"hostGiB": 96}}, resources={"memory": "32Gi"})

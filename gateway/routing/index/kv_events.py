@@ -113,7 +113,9 @@ class KVIndex:
     capacity: int = 4_000_000
     per_replica: int = 1 << 20
     clock: Callable[[], float] = field(default=time.monotonic)
-    _owners: dict[int, int] = field(default_factory=dict)
+    # hash -> a bit per replica slot holding it; any dict will do (a test passes one that
+    # counts the entries an operation touches)
+    owners: dict[int, int] = field(default_factory=dict)
     _replicas: dict[str, _Replica] = field(default_factory=dict)
     dropped_total: int = 0
     lower: LowerTiers = field(default_factory=LowerTiers)  # offload tiers' blocks
@@ -148,7 +150,7 @@ class KVIndex:
         entries, never the whole index (another replica's clear does not scan yours)."""
         held = replica.hashes
         keep = ~(1 << replica.slot)
-        owners = self._owners
+        owners = self.owners
         for i, h in enumerate(list(held), 1):  # a clear cut short (forget) finishes it
             held.discard(h)
             replica.entries -= 1
@@ -182,7 +184,7 @@ class KVIndex:
     def entries(self, url: str | None = None) -> int:
         """Block entries held by `url`, or distinct hashes in the whole index."""
         if url is None:
-            return len(self._owners)
+            return len(self.owners)
         replica = self._replicas.get(url)
         return 0 if replica is None else replica.entries
 
@@ -255,7 +257,7 @@ class KVIndex:
                 applied.removed += changed
             return
         bit = 1 << replica.slot
-        owners = self._owners
+        owners = self.owners
         held = replica.hashes
         if kind == "BlockStored":
             size = event.get("block_size")
@@ -321,7 +323,7 @@ class KVIndex:
         if replica is None:
             return 0, 0, 0
         bit = 1 << replica.slot
-        owners = self._owners
+        owners = self.owners
         on_gpu = [bool(owners.get(h, 0) & bit) for h in hashes]
         lower = [self.lower.tiers(replica.slot, h) for h in hashes]
         return matched_by_tier(on_gpu, lower)
@@ -333,7 +335,7 @@ class KVIndex:
         if replica is None:
             return 0
         bit = 1 << replica.slot
-        owners = self._owners
+        owners = self.owners
         count = 0
         for h in hashes:
             if not owners.get(h, 0) & bit:

@@ -380,6 +380,11 @@ class LatencyModel:
         for prior in [p for p in self._unseen if p not in wanted]:
             del self._unseen[prior]
 
+    def unseen_priors(self) -> list[Prior]:
+        """The priors an unseen replica's model is kept for: the default and those some
+        replica is given (`set_priors` drops the rest, so they do not pile up)."""
+        return list(self._unseen)
+
     def unseen(self, url: str) -> ReplicaModel:
         """The model `url` would start from (read only: shared by every unseen replica of
         the same prior)."""

@@ -35,7 +35,7 @@ def within_bound_or_holding(held: Collection[str], slack: float) -> Filter:
     prefix): those may take the request up to `slack` x the bound. A spill off the prefix's
     holder costs a full prefill elsewhere and copies the prefix into a second replica's
     cache, evicting other prefixes there; under cache pressure that copy is what the fleet
-    loses most hits to (bench/gateway_routing.py --workloads precise)."""
+    loses most hits to (python -m bench.gateway_routing --workloads precise)."""
 
     def keep(candidates: Sequence[Candidate], load_bound: float) -> list[Candidate]:
         within = {c.url for c in within_bound(candidates, load_bound)}

@@ -100,7 +100,7 @@ def test_a_replica_keeps_the_prior_it_learnt_against() -> None:
     assert model.replica(C).prior == SLOW  # first seen now
     model.set_priors({})
     assert model.unseen("http://other").prior == Prior()
-    assert list(model._unseen) == [Prior()]  # priors no replica has are not kept
+    assert model.unseen_priors() == [Prior()]  # priors no replica has are not kept
 
 
 def test_the_scheduler_follows_discovery_into_the_priors() -> None:
