@@ -64,16 +64,23 @@ def test_gateway_in_front_of_real_vllm(vllm_server, gateway):
     client = gw.client(timeout=120)
     answer = client.completions.create(model="tiny", prompt="the cat sat on", max_tokens=4)
     assert answer.usage.completion_tokens >= 1
-    # assembled from vLLM's stream: the answer vLLM gives whole (greedy: the same tokens)
-    for path, body in (
-        ("/v1/completions", {"prompt": "the cat sat on", "logprobs": 1}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the dog"}]}),
+    # Non-streamed, both ways the gateway forwards it: whole (the default for a replica whose
+    # token counters it scrapes, as vLLM's) and assembled from vLLM's stream (forced here):
+    # either is the answer vLLM gives whole (greedy: the same tokens).
+    assembling = gateway({"tiny": model("tiny", [vllm_server])}, assemble_non_streamed=True)
+    for url, path, body in (
+        (gw.url, "/v1/completions", {"prompt": "the cat sat on", "logprobs": 1}),
+        (gw.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "the dog"}]}),
+        (assembling.url, "/v1/completions", {"prompt": "the cat sat on", "logprobs": 1}),
+        (assembling.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
     ):
         body = {**body, "model": "tiny", "max_tokens": 6, "temperature": 0}
         whole = httpx.post(f"{vllm_server}{path}", json=body, timeout=120).json()
-        assembled = httpx.post(f"{gw.url}{path}", json=body, timeout=120).json()
-        # the stream's usage event leaves out the null details the whole answer carries
-        assert assembled["usage"] == {k: v for k, v in whole["usage"].items() if v is not None}
+        assembled = httpx.post(f"{url}{path}", json=body, timeout=120).json()
+        # a stream's usage event leaves out the null details the whole answer carries
+        assert {k: v for k, v in assembled["usage"].items() if v is not None} == {
+            k: v for k, v in whole["usage"].items() if v is not None
+        }
         for mine, theirs in zip(assembled["choices"], whole["choices"], strict=True):
             assert mine["finish_reason"] == theirs["finish_reason"]
             if "text" in theirs:
