@@ -116,7 +116,7 @@ class BlockHasher:
             keys = extra_keys
             if i == 0 and cache_salt:
                 keys = (*(extra_keys or ()), ("cache_salt", cache_salt))
-            block = tuple(int(t) for t in token_ids[i * size : (i + 1) * size])
+            block = tuple(map(int, token_ids[i * size : (i + 1) * size]))
             chain = self._h((chain, block, keys))
             out.append(chain)
         return out
