@@ -46,11 +46,15 @@ Figures: hit rate by tier (prompt tokens found on the GPU, in host memory; the r
 computed: the engines' prefix-cache counters), TTFT p50/p90 (simulated seconds, arrival to
 first token), the share of turns within the TTFT SLO (--ttft-slo); what no router can
 beat (`Bound`: best TTFT and the most turns/s the replicas could serve, against those
-offered); goodput (`--sweep`): per contender, the chat working set (so the sessions and
-their turns per second) rising until fewer than 90% of turns meet the SLO.
+offered); goodput (`--sweep LOW,HIGH`, the 90%-rate): per contender, the highest chat
+working set (so sessions and turns per second) at which 90% of turns meet the SLO, by
+bisection between LOW and HIGH. On doc Q&A, the share of requests each contender sent to a
+replica with more prompt tokens queued than another (why a router that balances requests
+loses to one that balances prompt tokens when nothing is shared).
 
     python -m bench.kv_tiers                 # all workloads, 2 replicas, then the sweep
     python -m bench.kv_tiers --workloads "chat x3" --sweep ""
+    python -m bench.kv_tiers --workloads "" # the goodput sweep alone
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ class Result:
     cpu_s: float = 0.0
     turns: list[tuple[int, int]] = field(default_factory=list)  # (prompt, new) tokens
     bound: Bound | None = None
+    busier: int = 0  # measured arrivals sent where more prompt tokens were queued than elsewhere
 
 
 @dataclass(frozen=True)
@@ -308,7 +313,9 @@ def run(args: argparse.Namespace, workload: str, contender: str) -> Result:
             if at >= args.warmup:
                 result.turns.append((len(prompt), new))
             fleet.now = at
+            work = [queued_prompt(e) for e in fleet.engines]
             index = fleet.route(prompt)
+            result.busier += at >= args.warmup and work[index] > min(work)
             fleet.sent(index, prompt)
             rid = f"q{next(counter)}"
             fleet.engines[index].add(Request(rid, prompt, ANSWER, arrival=at))
@@ -351,6 +358,11 @@ def run(args: argparse.Namespace, workload: str, contender: str) -> Result:
     result.cpu_s = time.process_time() - started
     result.bound = bound(result, fleet.profile, len(fleet.engines), args.seconds)
     return result
+
+
+def queued_prompt(engine: Engine) -> int:
+    """The prompt tokens an engine has yet to compute (queued, or partly computed)."""
+    return sum(max(0, len(r.prompt) - r.computed) for r in (*engine.waiting, *engine.running))
 
 
 def counters(fleet: Fleet) -> dict[str, int]:
@@ -420,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                 "p90": pct(result.ttft, 0.9),
                 "within": sum(x <= args.ttft_slo for x in result.ttft) / max(1, len(result.ttft)),
                 "p90_all": pct(result.ttft_all, 0.9),
+                "busier": result.busier / max(1, len(result.turns)),
             }
             figures.setdefault(workload, {})[contender] = row
             name = workload if not result.working_set else (
@@ -514,6 +527,10 @@ def verdicts(
                   "(target within 2%)")  # fmt: skip
         else:
             print(f"{workload}: tier p90 / no tier = {aware / none:.3f} (the tier's cost)")
+        print(
+            f"{workload}: requests sent to a replica with more prompt tokens queued than "
+            "another: " + ", ".join(f"{c} {r['busier']:.0%}" for c, r in rows.items())
+        )
 
 
 if __name__ == "__main__":
