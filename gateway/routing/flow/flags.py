@@ -60,13 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--headroom-prefill-rate",
-        type=float,
-        default=_FLOW.headroom_prefill_rate,
-        metavar="TOKENS_PER_S",
+        default="auto",
+        metavar="TOKENS_PER_S|auto|off",
         help="sheddable requests' prompt tokens a replica is sent per second at most, one "
-        "request at a time (about half the replica's prefill speed, e.g. 15000 for an 8B "
-        "model on an H100), so several batch prompts never share one engine step with a "
-        "chat prompt (default: no bound)",
+        "request at a time, so several batch prompts never share one engine step with a "
+        "chat prompt. auto (default): each replica's prefill speed, learnt from its "
+        "vllm:prompt_tokens_total and vllm:request_prefill_time_seconds, and only while a "
+        "request of priority >= 0 came in the last 30 s (a batch tenant alone is not "
+        "paced); off: no bound",
     )
     group.add_argument(
         "--fair-in-flight-tokens",
@@ -100,6 +101,17 @@ def _fair_budget(value: str | float) -> float | None:
     return tokens
 
 
+def _prefill_rate(value: str | float) -> float:
+    """--headroom-prefill-rate's tokens per second (not auto or off)."""
+    try:
+        rate = float(value)
+    except ValueError:
+        raise ValueError("--headroom-prefill-rate: tokens per second, auto or off") from None
+    if not 0 < rate < float("inf"):
+        raise ValueError("--headroom-prefill-rate: more than 0 tokens per second")
+    return rate
+
+
 def settings_from(args: argparse.Namespace) -> TenancySettings | None:
     """The tenancy settings of the flags above (None without --tenants); ValueError names
     the flag and the field of anything wrong."""
@@ -115,8 +127,8 @@ def settings_from(args: argparse.Namespace) -> TenancySettings | None:
         raise ValueError("--max-band-queue: at least 1")
     if args.headroom_load is not None and args.headroom_load <= 0:
         raise ValueError("--headroom-load: more than 0")
-    if args.headroom_prefill_rate is not None and args.headroom_prefill_rate <= 0:
-        raise ValueError("--headroom-prefill-rate: more than 0 tokens per second")
+    prefill = getattr(args, "headroom_prefill_rate", "auto")
+    rate = None if prefill in ("auto", "off") else _prefill_rate(prefill)
     fair = getattr(args, "fair_in_flight_tokens", "auto")
     tokens = None if fair == "off" else _fair_budget(fair)
     if not 0 < args.headroom_kv_usage <= 1:
@@ -132,7 +144,8 @@ def settings_from(args: argparse.Namespace) -> TenancySettings | None:
         headroom_kv=args.headroom_kv_usage,
         headroom_load=args.headroom_load,
         hold_prefill=args.headroom_hold_prefill,
-        headroom_prefill_rate=args.headroom_prefill_rate,
+        headroom_prefill_rate=rate,
+        headroom_prefill_learnt=prefill == "auto",
         fair_in_flight_tokens=tokens,
         fair_in_flight=fair != "off",
     )
