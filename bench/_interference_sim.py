@@ -69,21 +69,18 @@ MIXES = {
 }
 
 
-def contender(name: str) -> tuple[FlowSettings, bool]:
-    """A contender's flow settings, and whether its target carries the spec's maxNumSeqs.
-    `shipped`: the defaults (the prefill budget at each replica's learnt speed while the
-    chats are about; the slots from the spec's maxNumSeqs, which the issue's spec names);
-    `no-spec`: the same for a spec without maxNumSeqs (slots learnt, the ramp until then);
-    `unpaced`: --headroom-prefill-rate off and no maxNumSeqs (the shipped line until
-    2026-12-03); `prefill-N`: --headroom-prefill-rate N, no maxNumSeqs; `before`: the
-    unpaced line as it was before the low band's ramp (no bound until slots are learnt)."""
-    if name in ("shipped", "no-spec"):
-        return FlowSettings(), name == "shipped"
+def contender(name: str) -> FlowSettings:
+    """`shipped`: the defaults (the prefill budget at each replica's learnt speed while the
+    chats are about); `unpaced`: --headroom-prefill-rate off (the shipped line until
+    2026-12-03); `prefill-N`: --headroom-prefill-rate N; `before`: the unpaced line as it
+    was before the low band's ramp (no bound until the slots are learnt)."""
+    if name == "shipped":
+        return FlowSettings()
     if name in ("unpaced", "before"):
-        return FlowSettings(headroom_prefill_learnt=False), False
+        return FlowSettings(headroom_prefill_learnt=False)
     if name.startswith("prefill-"):
-        return FlowSettings(headroom_prefill_rate=float(name.removeprefix("prefill-"))), False
-    raise SystemExit(f"--contenders: {name!r}: shipped, no-spec, unpaced, before or prefill-N")
+        return FlowSettings(headroom_prefill_rate=float(name.removeprefix("prefill-")))
+    raise SystemExit(f"--contenders: {name!r}: shipped, before or prefill-N")
 
 
 @dataclass
@@ -143,7 +140,6 @@ def run(
     warm: float,
     seed: int = 1,
     profile: Any = None,
-    max_num_seqs: int | None = None,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     now = 0.0
@@ -154,7 +150,6 @@ def run(
     target = ModelTarget(
         "m", "m", endpoints=tuple(Endpoint(u) for u in urls), routing=Routing(policy="least-load"),
         slo=SLO(),  # the default TTFT target (2 s): a high band's wait budget
-        max_num_seqs=max_num_seqs,  # spec.engine.maxNumSeqs, as discovery passes it
     )  # fmt: skip
     settings = SchedulerSettings()
     tenancy = Tenancy(

@@ -24,7 +24,6 @@ the gateway's own admission pass with its flow gate, load view and router (not a
 them) on the same clock: an interactive tenant (priority 10) beside a batch tenant (-1),
 the issue's tenants file, per mix (`--mixes`: the issue's shape and mixes not tuned on)
 and contender (`shipped`: the defaults, the prefill budget at each replica's learnt speed;
-`no-spec`: the defaults for a spec without maxNumSeqs (slots learnt from scrapes);
 `unpaced`: `--headroom-prefill-rate off`, the shipped line until 2026-12-03; `before`:
 unpaced with the low band's line as it was before the ramp, `queues.LOW_RAMP` infinite;
 `prefill-N`: `--headroom-prefill-rate N`).
@@ -246,11 +245,9 @@ def interference(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.mixes.split(","):
         mix = sim.MIXES[name]
         run_ = partial(sim.run, mix, seconds=args.seconds, warm=args.warm, profile=H100)
-        alone = run_(sim.contender("shipped")[0], True, False)
+        alone = run_(sim.contender("shipped"), True, False)
         for contender in args.interference_contenders.split(","):
-            settings, spec = sim.contender(contender)
-            run_ = partial(sim.run, mix, seconds=args.seconds, warm=args.warm, profile=H100,
-                           max_num_seqs=H100.max_num_seqs if spec else None)  # fmt: skip
+            settings = sim.contender(contender)
             ramp = flows.LOW_RAMP
             flows.LOW_RAMP = math.inf if contender == "before" else ramp
             try:
@@ -280,9 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default="fairness,interference")
     parser.add_argument("--mixes", default="issue,batch-256,chat-16/s,chat-not-streamed,"
                         "mix-150-200/3000-100,2fast2slow")  # fmt: skip
-    parser.add_argument(
-        "--interference-contenders", default="shipped,no-spec,unpaced,prefill-15000"
-    )
+    parser.add_argument("--interference-contenders", default="shipped,unpaced,prefill-15000")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--contenders", default="shipped,off,q0.5x1.5,q0.25x1,q0.25x2,q0.1x1.5")
     parser.add_argument("--seconds", type=float, default=90.0, help="simulated s per run")

@@ -144,9 +144,6 @@ class ModelTarget:
     # status.capacity (kvTokensGPU, kvTokensHost) of a replica with a host-memory KV tier
     # (spec.engine.kvOffload; None: no tier): the approximate prefix index models both
     kv_tier_tokens: tuple[int, int] | None = None
-    # spec.engine.maxNumSeqs (None: not set): each replica's slots, which flow control's
-    # headroom line otherwise learns from scrapes once an engine queues (flow/queues.py)
-    max_num_seqs: int | None = None
     # spec.prefill: requests may be split between the prefill and the decode role
     prefill: PrefillSplit | None = None
 

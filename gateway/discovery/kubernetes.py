@@ -189,7 +189,6 @@ def build_targets(
             ),
             prefill=prefill_split(d.spec),
             kv_tier_tokens=(tiers or {}).get((d.metadata.namespace, d.metadata.name)),
-            max_num_seqs=d.spec.engine.max_num_seqs,
         )
     return targets
 

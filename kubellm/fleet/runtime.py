@@ -421,7 +421,6 @@ class LocalRuntime:
                 canary=canary_split(deployment.rollout_status),
                 decode_tokens_per_second_bound=_decode_bound(manifest.spec),
                 prefill=split,
-                max_num_seqs=manifest.spec.engine.max_num_seqs,
             )
         return targets
 

@@ -9,8 +9,7 @@ per band x tenant, fairness): when tenants are declared, a request joins its mod
   budget, `flow.fair_capacity`) gets no replica; it may take the fallback
   only when it is next in line for it;
 - a request of a band under `headroom_below` keeps off the replicas above the headroom
-  line (`flow.below_line`: the engine's queue, KV usage, load under the share of its slots
-  learnt, else of the model's spec.engine.maxNumSeqs, a high-band stream still
+  line (`flow.below_line`: the engine's queue, KV usage, load, a high-band stream still
   awaiting its first token there with `hold_prefill`, the low-band prefill debt under
   the prefill budget); with none left it waits for one (not the paid fallback).
 
@@ -103,11 +102,7 @@ class FlowGate(Gate):
             if flow.head(fallback=True, held=capped) is not waiter:
                 p.fallback = None
         elif waiter.band < settings.headroom_below:
-            now, held, model = p.now, self.prefilling, p.target.served_name
-
-            def slots(url: str) -> float | None:  # learnt, else the spec's maxNumSeqs
-                return flow.slots.get(url) or p.target.max_num_seqs
-
+            now, held, model, slots = p.now, self.prefilling, p.target.served_name, flow.slots.get
             if not settings.fair_in_flight:
                 flow.learn(p.candidates)
             below = [

@@ -281,13 +281,3 @@ async def test_watch_follows_the_api_server():
     assert llama.fallback.api_key == "sk-live"
     assert llama.decode_tokens_per_second_bound == 143.2  # the latency model's prior
     assert watch_ended.is_set() and changes
-
-
-@pytest.mark.parametrize(("engine", "slots"), [({"maxNumSeqs": 16}, 16), ({}, None)])
-def test_a_models_slots_come_from_its_spec(engine, slots):
-    """spec.engine.maxNumSeqs reaches the target, so flow control's headroom line holds
-    from the first request instead of ramping until an engine queues (flow/queues.py)."""
-    item = _llmd("llama", engine=engine)
-    slices = [_slice("llama", [("10.0.0.1", {"ready": True})])]
-    targets = k8s.build_targets(k8s.parse_deployments([item]), slices, {}, None, None)
-    assert targets["llama"].max_num_seqs == slots

@@ -53,12 +53,6 @@ CASES = [
      100.2, {}, None),
     ("its band is full: dropped", {"max_band": 1}, [candidate(A)], "free", False, 100.0, {},
      (Route.REJECT, "band-full")),
-    ("slots not learnt, the spec's maxNumSeqs 4: 3 is the line", {"max_num_seqs": 4},
-     [candidate(A, in_flight=3)], None, False, 100.0, {}, None),
-    ("slots not learnt, the spec's maxNumSeqs 4: under the line", {"max_num_seqs": 4},
-     [candidate(A, in_flight=2)], None, False, 100.0, {}, (Route.REPLICA, "ready")),
-    ("slots not learnt nor in the spec: the ramp past the scrape", {},
-     [candidate(A, in_flight=3)], None, False, 100.0, {}, (Route.REPLICA, "ready")),
 ]  # fmt: skip
 
 
@@ -68,11 +62,9 @@ CASES = [
     ids=[case[0] for case in CASES],
 )
 def test_the_flow_gate(flow, replicas, first, fallback, now, prefilling, expected):
-    flow = dict(flow)
-    slots = flow.pop("max_num_seqs", None)  # the spec's, on the target
     gate = _gate(**flow)
     gate.prefilling.update(prefilling)
-    model = target(fallback=fallback, max_num_seqs=slots)
+    model = target(fallback=fallback)
     if first is not None:  # someone queued ahead
         ahead = make_pass(model, replicas, caller=_caller(gate, first))
         gate.enter(ahead)
