@@ -88,28 +88,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _fair_budget(value: str | float) -> float | None:
-    """--fair-in-flight-tokens: tokens above 0, None for `auto`; ValueError names it."""
-    if value == "auto":
+def _amount(value: str | float, flag: str, unit: str) -> float | None:
+    """A flag's positive amount, None for `auto` or `off`; ValueError names the flag."""
+    if value in ("auto", "off"):
         return None
     try:
-        tokens = float(value)
+        amount = float(value)
     except ValueError:
-        raise ValueError("--fair-in-flight-tokens: a number of tokens, auto or off") from None
-    if not 0 < tokens < float("inf"):
-        raise ValueError("--fair-in-flight-tokens: more than 0 tokens")
-    return tokens
-
-
-def _prefill_rate(value: str | float) -> float:
-    """--headroom-prefill-rate's tokens per second (not auto or off)."""
-    try:
-        rate = float(value)
-    except ValueError:
-        raise ValueError("--headroom-prefill-rate: tokens per second, auto or off") from None
-    if not 0 < rate < float("inf"):
-        raise ValueError("--headroom-prefill-rate: more than 0 tokens per second")
-    return rate
+        raise ValueError(f"{flag}: a number of {unit}, auto or off") from None
+    if not 0 < amount < float("inf"):
+        raise ValueError(f"{flag}: more than 0 {unit}")
+    return amount
 
 
 def settings_from(args: argparse.Namespace) -> TenancySettings | None:
@@ -128,9 +117,9 @@ def settings_from(args: argparse.Namespace) -> TenancySettings | None:
     if args.headroom_load is not None and args.headroom_load <= 0:
         raise ValueError("--headroom-load: more than 0")
     prefill = getattr(args, "headroom_prefill_rate", "auto")
-    rate = None if prefill in ("auto", "off") else _prefill_rate(prefill)
+    rate = _amount(prefill, "--headroom-prefill-rate", "tokens per second")
     fair = getattr(args, "fair_in_flight_tokens", "auto")
-    tokens = None if fair == "off" else _fair_budget(fair)
+    tokens = _amount(fair, "--fair-in-flight-tokens", "tokens")
     if not 0 < args.headroom_kv_usage <= 1:
         raise ValueError("--headroom-kv-usage: above 0, at most 1")
     try:
