@@ -70,10 +70,14 @@ MIXES = {
 
 
 def contender(name: str) -> FlowSettings:
-    """`shipped`: the defaults; `prefill-N`: --headroom-prefill-rate N; `before`: the line
-    as it was before the low band's ramp (no bound until the slots are learnt)."""
-    if name in ("shipped", "before"):
+    """`shipped`: the defaults (the prefill budget at each replica's learnt speed while the
+    chats are about); `unpaced`: --headroom-prefill-rate off (the shipped line until
+    2026-12-03); `prefill-N`: --headroom-prefill-rate N; `before`: the unpaced line as it
+    was before the low band's ramp (no bound until the slots are learnt)."""
+    if name == "shipped":
         return FlowSettings()
+    if name in ("unpaced", "before"):
+        return FlowSettings(headroom_prefill_learnt=False)
     if name.startswith("prefill-"):
         return FlowSettings(headroom_prefill_rate=float(name.removeprefix("prefill-")))
     raise SystemExit(f"--contenders: {name!r}: shipped, before or prefill-N")
@@ -157,13 +161,16 @@ def run(
         changed[0] = True
 
     load.on_release(wake)
-    gate = FlowGate(tenancy, wake)
+    gate = FlowGate(tenancy, wake, load.prefill_rate)
     flow_gate.time = SimpleNamespace(monotonic=clock)  # type: ignore[attr-defined]  # its debts
     gates = (gate,)
     completions = CompletionRate(clock=clock)
     profiles = [profile] * (mix.replicas - mix.slow) + [profile.slowed(1.5)] * mix.slow
     engines = [sim_core.Engine(p) for p in profiles]
     busy = [False] * len(engines)
+    # vLLM's vllm:prompt_tokens_total (counted at a first token) and the sum of
+    # vllm:request_prefill_time_seconds (observed at the end), per replica
+    prefilled = [[0.0, 0.0] for _ in engines]
     live: dict[str, _Req] = {}
     waiting: list[_Req] = []
     events: list[tuple[float, int, str, Any]] = []
@@ -263,9 +270,10 @@ def run(
             if r in waiting and r.look == gen:
                 look(r)
         elif kind == "scrape":
-            for url, e in zip(urls, engines, strict=True):
+            for url, e, (tokens, secs) in zip(urls, engines, prefilled, strict=True):
                 load.record(url, EngineStats(float(len(e.waiting)), float(len(e.running)),
-                                             e.kv_cache_usage(), now))  # fmt: skip
+                                             e.kv_cache_usage(), now,
+                                             prefill=(tokens, secs)))  # fmt: skip
         elif kind == "step":
             i = payload
             step = engines[i].step()
@@ -282,12 +290,14 @@ def run(
                     r.started = now - step.duration
                 if r.first is None:
                     r.first = now
+                    prefilled[i][0] += r.prompt
                     if r.stream:
                         assert r.ticket is not None
                         r.ticket.ttft = now - r.arrived
                         gate.first_token(r.ticket, now)
             for q in step.finished:
                 r = live.pop(q.request_id)
+                prefilled[i][1] += r.first - r.started  # type: ignore[operator]
                 ticket = r.ticket
                 assert ticket is not None
                 ticket.status, ticket.done = 200, True

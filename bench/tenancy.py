@@ -4,7 +4,9 @@
 control as it was before those two: no hold, no prefill budget), `today` (no tenants); first
 `shipped` (the tenants file and no other flag: since 2026-12-03 the fair in-flight budget is
 derived from the pool by default, `flow.fair_capacity`) and `off` (the same with
-`--fair-in-flight-tokens off`, the shipped defaults before). bench/tenancy_sim.py runs the
+`--fair-in-flight-tokens off`, the shipped defaults before); `unpaced` (`--headroom-prefill-rate
+off`: the shipped defaults before the prefill budget at each replica's learnt prefill speed
+became the default, late 2026-12-03). bench/tenancy_sim.py runs the
 fairness phase on a simulated clock (no processes), over workloads the default was not
 chosen on.
 
@@ -353,7 +355,7 @@ def diagnosed(args: argparse.Namespace, fleet: Fleet, work: Any) -> dict[str, An
 
 # The gateways compared: today's (no tenants); with tenants, the prefill hold and the
 # prefill budget (--headroom-prefill-rate); and with tenants as before those two (flow.py).
-CONTENDERS = ("shipped", "off", "fair", "tenants", "before", "today")
+CONTENDERS = ("shipped", "unpaced", "off", "fair", "tenants", "before", "today")
 
 
 def contender(name: str, tenants: list[dict],
@@ -363,6 +365,8 @@ def contender(name: str, tenants: list[dict],
         return None, []
     if name == "shipped":  # the tenants file and no other flag: the shipped defaults
         return tenants, []
+    if name == "unpaced":  # the shipped defaults until the learnt prefill budget (2026-12-03)
+        return tenants, ["--headroom-prefill-rate", "off"]
     if name == "off":  # the shipped defaults before 2026-12-03: no fair in-flight budget
         return tenants, ["--fair-in-flight-tokens", "off"]
     if name == "before":

@@ -23,8 +23,10 @@ The interference scenario (`--scenarios interference`, bench/_interference_sim.p
 the gateway's own admission pass with its flow gate, load view and router (not a copy of
 them) on the same clock: an interactive tenant (priority 10) beside a batch tenant (-1),
 the issue's tenants file, per mix (`--mixes`: the issue's shape and mixes not tuned on)
-and contender (`shipped`: the defaults; `before`: the low band's line as it was before
-the ramp, `queues.LOW_RAMP` infinite; `prefill-N`: `--headroom-prefill-rate N`).
+and contender (`shipped`: the defaults, the prefill budget at each replica's learnt speed;
+`unpaced`: `--headroom-prefill-rate off`, the shipped line until 2026-12-03; `before`:
+unpaced with the low band's line as it was before the ramp, `queues.LOW_RAMP` infinite;
+`prefill-N`: `--headroom-prefill-rate N`).
 Printed: the chats' TTFT p50/p99 alone and beside the batch, the chats refused (with the
 reason), the batch's output tokens/s alone and beside the chats, and where the chats'
 p99 was (the wait at the gateway, the wait in the engine before its first step).
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default="fairness,interference")
     parser.add_argument("--mixes", default="issue,batch-256,chat-16/s,chat-not-streamed,"
                         "mix-150-200/3000-100,2fast2slow")  # fmt: skip
-    parser.add_argument("--interference-contenders", default="shipped,before,prefill-15000")
+    parser.add_argument("--interference-contenders", default="shipped,unpaced,prefill-15000")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--contenders", default="shipped,off,q0.5x1.5,q0.25x1,q0.25x2,q0.1x1.5")
     parser.add_argument("--seconds", type=float, default=90.0, help="simulated s per run")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kubellm.engine import sim_profiles as profiles
 from kubellm.engine import sim_tiers
 from kubellm.engine import sim_tokenizer as tokenizer
-from kubellm.engine.sim_core import Engine, Request, StepResult
+from kubellm.engine.sim_core import WAITING, Engine, Request, StepResult
 from kubellm.engine.sim_events import KVEventPublisher
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -75,6 +75,8 @@ class _Stream:
     finished: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     last: float | None = None
+    scheduled: float | None = None  # when a step first took it in (simulated s)
+    prefill: float = 0.0  # first scheduled to first token (simulated s)
 
 
 class Simulator:
@@ -130,6 +132,15 @@ class Simulator:
             metrics.TIME_TO_FIRST_TOKEN, "Time to first token (simulated seconds).", names,
             buckets=TTFT_BUCKETS, registry=self.registry,
         ).labels(**labels)  # fmt: skip
+        # vLLM's per-request prefill time (first scheduled to first token), observed at the
+        # request's end. In wall seconds (simulated x --time-scale; scale 0: simulated), as
+        # vLLM's: the gateway learns each replica's prefill speed from it and paces by its
+        # own clock (gateway/routing/gates/flow.py).
+        self.h_prefill = Histogram(
+            metrics.PREFILL_TIME, "Prefill time per request (wall seconds).", names,
+            buckets=TTFT_BUCKETS, registry=self.registry,
+        ).labels(**labels)  # fmt: skip
+        self._unscheduled: dict[str, _Stream] = {}  # submitted, no step took them in yet
         self.h_itl = Histogram(
             metrics.INTER_TOKEN_LATENCY, "Inter-token latency (simulated seconds).", names,
             buckets=ITL_BUCKETS, registry=self.registry,
@@ -216,7 +227,9 @@ class Simulator:
                 await self._wake.wait()
                 cursor = max(cursor, self.clock.now())
                 continue
+            started = cursor
             result = self.engine.step()
+            self._mark_scheduled(started)
             if result.idle:  # nothing could be scheduled: wait for a change
                 self._wake.clear()
                 await self._wake.wait()
@@ -226,6 +239,18 @@ class Simulator:
             await self.clock.sleep_until(cursor)
             self.publish_events()  # as vLLM: after the step ran, before its outputs
             self._deliver(result, cursor)
+
+    def _mark_scheduled(self, when: float) -> None:
+        """Stamp the requests a step took in for the first time (vLLM's scheduled_ts), in
+        arrival order up to the first still waiting (the engine takes them in that order;
+        one it passed over is stamped with those after it: a step deep queues do not pay
+        for)."""
+        while self._unscheduled:
+            rid, stream = next(iter(self._unscheduled.items()))
+            if stream.request.status == WAITING:
+                return
+            stream.scheduled = when
+            del self._unscheduled[rid]
 
     def _deliver(self, result: StepResult, when: float) -> None:
         """Hand each request its token (stamped with the step's end) and record latencies."""
@@ -237,6 +262,8 @@ class Simulator:
                 continue
             if stream.last is None:  # arrival is on the clock; `when` may lag it a little
                 self.h_ttft.observe(max(0.0, when - stream.arrival))
+                started = when if stream.scheduled is None else stream.scheduled
+                stream.prefill = max(0.0, when - started)
             else:
                 self.h_itl.observe(when - stream.last)
             stream.last = when
@@ -247,6 +274,7 @@ class Simulator:
             self.c_success.inc()
             stream = self.streams.get(request.request_id)
             if stream is not None:
+                self.h_prefill.observe(stream.prefill * (self.clock.scale or 1.0))
                 stream.finished = True
                 stream.changed.set()
 
@@ -272,6 +300,7 @@ class Simulator:
         )  # fmt: skip
         stream = _Stream(request, self.clock.now(), streaming)
         self.streams[request.request_id] = stream
+        self._unscheduled[request.request_id] = stream
         self.engine.add(request)
         assert self._wake is not None
         self._wake.set()
@@ -315,6 +344,7 @@ class Simulator:
                 await stream.changed.wait()
         finally:
             self.streams.pop(stream.request.request_id, None)
+            self._unscheduled.pop(stream.request.request_id, None)
             if not completed:
                 self.engine.abort(stream.request)
 

@@ -23,6 +23,9 @@ INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"  # histogram
 # stall watch on answers forwarded whole reads them).
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
+# Per request, first scheduled to first token (a histogram, observed when it finishes):
+# with PROMPT_TOKENS, the replica's prefill speed (the gateway's prefill budget learns it).
+PREFILL_TIME = "vllm:request_prefill_time_seconds"
 # With LoRA on: a gauge set to the time of its last update, one series per label set
 # max_lora, running_lora_adapters and waiting_lora_adapters (comma-joined names); older
 # label sets stay exported with older times, so the current one has the largest value.
@@ -36,6 +39,7 @@ ENGINE_METRICS: tuple[str, ...] = (
     PREFIX_CACHE_HITS,
     TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY,
+    PREFILL_TIME,
 )
 
 # The gateway's own metrics (names shared with the autoscaler, alerts and dashboards).

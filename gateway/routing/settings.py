@@ -40,6 +40,9 @@ class FlowSettings:
     hold_prefill: bool = True
     # low-band prompt tokens per second a replica is sent at most (None: no bound)
     headroom_prefill_rate: float | None = None
+    # without headroom_prefill_rate: each replica's prefill speed learnt from its scrapes,
+    # while a band at or above headroom_below is about (`gates/flow.py`); False: no bound
+    headroom_prefill_learnt: bool = True
     # service tokens (prompt + 2 x output) in flight per replica that a band's tenants
     # share while more than one is active (None: derived, `flow/queues.py` fair_capacity)
     fair_in_flight_tokens: float | None = None

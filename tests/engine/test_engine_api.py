@@ -107,10 +107,13 @@ def test_metrics_carry_the_contract(engine: Engine) -> None:
     engine.client.completions.create(model=MODEL, prompt="warm up", max_tokens=3, extra_body=NO_EOS)
     samples = scrape(engine.url)
     for name in metrics.ENGINE_METRICS:
-        histogram = name in (metrics.TIME_TO_FIRST_TOKEN, metrics.INTER_TOKEN_LATENCY)
+        histogram = name in (
+            metrics.TIME_TO_FIRST_TOKEN, metrics.INTER_TOKEN_LATENCY, metrics.PREFILL_TIME
+        )  # fmt: skip
         assert (f"{name}_count" if histogram else name) in samples, name
     assert samples[f"{metrics.TIME_TO_FIRST_TOKEN}_count"] >= 1
     assert samples[f"{metrics.INTER_TOKEN_LATENCY}_count"] >= 2
+    assert samples[f"{metrics.PREFILL_TIME}_count"] >= 1  # observed at the request's end
     assert 0.0 <= samples[metrics.KV_CACHE_USAGE] <= 1.0
 
 

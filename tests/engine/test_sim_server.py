@@ -179,3 +179,23 @@ async def test_fail_prompts_over_answers_long_prompts_with_a_500_envelope() -> N
         assert "--fail-prompts-over 40" in error["message"] and error["code"] == 500
         streamed = await client.post("/v1/completions", json={**long, "stream": True})
         assert streamed.status_code == 500
+
+
+@pytest.mark.parametrize("time_scale", [0.0, 0.05])
+async def test_prefill_time_is_first_scheduled_to_first_token_in_wall_seconds(
+    time_scale: float,
+) -> None:
+    """vLLM's `vllm:request_prefill_time_seconds`, which the gateway learns a replica's
+    prefill speed from: the queue wait is not in it (TTFT has it), and it is on the wall
+    clock as the gateway's pacing is (simulated x --time-scale)."""
+    async with client_for(create_app("m", SLOW, time_scale)) as client:
+        body = {"model": "m", "prompt": "x" * 32, "max_tokens": 5}
+        calls = [client.post("/v1/completions", json=body) for _ in range(3)]  # 2 slots
+        assert all(r.status_code == 200 for r in await asyncio.gather(*calls))
+        sample = await scrape(client)
+    count = sample[f"{metrics.PREFILL_TIME}_count"]
+    prefill = sample[f"{metrics.PREFILL_TIME}_sum"]
+    assert count == 3
+    # one 50 ms (simulated) step each, though the third waited for a slot
+    assert prefill / count == pytest.approx(0.05 * (time_scale or 1.0), rel=0.5)
+    assert sample[f"{metrics.TIME_TO_FIRST_TOKEN}_sum"] > prefill / (time_scale or 1.0) * 1.5

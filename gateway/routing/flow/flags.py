@@ -60,13 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--headroom-prefill-rate",
-        type=float,
-        default=_FLOW.headroom_prefill_rate,
-        metavar="TOKENS_PER_S",
+        default="auto",
+        metavar="TOKENS_PER_S|auto|off",
         help="sheddable requests' prompt tokens a replica is sent per second at most, one "
-        "request at a time (about half the replica's prefill speed, e.g. 15000 for an 8B "
-        "model on an H100), so several batch prompts never share one engine step with a "
-        "chat prompt (default: no bound)",
+        "request at a time, so several batch prompts never share one engine step with a "
+        "chat prompt. auto (default): each replica's prefill speed, learnt from its "
+        "vllm:prompt_tokens_total and vllm:request_prefill_time_seconds, and only while a "
+        "request of priority >= 0 came in the last 30 s (a batch tenant alone is not "
+        "paced); off: no bound",
     )
     group.add_argument(
         "--fair-in-flight-tokens",
@@ -87,17 +88,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _fair_budget(value: str | float) -> float | None:
-    """--fair-in-flight-tokens: tokens above 0, None for `auto`; ValueError names it."""
-    if value == "auto":
+def _amount(value: str | float, flag: str, unit: str) -> float | None:
+    """A flag's positive amount, None for `auto` or `off`; ValueError names the flag."""
+    if value in ("auto", "off"):
         return None
     try:
-        tokens = float(value)
+        amount = float(value)
     except ValueError:
-        raise ValueError("--fair-in-flight-tokens: a number of tokens, auto or off") from None
-    if not 0 < tokens < float("inf"):
-        raise ValueError("--fair-in-flight-tokens: more than 0 tokens")
-    return tokens
+        raise ValueError(f"{flag}: a number of {unit}, auto or off") from None
+    if not 0 < amount < float("inf"):
+        raise ValueError(f"{flag}: more than 0 {unit}")
+    return amount
 
 
 def settings_from(args: argparse.Namespace) -> TenancySettings | None:
@@ -115,10 +116,10 @@ def settings_from(args: argparse.Namespace) -> TenancySettings | None:
         raise ValueError("--max-band-queue: at least 1")
     if args.headroom_load is not None and args.headroom_load <= 0:
         raise ValueError("--headroom-load: more than 0")
-    if args.headroom_prefill_rate is not None and args.headroom_prefill_rate <= 0:
-        raise ValueError("--headroom-prefill-rate: more than 0 tokens per second")
+    prefill = getattr(args, "headroom_prefill_rate", "auto")
+    rate = _amount(prefill, "--headroom-prefill-rate", "tokens per second")
     fair = getattr(args, "fair_in_flight_tokens", "auto")
-    tokens = None if fair == "off" else _fair_budget(fair)
+    tokens = _amount(fair, "--fair-in-flight-tokens", "tokens")
     if not 0 < args.headroom_kv_usage <= 1:
         raise ValueError("--headroom-kv-usage: above 0, at most 1")
     try:
@@ -132,7 +133,8 @@ def settings_from(args: argparse.Namespace) -> TenancySettings | None:
         headroom_kv=args.headroom_kv_usage,
         headroom_load=args.headroom_load,
         hold_prefill=args.headroom_hold_prefill,
-        headroom_prefill_rate=args.headroom_prefill_rate,
+        headroom_prefill_rate=rate,
+        headroom_prefill_learnt=prefill == "auto",
         fair_in_flight_tokens=tokens,
         fair_in_flight=fair != "off",
     )

@@ -392,10 +392,11 @@ def below_line(
     takes the low band a few per scrape until its engine queues and they are, instead of
     every waiting batch request between two scrapes (unknown figures count as below), with
     `hold_prefill` no high-band stream there awaiting its first token (`prefilling`), and
-    with `headroom_prefill_rate` its low-band prefill debt drained (`debt`, `drained`)."""
+    its low-band prefill debt under the prefill budget drained (`debt`, `drained`; 0
+    without a budget)."""
     if prefilling > 0 and settings.hold_prefill:
         return False
-    if debt > 0 and settings.headroom_prefill_rate:
+    if debt > 0:
         return False
     if candidate.waiting is not None and candidate.waiting >= 1:
         return False

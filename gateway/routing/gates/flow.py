@@ -11,7 +11,12 @@ per band x tenant, fairness): when tenants are declared, a request joins its mod
 - a request of a band under `headroom_below` keeps off the replicas above the headroom
   line (`flow.below_line`: the engine's queue, KV usage, load, a high-band stream still
   awaiting its first token there with `hold_prefill`, the low-band prefill debt under
-  `headroom_prefill_rate`); with none left it waits for one (not the paid fallback).
+  the prefill budget); with none left it waits for one (not the paid fallback).
+
+The prefill budget's rate is `headroom_prefill_rate` when set; else, with
+`headroom_prefill_learnt` (the default), each replica's prefill speed learnt from its scrapes
+(`LoadView.prefill_rate`), and only while a band at or above `headroom_below` sent a request
+to the model in the last `HIGH_RECENT_S`: a batch tenant alone is not paced.
 
 On a decision its band's TTL turns a saturated refusal at the deadline into "ttl", and the
 tenant's queue time and in-flight share are counted (`Tenancy.dispatched`). Through the
@@ -26,22 +31,33 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from kubellm.gateway.routing.flow.controller import Caller, Tenancy
+    from kubellm.gateway.routing.lifecycle import Ticket
+
 from kubellm.gateway.routing.admission import Route
 from kubellm.gateway.routing.dispatch import WAKE_IN, Decision, Gate, Pass
 from kubellm.gateway.routing.flow import queues as flows
 from kubellm.gateway.routing.scorers.base import Candidate
 
-if TYPE_CHECKING:
-    from kubellm.gateway.routing.flow.controller import Caller, Tenancy
-    from kubellm.gateway.routing.lifecycle import Ticket
+# The learnt prefill budget paces low bands while a high band sent within this many seconds.
+HIGH_RECENT_S = 30.0
 
 
 class FlowGate(Gate):
     """Flow control for one gateway process (`tenancy` None: no tenants, it lets all by)."""
 
-    def __init__(self, tenancy: Tenancy | None, wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        tenancy: Tenancy | None,
+        wake: Callable[[], None],
+        prefill_rate: Callable[[str], float | None] = lambda url: None,
+    ) -> None:
         self.tenancy = tenancy
         self.wake = wake  # capacity may have freed: queued requests look again
+        self.prefill_rate = prefill_rate  # a replica's learnt prefill speed (LoadView's)
+        # model -> when a band at or above headroom_below last dispatched to a replica
+        self.high_at: dict[str, float] = {}
         # replica -> high-band streams sent there still awaiting their first token
         # (`hold_prefill`): low bands do not dispatch there meanwhile
         self.prefilling: dict[str, int] = {}
@@ -86,19 +102,19 @@ class FlowGate(Gate):
             if flow.head(fallback=True, held=capped) is not waiter:
                 p.fallback = None
         elif waiter.band < settings.headroom_below:
-            now, held = p.now, self.prefilling
+            now, held, model, slots = p.now, self.prefilling, p.target.served_name, flow.slots.get
             if not settings.fair_in_flight:
                 flow.learn(p.candidates)
             below = [
                 c
                 for c in p.open
                 if flows.below_line(
-                    c, settings, held.get(c.url, 0), self.debt(c.url, now), flow.slots.get(c.url)
+                    c, settings, held.get(c.url, 0), self.debt(c.url, model, now), slots(c.url)
                 )
             ]
             if p.open and not below:  # room kept for high bands: wait for it, the paid
                 p.fallback = None  # API is not for sheddable overflow
-                p.wake_in = self.drain_in(p.open, now)  # or for a debt to drain
+                p.wake_in = self.drain_in(p.open, model, now)  # or for a debt to drain
             p.open = below
 
     def decided(self, p: Pass, decision: Decision) -> Decision:
@@ -123,21 +139,30 @@ class FlowGate(Gate):
 
     # ------------------------------------------------------------ the low bands' headroom
 
-    def debt(self, url: str, now: float) -> float:
+    def rate(self, url: str, model: str, now: float) -> float | None:
+        """The prefill budget's rate on `url` (tokens/s), None for no budget: the flag's,
+        else the replica's learnt prefill speed while a high band is about."""
+        if self.tenancy is None:
+            return None
+        settings = self.tenancy.settings.flow
+        if settings.headroom_prefill_rate:
+            return settings.headroom_prefill_rate
+        recent = now - self.high_at.get(model, -HIGH_RECENT_S) < HIGH_RECENT_S
+        return self.prefill_rate(url) if settings.headroom_prefill_learnt and recent else None
+
+    def debt(self, url: str, model: str, now: float) -> float:
         """The low-band prompt tokens `url` still owes under the prefill budget."""
-        rate = self.tenancy.settings.flow.headroom_prefill_rate if self.tenancy else None
-        owed = self.low_prefill.get(url)
+        rate, owed = self.rate(url, model, now), self.low_prefill.get(url)
         if not rate or owed is None:
             return 0.0
         return flows.drained(owed[0], now - owed[1], rate)
 
-    def drain_in(self, candidates: list[Candidate], now: float) -> float:
+    def drain_in(self, candidates: list[Candidate], model: str, now: float) -> float:
         """Seconds until the first of `candidates` has drained its low-band debt."""
-        rate = self.tenancy.settings.flow.headroom_prefill_rate if self.tenancy else None
-        if not rate:
-            return WAKE_IN
-        owed = [d for d in (self.debt(c.url, now) for c in candidates) if d > 0]
-        return min(owed) / rate if owed else WAKE_IN
+        waits = [
+            self.debt(c.url, model, now) / (self.rate(c.url, model, now) or 1.0) for c in candidates
+        ]
+        return min((w for w in waits if w > 0), default=WAKE_IN)
 
     def forget(self, keep: set[str]) -> None:
         """Replicas outside `keep` left: their debts go."""
@@ -149,12 +174,13 @@ class FlowGate(Gate):
         caller, tenancy = ticket.caller, self.tenancy
         if caller is None or tenancy is None:
             return
-        settings = tenancy.settings.flow
-        if settings.headroom_prefill_rate and caller.priority < settings.headroom_below:
-            now = time.monotonic()
-            owed = self.debt(url, now) + max(1, caller.estimate)
-            self.low_prefill[url] = (owed, now)
+        settings, now, model = tenancy.settings.flow, time.monotonic(), ticket.target.served_name
         high = caller.priority >= settings.headroom_below
+        if high:
+            self.high_at[model] = now
+        elif self.rate(url, model, now):
+            owed = self.debt(url, model, now) + max(1, caller.estimate)
+            self.low_prefill[url] = (owed, now)
         if ticket.stream and settings.hold_prefill and high and not ticket.done:
             ticket.hold = url  # a high band's stream: low bands keep off until it streams
             self.prefilling[url] = self.prefilling.get(url, 0) + 1

@@ -38,11 +38,18 @@ class EngineStats:
     kv_usage: float | None
     scraped_at: float
     tokens: float | None = None  # prompt + generated tokens so far (the replica's counters)
+    # (prompt tokens, seconds of prefill) so far: `vllm:prompt_tokens_total` and the sum of
+    # `vllm:request_prefill_time_seconds`; None without both (`LoadView.prefill_rate`)
+    prefill: tuple[float, float] | None = None
 
 
 # A replica that says it holds more requests than this is not believed (vLLM's largest
 # batches hold a few thousand; its queue is bounded by what clients sent).
 MAX_REQUESTS = 1e6
+# A replica's prefill speed is learnt per this many seconds of reported prefill, each
+# window moving it this share of the way (`LoadView.prefill_rate`).
+PREFILL_WINDOW_S = 2.0
+PREFILL_EWMA = 0.5
 
 
 def parse_engine_metrics(text: str, scraped_at: float) -> EngineStats:
@@ -53,15 +60,20 @@ def parse_engine_metrics(text: str, scraped_at: float) -> EngineStats:
     sums = {metrics.NUM_REQUESTS_WAITING: 0.0, metrics.NUM_REQUESTS_RUNNING: 0.0}
     kv = 0.0
     tokens: float | None = None
+    prefill: dict[str, float] = {}  # the prompt counter and the prefill seconds, summed
     bad: set[str] = set()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, value = sample.name, sample.value
-            if name in _TOKEN_COUNTERS:
-                if math.isfinite(value) and value >= 0.0:
+            counted = _COUNTED.get(name)  # the figures the sample adds to
+            if counted:
+                if not (math.isfinite(value) and value >= 0.0):
+                    bad.update(counted)
+                    continue
+                if _TOKENS in counted:
                     tokens = (tokens or 0.0) + value
-                else:
-                    bad.add(_TOKENS)
+                if _PREFILL in counted:
+                    prefill[name] = prefill.get(name, 0.0) + value
             elif name in sums:
                 if 0.0 <= value <= MAX_REQUESTS:  # False for NaN
                     sums[name] += value
@@ -86,11 +98,20 @@ def parse_engine_metrics(text: str, scraped_at: float) -> EngineStats:
         kv_usage=known(metrics.KV_CACHE_USAGE, kv, 1.0),
         scraped_at=scraped_at,
         tokens=None if _TOKENS in bad else tokens,
+        prefill=None
+        if _PREFILL in bad or len(prefill) < 2
+        else (prefill[metrics.PROMPT_TOKENS], prefill[_PREFILL_SUM]),
     )
 
 
-_TOKEN_COUNTERS = frozenset({metrics.PROMPT_TOKENS, metrics.GENERATION_TOKENS})
 _TOKENS = "tokens"
+_PREFILL = "prefill"
+_PREFILL_SUM = metrics.PREFILL_TIME + "_sum"
+_COUNTED = {
+    metrics.PROMPT_TOKENS: (_TOKENS, _PREFILL),
+    metrics.GENERATION_TOKENS: (_TOKENS,),
+    _PREFILL_SUM: (_PREFILL,),
+}
 
 
 # The families the gateway reads from an engine's /metrics (the load gauges, and the LoRA
@@ -106,6 +127,7 @@ READ_FAMILIES = (
     metrics.LORA_REQUESTS_INFO,
     metrics.PROMPT_TOKENS.removesuffix("_total"),  # the family's name, and its samples'
     metrics.GENERATION_TOKENS.removesuffix("_total"),
+    _PREFILL_SUM,  # only the sum of the histogram (its buckets would cost ~20 lines each)
 )
 MAX_SAMPLE_LINES = 10_000
 
@@ -139,6 +161,8 @@ class LoadView:
         self._own_at_scrape: dict[str, int] = {}
         self._failing: set[str] = set()
         self._progress: dict[str, tuple[float, float]] = {}  # url -> (tokens, when they moved)
+        self._prefill_at: dict[str, tuple[float, float]] = {}  # url -> its window's start
+        self._prefill_rate: dict[str, float] = {}  # url -> prompt tokens per prefill second
         self._listeners: list[Callable[[], None]] = []
         # called with (url, metrics text) after each successful scrape (LoRA info reads it)
         self.scrape_hooks: list[Callable[[str, str], None]] = []
@@ -176,9 +200,34 @@ class LoadView:
             seen = self._progress.get(url)
             if seen is None or seen[0] != stats.tokens:
                 self._progress[url] = (stats.tokens, stats.scraped_at)
+        self._learn_prefill(url, stats.prefill)
         self._stats[url] = stats
         self._own_at_scrape[url] = self.in_flight.get(url, 0)
         self._notify()
+
+    def _learn_prefill(self, url: str, prefill: tuple[float, float] | None) -> None:
+        """Each window of `PREFILL_WINDOW_S` seconds of prefill the replica reports moves
+        its prefill speed `PREFILL_EWMA` of the way to that window's prompt tokens per
+        second (vLLM counts a prompt at its first token and its prefill time at its end:
+        a window of many requests evens them out); counters that went back restart it."""
+        if prefill is None:
+            return
+        start = self._prefill_at.get(url)
+        if start is None or prefill[0] < start[0] or prefill[1] < start[1]:
+            self._prefill_at[url] = prefill
+            return
+        tokens, seconds = prefill[0] - start[0], prefill[1] - start[1]
+        if seconds < PREFILL_WINDOW_S or tokens <= 0:
+            return
+        old = self._prefill_rate.get(url)
+        rate = tokens / seconds
+        self._prefill_rate[url] = rate if old is None else old + PREFILL_EWMA * (rate - old)
+        self._prefill_at[url] = prefill
+
+    def prefill_rate(self, url: str) -> float | None:
+        """The replica's prefill speed learnt from its scrapes (prompt tokens per second of
+        a request's prefill), None until a window of it was seen."""
+        return self._prefill_rate.get(url)
 
     def scrape_failed(self, url: str) -> None:
         """The latest scrape of `url` failed: it is down until one succeeds."""
@@ -225,6 +274,9 @@ class LoadView:
             self._own_at_scrape.pop(url, None)
         for url in [u for u in self._progress if u not in keep]:
             del self._progress[url]
+        for url in [u for u in self._prefill_at if u not in keep]:
+            del self._prefill_at[url]
+            self._prefill_rate.pop(url, None)
         self._failing &= keep
 
 

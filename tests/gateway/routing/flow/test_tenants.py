@@ -196,6 +196,8 @@ def test_a_fairness_id_splits_the_tenants_flow_only_when_plain():
         (["--headroom-kv-usage", "1.5"], "--headroom-kv-usage"),
         (["--fair-in-flight-tokens", "0"], "--fair-in-flight-tokens"),
         (["--fair-in-flight-tokens", "lots"], "--fair-in-flight-tokens"),
+        (["--headroom-prefill-rate", "0"], "--headroom-prefill-rate"),
+        (["--headroom-prefill-rate", "fast"], "--headroom-prefill-rate"),
     ],
 )
 def test_tenancy_flags_name_a_bad_value(tmp_path, argv, named):
@@ -219,6 +221,11 @@ def test_tenancy_flags_name_a_bad_value(tmp_path, argv, named):
     assert shipped.flow.fair_in_flight and shipped.flow.fair_in_flight_tokens is None  # derived
     off = ["--tenants", str(path), "--fair-in-flight-tokens", "off"]
     assert not tenant_flags.settings_from(parser.parse_args(off)).flow.fair_in_flight
+    assert shipped.flow.headroom_prefill_learnt and shipped.flow.headroom_prefill_rate is None
+    off = ["--tenants", str(path), "--headroom-prefill-rate", "off"]
+    assert not tenant_flags.settings_from(parser.parse_args(off)).flow.headroom_prefill_learnt
+    fixed = ["--tenants", str(path), "--headroom-prefill-rate", "15000"]
+    assert tenant_flags.settings_from(parser.parse_args(fixed)).flow.headroom_prefill_rate == 15000
     with pytest.raises(ValueError, match=named):
         tenant_flags.settings_from(parser.parse_args(["--tenants", str(path), *argv]))
     path.write_text("tenants:\n  - name: Bad Name\n")

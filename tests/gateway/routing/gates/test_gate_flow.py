@@ -122,3 +122,57 @@ async def test_a_request_dropped_by_flow_control_is_refused_with_429():
     ticket = await asyncio.wait_for(first, 60)
     assert ticket.route == "replica"
     ticket.finish()
+
+
+def _sent(gate: FlowGate, name: str, url: str, now: float) -> None:
+    """A dispatch of tenant `name`'s request (estimate 10 prompt tokens) to `url` at `now`."""
+    from types import SimpleNamespace
+
+    from kubellm.gateway.routing.gates import flow as flow_gate
+
+    ticket = SimpleNamespace(caller=_caller(gate, name), target=target(), stream=False,
+                             done=False, hold=None)  # fmt: skip
+    real = flow_gate.time
+    flow_gate.time = SimpleNamespace(monotonic=lambda: now)  # type: ignore[assignment]
+    try:
+        gate.sent(ticket, url)  # type: ignore[arg-type]
+    finally:
+        flow_gate.time = real
+
+
+def _low_goes(gate: FlowGate, now: float) -> bool:
+    p = make_pass(target(), [candidate(A)], now=now, start=now, caller=_caller(gate, "free"))
+    gate.enter(p)
+    decision = admit_once(p, [gate], router())
+    gate.leave(p)
+    return decision is not None and decision.route is Route.REPLICA
+
+
+# (case, flow settings, the replica's learnt prefill speed, a high band sent at, the free
+#  tenant's second request goes at once)
+PACED = [
+    ("learnt speed, a high band about: paced", {}, 100.0, 99.0, False),
+    ("learnt speed, no high band: not paced (batch alone loses nothing)", {}, 100.0, None,
+     True),
+    ("learnt speed, the high band gone past HIGH_RECENT_S: not paced", {}, 100.0, 60.0, True),
+    ("nothing learnt yet: not paced", {}, None, 99.0, True),
+    ("--headroom-prefill-rate off: not paced", {"headroom_prefill_learnt": False}, 100.0,
+     99.0, True),
+    ("--headroom-prefill-rate N: paced, a high band or not", {"headroom_prefill_rate": 100.0},
+     None, None, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flow", "speed", "high_at", "goes"),
+    [case[1:] for case in PACED],
+    ids=[case[0] for case in PACED],
+)
+def test_the_prefill_budget_paces_low_bands_only_beside_a_high_band(flow, speed, high_at, goes):
+    settings = TenancySettings(tenants.parse(DOC), FlowSettings(**flow))
+    gate = FlowGate(Tenancy(settings, CollectorRegistry()), lambda: None, lambda url: speed)
+    if high_at is not None:
+        _sent(gate, "gold", B, high_at)
+    _sent(gate, "free", A, 100.0)  # 10 prompt tokens owed: 0.1 s at 100 tokens/s
+    assert _low_goes(gate, 100.0) is goes
+    assert _low_goes(gate, 100.2)  # drained

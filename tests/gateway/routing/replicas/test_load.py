@@ -5,7 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
-from kubellm.gateway.routing.replicas.load import EngineStats, LoadView, parse_engine_metrics
+from kubellm.gateway.routing.replicas.load import (
+    PREFILL_EWMA,
+    EngineStats,
+    LoadView,
+    parse_engine_metrics,
+    relevant_lines,
+)
 from kubellm.gateway.routing.replicas.outliers import OutlierDetector
 
 VLLM_METRICS = """\
@@ -242,3 +248,50 @@ def test_progress_is_when_the_token_counters_last_moved():
     scrape(12.0)
     view.forget(["b"])
     assert view.progressed_since("a", 0.0) is None
+
+
+PREFILL = """\
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{{engine="0",model_name="tiny"}} {prompt}
+vllm:prompt_tokens_total{{engine="1",model_name="tiny"}} 1000
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{{engine="0",le="+Inf",model_name="tiny"}} 9
+vllm:request_prefill_time_seconds_count{{engine="0",model_name="tiny"}} 9
+vllm:request_prefill_time_seconds_sum{{engine="0",model_name="tiny"}} {seconds}
+vllm:request_prefill_time_seconds_sum{{engine="1",model_name="tiny"}} 0.5
+"""
+
+
+def test_the_prefill_counters_are_read_through_the_scrape_filter():
+    text = relevant_lines(VLLM_METRICS + PREFILL.format(prompt=3000, seconds=1.5))
+    assert "_bucket" not in text  # only the histogram's sum is parsed
+    assert parse_engine_metrics(text, 0.0).prefill == (4000.0, 2.0)
+    assert parse_engine_metrics(VLLM_METRICS, 0.0).prefill is None  # not exported
+    for prompt, seconds in (("NaN", "1"), ("10", "-1"), ("10", "+Inf")):
+        text = relevant_lines(VLLM_METRICS + PREFILL.format(prompt=prompt, seconds=seconds))
+        assert parse_engine_metrics(text, 0.0).prefill is None, (prompt, seconds)
+
+
+def test_a_replicas_prefill_speed_is_learnt_per_window_of_prefill():
+    view = LoadView(clock=lambda: 0.0)
+
+    def scrape(url: str, tokens: float, seconds: float) -> None:
+        view.record(url, EngineStats(0, 0, 0.0, 0.0, prefill=(tokens, seconds)))
+
+    scrape("a", 1000, 1.0)
+    assert view.prefill_rate("a") is None  # nothing learnt from a first scrape
+    scrape("a", 11_000, 2.0)  # 1 s of prefill: under a window
+    assert view.prefill_rate("a") is None
+    scrape("a", 21_000, 3.0)  # 2 s of prefill, 20,000 tokens
+    assert view.prefill_rate("a") == pytest.approx(10_000)
+    scrape("a", 41_000, 4.0)
+    scrape("a", 81_000, 5.0)  # the next window: 60,000 tokens in 2 s
+    assert view.prefill_rate("a") == pytest.approx(10_000 + PREFILL_EWMA * 20_000)
+    scrape("a", 100, 0.1)  # restarted: its counters went back; the speed stays
+    scrape("a", 300, 2.1)  # 200 tokens in 2 s: a slower window
+    assert view.prefill_rate("a") < 10_000 + PREFILL_EWMA * 20_000
+    scrape("b", 0, 0.0)
+    scrape("b", 0, 5.0)  # time without tokens says nothing
+    assert view.prefill_rate("b") is None
+    view.forget(["b"])
+    assert view.prefill_rate("a") is None
