@@ -12,7 +12,7 @@ Bounds a hostile peer meets (the port has no authentication): a message longer t
 `max_message` is refused with RESOURCE_EXHAUSTED before its bytes are read (grpclib itself
 reads whatever length a message announces); HTTP/2 flow control bounds the bytes held per
 stream and connection (grpclib acknowledges data only as it is read); streams per
-connection are capped (`max_streams`, beside the picker's own cap across connections);
+connection are capped (twice `max_streams`, the picker's own cap across connections);
 header lists at h2's 64 KiB.
 """
 
@@ -189,8 +189,10 @@ def _server(handlers: list[Any], max_streams: int) -> Server:
     class Protocol(H2Protocol):
         def connection_made(self, transport: Any) -> None:
             super().connection_made(Coalescing(transport))
-            h2 = self.connection._connection  # h2 caps a connection at 100 streams
-            h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: max_streams})
+            # h2 caps a connection at 100 streams; above the picker's own cap, so that a
+            # stream past it reaches the picker and is refused (not queued by the client)
+            h2 = self.connection._connection
+            h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: 2 * max_streams})
             self.connection.flush()
 
     class PickerServer(Server):
