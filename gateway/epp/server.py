@@ -41,9 +41,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-import grpc
 from aiohttp import web
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpclib.const import Status
+from grpclib.server import Server
 from kubellm.gateway.discovery.base import (
     Discovery,
     ModelTarget,
@@ -52,7 +52,7 @@ from kubellm.gateway.discovery.base import (
     pool_cut,
 )
 from kubellm.gateway.epp import messages as m
-from kubellm.gateway.epp import prefill
+from kubellm.gateway.epp import prefill, rpc
 from kubellm.gateway.epp.settings import PickerSettings
 from kubellm.gateway.protocol import errors, usage
 from kubellm.gateway.protocol.errors import GatewayError
@@ -164,11 +164,11 @@ class EndpointPicker:
         if self._client is not None:
             await self._client.close()
 
-    async def process(self, requests: Any, context: Any) -> None:
+    async def process(self, context: rpc.Call) -> None:
         """One ext_proc stream: one HTTP exchange, read and written with the call's
-        `read` / `write` (cheaper per message than an async generator's iteration).
-        Messages out of the protocol's order close the stream with INVALID_ARGUMENT;
-        whatever ends it, every slot the exchange acquired is released (`Exchange.close`)."""
+        `read` / `write` (rpc.py). Messages out of the protocol's order close the stream
+        with INVALID_ARGUMENT; whatever ends it, every slot the exchange acquired is
+        released (`Exchange.close`)."""
         settings = self.settings
         if self.streams >= settings.max_streams:
             # The client's first message is read before the refusal: a message arriving on a
@@ -177,7 +177,7 @@ class EndpointPicker:
             loop = asyncio.get_running_loop()
             await _read_by(context, loop.time() + min(REFUSAL_READ_S, settings.body_timeout))
             await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Status.RESOURCE_EXHAUSTED,
                 f"the endpoint picker holds {self.streams} ext_proc streams (--max-streams)",
             )
             return
@@ -194,7 +194,7 @@ class EndpointPicker:
                 if request is None:  # the request did not arrive whole in time
                     await context.write(exchange.refuse(errors.body_timeout(settings.body_timeout)))
                     return
-                if request is grpc.aio.EOF:
+                if request is rpc.EOF:
                     return
                 if (
                     not exchange.routed
@@ -231,7 +231,7 @@ class EndpointPicker:
             exchange.close()
         if violation is not None:
             log.warning("ext_proc stream closed: %s", violation)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(violation))
+            await context.abort(Status.INVALID_ARGUMENT, str(violation))
 
 
 class OutOfOrder(Exception):
@@ -616,28 +616,18 @@ _KINDS = frozenset(kind for kinds in _ALLOWED.values() for kind in kinds)
 # ---------------------------------------------------------------------------- servers
 
 
-def ext_proc_handler(picker: EndpointPicker) -> grpc.GenericRpcHandler:
-    """The ExternalProcessor service, (de)serialised with messages.py's protobuf classes."""
-    return grpc.method_handlers_generic_handler(
-        m.SERVICE,
-        {
-            m.METHOD: grpc.stream_stream_rpc_method_handler(
-                picker.process, request_deserializer=m.parse, response_serializer=m.serialize
-            )
-        },
-    )
-
-
 @dataclass
 class Servers:
-    grpc: grpc.aio.Server
-    health: Any
+    grpc: list[Server]  # ext_proc and health on the gRPC port; health alone on its own
+    health: rpc.Health
     metrics: web.AppRunner | None
     ports: dict[str, int]
+    picker: EndpointPicker
 
     async def stop(self, grace: float = 5.0) -> None:
-        await self.health.enter_graceful_shutdown()
-        await self.grpc.stop(grace)
+        """Health says NOT_SERVING; open streams get `grace` seconds to end."""
+        self.health.set_all(rpc.NOT_SERVING)
+        await rpc.stop(self.grpc, grace, lambda: self.picker.streams == 0)
         if self.metrics is not None:
             await self.metrics.cleanup()
 
@@ -650,27 +640,15 @@ async def serve(
     metrics_port: int | None = 9090,
 ) -> Servers:
     """Start the gRPC server (ext_proc and health on `grpc_port`, health alone on
-    `health_port` too) and the `/metrics` HTTP server; port 0 picks a free one."""
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", picker.settings.max_body_bytes + (1 << 20)),
-            ("grpc.max_send_message_length", picker.settings.max_body_bytes + (1 << 20)),
-            # HTTP/2 flow control bounds what gRPC itself buffers for a stream the picker
-            # has not read yet: without BDP probing the window stays at its initial size
-            # instead of growing to megabytes per stream (40 streams sending 7 MiB each grew
-            # the process by ~200 MiB with it, --max-buffered-bytes notwithstanding).
-            ("grpc.http2.bdp_probe", 0),
-        ]
-    )
-    server.add_generic_rpc_handlers((ext_proc_handler(picker),))
-    checker = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-    ports = {"grpc": server.add_insecure_port(f"{host}:{grpc_port}")}
+    `health_port` too; rpc.py) and the `/metrics` HTTP server; port 0 picks a free one."""
+    settings = picker.settings
+    checker = rpc.Health(HEALTH_SERVICES)
+    ext_proc = rpc.ExtProc(picker.process, settings.max_body_bytes + (1 << 20))
+    server, port = await rpc.start([ext_proc, checker], host, grpc_port, settings.max_streams)
+    servers, ports = [server], {"grpc": port}
     if health_port is not None:
-        ports["health"] = server.add_insecure_port(f"{host}:{health_port}")
-    await server.start()
-    for name in HEALTH_SERVICES:
-        await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+        alone, ports["health"] = await rpc.start([checker], host, health_port, 16)
+        servers.append(alone)
     runner = None
     if metrics_port is not None:
         runner = web.AppRunner(metrics_app(picker), access_log=None)
@@ -679,7 +657,7 @@ async def serve(
         await site.start()
         sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
         ports["metrics"] = sockets[0].getsockname()[1] if sockets else metrics_port
-    return Servers(server, checker, runner, ports)
+    return Servers(servers, checker, runner, ports, picker)
 
 
 def metrics_app(picker: EndpointPicker) -> web.Application:

@@ -149,3 +149,16 @@ async def test_out_of_order_messages_are_invalid_argument_and_release_every_slot
         {"model": "tiny", "deployment": "tiny", "namespace": "default"},
     )
     assert not series  # no request left pending
+
+
+async def test_a_message_longer_than_the_limit_is_refused_before_it_is_read(picker_server):
+    # grpclib reads whatever length a message's prefix announces: the picker's server
+    # checks the prefix first (rpc.Call.read), so a peer cannot make it hold an endless
+    # message; the limit is the body limit plus 1 MiB for the rest of the message.
+    picker, address = picker_server
+    size = picker.settings.max_body_bytes + (2 << 20)
+    huge = ext.ProcessingRequest(request_body=ext.HttpBody(body=b"x" * size, end_of_stream=True))
+    answers, code = await _exchange(address, [_headers("/v1/completions", end=False), huge])
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(answers) == 1  # the headers' answer; nothing for the refused message
+    await eventually(lambda: picker.streams == 0 and picker.buffered == 0, 5, "the stream to end")

@@ -1,0 +1,228 @@
+"""The picker's gRPC server: ext_proc and the gRPC health services on grpclib (asyncio
+HTTP/2 on the `h2` library), in the event loop's own thread.
+
+Why not grpcio's grpc.aio: its C core polls and completes on threads of its own and hands
+every message to the event loop and back (17-22 context switches per request across 13
+threads, 1.9 ms of CPU per request with Envoy, issue 38). Here a message is read, routed
+and answered in one turn of the loop, and the writes of one turn leave in one send
+(`Coalescing`): ~0.3 context switches per request (docs/operations.md, "The endpoint
+picker's cost").
+
+Bounds a hostile peer meets (the port has no authentication): a message longer than
+`max_message` is refused with RESOURCE_EXHAUSTED before its bytes are read (grpclib itself
+reads whatever length a message announces); HTTP/2 flow control bounds the bytes held per
+stream and connection (grpclib acknowledges data only as it is read); streams per
+connection are capped (twice `max_streams`, the picker's own cap across connections);
+header lists at h2's 64 KiB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from grpc_health.v1 import health_pb2
+from grpclib import const
+from grpclib.encoding.base import CodecBase
+from grpclib.exceptions import GRPCError
+from grpclib.protocol import H2Protocol
+from grpclib.server import Server, Stream
+from h2.settings import SettingCodes
+from kubellm.gateway.epp import messages as m
+
+EOF = object()  # `Call.read` at the end of the client's messages
+HEALTH = "grpc.health.v1.Health"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Codec(CodecBase):
+    """Messages parsed by their class (messages.py's descriptor pool for ext_proc); answers
+    written as messages, or as the bytes messages.py keeps for the constant ones."""
+
+    __content_subtype__ = "proto"
+
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        return m.serialize(message)
+
+    def decode(self, data: bytes, message_type: Any) -> Any:
+        return message_type.FromString(data)
+
+
+class Call:
+    """One ext_proc stream as `EndpointPicker.process` reads and writes it."""
+
+    __slots__ = ("max_message", "stream")
+
+    def __init__(self, stream: Stream, max_message: int) -> None:
+        self.stream = stream
+        self.max_message = max_message
+
+    async def read(self) -> Any:
+        """The next message, or EOF. Its length prefix is checked before its bytes are
+        read (grpclib's `recv_message` would read any length)."""
+        raw = self.stream._stream  # grpclib.protocol.Stream: the HTTP/2 stream's data
+        prefix = await raw.recv_data(5)
+        if not prefix:
+            return EOF
+        compressed, length = struct.unpack(">?I", prefix)
+        if compressed:
+            raise GRPCError(const.Status.UNIMPLEMENTED, "compressed messages are not accepted")
+        if length > self.max_message:
+            raise GRPCError(
+                const.Status.RESOURCE_EXHAUSTED,
+                f"message of {length} bytes exceeds the limit of {self.max_message}",
+            )
+        data = await raw.recv_data(length)
+        if len(data) != length:
+            raise GRPCError(const.Status.INVALID_ARGUMENT, "the stream ended inside a message")
+        return m.parse(data)
+
+    async def write(self, answer: Any) -> None:
+        await self.stream.send_message(answer)
+
+    async def abort(self, status: const.Status, details: str) -> None:
+        raise GRPCError(status, details)
+
+
+Process = Callable[[Call], Awaitable[None]]
+
+
+class ExtProc:
+    """The ExternalProcessor service: each stream handed to `process` as a `Call`."""
+
+    def __init__(self, process: Process, max_message: int) -> None:
+        self.process, self.max_message = process, max_message
+
+    async def _process(self, stream: Stream) -> None:
+        await self.process(Call(stream, self.max_message))
+
+    def __mapping__(self) -> dict[str, const.Handler]:
+        return {
+            f"/{m.SERVICE}/{m.METHOD}": const.Handler(
+                self._process,
+                const.Cardinality.STREAM_STREAM,
+                m.ProcessingRequest,
+                m.ProcessingResponse,
+            )
+        }
+
+
+class Health:
+    """gRPC health (`grpc.health.v1`, the messages of grpcio-health-checking): Check, and
+    Watch answering the status now and at each change."""
+
+    def __init__(self, services: Iterable[str]) -> None:
+        self.status = dict.fromkeys(services, SERVING)
+        self.changed = asyncio.Event()
+
+    def set_all(self, status: int) -> None:
+        self.status = dict.fromkeys(self.status, status)
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def _of(self, service: str) -> int:
+        status = self.status.get(service)
+        if status is None:
+            raise GRPCError(const.Status.NOT_FOUND, f"unknown service {service!r}")
+        return status
+
+    async def check(self, stream: Stream) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        await stream.send_message(health_pb2.HealthCheckResponse(status=self._of(request.service)))
+
+    async def watch(self, stream: Stream) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        while True:
+            changed = self.changed
+            await stream.send_message(
+                health_pb2.HealthCheckResponse(status=self._of(request.service))
+            )
+            await changed.wait()
+
+    def __mapping__(self) -> dict[str, const.Handler]:
+        one, many = const.Cardinality.UNARY_UNARY, const.Cardinality.UNARY_STREAM
+        request, response = health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+        return {
+            f"/{HEALTH}/Check": const.Handler(self.check, one, request, response),
+            f"/{HEALTH}/Watch": const.Handler(self.watch, many, request, response),
+        }
+
+
+class Coalescing:
+    """A transport whose writes within one turn of the event loop leave in one send:
+    grpclib writes each frame group as it is made (headers, a message, the trailers), and
+    on loopback every send also runs the receiver's TCP path."""
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self.pending: list[bytes] = []
+        self.loop = asyncio.get_running_loop()
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self.pending:
+            self.loop.call_soon(self.flush)
+        self.pending.append(data)
+
+    def flush(self) -> None:
+        if self.pending:
+            data = b"".join(self.pending)
+            self.pending.clear()
+            if not self.transport.is_closing():
+                self.transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the transport's interface
+        return getattr(self.transport, name)
+
+
+def _server(handlers: list[Any], max_streams: int) -> Server:
+    class Protocol(H2Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(Coalescing(transport))
+            # h2 caps a connection at 100 streams; above the picker's own cap, so that a
+            # stream past it reaches the picker and is refused (not queued by the client)
+            h2 = self.connection._connection
+            h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: 2 * max_streams})
+            self.connection.flush()
+
+    class PickerServer(Server):
+        def _protocol_factory(self) -> H2Protocol:
+            made = super()._protocol_factory()
+            return Protocol(made.handler, made.config, made.h2_config)
+
+    return PickerServer(handlers, codec=Codec())
+
+
+async def start(handlers: list[Any], host: str, port: int, max_streams: int) -> tuple[Server, int]:
+    """A server of `handlers` listening on host:port (0: a free one); with its port."""
+    server = _server(handlers, max_streams)
+    await server.start(host, port, reuse_address=True)
+    sockets = server._server.sockets if server._server is not None else []
+    return server, sockets[0].getsockname()[1]
+
+
+async def stop(servers: Iterable[Server], grace: float, idle: Callable[[], bool]) -> None:
+    """Stop accepting connections; give open streams until `idle()` or `grace` seconds,
+    then end them (grpclib's `close` cancels every stream at once)."""
+    servers = list(servers)
+    for server in servers:
+        if server._server is not None:
+            server._server.close()  # the listening sockets only
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    while not idle() and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    for server in servers:
+        server.close()
+    for server in servers:
+        await server.wait_closed()
