@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
             )
         )  # fmt: skip
     tune_gc()
-    asyncio.run(server.serve([(s, None) for s in servers]))
+    with asyncio.Runner(loop_factory=server.event_loop_factory()) as runner:
+        runner.run(server.serve([(s, None) for s in servers]))
     return 0
 
 

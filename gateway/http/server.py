@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 import socket
 import time
@@ -133,6 +134,20 @@ def guarded_protocol(limits: ClientLimits, on_refused: Callable[[], None]) -> ty
                 super().eof_received()
 
     return GuardedProtocol
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when installed (what `uvicorn.run` would pick; 12-16% fewer
+    instructions per non-streamed request than asyncio's, docs/operations.md), else
+    asyncio's (None: `asyncio.Runner`'s default); KUBELLM_GATEWAY_LOOP=asyncio forces
+    asyncio's."""
+    if os.environ.get("KUBELLM_GATEWAY_LOOP") == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def config(

@@ -37,6 +37,7 @@ which vLLM's server uses) is closed rather than reused.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections import deque
 from collections.abc import Callable
@@ -467,6 +468,19 @@ class Response:
             conn.close()
 
 
+@functools.lru_cache(maxsize=4096)
+def _split(url: str) -> tuple[tuple[str, int], str, str]:
+    """A replica URL's (host, port), request target and Host header, parsed once per URL
+    (the same few URLs take every request)."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"only http:// URLs are supported, not {url!r}")
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    return (parts.hostname, parts.port or 80), target, parts.netloc.rsplit("@", 1)[-1]
+
+
 class Pool:
     """Keep-alive connections per host:port, and the requests sent over them."""
 
@@ -539,14 +553,7 @@ class Pool:
         connect_timeout: float | None = None,
     ) -> Response:
         """Send `body` to `url`; return once the status line and headers have arrived."""
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"only http:// URLs are supported, not {url!r}")
-        key = (parts.hostname, parts.port or 80)
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
-        host = parts.netloc.rsplit("@", 1)[-1]
+        key, target, host = _split(url)
         lines = [f"POST {target} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n"]
         given: set[str] = set()
         for name, value in headers.items():
