@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from collections.abc import Callable
 
 from kubellm.gateway.epp.settings import PickerSettings
 from kubellm.gateway.routing import flags
+
+from kubellm.event_loop import loop_factory
 
 _D = PickerSettings()
 
@@ -99,15 +100,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop when installed (as uvicorn picks it for the gateway), else
-    asyncio's; KUBELLM_EPP_LOOP=asyncio forces asyncio's."""
-    if os.environ.get("KUBELLM_EPP_LOOP") == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
+    """The loop the picker serves on (kubellm.event_loop): KUBELLM_EPP_LOOP=asyncio
+    forces asyncio's."""
+    return loop_factory("KUBELLM_EPP_LOOP")
 
 
 def run(args: argparse.Namespace) -> int:

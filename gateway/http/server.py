@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import resource
 import socket
 import time
@@ -32,6 +31,8 @@ import uvicorn
 from kubellm.gateway.http.settings import ClientLimits
 from kubellm.gateway.protocol.errors import headers_too_large, server_busy
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from kubellm.event_loop import loop_factory
 
 log = logging.getLogger("kubellm.gateway")
 
@@ -137,17 +138,9 @@ def guarded_protocol(limits: ClientLimits, on_refused: Callable[[], None]) -> ty
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop when installed (what `uvicorn.run` would pick; 12-16% fewer
-    instructions per non-streamed request than asyncio's, docs/operations.md), else
-    asyncio's (None: `asyncio.Runner`'s default); KUBELLM_GATEWAY_LOOP=asyncio forces
-    asyncio's."""
-    if os.environ.get("KUBELLM_GATEWAY_LOOP") == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
+    """The loop the gateway serves on (kubellm.event_loop): KUBELLM_GATEWAY_LOOP=asyncio
+    forces asyncio's."""
+    return loop_factory("KUBELLM_GATEWAY_LOOP")
 
 
 def config(
