@@ -225,7 +225,7 @@ def loaded_fleet(doc: dict[str, Any], replicas: int, load_args: tuple[int, int, 
         path = Path(tmp) / "canary.yaml"
         path.write_text(yaml.safe_dump(doc))
         fleet = Fleet(path, Path(tmp) / "run", _free_port(), Path(tmp) / "fleet.log", engine)
-        load = Load(fleet.url, *load_args)
+        load = Load(fleet.url, *load_args, deadline=start_timeout + 600.0)
         threads: list[threading.Thread] = []
         try:
             wait(lambda: len(fleet.ready()) == replicas, start_timeout, "the stable replicas")
@@ -388,7 +388,7 @@ def vllm_shadow_run(*, concurrency: int = 4, prefixes: int = 40, seed: int = 7,
             spec["rollout"]["analysis"]["quality"] = {}
             docs.append(doc)
         revs = [revision(api.LLMDeployment.model_validate(d)) for d in docs]
-        load_args = (concurrency, prefixes, seed)
+        load_args = (concurrency, prefixes, seed)  # the load lasts the engines' starts too
         with loaded_fleet(docs[0], 1, load_args, out, "vllm", timeout) as (path, fleet, load):
             for name, doc, rev in zip(("same", "4bit"), docs[1:], revs[1:], strict=True):
                 if name not in names:
