@@ -411,6 +411,37 @@ def summary(name: str, runs: list[dict[str, Any]]) -> str:
             f"{max(real)} |")  # fmt: skip
 
 
+def tables(out: dict[str, Any]) -> list[str]:
+    """The summary per revision, then one row per run."""
+    rows = ["| revision | agreement | per-token | divergence (nats/token) | shadow step pass/fail "
+            "| promoted | rolled back | inconclusive | mirrored requests for the verdict | real "
+            "requests before the shadow verdict (max) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    rows += [summary(name, got["runs"]) for name, got in out["revisions"].items()]
+    return [*rows, "", *per_run_table(out["revisions"])]
+
+
+def per_run_table(revisions: dict[str, Any]) -> list[str]:
+    """One row per run: the shadow step's figures at its verdict and the rollout's end."""
+
+    def fig(value: Any, form: str = ".3f") -> str:
+        return "-" if value is None else format(value, form)
+
+    rows = ["| revision | run | agreement | per-token | divergence | shadow step | verdict "
+            "(reason, step) | mirrored at the verdict | real before it | real at the end |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, got in revisions.items():
+        for i, r in enumerate(got["runs"], 1):
+            why = f" ({r.get('reason')}, step {r.get('step')})" if r.get("reason") else ""
+            rows.append(f"| {name} | {i} | {fig(r.get('agreement'))} | "
+                        f"{fig(r.get('token_agreement'))} | {fig(r.get('divergence'), '.4f')} | "
+                        f"{r.get('shadow_verdict') or '-'} | {r['verdict']}{why} | "
+                        f"{fig(r.get('shadow_mirrored'), '.0f')} | "
+                        f"{fig(r.get('shadow_real'), '.0f')} | "
+                        f"{fig(r.get('real'), '.0f')} |")  # fmt: skip
+    return rows
+
+
 async def main_async(args: argparse.Namespace, engines: Any, work: Path) -> dict[str, Any]:
     from bench.shadow_quality import prompts
 
@@ -483,7 +514,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the TTFT pairs' engine placements (shared pinned)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write every figure here")
     parser.add_argument("-v", "--verbose", action="store_true", help="print each new verdict")
+    parser.add_argument("--tables", type=Path,
+                        help="only print the tables of an earlier run's --json file")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.tables:
+        for row in tables(json.loads(args.tables.read_text())):
+            print(row)
+        return 0
     from tests.fixtures import engines
 
     print(f"load average {os.getloadavg()[0]:.1f}; {args.runs} runs per revision; shadow "
@@ -491,13 +528,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         out = asyncio.run(main_async(args, engines, Path(tmp)))
-    print("| revision | agreement | per-token | divergence (nats/token) | shadow step pass/fail "
-          "| promoted | rolled "
-          "back | inconclusive | mirrored requests for the verdict | real requests before "
-          "the shadow verdict (max) |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, got in out["revisions"].items():
-        print(summary(name, got["runs"]))
+    for row in tables(out):
+        print(row)
     for key, pairs in out.get("ttft", {}).items():
         ratios, loads = [p["ratio"] for p in pairs], [p["load"] for p in pairs]
         extra = [p["with"]["tokens_per_request"] / max(p["without"]["tokens_per_request"], 1e-9)

@@ -216,18 +216,19 @@ def hit_rate(fleet: Fleet, seconds: float) -> float:
 
 @contextlib.contextmanager
 def loaded_fleet(doc: dict[str, Any], replicas: int, load_args: tuple[int, int, int],
-                 out: dict[str, Any]) -> Iterator[tuple[Path, Fleet, Load]]:  # fmt: skip
-    """`kubellm up --watch` on `doc`, its stable replicas ready, a bounded load running
-    (`load_args`: concurrency, prefixes, seed): (manifest path, fleet, load). On the way out
-    the load and the fleet stop and `out["fleet_log_tail"]` keeps the log's end."""
+                 out: dict[str, Any], engine: str = "sim",
+                 start_timeout: float = 60.0) -> Iterator[tuple[Path, Fleet, Load]]:  # fmt: skip
+    """`kubellm up --engine ENGINE --watch` on `doc`, its stable replicas ready, a bounded load
+    running (`load_args`: concurrency, prefixes, seed): (manifest path, fleet, load). On the
+    way out the load and the fleet stop and `out["fleet_log_tail"]` keeps the log's end."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "canary.yaml"
         path.write_text(yaml.safe_dump(doc))
-        fleet = Fleet(path, Path(tmp) / "run", _free_port(), Path(tmp) / "fleet.log")
-        load = Load(fleet.url, *load_args)
+        fleet = Fleet(path, Path(tmp) / "run", _free_port(), Path(tmp) / "fleet.log", engine)
+        load = Load(fleet.url, *load_args, deadline=start_timeout + 600.0)
         threads: list[threading.Thread] = []
         try:
-            wait(lambda: len(fleet.ready()) == replicas, 60, "the stable replicas")
+            wait(lambda: len(fleet.ready()) == replicas, start_timeout, "the stable replicas")
             threads = load.start()
             yield path, fleet, load
         finally:
@@ -352,6 +353,82 @@ def shadow_run(*, replicas: int = 2, concurrency: int = 4, prefixes: int = 40, s
     return out
 
 
+def vllm_shadow_run(*, concurrency: int = 4, prefixes: int = 40, seed: int = 7,
+                    timeout: float = 900.0,
+                    names: tuple[str, ...] = ("same", "4bit")) -> dict[str, Any]:  # fmt: skip
+    """The shadow step on `kubellm up --engine vllm --watch` (real vLLM on CPU, the tiny
+    checkpoint, one replica): the same weights under a new source (identical revisions:
+    promoted through the shadow step and a 50% step), then the weights rounded to 4 bits
+    (rolled back in the shadow step). The clients sample (the engine's default decoding):
+    each drawn request gets a seed from the gateway, so the one busy stable replica is never
+    asked again. Shipped quality defaults (minMirroredRequests 50), share 0.5, no SLO (a
+    tiny CPU engine on shared cores has none to keep). `names`: which of the two, in order."""
+    from bench.shadow_quality import round_to_4_bits
+    from kubellm import api
+    from kubellm.contracts import revision
+    from tests.fixtures import engines
+
+    base = engines.ensure_tiny_model()
+    steps = [{"weight": 0, "pauseSeconds": 2}, {"weight": 50, "pauseSeconds": 2}]
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        same, rounded = Path(tmp) / "same", Path(tmp) / "4bit"
+        same.symlink_to(base, target_is_directory=True)
+        round_to_4_bits(base, rounded)
+        docs = []
+        for directory in (base, same, rounded):
+            doc = manifest(f"file://{directory}", 1, steps, 15)
+            spec = doc["spec"]
+            spec.pop("slo")
+            spec["engine"] = {"dtype": "float32", "maxModelLen": engines.TINY_MAX_MODEL_LEN,
+                              "blockSize": engines.TINY_BLOCK_SIZE,
+                              "extraArgs": list(engines.TINY_EXTRA_ARGS)}  # fmt: skip
+            spec["resources"] = {"gpu": {"count": 0}}
+            spec["rollout"]["shadow"] = {"share": 0.5}
+            spec["rollout"]["analysis"]["quality"] = {}
+            docs.append(doc)
+        revs = [revision(api.LLMDeployment.model_validate(d)) for d in docs]
+        load_args = (concurrency, prefixes, seed)  # the load lasts the engines' starts too
+        with loaded_fleet(docs[0], 1, load_args, out, "vllm", timeout) as (path, fleet, load):
+            for name, doc, rev in zip(("same", "4bit"), docs[1:], revs[1:], strict=True):
+                if name not in names:
+                    continue
+                t0 = time.monotonic()
+                path.write_text(yaml.safe_dump(doc))
+                shadow = wait(lambda rev=rev: (r := fleet.rollout()).get("canaryRevision") == rev
+                              and (r.get("step", 1) > 1 or r.get("phase") != "Progressing")
+                              and r, timeout, f"{name}: the shadow step's verdict")  # fmt: skip
+                verdict = shadow.get("verdict") or {}
+                figures = verdict.get("canary") or {}
+                final = wait(lambda rev=rev: (r := fleet.rollout()).get("revision") == rev
+                             and r.get("phase") in ("Stable", "RolledBack") and r, timeout,
+                             f"{name}: the rollout's end")  # fmt: skip
+                out[name] = {"shadow_step": shadow.get("step"), "shadow_phase": shadow.get("phase"),
+                             "verdict": verdict.get("message"), "mirrored": figures.get("mirrored"),
+                             "agreement": figures.get("agreement"),
+                             "token_agreement": figures.get("tokenAgreement"),
+                             "real_before_verdict": figures.get("requests", 0),
+                             "final": final.get("phase"), "reason": final.get("rolledBackReason"),
+                             "seconds": round(time.monotonic() - t0, 1),
+                             "failed_requests": len(load.failures)}  # fmt: skip
+                print(f"{name}: {json.dumps(out[name])}", flush=True)
+                wait(lambda: not fleet.state().get("canaryReplicas"), 120, "the canary gone")
+            out["requests"] = len(load.done)
+            out["shed"] = {k: v for k, v in _shed(fleet.metrics()).items() if v}
+    return out
+
+
+def _shed(text: str) -> dict[str, float]:
+    """kubellm_gateway_mirror_shed_total by reason."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kubellm_gateway_mirror_shed_total":
+                reason = sample.labels.get("reason", "")
+                out[reason] = out.get(reason, 0.0) + sample.value
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=3)
@@ -364,7 +441,24 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="instead: a whole rollout through a shadow step (shadow_run)",
     )
+    parser.add_argument("--only", nargs="*", default=["same", "4bit"],
+                        help="with --vllm: the revisions, in order (same 4bit)")  # fmt: skip
+    parser.add_argument("--vllm", action="store_true",
+                        help="with --shadow: real vLLM on CPU (vllm_shadow_run; under "
+                        "flock /tmp/vllm.lock)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.shadow and args.vllm:
+        figures = vllm_shadow_run(concurrency=args.concurrency, seed=args.seed,
+                                  names=tuple(args.only))  # fmt: skip
+        tail = figures.pop("fleet_log_tail")
+        print(json.dumps(figures))
+        same, rounded = figures.get("same"), figures.get("4bit")
+        ok = ((same is None or same["final"] == "Stable")
+              and (rounded is None or (rounded["final"] == "RolledBack"
+                                       and rounded["shadow_step"] == 1
+                                       and rounded["real_before_verdict"] == 0)))  # fmt: skip
+        print("acceptance:", "met" if ok else f"NOT met\n{tail}")
+        return 0 if ok else 1
     if args.shadow:
         figures = shadow_run(concurrency=args.concurrency, seed=args.seed)
         figures.pop("fleet_log_tail")

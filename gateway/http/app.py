@@ -253,6 +253,9 @@ class Gateway:
         if ticket.route == "fallback":
             assert target.fallback is not None
             return await self._forward_fallback(call, ticket, target.fallback, body, stream)
+        mirrored = self.mirror.draw(target)  # the shadow step's share
+        if mirrored and (seeded := self.mirror.seeded(body, call.path)) is not None:
+            body, raw = seeded, json.dumps(seeded, ensure_ascii=False).encode()
         strip = stream and caller is not None and not usage.wants_usage(body)
         if strip:  # its tenant is charged the replica's usage, which the client did not ask
             raw = json.dumps(usage.asking_usage(body), ensure_ascii=False).encode()
@@ -275,8 +278,9 @@ class Gateway:
             opened = await relay.open_upstream(forward, ticket, self.replicas, self.client)
         except relay.AllUpstreamsFailed as failed:
             return await call.error(ticket.attempts_failed(len(failed.failures)))
-        if target.canary is not None:  # the shadow step: after the request went out
-            self.mirror.offer(target, opened.url, call.path, body, routing.prompt_chars, ticket)
+        if mirrored:  # the shadow step: after the request went out
+            self.mirror.offer(target, opened.url, call.path, body, routing.prompt_chars, ticket,
+                              drawn=True)  # fmt: skip
         if opened.assembled:
             assert opened.body is not None
             opened.response.close()

@@ -325,7 +325,10 @@ class Mirror:
     The canary is asked once the client's answer from stable ended (the client's request is
     never slowed by its own mirror). When the client asked for greedy or seeded decoding,
     its own answer (kept as it passed, bounded) is the stable side's reference and only the
-    canary is asked, with the client's decoding. Otherwise both are asked for a greedy
+    canary is asked, with the client's decoding. The HTTP gateway draws before forwarding
+    (`draw`) and gives a drawn request that samples without a seed a random one (`seeded`),
+    so its answer is a reference too. Otherwise (several choices, beam search, the endpoint
+    picker, which forwards nothing itself) both are asked for a greedy
     answer, and the stable replica only when it is idle (nothing running or waiting there,
     no other reference ask of this gateway on it): shed first (`stable-busy`), never
     queued behind or beside the clients' requests."""
@@ -342,19 +345,38 @@ class Mirror:
         self.asking: dict[str, int] = {}  # reference asks per stable replica
         self.tasks: set[asyncio.Task[None]] = set()
 
+    def draw(self, target: ModelTarget) -> bool:
+        """Before a request is forwarded: whether the step's share draws it for the mirror
+        (`offer(..., drawn=True)` once a replica took it)."""
+        split = target.canary
+        share = split.shadow_share if split is not None else 0.0
+        return share > 0 and self.rng.random() < share
+
+    def seeded(self, body: Mapping[str, Any], path: str) -> dict[str, Any] | None:
+        """A drawn request that samples with no `seed` (and one choice), with a random one
+        added before it is forwarded: the engine honours it, the client's answer is drawn
+        from the same distribution, and that answer becomes the stable side's reference
+        (the stable replica is not asked again). None: forwarded as it is (greedy, seeded
+        by the client, whose seed is never replaced, or not reusable anyway)."""
+        if "seed" in body or reusable(body, path) or not reusable({**body, "seed": 0}, path):
+            return None
+        return {**body, "seed": self.rng.randrange(1 << 31)}
+
     def offer(
         self, target: ModelTarget, url: str, path: str, body: Mapping[str, Any],
-        prompt_chars: int, ticket: Any = None,
+        prompt_chars: int, ticket: Any = None, drawn: bool = False,
     ) -> bool:  # fmt: skip
         """A stable replica `url` took a request: mirror it when the step's share draws it
-        and the canary has room; `ticket` (lifecycle.Ticket): the request's, whose answer
-        the mirror waits for (and reuses where it can); None: mirror at once. Whether a
-        mirror was taken."""
+        (`drawn`: `draw` did already) and the canary has room; `ticket`
+        (lifecycle.Ticket): the request's, whose answer the mirror waits for (and reuses
+        where it can); None: mirror at once. Whether a mirror was taken."""
         split = target.canary
         if split is None or split.shadow_share <= 0:  # weight 0: the shadow step
             return False
         revisions = {e.url: e.revision for e in target.endpoints}
-        if revisions.get(url) == split.revision or self.rng.random() >= split.shadow_share:
+        if revisions.get(url) == split.revision:
+            return False
+        if not drawn and self.rng.random() >= split.shadow_share:
             return False
         labels = (target.served_name, target.deployment, target.namespace, split.revision)
         canaries = [e.url for e in target.routable if e.revision == split.revision]

@@ -61,7 +61,7 @@ def _sum(text: str, name: str, **labels: str) -> float:
 
 
 def test_mirrored_answers_are_compared_and_never_reach_the_client(engines, gateway):
-    (_, stable), (canary_engine, canary) = engines(2, prefix="r")
+    (stable_engine, stable), (canary_engine, canary) = engines(2, prefix="r")
     gw = gateway({"tiny": _target(stable, canary)})
     client = gw.client()
     for messages in _stable_prompts(6):
@@ -72,8 +72,9 @@ def test_mirrored_answers_are_compared_and_never_reach_the_client(engines, gatew
     compared = _sum(text, metrics.GATEWAY_MIRROR_REQUESTS, revision="new")
     assert compared >= 1
     assert _sum(text, metrics.GATEWAY_MIRROR_AGREED) == 0  # "r1-t0" is not "r0-t0"
-    shadow = canary_engine.bodies[-1]  # greedy, seeded, bounded, not streamed, logprobs
-    assert (shadow["temperature"], shadow["seed"], shadow["max_tokens"]) == (0, 0, 8)
+    shadow = canary_engine.bodies[-1]  # the client's seeded draw, bounded, logprobs
+    seeds = {b["messages"][0]["content"]: b["seed"] for b in stable_engine.bodies}
+    assert (shadow["seed"], shadow["max_tokens"]) == (seeds[shadow["messages"][0]["content"]], 8)
     assert shadow["stream"] is False and shadow["logprobs"] is True
     # vLLM answers 400 to a body without its content type: the mirror says it's JSON
     assert canary_engine.headers[-1].get("content-type") == "application/json"
@@ -147,7 +148,7 @@ def test_a_shadow_step_mirrors_while_the_canary_takes_no_request(engines, gatewa
     _settled(gw, 6)
     text = _text(gw)
     assert _sum(text, metrics.GATEWAY_MIRROR_REQUESTS, revision="new") >= 1
-    assert all(b["temperature"] == 0 for b in canary_engine.bodies)  # mirrors only
+    assert all(b["logprobs"] is True for b in canary_engine.bodies)  # mirrors only
     counted = figures.parse(text, "tiny")
     assert counted.get("new", rollout.Counters()).requests == 0
 
@@ -356,3 +357,73 @@ def test_greedy_streams_through_the_gateway_cost_the_stable_replica_nothing_more
     assert compared >= 1 and _sum(text, metrics.GATEWAY_MIRROR_AGREED) == compared
     assert len(stable_engine.bodies) == len(prompts)  # the clients' requests only
     assert len(canary_engine.bodies) == compared
+
+
+# ------------------------------------------------- sampled requests get a seed before they go
+
+
+def _shape(value):
+    """An answer's keys, nested, with every leaf's type (not its value)."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in value.items() if k not in ("id", "created")}
+    if isinstance(value, list):
+        return [_shape(v) for v in value]
+    return type(value).__name__
+
+
+def test_a_sampled_request_gets_a_seed_and_its_own_answer_is_the_reference(engines, gateway):
+    """No temperature 0, no seed: the gateway adds a random seed before forwarding, so the
+    client's answer is the reference and the stable engine gets the clients' requests only
+    (before, it was asked again for a greedy answer whenever idle)."""
+    import httpx
+
+    (stable_engine, stable), (canary_engine, canary) = engines(2, prefix="r")
+    canary_engine.name = "r0"  # the same answers as the stable engine
+    gw = gateway({"tiny": _target(stable, canary)})
+    plain = gateway({"tiny": model("tiny", [stable])})  # the same replica, no shadow
+    prompts = _stable_prompts(5)
+    shapes = []
+    for messages in prompts:
+        body = {"model": "tiny", "messages": messages, "temperature": 0.7, "max_tokens": 8}
+        answers = [httpx.post(f"{g.url}/v1/chat/completions", json=body, timeout=30)
+                   for g in (gw, plain)]  # fmt: skip
+        assert [a.status_code for a in answers] == [200, 200]
+        shapes.append([_shape(a.json()) for a in answers])
+    _settled(gw, 5)
+    assert all(mirrored == unmirrored for mirrored, unmirrored in shapes)  # the same shape
+    forwarded = stable_engine.bodies[0::2]  # the shadow gateway's (then the plain one's)
+    assert len(stable_engine.bodies) == 2 * len(prompts)  # the clients' requests only
+    assert all(isinstance(b.get("seed"), int) and b["temperature"] == 0.7 for b in forwarded)
+    assert "seed" not in stable_engine.bodies[1]  # no shadow, no seed
+    assert len({b["seed"] for b in forwarded}) == len(forwarded)  # drawn per request
+    compared = _sum(_text(gw), metrics.GATEWAY_MIRROR_REQUESTS)
+    assert compared >= 1 and _sum(_text(gw), metrics.GATEWAY_MIRROR_AGREED) == compared
+    asked = {b["messages"][0]["content"]: b for b in canary_engine.bodies}
+    for sent in forwarded:  # the canary draws with the client's decoding and seed
+        if (mirror := asked.get(sent["messages"][0]["content"])) is not None:
+            assert (mirror["seed"], mirror["temperature"]) == (sent["seed"], 0.7)
+
+
+def test_a_clients_seed_is_never_replaced(engines, gateway):
+    (stable_engine, stable), (canary_engine, canary) = engines(2, prefix="r")
+    gw = gateway({"tiny": _target(stable, canary)})
+    client = gw.client()
+    for messages in _stable_prompts(3):
+        client.chat.completions.create(model="tiny", messages=messages, temperature=0.9, seed=42)
+    _settled(gw, 3)
+    assert [b["seed"] for b in stable_engine.bodies] == [42, 42, 42]
+    assert canary_engine.bodies and all(b["seed"] == 42 for b in canary_engine.bodies)
+
+
+def test_seeded_adds_a_seed_only_where_it_makes_the_answer_a_reference():
+    from kubellm.gateway.routing.canary import mirror
+
+    m, _, _ = _mirror_with({})
+    path = "/v1/completions"
+    added = m.seeded({"prompt": "x", "temperature": 0.8}, path)
+    assert added is not None and isinstance(added["seed"], int) and added["temperature"] == 0.8
+    assert mirror.reusable(added, path)
+    for body in ({"prompt": "x", "temperature": 0},  # greedy: its answer is one already
+                 {"prompt": "x", "seed": 3}, {"prompt": "x", "seed": None},  # the client's
+                 {"prompt": "x", "n": 2}, {"prompt": "x", "use_beam_search": True}):  # fmt: skip
+        assert m.seeded(body, path) is None, body
