@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         "--peers",
         default="envoy,vllm-router,envoy+epp",
         help="other paths measured beside the gateway on its core: envoy, vllm-router, and "
-        "envoy+epp (Envoy asking kubellm's endpoint picker; CPU of both processes)",
+        "envoy+epp (Envoy asking kubellm's endpoint picker; CPU of both processes), "
+        "python-floor (uvicorn + the gateway's upstream pool, no decisions: bench/_proxy/floor.py)",
     )
     p.add_argument(
         "--baseline-python",

