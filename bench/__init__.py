@@ -1,8 +1,15 @@
-"""The benchmarks: each `bench/x.py` with a `main` is a script, run from the repository root
-as `python -m bench.x [flags]` (`--help` says what it measures); the modules whose names
-start with `_` are what they share (`_fleet`: ports, health waits, core pins; `_client`: the
-streamed OpenAI client; `_envoy`, `_proxy`, `_slo`). They import each other as `bench.x`,
-absolutely: `python bench/x.py` does not run a script that imports one of them (the
-repository root is not on the path then; `python -m` puts it there, as pytest's
-`pythonpath` does for the tests that import a benchmark's pure parts).
+"""The benchmarks, laid out like the product:
+
+- `bench/gateway/`: the gateway's proxy cost, routing, tenancy, SLO routing and canary;
+- `bench/engine/`: vLLM on CPU and the simulated engine;
+- `bench/autoscaler/`: the autoscaler's policies on simulated traces, and their bounds;
+- `bench/simulation/`: fleet simulations of the routing core (KV tiers, P/D, tenancy);
+- `bench/_fleet.py` (ports, health waits, core pins), `bench/_client.py` (the streamed
+  OpenAI client): what they all share.
+
+Each top-level `bench/x.py` is a thin entry point, run from the repository root as
+`python -m bench.x [flags]` (`--help` says what it measures); its docstring names the module
+that holds the benchmark. Modules import each other absolutely (`bench.gateway.routing`):
+`python -m` puts the repository root on the path, as pytest's `pythonpath` does for the
+tests that import a benchmark's pure parts.
 """

@@ -14,7 +14,7 @@ import json
 import pytest
 from kubellm.autoscaler import policy as policies
 
-from bench import autoscale_sim
+from bench.autoscaler import autoscale_sim
 from kubellm import api
 from kubellm.simulation import experiment, traces
 from kubellm.simulation.fleet import Fleet, FleetConfig, Result

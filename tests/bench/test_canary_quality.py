@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench import canary_quality
+from bench.gateway import canary_quality
 
 
 def _run(verdict: str, agreement: float, real: int, **extra: object) -> dict[str, object]:

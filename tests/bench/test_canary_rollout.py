@@ -6,7 +6,7 @@ fails; the stable revision's prefix-cache hit rate stays within 5 points. About 
 
 from __future__ import annotations
 
-from bench import canary_rollout
+from bench.gateway import canary_rollout
 
 
 def test_good_revision_promoted_bad_one_rolled_back_hit_rate_kept() -> None:

@@ -3,8 +3,8 @@ balancer, and ranks as endpoints let prefix routing keep a prefix on one rank.""
 
 from __future__ import annotations
 
-from bench import dp_rank_routing as bench
-from bench._slo.fleet import Fleet
+from bench.gateway import dp_rank_routing as bench
+from bench.gateway._slo.fleet import Fleet
 from kubellm import api
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench import fluid_bound
+from bench.autoscaler import fluid_bound
 
 
 def test_a_flat_load_within_the_fleet_misses_nothing_and_pays_the_oracle() -> None:

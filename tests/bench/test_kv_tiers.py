@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from bench import kv_tiers
+from bench.simulation import kv_tiers
 
 
 def test_tokens_are_randranges_draws() -> None:

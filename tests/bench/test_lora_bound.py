@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench import lora_routing as bench
+from bench.gateway import lora_routing as bench
 
 
 @pytest.mark.parametrize(("n", "slots"), [(4, 1), (6, 2), (12, 2)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import pd_disagg as pd
+from bench.simulation import pd_disagg as pd
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from kubellm.engine import sim_profiles
 
-from bench._slo.fleet import CHARS_PER_TOKEN, Fleet, Job, workload
-from bench.slo_routing import capacity, goodput_at, rate_at
+from bench.gateway._slo.fleet import CHARS_PER_TOKEN, Fleet, Job, workload
+from bench.gateway.slo_routing import capacity, goodput_at, rate_at
 from kubellm import api
 
 H100 = sim_profiles.get("llama-3.1-8b-h100")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import autoscale_sim
+from bench.autoscaler import autoscale_sim
 from kubellm import cli
 from kubellm.simulation import experiment, plan, traces
 

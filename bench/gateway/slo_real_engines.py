@@ -54,10 +54,10 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import _client
-from bench.gateway_real_engines import Engines, Front
-from bench.gateway_routing import free_port, quantile, text_of_tokens
+from bench.gateway.real_engines import Engines, Front
+from bench.gateway.routing import free_port, quantile, text_of_tokens
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class PinnedEngines(Engines):

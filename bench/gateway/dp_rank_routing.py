@@ -36,7 +36,7 @@ import statistics
 from kubellm.engine import sim_profiles
 from kubellm.gateway.routing.scorers.base import RoutingRequest
 
-from bench._slo.fleet import CHARS_PER_TOKEN, Fleet, Job, Outcome
+from bench.gateway._slo.fleet import CHARS_PER_TOKEN, Fleet, Job, Outcome
 from kubellm import api
 from kubellm.bench.stats import percentile
 

@@ -42,7 +42,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAME = "canary"
 SLOW = 3.0
 HIT_POINTS = 5.0
@@ -363,7 +363,7 @@ def vllm_shadow_run(*, concurrency: int = 4, prefixes: int = 40, seed: int = 7,
     each drawn request gets a seed from the gateway, so the one busy stable replica is never
     asked again. Shipped quality defaults (minMirroredRequests 50), share 0.5, no SLO (a
     tiny CPU engine on shared cores has none to keep). `names`: which of the two, in order."""
-    from bench.shadow_quality import round_to_4_bits
+    from bench.gateway.shadow_quality import round_to_4_bits
     from kubellm import api
     from kubellm.contracts import revision
     from tests.fixtures import engines

@@ -26,7 +26,7 @@ import subprocess
 from typing import Any
 
 from bench import _fleet
-from bench._proxy import load, paths
+from bench.gateway._proxy import load, paths
 
 # wrk's Lua: each request a distinct prompt (a per-thread counter up front)
 SCRIPT = """

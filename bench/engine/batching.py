@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 from kubellm.engine import tiny
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / ".kubellm" / "models" / "tiny"
 OUTPUT_TOKENS = 64
 PROMPT = "The engine batches requests continuously. At each step the scheduler"
@@ -132,7 +132,7 @@ def main() -> None:
     for name, concurrency, rate in rows:
         print(f"{name:<40} {concurrency:>11} {rate:>13,.0f} {rate / baseline:>13.1f}x")
     if not args.skip_sim:
-        from bench import sim_throughput
+        from bench.engine import sim_throughput
 
         print()
         sim_throughput.main()

@@ -362,7 +362,7 @@ def _count(text: str, name: str) -> float:
 def variants(base: Path, work: Path, only: list[str] | None) -> dict[str, tuple[Path, str]]:
     from kubellm.engine import tiny
 
-    from bench.shadow_quality import round_to_4_bits
+    from bench.gateway.shadow_quality import round_to_4_bits
 
     out: dict[str, tuple[Path, str]] = {}
     for name in ("same", "4bit", "fewer-steps", "bf16"):
@@ -443,7 +443,7 @@ def per_run_table(revisions: dict[str, Any]) -> list[str]:
 
 
 async def main_async(args: argparse.Namespace, engines: Any, work: Path) -> dict[str, Any]:
-    from bench.shadow_quality import prompts
+    from bench.gateway.shadow_quality import prompts
 
     base = engines.ensure_tiny_model()
     texts = prompts(args.prompts)

@@ -59,7 +59,7 @@ from kubellm.gateway.routing.latency.predictions import Predictions
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.settings import Thresholds
 
-from bench._slo.fleet import (
+from bench.gateway._slo.fleet import (
     CHARS_PER_TOKEN,
     KUBELLM_POLICIES,
     PEER_POLICIES,

@@ -35,7 +35,7 @@ import httpx
 import yaml
 
 from bench import _fleet
-from bench._proxy.paths import BACKEND
+from bench.gateway._proxy.paths import BACKEND
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}
 STREAM = {"bench_chunks": 16, "bench_itl_ms": 25.0}

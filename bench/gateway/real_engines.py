@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.gateway_routing import (
+from bench.gateway.routing import (
     Fleet,
     engine_counters,
     free_port,
@@ -45,7 +45,7 @@ from bench.gateway_routing import (
     wait_healthy,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_spec(model_dir: Path) -> dict[str, Any]:

@@ -101,7 +101,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import _fleet
-from bench._proxy import inprocess, instructions, load, paths, report, wrk
+from bench.gateway._proxy import inprocess, instructions, load, paths, report, wrk
 
 PHASES = (("json-max", False), ("stream", True), ("stream-closed", True))
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from bench import _envoy, _fleet
+from bench import _fleet
+from bench.gateway import envoy as _envoy
 
 HERE = Path(__file__).resolve().parent
 BACKEND = HERE / "backend.py"

@@ -233,7 +233,7 @@ def _capacity(
 def interference(args: argparse.Namespace) -> dict[str, Any]:
     """The interference phase per mix: the chats alone (no batch: the same for every
     contender), then per contender the batch alone and both."""
-    from bench import _interference_sim as sim
+    from bench.simulation import interference as sim
 
     out: dict[str, Any] = {}
     print(f"interference: 4 x llama-3.1-8b-h100 (maxNumSeqs 16), tenants interactive "

@@ -34,7 +34,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Container
 
-from bench.gateway_routing import BLOCK, ideal_hit_rate, tenant_workload
+from bench.gateway.routing import BLOCK, ideal_hit_rate, tenant_workload
 from kubellm import kv_blocks
 from kubellm.sim_text import ApproxTokens, render_chat
 

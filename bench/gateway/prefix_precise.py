@@ -57,7 +57,7 @@ from bench._fleet import free_port, wait_healthy
 from kubellm import metrics
 from kubellm.bench.stats import percentile
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / ".kubellm" / "models" / "tiny"
 BLOCK = 32
 TEXT = (

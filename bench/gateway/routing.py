@@ -269,7 +269,7 @@ class Fleet(Processes):
 
     def _start_envoy_epp(self, policy: str) -> None:
         """Envoy asking `kubellm epp` (the Inference Extension's path), one per --gateways."""
-        from bench import _envoy
+        from bench.gateway import envoy as _envoy
 
         a = self.args
         slo = {"ttftSeconds": a.ttft_slo * a.time_scale, "itlSeconds": a.itl_slo * a.time_scale}

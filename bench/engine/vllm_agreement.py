@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / ".kubellm" / "models" / "tiny"
 VLLM_BENCH = (
     "import argparse, sys; from vllm.benchmarks import serve; "

@@ -11,7 +11,7 @@ ways, the Inference Extension's reference, which Envoy gives no mode override: e
 goes through the EPP and back), or a response mode of NONE (the EPP sees the response
 headers only: no TTFT/ITL at the EPP, the least CPU).
 
-    from bench import _envoy
+    from bench.gateway import envoy as _envoy
     path = _envoy.start(["http://127.0.0.1:8001", "http://127.0.0.1:8002"], "tiny",
                         tmp_dir, envoy_core=1, epp_core=1)
     ... send OpenAI requests to path.url ...

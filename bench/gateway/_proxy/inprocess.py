@@ -10,8 +10,8 @@ import sys
 import time
 
 from bench import _fleet
-from bench._proxy import load
-from bench._proxy.paths import BACKEND, wait_port
+from bench.gateway._proxy import load
+from bench.gateway._proxy.paths import BACKEND, wait_port
 
 free_port, pinned = _fleet.free_port, _fleet.pinned
 

@@ -1,0 +1,1 @@
+"""Benchmarks of the autoscaler's policies on simulated traces, and their bounds."""

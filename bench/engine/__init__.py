@@ -1,0 +1,1 @@
+"""Benchmarks of the engine: vLLM on CPU and the simulated engine."""

@@ -1,0 +1,1 @@
+"""Benchmarks of the gateway: its proxy cost, routing, tenancy, SLO routing, canary."""

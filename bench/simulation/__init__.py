@@ -1,0 +1,1 @@
+"""Fleet simulations of the routing core (KV tiers, P/D, tenancy) on simulated clocks."""
