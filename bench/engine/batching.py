@@ -1,7 +1,7 @@
 """The batching "bus", measured: vLLM CPU output tokens/s at 1, 8 and 32 concurrent
 requests on the tiny checkpoint, against plain `transformers` `generate()` serving
 the same checkpoint one request at a time; then the simulator's throughput
-(bench/sim_throughput.py).
+(bench/engine/sim_throughput.py).
 
     python -m bench.engine_batching [--skip-sim]
 

@@ -2,7 +2,7 @@
 
 A DeepSeek-class MoE served wide: one replica of 16 data-parallel attention ranks
 (profile `deepseek-v3-dp16-ep-2x8xh100`: each rank its own KV pool of ~275k tokens and
-batch). Two ways to reach the ranks, on a simulated clock (bench/_slo/fleet.py: the
+batch). Two ways to reach the ranks, on a simulated clock (bench/gateway/_slo/fleet.py: the
 simulator's pure engine core per rank, the gateway's own Router and admission pass):
 
 - `ranks` (what kubellm renders, contracts.dp_ranks_per_pod): every rank is an endpoint

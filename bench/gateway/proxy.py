@@ -72,12 +72,12 @@ a time, its upstream the same raw backend; this process's CPU time per request m
 that of a bare ASGI app (before the upstream client became aiohttp this figure used
 httpx.MockTransport and wall time: the two are not strictly comparable).
 
-`--wrk [--rounds 3]`: issue 38's measurement with wrk (bench/_proxy/wrk.py): non-streamed
+`--wrk [--rounds 3]`: issue 38's measurement with wrk (bench/gateway/_proxy/wrk.py): non-streamed
 requests, one core per proxy, medians of three rounds; the gateway (shipped defaults first),
 Envoy direct, Envoy + `kubellm epp`, vllm-router if installed: req/s and CPU per request.
 
 `--instructions [--requests 300]`: the gateway server's machine instructions per
-request and per stream under valgrind's callgrind (bench/_proxy/instructions.py), with
+request and per stream under valgrind's callgrind (bench/gateway/_proxy/instructions.py), with
 `--baseline-python` the landed checkout's beside it; `--instructions-paths
 gateway,envoy+epp` counts Envoy and the picker too (each under callgrind) and prints the
 ratio of the two paths, the issue's "Envoy + picker CPU per stream" in instructions. On a
@@ -86,7 +86,7 @@ repeats to about 1%, so it is the one that decides "within 5% of the landed gate
 
 Prints a table (with the CPU of each process of a two-process path), the verdicts, and
 issue 28's ratios between the paths of the same run; writes JSON (--out, default
-bench/results/gateway_proxy.json). The pieces are in bench/_proxy/.
+bench/results/gateway_proxy.json). The pieces are in bench/gateway/_proxy/.
 """
 
 from __future__ import annotations
@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         default="envoy,vllm-router,envoy+epp",
         help="other paths measured beside the gateway on its core: envoy, vllm-router, and "
         "envoy+epp (Envoy asking kubellm's endpoint picker; CPU of both processes), "
-        "python-floor (uvicorn + the gateway's upstream pool, no decisions: bench/_proxy/floor.py)",
+        "python-floor (uvicorn + the gateway's upstream pool, no decisions: "
+        "bench/gateway/_proxy/floor.py)",
     )
     p.add_argument(
         "--baseline-python",
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "--wrk",
         action="store_true",
         help="the issue's measurement: wrk on the load core, one core per proxy, non-streamed "
-        "requests, medians of --rounds (bench/_proxy/wrk.py); needs wrk",
+        "requests, medians of --rounds (bench/gateway/_proxy/wrk.py); needs wrk",
     )
     p.add_argument("--rounds", type=int, default=3, help="--wrk: rounds per path")
     p.add_argument(

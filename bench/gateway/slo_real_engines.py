@@ -12,7 +12,7 @@ earlier contender's cached blocks cannot help it):
   latency model predicted for each answer before it learnt from it (a wrapper around
   `ReplicaModel.learn`: the prediction and the observation the ticket passed it);
 - `vllm-router:POLICY`, if the `vllm-router` binary is installed (the `bench-peers`
-  extra), runs in the gateway's place as in bench/gateway_real_engines.py.
+  extra), runs in the gateway's place as in bench/gateway/real_engines.py.
 
 Workload: Poisson arrivals at each --rates, streamed chats, prompts lognormal (median
 ~150 tokens, 20-700), a third after one of 2 shared system prompts of ~300 tokens, answers

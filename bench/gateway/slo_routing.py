@@ -1,12 +1,12 @@
 """Routing by predicted latency (spec.routing.policy slo-aware) against the other policies.
 
 One discrete-event simulation per (pool, policy, rate), on a simulated clock
-(bench/_slo/fleet.py): replicas are the simulator's pure core with the named profiles,
+(bench/gateway/_slo/fleet.py): replicas are the simulator's pure core with the named profiles,
 kubellm's policies are the gateway's own Router and Predictions, vllm-router's
 `power_of_two` and `cache_aware` are modelled on their published algorithms (the live
-Rust router is bench/gateway_routing.py's `vllm-router:POLICY`).
+Rust router is bench/gateway/routing.py's `vllm-router:POLICY`).
 
-Workload (bench/_slo/fleet.py `workload`): prompts heavy-tailed 50-8,000 tokens
+Workload (bench/gateway/_slo/fleet.py `workload`): prompts heavy-tailed 50-8,000 tokens
 (lognormal, median 600), answers 20-800 (median 150), gamma arrivals with burstiness
 0.5, a third of the requests after one of 4 shared system prompts of 1-2k tokens.
 Pools: `h100` = 4 x llama-3.1-8b-h100; `mixed` = 2 x H100 + 2 x llama-3.1-8b-a100;
@@ -86,7 +86,7 @@ POOLS = {
     "3fast1slow3x": [H100.with_overrides(max_num_seqs=32)] * 3
     + [H100.with_overrides(max_num_seqs=32).slowed(3.0)],
 }
-# Workloads (bench/_slo/fleet.py `workload`'s knobs) and each pool's own.
+# Workloads (bench/gateway/_slo/fleet.py `workload`'s knobs) and each pool's own.
 WORKLOADS: dict[str, dict[str, int]] = {
     "default": {},
     "production": {"prompt_median": 1000, "answer_median": 400, "answer_max": 2000},

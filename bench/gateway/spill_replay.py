@@ -1,6 +1,6 @@
 """Where the pressure workload's prefix hits go: an offline replay, no engines, no timing.
 
-The `pressure` workload of bench/gateway_routing.py (64 tenants' 1.5-2.5k-token prefixes,
+The `pressure` workload of bench/gateway/routing.py (64 tenants' 1.5-2.5k-token prefixes,
 Zipf popularity, a short unique question each) replayed against four LRU caches of
 --blocks blocks each (the simulator's block hashes, 16 tokens a block; each answer's own
 blocks cached too), with Poisson arrivals at --rate per simulated second and every request

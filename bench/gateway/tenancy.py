@@ -6,7 +6,7 @@ control as it was before those two: no hold, no prefill budget), `today` (no ten
 derived from the pool by default, `flow.fair_capacity`) and `off` (the same with
 `--fair-in-flight-tokens off`, the shipped defaults before); `unpaced` (`--headroom-prefill-rate
 off`: the shipped defaults before the prefill budget at each replica's learnt prefill speed
-became the default, late 2026-12-03). bench/tenancy_sim.py runs the
+became the default, late 2026-12-03). bench/simulation/tenancy_sim.py runs the
 fairness phase on a simulated clock (no processes), over workloads the default was not
 chosen on.
 

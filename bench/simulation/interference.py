@@ -56,7 +56,7 @@ class Mix:
     replicas: int = 4
 
 
-# `issue`: bench/tenancy.py's interference phase (the issue's tenants file, 4 x 8B/H100,
+# `issue`: bench/gateway/tenancy.py's interference phase (the issue's tenants file, 4 x 8B/H100,
 # maxNumSeqs 16); the rest were not tuned on: a batch backlog past the slots, twice the chat
 # rate, chats not streamed, other prompt sizes, replicas that differ.
 MIXES = {

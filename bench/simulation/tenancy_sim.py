@@ -1,7 +1,7 @@
 """Fair shares on a simulated clock: the gateway's flow control (`routing/flow.py`: the
 queues, the virtual token counters, the fair in-flight budget and its derived default)
 in front of simulated replicas (`kubellm.engine.sim_core`), no process and no wall clock,
-so the figures do not depend on the machine's load (bench/tenancy.py runs the same
+so the figures do not depend on the machine's load (bench/gateway/tenancy.py runs the same
 fairness phase through real gateway and simulator processes, in scaled wall time).
 
 Tenants of one band keep `--outstanding` requests each outstanding (closed loop, not
@@ -19,7 +19,7 @@ the pool, `fair_capacity`), `off` (`--fair-in-flight-tokens off`: counters only)
 `qQxK` (the derived rule at quantile Q, `FAIR_QUANTILE`, and K slots, `FAIR_SLOTS`),
 `N` (a fixed budget per replica).
 
-The interference scenario (`--scenarios interference`, bench/_interference_sim.py) runs
+The interference scenario (`--scenarios interference`, bench/simulation/interference.py) runs
 the gateway's own admission pass with its flow gate, load view and router (not a copy of
 them) on the same clock: an interactive tenant (priority 10) beside a batch tenant (-1),
 the issue's tenants file, per mix (`--mixes`: the issue's shape and mixes not tuned on)

@@ -11,7 +11,7 @@ within its TTFT target: `Ticket.body_needed`); Envoy honours a mode override onl
 neither body mode is FULL_DUPLEX_STREAMED. `allowed_override_modes` lists the one
 override the picker sends (`messages.skip_mode`).
 
-Used by the end-to-end tests (tests/gateway/epp) and the benchmarks (bench/_envoy.py); also a
+Used by the end-to-end tests (tests/gateway/epp) and the benchmarks (bench/gateway/envoy.py); also a
 starting point for a standalone Envoy in front of `kubellm epp` without a Gateway API
 implementation. A pure function: values in, a bootstrap dict out (YAML or JSON is the
 caller's choice).

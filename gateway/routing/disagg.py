@@ -62,7 +62,7 @@ __all__ = [
 PREFILL_DEADLINE_FACTOR = 3.0
 
 # The split's SLO cost must be under the local one's by this share to be worth a second
-# leg and a KV transfer (a prediction's error is 20-40%: bench/slo_routing.py).
+# leg and a KV transfer (a prediction's error is 20-40%: bench/gateway/slo_routing.py).
 MARGIN = 0.2
 # A prompt whose uncached part is under this is computed where it decodes: the ITL harm of
 # one chunk this small is under a millisecond on every profile, and a second leg costs an

@@ -96,7 +96,7 @@ from kubellm.gateway.routing.scorers.session import SessionScorer, SessionTable
 
 # Prefix holders and the load bound: a candidate holding at least HOLDER_SHARE of the
 # prompt's prefix may take the request up to HOLDER_SLACK x spec.routing.loadBound x the
-# mean load, not loadBound x the mean. Under cache pressure (bench/gateway_routing.py
+# mean load, not loadBound x the mean. Under cache pressure (bench/gateway/routing.py
 # --workloads pressure, seed 7) this raised the hit rate from 49.2% to 65.7% (approximate
 # index) and from 58.2% to 66.5% (precise), the fleet's pool as one LRU being 68.6%, with
 # TTFT p95 unchanged (0.086-0.087 s); see docs/operations.md.

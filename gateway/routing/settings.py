@@ -63,7 +63,7 @@ class SchedulerSettings:
     # Over 1, a front end that knows no holder of a prompt presumes its home holds it (the
     # holders' wider load bound there): another front end may have sent the prefix home.
     # At 1 it knows every holder it made, and presuming one for every unseen prompt keeps
-    # unique prompts queued at their homes (bench/slo_routing.py, mixed pool, prefix-aware:
+    # unique prompts queued at their homes (bench/gateway/slo_routing.py, mixed pool, prefix-aware:
     # 90%-rate 42.4 req/s without the presumption, 25.2 with it).
     front_ends: int = 1
     eject_after_failures: int = 3

@@ -6,7 +6,7 @@ metrics parsers (`kubellm.autoscaler`), the simulated engine's pure model
 (`kubellm.gateway.routing.admission`). Like `kubellm.fleet` (the local fleet
 `kubellm up` assembles from processes) it is a composition of components, so
 it may import them; no component imports it, and the core does not either
-(import-linter checks both). The benchmark (`bench/autoscale_sim.py`) and the
+(import-linter checks both). The benchmark (`bench/autoscaler/autoscale_sim.py`) and the
 planning command (`kubellm plan --trace`, `plan.py`) both run this one module,
 so the command's figures are the benchmark's for the same inputs.
 

@@ -10,7 +10,7 @@ token), its KV moves to the decode replica after bytes / link bandwidth, and it 
 without computing the prompt. Decode routing: prefix holder first unless 1.25x past the least
 load, else least load (the shipped prefix-aware rule's shape). The conditional decision calls
 `disagg.decide` with the replicas' exact state (what is measured is the rule, not the latency
-model's error). `bench/pd_disagg.py` and `kubellm plan --trace --pd` run it.
+model's error). `bench/simulation/pd_disagg.py` and `kubellm plan --trace --pd` run it.
 
 Goodput as DistServe defines it: the highest rate at which >= 90% of requests meet both the
 TTFT and the mean-ITL target (`goodput`: bisection over a rate).
@@ -359,7 +359,7 @@ def bound(pool: Pool, reqs: Sequence[Req]) -> float:
 # re-run would not lose to noise (a bisection's last step is 1.6% of the range).
 PAYS = 1.05
 MAX_TRACE_REQUESTS = 2000  # of the trace, from its start
-MIN_SECONDS = 40.0  # of arrivals per run at least (the trace repeated), as bench/pd_disagg.py
+MIN_SECONDS = 40.0  # of arrivals per run at least (the trace repeated), as the P/D bench
 MAX_REQUESTS = 6000  # per run at most
 
 

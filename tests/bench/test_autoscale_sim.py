@@ -1,4 +1,4 @@
-"""The fleet simulation behind bench/autoscale_sim.py, on tiny traces (seconds of CPU).
+"""The fleet simulation behind bench/autoscaler/autoscale_sim.py, on tiny traces (seconds of CPU).
 
 It asserts behaviour, not figures: a queue past its target gets a scale-up
 decision within one control period, new replicas start before they serve, a

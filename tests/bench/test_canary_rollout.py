@@ -1,4 +1,4 @@
-"""The canary rollout end to end on the local fleet (bench/canary_rollout.py): `kubellm up
+"""The canary rollout end to end on the local fleet (bench/gateway/canary_rollout.py): `kubellm up
 --engine sim --watch` under a steady, bounded load. A good revision goes through both steps
 and ends as the only one; a revision with 3x step time is rolled back within its first
 analysis window, the canary answering fewer than weight x one window's requests; no request

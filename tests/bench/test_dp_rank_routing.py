@@ -1,4 +1,4 @@
-"""bench/dp_rank_routing.py: the leader-only contender is vLLM's internal data-parallel
+"""bench/gateway/dp_rank_routing.py: the leader-only contender is vLLM's internal data-parallel
 balancer, and ranks as endpoints let prefix routing keep a prefix on one rank."""
 
 from __future__ import annotations

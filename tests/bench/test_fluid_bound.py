@@ -1,4 +1,4 @@
-"""bench/fluid_bound.py's reactive fleet on rate curves whose answer is known."""
+"""bench/autoscaler/fluid_bound.py's reactive fleet on rate curves whose answer is known."""
 
 from __future__ import annotations
 

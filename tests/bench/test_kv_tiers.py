@@ -1,4 +1,4 @@
-"""bench/kv_tiers.py: its cheaper token draws are the same draws, and the goodput
+"""bench/simulation/kv_tiers.py: its cheaper token draws are the same draws, and the goodput
 bisection finds the highest working set that meets the SLO."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What bench/lora_routing.py prints as possible before it measures: the expected slot
+"""What bench/gateway/lora_routing.py prints as possible before it measures: the expected slot
 loads of adapter-blind routing and of the ideal placement, checked against closed forms."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""bench/pd_disagg.py's simulation keeps its books: every request answered whole, the KV
+"""bench/simulation/pd_disagg.py's simulation keeps its books: every request answered whole, the KV
 held on both roles returned, a split request's prompt computed on the prefill role only."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The simulation behind bench/slo_routing.py: a replica that slows down mid-run loses its
+"""The simulation behind bench/gateway/slo_routing.py: a replica that slows down mid-run loses its
 share of requests within a minute of simulated time under slo-aware (not under
 least-load), and the 90%-rate is read off a sweep as the bench defines it."""
 

@@ -1,6 +1,6 @@
 """A near-zero-latency OpenAI-compatible backend: raw asyncio HTTP/1.1 keep-alive.
 
-    python bench/_proxy/backend.py PORT
+    python bench/gateway/_proxy/backend.py PORT
 
 Non-streamed requests get a fixed chat completion at once; streamed ones (`"stream":
 true`) get `bench_chunks` SSE chunks `bench_itl_ms` apart (the first at once), then

@@ -4,7 +4,7 @@ backend through the gateway's own upstream `Pool`, and returns the answer whole.
 admission, no routing, no metrics, no tenancy: what any gateway written on this stack
 costs per non-streamed request before it decides anything.
 
-    python bench/_proxy/floor.py BACKEND_PORT LISTEN_PORT
+    python bench/gateway/_proxy/floor.py BACKEND_PORT LISTEN_PORT
 """
 
 from __future__ import annotations

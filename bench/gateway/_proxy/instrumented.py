@@ -1,7 +1,7 @@
 """The gateway under an instrument, in its own process:
 
-    python bench/_proxy/instrumented.py profile FILE GATEWAY-ARGS...   # cProfile stats
-    python bench/_proxy/instrumented.py gc FILE GATEWAY-ARGS...        # cyclic-GC pauses
+    python bench/gateway/_proxy/instrumented.py profile FILE GATEWAY-ARGS...   # cProfile stats
+    python bench/gateway/_proxy/instrumented.py gc FILE GATEWAY-ARGS...        # cyclic-GC pauses
 
 `profile`: the stats are written to FILE when the gateway stops. `gc`: one JSON line per
 collection (CLOCK_MONOTONIC start, seconds paused, generation), written when it stops.

@@ -1,4 +1,4 @@
-"""The load generator of bench/gateway_proxy.py: raw asyncio HTTP/1.1 keep-alive
+"""The load generator of bench/gateway/proxy.py: raw asyncio HTTP/1.1 keep-alive
 connections, closed loop (one request at a time per connection) or Poisson arrivals, and
 the figures of one measured window (percentiles as `kubellm.bench.stats` defines them)."""
 

@@ -1,4 +1,4 @@
-"""The paths bench/gateway_proxy.py measures, each a process (or two) pinned to the proxy's
+"""The paths bench/gateway/proxy.py measures, each a process (or two) pinned to the proxy's
 core in front of the one backend: the gateway (this checkout's, or a landed checkout's
 with `python` from its own environment), Envoy alone, vllm-router, Envoy + `kubellm epp`,
 and a bare TCP relay. Each start returns the port to load and the pids whose CPU is the

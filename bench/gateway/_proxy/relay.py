@@ -2,7 +2,7 @@
 own backend connection, no HTTP parsing. What it adds is the floor of the topology (one
 more process and two more loopback hops) under any proxy, Python or not.
 
-    python bench/_proxy/relay.py BACKEND_PORT LISTEN_PORT
+    python bench/gateway/_proxy/relay.py BACKEND_PORT LISTEN_PORT
 """
 
 from __future__ import annotations

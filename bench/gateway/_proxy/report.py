@@ -1,4 +1,4 @@
-"""The report of bench/gateway_proxy.py: the table, the verdicts against the gateway's own
+"""The report of bench/gateway/proxy.py: the table, the verdicts against the gateway's own
 targets and issue 28's ratios (each within one run), GC pauses."""
 
 from __future__ import annotations

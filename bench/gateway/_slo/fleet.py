@@ -12,7 +12,7 @@ scraped every `scrape_interval` simulated seconds (the gateway's default 1 s), t
 gateway's own in-flight counts are exact, as in the gateway.
 
 Two peers are modelled on vllm-router's published algorithms (not the Rust binary; see
-bench/gateway_routing.py for the live one): `power_of_two` (two replicas at random, the
+bench/gateway/routing.py for the live one): `power_of_two` (two replicas at random, the
 one with fewer requests outstanding) and `cache_aware` (the longest prefix match when it
 covers at least half the prompt and loads are balanced, else the least loaded; loads
 count as imbalanced when max - min > 32 and max > 1.1 x min, as its defaults say).

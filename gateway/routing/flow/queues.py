@@ -328,7 +328,7 @@ def fair_capacity(
     tenants of 200-, 2,000- and 8,000-token prompts with 100-token answers (a typical 400
     service tokens) lets 16 x 1.5 x 400 = 9,600 per replica be in flight while tenants
     contend: the 8,000-token tenant holds its share of that, not most of every engine
-    step (bench/tenancy_sim.py chose the constants). Unknown (no slots learnt, no cap,
+    step (bench/simulation/tenancy_sim.py chose the constants). Unknown (no slots learnt, no cap,
     nothing dispatched yet): no bound."""
     if not settings.fair_in_flight:
         return None

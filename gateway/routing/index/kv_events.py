@@ -20,7 +20,7 @@ Memory: one entry is a dict slot from a 64-bit hash to a small int bitmask of re
 slots (replicas are numbered per index, at most `MAX_REPLICAS`), plus a slot in its
 replica's own set (so clearing a replica costs its own entries, not the whole index);
 measured with tracemalloc in tests/gateway/routing/index/test_kv_index.py and printed by
-bench/front_end_memory.py. Every peer may be hostile, so the index takes only what vLLM
+bench/gateway/front_end_memory.py. Every peer may be hostile, so the index takes only what vLLM
 sends and bounds the rest:
 
 - a block hash is a 64-bit int (vLLM's event form) or bytes of at most `MAX_HASH_BYTES`

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 # Weight of each answer in the speed factors' moving mean (half-life ln 0.5 / ln(1 -
-# RATE) ~ 34 answers). Measured in bench/slo_routing.py (60 s per case, at each pool's
+# RATE) ~ 34 answers). Measured in bench/gateway/slo_routing.py (60 s per case, at each pool's
 # knee: share within the SLO, TTFT MAPE): 0.05 gave 4 H100 at 80/s 92.1% / 32.8%, mixed
 # at 55/s 92.2% / 28.2%, slow at 70/s 95.2% / 30.3%; 0.02 gave 93.9% / 26.2%, 91.7% /
 # 25.0%, 96.9% / 24.1%. A TTFT's error is skewed (a burst sent after a request joins its
@@ -84,7 +84,7 @@ QUEUED_PROMPT_TOKENS = 250
 PRIOR_ANSWER_TOKENS = 100
 # A request whose best replica's SLO cost (slo_cost) is above this is out of reach: it goes
 # to the replica already worst off (slo_scores). Over 1, since the ITL is over-predicted
-# near the knee (median 1.2-1.4x at 80-100 req/s on 4 H100): tried in bench/slo_routing.py
+# near the knee (median 1.2-1.4x at 80-100 req/s on 4 H100): tried in bench/gateway/slo_routing.py
 # at 1.0 / 1.25 / 1.5, share within the SLO on 4 H100 at 100/s 90.8 / 93.8 / 96.9%, on the
 # slow pool at 100/s 78.5 / 84.3 / 87.2%, on the mixed pool at 70/s 79.5 / 84.8 / 83.8%.
 OUT_OF_REACH = 1.5
@@ -205,7 +205,7 @@ def slot_steps(d: Dispatch) -> float:
     first, and with `slots` answers of `answer_tokens` sharing the replica one ends every
     answer_tokens / slots steps (0 while a slot is free). Without it a replica at its
     `max_num_seqs` was predicted to start a request in 20-70 ms that waited 1.2-1.9 s for
-    a slot (bench/slo_routing.py, pool `2fast2slow`)."""
+    a slot (bench/gateway/slo_routing.py, pool `2fast2slow`)."""
     queued = d.queued
     if not queued:
         return 0.0

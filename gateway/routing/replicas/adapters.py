@@ -214,7 +214,7 @@ def plan_placement(
     second slot (or the tail a second swap slot), taken from the coldest adapter that has
     one, which joins the tail. Slots go to replicas largest first, each to the least loaded
     replica with a slot free (replicas in sorted order, so gateways that agree on demand
-    agree on the placement). Pure; `bench/lora_routing.py` compares it with the best
+    agree on the placement). Pure; `bench/gateway/lora_routing.py` compares it with the best
     placement found by search."""
     urls = sorted(set(replicas))
     wanted = sorted((n for n, d in demand.items() if d > 0), key=lambda n: (-demand[n], n))
@@ -330,7 +330,7 @@ class AdapterScorer:
         request would also act on the moment-to-moment swings of the arrivals and send a
         hot adapter's requests where it is not resident, evicting another adapter to load
         it there: a swap costs a disk read and a slot wait, and its step time is paid by
-        every request on that replica. bench/lora_routing.py measured the bound's slack for
+        every request on that replica. bench/gateway/lora_routing.py measured the bound's slack for
         resident replicas: 1.6x the bound 230-237 loads per 1,000, 2.4x 195, none 168, with
         TTFT p95 falling too (docs/operations.md)."""
 

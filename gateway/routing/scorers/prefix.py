@@ -258,7 +258,7 @@ class Sharing:
         samples yet, or a repeat among them. A front end presumes a prompt's home holds
         it (`profiles._Prefix`) unless its traffic says otherwise: with N front ends each
         sees a prefix's requests 1/N as often, so waiting for its own first repeat
-        (`shares`) left most of the run without the presumption (bench/gateway_routing.py
+        (`shares`) left most of the run without the presumption (bench/gateway/routing.py
         --workloads shared --gateways 1,3, seed 11: one front end's first repeat came
         8.3 s in, another's 11.5 s, of a 24 s run; its cold prompts spilled off a busy
         home that held them, 9 extra copies of 30 prefixes, 56.2% hits against 63.5%)."""

@@ -1,5 +1,5 @@
 """`kubellm epp` runs on uvloop's event loop when it is installed (as uvicorn runs the
-gateway; ~24% fewer picker instructions per exchange, bench/gateway_proxy.py
+gateway; ~24% fewer picker instructions per exchange, bench/gateway/proxy.py
 --instructions --instructions-paths envoy+epp), asyncio's when told."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The latency model (routing/latency/model.py): its prior, its forgetting, stale inputs (its
-cost per decision is measured by bench/slo_routing.py, not asserted)."""
+cost per decision is measured by bench/gateway/slo_routing.py, not asserted)."""
 
 from __future__ import annotations
 

@@ -429,7 +429,7 @@ def test_a_request_stays_on_its_prefix_holder_past_the_bound_but_not_past_the_sl
 def test_a_single_front_end_presumes_no_holder_so_an_unseen_prompt_spills_off_a_busy_home():
     """One front end (`--front-ends 1`, the default) knows every holder it made: a prompt
     it never saw gets the plain load bound at its home, so unique prompts do not queue
-    there up to the holders' bound (bench/slo_routing.py, mixed pool: prefix-aware's
+    there up to the holders' bound (bench/gateway/slo_routing.py, mixed pool: prefix-aware's
     90%-rate 25.2 req/s with the presumption, 42.4 without)."""
     router = _router()
     urls = [f"http://e{i}" for i in range(4)]
