@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,18 +26,14 @@ from pathlib import Path
 import httpx
 from kubellm.engine import tiny
 
+from kubellm.fleet.processes import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / ".kubellm" / "models" / "tiny"
 OUTPUT_TOKENS = 64
 PROMPT = "The engine batches requests continuously. At each step the scheduler"
 CONCURRENCY = (1, 8, 32)
 START_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_vllm(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:

@@ -119,15 +119,14 @@ async def run_http(total: int = 1000, concurrency: int = 32) -> dict[str, float]
 
 
 async def run_socket(total: int = 1000, concurrency: int = 64) -> dict[str, float]:
-    import socket
     import subprocess
     import sys
 
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from kubellm.fleet.processes import free_port
+
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "kubellm.engine", "--backend", "sim", "--port", str(port),
          "--served-model-name", "bench", "--time-scale", "0"],

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import httpx
 
+from kubellm.fleet.processes import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / ".kubellm" / "models" / "tiny"
 VLLM_BENCH = (
@@ -34,12 +35,6 @@ VLLM_BENCH = (
     "p = argparse.ArgumentParser(); serve.add_cli_args(p); serve.main(p.parse_args(sys.argv[1:]))"
 )
 METRICS = ("req/s", "out tok/s", "TTFT p50 ms", "ITL p50 ms", "TPOT p50 ms", "E2E p50 ms")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _start_vllm(work: Path, port: int) -> subprocess.Popen[bytes]:
@@ -124,7 +119,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kubellm-agreement-"))
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = _start_vllm(work, port)
     try:

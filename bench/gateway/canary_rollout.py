@@ -27,7 +27,6 @@ import json
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,16 +41,12 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from kubellm.fleet.processes import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "canary"
 SLOW = 3.0
 HIT_POINTS = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def manifest(source: str, replicas: int, steps: list[dict[str, int]], min_requests: int,
@@ -224,7 +219,7 @@ def loaded_fleet(doc: dict[str, Any], replicas: int, load_args: tuple[int, int, 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "canary.yaml"
         path.write_text(yaml.safe_dump(doc))
-        fleet = Fleet(path, Path(tmp) / "run", _free_port(), Path(tmp) / "fleet.log", engine)
+        fleet = Fleet(path, Path(tmp) / "run", free_port(), Path(tmp) / "fleet.log", engine)
         load = Load(fleet.url, *load_args, deadline=start_timeout + 600.0)
         threads: list[threading.Thread] = []
         try:

@@ -69,15 +69,10 @@ import yaml
 
 from bench import _client
 from kubellm.bench.stats import percentile
+from kubellm.fleet.processes import free_port
 
 WORDS = ["tenant", "batch", "chat", "fleet", "prompt", "answer", "team", "quota", "share",
          "support", "ticket", "query", "summary", "contract", "invoice", "report"]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 60) -> None:

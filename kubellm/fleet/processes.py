@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import time
@@ -36,10 +37,54 @@ def restart_delay(restarts: int) -> float:
     return min(BACKOFF_BASE_SECONDS * 2 ** max(restarts - 1, 0), BACKOFF_CAP_SECONDS)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
+# Where `free_port` looks: below the kernel's ephemeral range (outgoing connections take
+# their source ports from that range, and so does bind(("", 0))), above the well-known and
+# registered low ports.
+LOW_PORT = 20000
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default
+
+
+def ephemeral_range(path: str = _EPHEMERAL_RANGE) -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux's default where it cannot be read)."""
+    try:
+        low, high = (int(v) for v in Path(path).read_text().split())
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL
+    return low, high
+
+
+def port_candidates(
+    ephemeral: tuple[int, int], rng: random.Random, count: int, low: int = LOW_PORT
+) -> list[int]:
+    """`count` random ports outside `ephemeral`: below it where there is room (at least
+    1,000 ports), else above it."""
+    start, end = ephemeral
+    if start - low >= 1000:
+        return [rng.randrange(low, start) for _ in range(count)]
+    if 65535 - end >= 1000:
+        return [rng.randrange(end + 1, 65536) for _ in range(count)]
+    return []
+
+
+def free_port(tries: int = 100) -> int:
+    """A loopback port nobody listens on now, for a server started next.
+
+    Not `bind(0)`: that picks from the ephemeral range, the same range every outgoing
+    connection takes its source port from, so between this call and the server's own
+    bind any connection on the machine can take the port ("Address already in use", seen
+    under load in CI). Ports outside the range are taken only by another explicit bind."""
+    rng = random.Random()
+    for port in port_candidates(ephemeral_range(), rng, tries):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # no room outside the range: the kernel's choice
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 def free_port_pair(tries: int = 50) -> int:

@@ -10,7 +10,6 @@ import datetime
 import hashlib
 import ipaddress
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,15 +23,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from kubellm.fleet.processes import free_port
 from tests.fixtures.polling import wait_until
 from tests.fixtures.servers import ServerThread
 from tests.gateway.upstream import FakeEngine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_gateway(
@@ -40,7 +34,7 @@ def _start_gateway(
 ) -> tuple[subprocess.Popen, int]:
     """`python -m kubellm.gateway.cli --port P --static FILE [flags]`, listening when
     returned."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [
             sys.executable,
@@ -199,7 +193,7 @@ def test_metrics_are_not_served_unauthenticated_where_the_api_asks_a_key(engines
     finally:
         process.terminate()
         process.wait(10)
-    metrics_port = _free_port()
+    metrics_port = free_port()
     process, port = _start_gateway(
         static, None, keys, str(file), "--metrics-port", str(metrics_port)
     )
