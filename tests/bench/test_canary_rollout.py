@@ -16,8 +16,10 @@ def test_good_revision_promoted_bad_one_rolled_back_hit_rate_kept() -> None:
     good, bad, hits = figures["good"], figures["bad"], figures["hit_rate"]
     assert good["promoted"] and good["steps_passed"] == 2, tail
     assert good["failed_requests"] == 0, tail
-    assert bad["step"] == 1, tail  # rolled back within its first window
-    assert bad["window_open_to_rollback_s"] < bad["pause_s"], tail
+    # rolled back within its first window: still at step 1, and (below) fewer canary answers
+    # than one window at its weight. Not a wall-clock bound: the window's seconds stretch
+    # on a loaded machine (9.3 s against an 8 s pause once at load 17); the bench prints them.
+    assert bad["step"] == 1, tail
     assert bad["reason"] in ("CanaryTTFTRegression", "CanaryITLRegression"), tail
     assert 0 < bad["canary_requests"] < bad["bound_weight_x_window_requests"], tail
     assert bad["failed_requests"] == 0 and figures["total_failed"] == 0, tail
