@@ -235,6 +235,7 @@ class Request:
     status: str = WAITING
     preemptions: int = 0
     cached_tokens: int = 0  # prefix-cache hit at first admission
+    local_cached: int = 0  # of which from this replica's own GPU cache (the rest external)
     finish_reason: str | None = None
     seed: int | None = None  # for next_token
     num_tokens: int = 0  # prompt + output, kept up to date (hot path)
@@ -406,7 +407,7 @@ class Engine:
             # As vLLM: recorded at admission, once per request (not after preemption).
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(hit) * size
-            request.cached_tokens = len(hit) * size
+            request.cached_tokens = request.local_cached = len(hit) * size
             if self.kv_connector:  # the connector is asked for what the GPU lacks
                 self.external_queries += request.num_tokens - len(hit) * size
         for block_id in hit:

@@ -124,7 +124,17 @@ class Simulator:
 
         self.c_queries = counter(metrics.PREFIX_CACHE_QUERIES, "Prefix cache queries, in tokens.")
         self.c_hits = counter(metrics.PREFIX_CACHE_HITS, "Prefix cache hits, in tokens.")
-        self.c_prompt = counter("vllm:prompt_tokens_total", "Prefill tokens processed.")
+        # As vLLM's: every prompt token, counted once per request at its first token, and
+        # the same tokens by source (computed here, this replica's cache, a KV connector).
+        self.c_prompt = counter(metrics.PROMPT_TOKENS, "Number of prefill tokens processed.")
+        by_source = Counter(
+            metrics.PROMPT_TOKENS_BY_SOURCE.removesuffix("_total"),
+            "Number of prompt tokens by source.", [*names, "source"], registry=self.registry,
+        )  # fmt: skip
+        self.c_source = {
+            source: by_source.labels(**labels, source=source)
+            for source in (metrics.COMPUTED_SOURCE, "local_cache_hit", "external_kv_transfer")
+        }
         self.c_generation = counter("vllm:generation_tokens_total", "Generated tokens.")
         self.c_preemptions = counter("vllm:num_preemptions_total", "Preempted requests.")
         self.c_success = counter("vllm:request_success_total", "Finished requests.")
@@ -252,15 +262,25 @@ class Simulator:
             stream.scheduled = when
             del self._unscheduled[rid]
 
+    def _count_prompt(self, request: Request) -> None:
+        """A request's prompt tokens, counted at its first token as vLLM counts them."""
+        prompt = len(request.prompt)
+        cached = prompt - max(prompt - request.cached_tokens, 1)  # the last one is computed
+        local = min(request.local_cached, cached)
+        self.c_prompt.inc(prompt)
+        self.c_source[metrics.COMPUTED_SOURCE].inc(prompt - cached)
+        self.c_source["local_cache_hit"].inc(local)
+        self.c_source["external_kv_transfer"].inc(cached - local)
+
     def _deliver(self, result: StepResult, when: float) -> None:
         """Hand each request its token (stamped with the step's end) and record latencies."""
-        self.c_prompt.inc(result.prefill_tokens)
         self.c_generation.inc(len(result.tokens))
         for request, token in result.tokens:
             stream = self.streams.get(request.request_id)
             if stream is None:
                 continue
             if stream.last is None:  # arrival is on the clock; `when` may lag it a little
+                self._count_prompt(request)
                 self.h_ttft.observe(max(0.0, when - stream.arrival))
                 started = when if stream.scheduled is None else stream.scheduled
                 stream.prefill = max(0.0, when - started)

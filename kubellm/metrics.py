@@ -23,8 +23,13 @@ INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"  # histogram
 # stall watch on answers forwarded whole reads them).
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
+# Prompt tokens by where they came from (label `source`): `local_compute` (prefilled here),
+# `local_cache_hit`, `external_kv_transfer`; PROMPT_TOKENS counts all three.
+PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+COMPUTED_SOURCE = "local_compute"
 # Per request, first scheduled to first token (a histogram, observed when it finishes):
-# with PROMPT_TOKENS, the replica's prefill speed (the gateway's prefill budget learns it).
+# with the computed prompt tokens, the replica's prefill speed (the gateway's prefill budget
+# learns it).
 PREFILL_TIME = "vllm:request_prefill_time_seconds"
 # With LoRA on: a gauge set to the time of its last update, one series per label set
 # max_lora, running_lora_adapters and waiting_lora_adapters (comma-joined names); older
@@ -40,6 +45,7 @@ ENGINE_METRICS: tuple[str, ...] = (
     TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY,
     PREFILL_TIME,
+    PROMPT_TOKENS_BY_SOURCE,
 )
 
 # The gateway's own metrics (names shared with the autoscaler, alerts and dashboards).

@@ -11,6 +11,9 @@ from kubellm.engine import sim_profiles
 from kubellm.engine.sim import create_app
 from kubellm.gateway.protocol.kv_transfer import decode_body, kv_params_of, prefill_body
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from kubellm import metrics
 
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 PROFILE = "llama-3.1-8b-h100"
@@ -22,7 +25,12 @@ def client_for(app: object) -> httpx.AsyncClient:
 
 async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
     text = (await client.get("/metrics")).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    def key(sample: Sample) -> str:  # a by-source counter's samples apart
+        source = sample.labels.get("source")
+        return sample.name + (f'{{source="{source}"}}' if source else "")
+
+    return {key(s): s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 def request(prompt: str, max_tokens: int = 8) -> dict[str, object]:
@@ -63,7 +71,10 @@ async def test_a_split_request_computes_no_prompt_on_decode_and_gives_the_same_t
         after = await scrape(decode)
         # every prompt token came over the connector; decode computed only the last one
         assert after[EXTERNAL_HITS] - before.get(EXTERNAL_HITS, 0) == prompt_tokens
-        assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 1
+        computed = f'{metrics.PROMPT_TOKENS_BY_SOURCE}{{source="{metrics.COMPUTED_SOURCE}"}}'
+        assert after[computed] - before.get(computed, 0) == 1
+        # vLLM's prompt counter counts them all, wherever their KV came from
+        assert after[metrics.PROMPT_TOKENS] - before.get(metrics.PROMPT_TOKENS, 0) == prompt_tokens
         # the transfer took its time on the simulated clock: KV bytes over the link
         profile = decode_app.state.simulator.profile
         assert clock.now() - start >= profile.kv_transfer_seconds(prompt_tokens) > 0

@@ -199,3 +199,28 @@ async def test_prefill_time_is_first_scheduled_to_first_token_in_wall_seconds(
     # one 50 ms (simulated) step each, though the third waited for a slot
     assert prefill / count == pytest.approx(0.05 * (time_scale or 1.0), rel=0.5)
     assert sample[f"{metrics.TIME_TO_FIRST_TOKEN}_sum"] > prefill / (time_scale or 1.0) * 1.5
+
+
+async def test_prompt_tokens_are_counted_by_source_as_vllm_counts_them() -> None:
+    """As vLLM 0.32: `vllm:prompt_tokens_total` counts every prompt token once per request,
+    prefix-cache hits too; `vllm:prompt_tokens_by_source_total` splits it into computed
+    (`local_compute`) and hit tokens. The gateway learns a replica's prefill speed from the
+    computed ones, so a simulated replica must not count hits as compute."""
+    async with client_for(create_app("m", "tiny-cpu", 0)) as client:
+        body = {"model": "m", "prompt": "hello world " * 40, "max_tokens": 2}
+        first = await client.post("/v1/completions", json=body)
+        again = await client.post("/v1/completions", json=body)  # the same prompt: cached
+        assert first.status_code == again.status_code == 200
+        prompt = first.json()["usage"]["prompt_tokens"]
+        text = (await client.get("/metrics")).text
+    by_source = {
+        s.labels["source"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == metrics.PROMPT_TOKENS_BY_SOURCE
+    }
+    total = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert total[metrics.PROMPT_TOKENS] == 2 * prompt
+    assert sum(by_source.values()) == 2 * prompt
+    assert by_source[metrics.COMPUTED_SOURCE] < 2 * prompt  # the second prompt hit the cache
+    assert by_source["local_cache_hit"] > 0 and by_source["external_kv_transfer"] == 0

@@ -64,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS_PER_S|auto|off",
         help="sheddable requests' prompt tokens a replica is sent per second at most, one "
         "request at a time, so several batch prompts never share one engine step with a "
-        "chat prompt. auto (default): each replica's prefill speed, learnt from its "
-        "vllm:prompt_tokens_total and vllm:request_prefill_time_seconds, and only while a "
+        "chat prompt. auto (default): each replica's prefill speed, learnt from "
+        "the prompt tokens it computed (vllm:prompt_tokens_by_source_total) and "
+        "vllm:request_prefill_time_seconds, and only while a "
         "request of priority >= 0 came in the last 30 s (a batch tenant alone is not "
         "paced); off: no bound",
     )

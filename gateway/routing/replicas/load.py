@@ -38,7 +38,9 @@ class EngineStats:
     kv_usage: float | None
     scraped_at: float
     tokens: float | None = None  # prompt + generated tokens so far (the replica's counters)
-    # (prompt tokens, seconds of prefill) so far: `vllm:prompt_tokens_total` and the sum of
+    # (prompt tokens computed, seconds of prefill) so far: the `local_compute` samples of
+    # `vllm:prompt_tokens_by_source_total` (else, from an engine without them,
+    # `vllm:prompt_tokens_total`, which counts prefix-cache hits too) and the sum of
     # `vllm:request_prefill_time_seconds`; None without both (`LoadView.prefill_rate`)
     prefill: tuple[float, float] | None = None
 
@@ -66,6 +68,10 @@ def parse_engine_metrics(text: str, scraped_at: float) -> EngineStats:
         for sample in family.samples:
             name, value = sample.name, sample.value
             counted = _COUNTED.get(name)  # the figures the sample adds to
+            if name == metrics.PROMPT_TOKENS_BY_SOURCE:
+                if sample.labels.get("source") != metrics.COMPUTED_SOURCE:
+                    continue
+                counted = (_PREFILL,)
             if counted:
                 if not (math.isfinite(value) and value >= 0.0):
                     bad.update(counted)
@@ -98,10 +104,15 @@ def parse_engine_metrics(text: str, scraped_at: float) -> EngineStats:
         kv_usage=known(metrics.KV_CACHE_USAGE, kv, 1.0),
         scraped_at=scraped_at,
         tokens=None if _TOKENS in bad else tokens,
-        prefill=None
-        if _PREFILL in bad or len(prefill) < 2
-        else (prefill[metrics.PROMPT_TOKENS], prefill[_PREFILL_SUM]),
+        prefill=_prefill(prefill) if _PREFILL not in bad else None,
     )
+
+
+def _prefill(summed: dict[str, float]) -> tuple[float, float] | None:
+    """(tokens computed, prefill seconds) from the summed counters, None without both."""
+    tokens = summed.get(metrics.PROMPT_TOKENS_BY_SOURCE, summed.get(metrics.PROMPT_TOKENS))
+    seconds = summed.get(_PREFILL_SUM)
+    return None if tokens is None or seconds is None else (tokens, seconds)
 
 
 _TOKENS = "tokens"
@@ -127,6 +138,7 @@ READ_FAMILIES = (
     metrics.LORA_REQUESTS_INFO,
     metrics.PROMPT_TOKENS.removesuffix("_total"),  # the family's name, and its samples'
     metrics.GENERATION_TOKENS.removesuffix("_total"),
+    metrics.PROMPT_TOKENS_BY_SOURCE.removesuffix("_total"),
     _PREFILL_SUM,  # only the sum of the histogram (its buckets would cost ~20 lines each)
 )
 MAX_SAMPLE_LINES = 10_000

@@ -272,6 +272,30 @@ def test_the_prefill_counters_are_read_through_the_scrape_filter():
         assert parse_engine_metrics(text, 0.0).prefill is None, (prompt, seconds)
 
 
+BY_SOURCE = """\
+# TYPE vllm:prompt_tokens_by_source counter
+vllm:prompt_tokens_by_source_total{{engine="0",model_name="tiny",source="local_compute"}} {computed}
+vllm:prompt_tokens_by_source_total{{engine="0",model_name="tiny",source="local_cache_hit"}} 2000
+vllm:prompt_tokens_by_source_total{{engine="0",model_name="tiny",source="external_kv_transfer"}} 0
+vllm:prompt_tokens_by_source_total{{engine="1",model_name="tiny",source="local_compute"}} 400
+vllm:prompt_tokens_by_source_total{{engine="1",model_name="tiny",source="local_cache_hit"}} 600
+"""
+
+
+def test_the_prefill_speed_counts_only_computed_tokens_where_the_engine_says_them():
+    # vLLM's prompt counter counts every prompt token, prefix-cache hits too, so a replica
+    # whose prompts mostly hit would seem to prefill several times faster than it does;
+    # `prompt_tokens_by_source{source="local_compute"}` counts what was computed.
+    text = relevant_lines(
+        VLLM_METRICS + PREFILL.format(prompt=3000, seconds=1.5) + BY_SOURCE.format(computed=1000)
+    )
+    assert parse_engine_metrics(text, 0.0).prefill == (1400.0, 2.0)
+    bad = relevant_lines(
+        VLLM_METRICS + PREFILL.format(prompt=3000, seconds=1.5) + BY_SOURCE.format(computed="NaN")
+    )
+    assert parse_engine_metrics(bad, 0.0).prefill is None
+
+
 def test_a_replicas_prefill_speed_is_learnt_per_window_of_prefill():
     view = LoadView(clock=lambda: 0.0)
 
