@@ -290,7 +290,9 @@ def run(
                     r.started = now - step.duration
                 if r.first is None:
                     r.first = now
-                    prefilled[i][0] += r.prompt
+                    # the prompt tokens it computed, as the gateway reads them from vLLM
+                    # (prompt_tokens_by_source{source="local_compute"}: cache hits not in it)
+                    prefilled[i][0] += max(r.prompt - q.cached_tokens, 1)
                     if r.stream:
                         assert r.ticket is not None
                         r.ticket.ttft = now - r.arrived
