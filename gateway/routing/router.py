@@ -135,6 +135,11 @@ class Router:
         hashes = request.chunk_hashes
         return self.sharing.low(request.model) and not (hashes and self.sharing.seen(hashes[0]))
 
+    def cached_share(self, request: RoutingRequest, url: str) -> float:
+        """The share of the request's prompt blocks the index believes `url` holds."""
+        hashes = request.chunk_hashes
+        return self.index.matched(url, hashes) / len(hashes) if hashes else 0.0
+
     def routed(self, request: RoutingRequest, url: str, candidates: Sequence[str]) -> float:
         """Remember where a request went; returns the prefix match ratio it had there.
 
@@ -144,9 +149,8 @@ class Router:
         next request goes home, or to the same next replica every gateway picks.
         """
         hashes = request.chunk_hashes
-        total = len(hashes)
-        ratio = self.index.matched(url, hashes) / total if total else 0.0
-        cold = bool(total) and not self.sharing.observe(request.model, hashes[0])
+        ratio = self.cached_share(request, url)
+        cold = bool(hashes) and not self.sharing.observe(request.model, hashes[0])
         if not cold or url == home(request, candidates):
             self.index.record(url, hashes)
         if request.session:

@@ -77,7 +77,10 @@ class Scheduler:
             Tenancy(bounded(s.tenancy, s.max_queue), self.metrics.registry) if s.tenancy else None
         )  # flow control bounds the queues with tenants (`tenancy.bounded`)
         # the pass's gates, in order (routing/dispatch.py); flow control only with tenants
-        self.flow = FlowGate(self.tenancy, self.wake, self.load.prefill_rate)
+        self.flow = FlowGate(
+            self.tenancy, self.wake, self.load.prefill_rate,
+            lambda url, ticket: self.router.cached_share(ticket.routing, url),
+        )  # fmt: skip
         self.gates = (
             AdapterGate(self.adapters, self.adapter_loads, self.adapter_metrics, slo.labels),
             *((self.flow,) if self.tenancy is not None else ()),

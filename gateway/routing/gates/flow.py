@@ -52,10 +52,14 @@ class FlowGate(Gate):
         tenancy: Tenancy | None,
         wake: Callable[[], None],
         prefill_rate: Callable[[str], float | None] = lambda url: None,
+        cached_share: Callable[[str, Ticket], float] = lambda url, ticket: 0.0,
     ) -> None:
         self.tenancy = tenancy
         self.wake = wake  # capacity may have freed: queued requests look again
         self.prefill_rate = prefill_rate  # a replica's learnt prefill speed (LoadView's)
+        # the share of a ticket's prompt a replica holds cached (the router's prefix index):
+        # the learnt speed counts computed tokens, so a prompt owes only its part not cached
+        self.cached_share = cached_share
         # model -> when a band at or above headroom_below last dispatched to a replica
         self.high_at: dict[str, float] = {}
         # replica -> high-band streams sent there still awaiting their first token
@@ -179,7 +183,8 @@ class FlowGate(Gate):
         if high:
             self.high_at[model] = now
         elif self.rate(url, model, now):
-            owed = self.debt(url, model, now) + max(1, caller.estimate)
+            computed = caller.estimate * (1.0 - self.cached_share(url, ticket))
+            owed = self.debt(url, model, now) + max(1.0, computed)
             self.low_prefill[url] = (owed, now)
         if ticket.stream and settings.hold_prefill and high and not ticket.done:
             ticket.hold = url  # a high band's stream: low bands keep off until it streams

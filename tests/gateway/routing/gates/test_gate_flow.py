@@ -176,3 +176,16 @@ def test_the_prefill_budget_paces_low_bands_only_beside_a_high_band(flow, speed,
     _sent(gate, "free", A, 100.0)  # 10 prompt tokens owed: 0.1 s at 100 tokens/s
     assert _low_goes(gate, 100.0) is goes
     assert _low_goes(gate, 100.2)  # drained
+
+
+@pytest.mark.parametrize(("share", "drained_at"), [(0.0, 100.1), (0.5, 100.05), (0.9, 100.01)])
+def test_a_low_bands_prompt_owes_only_its_part_not_cached_on_the_replica(share, drained_at):
+    # The learnt speed counts computed prompt tokens (a cache hit costs no prefill), so a
+    # prompt owes what the replica will compute: 10 tokens, `share` of them cached there.
+    settings = TenancySettings(tenants.parse(DOC), FlowSettings())
+    gate = FlowGate(Tenancy(settings, CollectorRegistry()), lambda: None, lambda url: 100.0,
+                    cached_share=lambda url, ticket: share if url == A else 0.0)  # fmt: skip
+    _sent(gate, "gold", B, 99.0)  # a high band about: the budget paces
+    _sent(gate, "free", A, 100.0)
+    assert not _low_goes(gate, drained_at - 0.005)
+    assert _low_goes(gate, drained_at + 0.005)
