@@ -77,6 +77,10 @@ class PrefillSplit:
     split: Literal["Conditional", "Always"] = "Conditional"
     kv_bytes_per_token: int = 131_072  # Llama 3.1 8B in bf16
     link_bytes_per_s: float = KV_LINK_GBPS["rdma"] * 1e9
+    # Conditional splits when the split's predicted SLO cost is under the local one's by
+    # this share: a cover for the latency model's error (docs/operations.md, "Prefill/decode
+    # disaggregation": the margin swept under that error in bench/simulation/pd_disagg.py).
+    margin: float = 0.2
 
 
 def prefill_split(spec: LLMDeploymentSpec) -> PrefillSplit | None:
