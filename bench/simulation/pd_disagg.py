@@ -148,7 +148,20 @@ def parser() -> argparse.ArgumentParser:
         help=f"conditional's goodput for margins {SWEEP_MARGINS} x errors "
         f"{tuple(ERRORS.values())}, each at its best P:D",
     )
+    ap.add_argument(
+        "--prefill",
+        help="prefill replica counts to try, comma-separated (default: every P:D, pd.sweep)",
+    )
+    ap.add_argument(
+        "--margins",
+        default=",".join(f"{m:g}" for m in SWEEP_MARGINS),
+        help="--sweep: the margins",
+    )
     return ap
+
+
+def ratios(pool: str, prefill: str | None) -> list[int]:
+    return [int(k) for k in prefill.split(",")] if prefill else sweep(POOLS[pool].replicas)
 
 
 def main() -> None:
@@ -163,7 +176,7 @@ def main() -> None:
           f" KV link {LINK / 1e9:g} GB/s (RDMA); SLO TTFT 2 s, mean ITL 30 ms; goodput = the"
           " highest rate with 90% within both")  # fmt: skip
     if args.sweep:
-        margin_sweep(pools, workloads, n)
+        margin_sweep(pools, workloads, n, args.prefill, args.margins)
         return
     errs = {"margin": args.margin, "error": args.error}
     exact = {"margin": args.margin, "error": 0.0}
@@ -177,7 +190,7 @@ def main() -> None:
             rows = [("aggregated", 0, errs)]
             for shape, e in (("always", errs), ("conditional", errs), ("dynamo", errs),
                              ("conditional", exact)):  # fmt: skip
-                best = max(sweep(replicas), key=lambda k, s=shape, e=e: goodput(
+                best = max(ratios(pool, args.prefill), key=lambda k, s=shape, e=e: goodput(
                     pool, s, k, wl, n, SLO, hi, **e))  # fmt: skip
                 rows.append((shape, best, e))
             print(f"\n### {wl}: compute bound {cap:.1f} req/s (every GPU busy, no SLO)")
@@ -203,7 +216,9 @@ def main() -> None:
     decision_cost()
 
 
-def margin_sweep(pools: list[str], workloads: list[str], n: int) -> None:
+def margin_sweep(
+    pools: list[str], workloads: list[str], n: int, prefill: str | None, margins: str
+) -> None:
     """Conditional's goodput per margin and prediction error, each at its best P:D, and
     aggregated's beside (the margin to ship: the best under realistic error that is never
     under aggregated)."""
@@ -216,11 +231,11 @@ def margin_sweep(pools: list[str], workloads: list[str], n: int) -> None:
         for wl in workloads:
             hi = bound(pool, wl)
             agg = goodput(pool, "aggregated", 0, wl, n, SLO, hi)
-            for m in SWEEP_MARGINS:
+            for m in (float(m) for m in margins.split(",")):
                 cells = []
                 for e in ERRORS.values():
                     g = {k: goodput(pool, "conditional", k, wl, n, SLO, hi, margin=m, error=e)
-                         for k in sweep(replicas)}  # fmt: skip
+                         for k in ratios(pool, prefill)}  # fmt: skip
                     k = max(g, key=lambda k: (g[k], -k))
                     cells.append(f"{g[k]:.2f} ({k}:{replicas - k})")
                 print(f"| {wl} | {agg:.2f} | {m:g} | " + " | ".join(cells) + " |", flush=True)
