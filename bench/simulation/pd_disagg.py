@@ -10,13 +10,16 @@ split request's prompt runs on a prefill replica (one token), its KV moves to th
 replica after bytes / link bandwidth (capacity.KV_LINK_GBPS, RDMA), and it decodes there
 without computing the prompt. Decode routing: prefix holder first unless 1.25x past the
 least load, else least load (the shipped prefix-aware rule's shape). The conditional
-decision calls the real `disagg.decide` with the replicas' exact state (the bench measures
-the rule, not the latency model's error: tests/gateway/routing/test_disagg.py covers
-`plan`). Gamma arrivals (burstiness 0.5: shape 0.5, CV sqrt 2).
+decision calls the real `disagg.decide` at the shipped margin (`PrefillSplit.margin`) with
+predictions carrying the latency model's error (`--error`, the sigma of a seeded lognormal
+factor per replica and request, `pd.ERRORS`; the engines run the true costs), each table
+with the exact-state rows (error 0) beside; `--sweep` sweeps the margin against the error.
+Gamma arrivals (burstiness 0.5: shape 0.5, CV sqrt 2).
 
 Goodput as DistServe defines it: the highest rate at which >= 90% of requests meet both
 the TTFT and the mean-ITL target (bisection over the rate). Run:
-`.venv/bin/python -m bench.pd_disagg [--quick]`.
+`.venv/bin/python -m bench.pd_disagg [--quick]`; the margin against the error:
+`--pools 70B/4xH100 --requests 1200 --sweep` (`--prefill 1` for one P:D, `--margins`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from kubellm.gateway.routing.latency.predictions import CHARS_PER_TOKEN, Predict
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 from kubellm import capacity
-from kubellm.simulation.pd import LINK, Pool, Replica, Req, Sim, attained, sweep
+from kubellm.simulation.pd import ERRORS, LINK, Pool, Replica, Req, Sim, attained, sweep
 from kubellm.simulation.pd import bound as pool_bound
 from kubellm.simulation.pd import goodput as pool_goodput
 
@@ -84,15 +87,20 @@ def requests_at(wl: str, n: int) -> Callable[[float], list[Req]]:
     return lambda rate: workload(wl, rate, min(MAX_REQUESTS, max(n, int(rate * SECONDS))))
 
 
-def run(pool: str, shape: str, prefill: int, wl: str, rate: float, n: int, slo) -> Sim:
-    sim = Sim(POOLS[pool], shape, prefill, requests_at(wl, n)(rate), slo)
+def run(
+    pool: str, shape: str, prefill: int, wl: str, rate: float, n: int, slo, **errs: float
+) -> Sim:
+    sim = Sim(POOLS[pool], shape, prefill, requests_at(wl, n)(rate), slo, **errs)
     sim.run()
     return sim
 
 
-def goodput(pool: str, shape: str, prefill: int, wl: str, n: int, slo, hi: float) -> float:
-    """The highest rate (req/s) with >= 90% of requests within both SLOs (bisection)."""
-    return pool_goodput(requests_at(wl, n), POOLS[pool], shape, prefill, slo, hi)
+def goodput(
+    pool: str, shape: str, prefill: int, wl: str, n: int, slo, hi: float, **errs: float
+) -> float:
+    """The highest rate (req/s) with >= 90% of requests within both SLOs (bisection);
+    `errs`: the decision's margin and the predictions' error (`Sim`'s)."""
+    return pool_goodput(requests_at(wl, n), POOLS[pool], shape, prefill, slo, hi, **errs)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -107,58 +115,131 @@ def bound(pool: str, wl: str) -> float:
     return pool_bound(POOLS[pool], workload(wl, 1.0, 2000))
 
 
-def main() -> None:
+SLO = (2.0, 0.030)  # TTFT 2 s, mean ITL 30 ms
+WORKLOADS = ("rag", "chat", "mix")
+SWEEP_MARGINS = (0.0, 0.05, 0.1, 0.2, 0.3)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     ap.add_argument("--decision-cost", action="store_true", help="only the decision's cost")
     ap.add_argument("--pools", default=",".join(POOLS), help="of " + ", ".join(POOLS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="of " + ", ".join(WORKLOADS))
     ap.add_argument("--requests", type=int, default=300,
                     help="requests per point at least (or 40 s of arrivals, the more): at 300 a "
                     "point's share within the SLOs is +-1.7 points (binomial), which moves a "
                     "low-rate pool's goodput by a bisection step or two")  # fmt: skip
-    args = ap.parse_args()
+    ap.add_argument(
+        "--margin",
+        type=float,
+        default=PrefillSplit.margin,
+        help="conditional's margin (default: the shipped PrefillSplit.margin)",
+    )
+    ap.add_argument(
+        "--error",
+        type=float,
+        default=ERRORS["realistic"],
+        help="the predictions' error: sigma of the log of a per-replica, per-request factor "
+        f"(0: exact state; default: the latency model's measured; {ERRORS})",
+    )
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help=f"conditional's goodput for margins {SWEEP_MARGINS} x errors "
+        f"{tuple(ERRORS.values())}, each at its best P:D",
+    )
+    ap.add_argument(
+        "--prefill",
+        help="prefill replica counts to try, comma-separated (default: every P:D, pd.sweep)",
+    )
+    ap.add_argument(
+        "--margins",
+        default=",".join(f"{m:g}" for m in SWEEP_MARGINS),
+        help="--sweep: the margins",
+    )
+    return ap
+
+
+def ratios(pool: str, prefill: str | None) -> list[int]:
+    return [int(k) for k in prefill.split(",")] if prefill else sweep(POOLS[pool].replicas)
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.decision_cost:
         decision_cost()
         return
     n = 150 if args.quick else args.requests
-    slos = {"rag": (2.0, 0.030), "chat": (2.0, 0.030), "mix": (2.0, 0.030)}
+    pools, workloads = args.pools.split(","), args.workloads.split(",")
     print(f"# P/D on the same GPUs; {n} requests or {SECONDS:g} s of arrivals per point (the"
           f" more), gamma arrivals (shape {BURSTINESS}),"
           f" KV link {LINK / 1e9:g} GB/s (RDMA); SLO TTFT 2 s, mean ITL 30 ms; goodput = the"
           " highest rate with 90% within both")  # fmt: skip
-    for pool, spec in ((p, POOLS[p]) for p in args.pools.split(",")):
+    if args.sweep:
+        margin_sweep(pools, workloads, n, args.prefill, args.margins)
+        return
+    errs = {"margin": args.margin, "error": args.error}
+    exact = {"margin": args.margin, "error": 0.0}
+    print(f"# conditional's margin {args.margin:g}, the predictions' error sigma {args.error:g}"
+          " (rows 'exact': error 0)")  # fmt: skip
+    for pool, spec in ((p, POOLS[p]) for p in pools):
         name, gpus, replicas = spec.profile, spec.gpus, spec.replicas
         print(f"\n## {pool}: {replicas} replicas x {gpus} GPU ({name})")
-        for wl in ("rag", "chat", "mix"):
-            slo = slos[wl]
-            cap = bound(pool, wl)
-            hi = cap
-            rows = [("aggregated", 0)]
-            for shape in ("always", "conditional", "dynamo"):
-                ratios = sweep(replicas)  # every P:D up to 7 prefill counts (8B: 5:3 wins)
-                best = max(ratios, key=lambda k, s=shape: goodput(
-                    pool, s, k, wl, n, slo, hi))  # fmt: skip
-                rows.append((shape, best))
+        for wl in workloads:
+            hi = cap = bound(pool, wl)
+            rows = [("aggregated", 0, errs)]
+            for shape, e in (("always", errs), ("conditional", errs), ("dynamo", errs),
+                             ("conditional", exact)):  # fmt: skip
+                best = max(ratios(pool, args.prefill), key=lambda k, s=shape, e=e: goodput(
+                    pool, s, k, wl, n, SLO, hi, **e))  # fmt: skip
+                rows.append((shape, best, e))
             print(f"\n### {wl}: compute bound {cap:.1f} req/s (every GPU busy, no SLO)")
             print("| shape | P:D | goodput req/s | SLO-met req/s at 1.3x agg knee | TTFT p50 | "
                   "TTFT p99 | ITL p99 beside a >=2k-token prefill (else all) | split share |"
                   " reasons |")  # fmt: skip
             print("|---|---|---|---|---|---|---|---|---|")
             knee = None
-            for shape, k in rows:
-                g = goodput(pool, shape, k, wl, n, slo, hi)
+            for shape, k, e in rows:
+                g = goodput(pool, shape, k, wl, n, SLO, hi, **e)
                 knee = knee or g
-                sim = run(pool, shape, k, wl, max(knee * 1.3, 0.1), n, slo)
-                met = attained(sim.jobs, slo) * max(knee * 1.3, 0.1)
-                at = run(pool, shape, k, wl, max(g, 0.05), n, slo)
+                sim = run(pool, shape, k, wl, max(knee * 1.3, 0.1), n, SLO, **e)
+                met = attained(sim.jobs, SLO) * max(knee * 1.3, 0.1)
+                at = run(pool, shape, k, wl, max(g, 0.05), n, SLO, **e)
                 ttfts = [j.first - j.req.t for j in at.jobs]
                 split = sum(j.split for j in at.jobs) / len(at.jobs)
                 reasons = ", ".join(f"{r} {c}" for r, c in sorted(at.reasons.items()))
                 pd = "-" if shape == "aggregated" else f"{k}:{replicas - k}"
-                print(f"| {shape} | {pd} | {g:.2f} | {met:.2f} | {pct(ttfts, .5):.2f} | "
+                label = shape + (", exact" if e is exact else "")
+                print(f"| {label} | {pd} | {g:.2f} | {met:.2f} | {pct(ttfts, .5):.2f} | "
                       f"{pct(ttfts, .99):.2f} | {1e3 * pct(at.harmed or at.gaps, .99):.0f} ms |"
-                      f" {split:.0%} | {reasons} |")  # fmt: skip
+                      f" {split:.0%} | {reasons} |", flush=True)  # fmt: skip
     decision_cost()
+
+
+def margin_sweep(
+    pools: list[str], workloads: list[str], n: int, prefill: str | None, margins: str
+) -> None:
+    """Conditional's goodput per margin and prediction error, each at its best P:D, and
+    aggregated's beside (the margin to ship: the best under realistic error that is never
+    under aggregated)."""
+    for pool in pools:
+        replicas = POOLS[pool].replicas
+        print(f"\n## {pool}: conditional's goodput req/s (P:D)")
+        print("| workload | aggregated | margin | " + " | ".join(
+            f"error {k} ({v:g})" for k, v in ERRORS.items()) + " |")  # fmt: skip
+        print("|---|---|---|" + "---|" * len(ERRORS))
+        for wl in workloads:
+            hi = bound(pool, wl)
+            agg = goodput(pool, "aggregated", 0, wl, n, SLO, hi)
+            for m in (float(m) for m in margins.split(",")):
+                cells = []
+                for e in ERRORS.values():
+                    g = {k: goodput(pool, "conditional", k, wl, n, SLO, hi, margin=m, error=e)
+                         for k in ratios(pool, prefill)}  # fmt: skip
+                    k = max(g, key=lambda k: (g[k], -k))
+                    cells.append(f"{g[k]:.2f} ({k}:{replicas - k})")
+                print(f"| {wl} | {agg:.2f} | {m:g} | " + " | ".join(cells) + " |", flush=True)
 
 
 def decision_cost() -> None:

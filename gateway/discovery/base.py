@@ -77,6 +77,12 @@ class PrefillSplit:
     split: Literal["Conditional", "Always"] = "Conditional"
     kv_bytes_per_token: int = 131_072  # Llama 3.1 8B in bf16
     link_bytes_per_s: float = KV_LINK_GBPS["rdma"] * 1e9
+    # Conditional splits when the split's predicted SLO cost is under the local one's by
+    # this share. 0: swept against the latency model's error (bench/simulation/pd_disagg.py
+    # --sweep; docs/operations.md, "Prefill/decode disaggregation"), any margin lost goodput
+    # on every workload: the error is both ways, and a long prompt kept local by mistake
+    # stalls every stream there, which costs more than a needless split.
+    margin: float = 0.0
 
 
 def prefill_split(spec: LLMDeploymentSpec) -> PrefillSplit | None:

@@ -16,11 +16,11 @@ Conditional compares the two as the slo-aware policy compares replicas (`latency
 the worst of TTFT / its target and ITL / its target): local costs max(local TTFT / TTFT
 target, harm / ITL target); split costs max(split TTFT / TTFT target, one decode step /
 ITL target) (the streams there are spared the prompt). It splits when the split's cost is
-under the local one's by MARGIN: `itl-harm` when the streams' ITL is what the local
-prefill costs most, `faster-ttft` when the TTFT is (a decode replica with a queue beside
-an idle prefill pool). A split that would miss a TTFT target the local prefill meets or
-beats is `prefill-busy`. Always: split whenever a prefill replica is ready (for
-comparison, as production-stack and vllm-router do).
+under the local one's by the margin (`PrefillSplit.margin`): `itl-harm` when the streams'
+ITL is what the local prefill costs most, `faster-ttft` when the TTFT is (a decode replica
+with a queue beside an idle prefill pool). A split that would miss a TTFT target the local
+prefill meets or beats is `prefill-busy`. Always: split whenever a prefill replica is ready
+(for comparison, as production-stack and vllm-router do).
 
 Each decision has a reason, counted by the front ends (`kubellm_gateway_disagg_decisions_total`).
 """
@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from kubellm.gateway.discovery.base import PrefillSplit
 from kubellm.gateway.protocol.kv_transfer import kv_params_of, prefill_body
 from kubellm.gateway.routing.latency.predictions import CHARS_PER_TOKEN
 from kubellm.gateway.routing.lifecycle import labels
@@ -41,7 +42,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from kubellm import metrics
 
 if TYPE_CHECKING:
-    from kubellm.gateway.discovery.base import PrefillSplit
     from kubellm.gateway.routing.latency.predictions import Predictions
     from kubellm.gateway.routing.lifecycle import Ticket
     from kubellm.gateway.routing.scheduler import Scheduler
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 Post = Callable[[str, bytes, float], Awaitable[bytes | None]]
 
 __all__ = [
-    "MARGIN", "PREFILL_DEADLINE_FACTOR", "REASONS", "DisaggMetrics", "Inputs", "Post", "Verdict",
+    "PREFILL_DEADLINE_FACTOR", "REASONS", "DisaggMetrics", "Inputs", "Post", "Verdict",
     "decide", "plan", "prefill_leg",
 ]  # fmt: skip
 
@@ -61,9 +61,6 @@ __all__ = [
 # wrong by more than the model's worst error, and the decode replica is a sure answer.
 PREFILL_DEADLINE_FACTOR = 3.0
 
-# The split's SLO cost must be under the local one's by this share to be worth a second
-# leg and a KV transfer (a prediction's error is 20-40%: bench/gateway/slo_routing.py).
-MARGIN = 0.2
 # A prompt whose uncached part is under this is computed where it decodes: the ITL harm of
 # one chunk this small is under a millisecond on every profile, and a second leg costs an
 # HTTP round trip and a KV handshake.
@@ -92,6 +89,7 @@ class Inputs:
     ttft_target: float
     itl_target: float
     split: Literal["Conditional", "Always"] = "Conditional"
+    margin: float = PrefillSplit.margin  # the share the split's cost must be under local's
 
 
 @dataclass(frozen=True)
@@ -123,7 +121,7 @@ def decide(x: Inputs) -> Verdict:
     local_ttft, local_itl = x.local_ttft / x.ttft_target, harm / x.itl_target
     local = max(local_ttft, local_itl)
     split = max(split_ttft / x.ttft_target, x.decode_step_s / x.itl_target)
-    if split < local * (1.0 - MARGIN):
+    if split < local * (1.0 - x.margin):
         return verdict(True, "itl-harm" if local_itl >= local_ttft else "faster-ttft")
     if split_ttft > x.ttft_target and split_ttft > x.local_ttft:
         return verdict(False, "prefill-busy")
@@ -172,6 +170,7 @@ def plan(
             ttft_target=ttft_target,
             itl_target=itl_target,
             split=settings.split,
+            margin=settings.margin,
         )
     )
     return verdict, best if verdict.split else None

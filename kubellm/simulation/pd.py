@@ -9,8 +9,11 @@ of num_blocks x block_size tokens). A split request's prompt runs on a prefill r
 token), its KV moves to the decode replica after bytes / link bandwidth, and it decodes there
 without computing the prompt. Decode routing: prefix holder first unless 1.25x past the least
 load, else least load (the shipped prefix-aware rule's shape). The conditional decision calls
-`disagg.decide` with the replicas' exact state (what is measured is the rule, not the latency
-model's error). `bench/simulation/pd_disagg.py` and `kubellm plan --trace --pd` run it.
+`disagg.decide` with the margin of `PrefillSplit` and predictions from the replicas' state,
+each replica's multiplied per request by a seeded lognormal factor (`error`: the sigma of its
+log; 0: exact state) while the engines run the true costs, so the margin is measured against
+the latency model's error (`ERRORS`). `bench/simulation/pd_disagg.py` and `kubellm plan
+--trace --pd` run it.
 
 Goodput as DistServe defines it: the highest rate at which >= 90% of requests meet both the
 TTFT and the mean-ITL target (`goodput`: bisection over a rate).
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 import statistics
 import time
 from collections import deque
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 
 from kubellm import capacity
 from kubellm.engine.sim_profiles import PROFILES, Profile
+from kubellm.gateway.discovery.base import PrefillSplit
 from kubellm.gateway.routing.disagg import Inputs, decide
 from kubellm.gateway.routing.latency.model import (
     PREFILL_RATE_WINDOW_S,
@@ -42,6 +47,12 @@ SHAPES = ("aggregated", "always", "conditional", "dynamo")
 DYNAMO_MAX_LOCAL = 2048  # Dynamo's conditional disaggregation, as issue 41 states it
 DYNAMO_RATIO = 0.7
 DYNAMO_QUEUE = 2  # prefill busy: more than this many prompts queued on every prefill replica
+# The predictions' error: the sigma of the log of the factor each replica's predictions for a
+# request are multiplied by. Realistic 0.3 is a mean absolute error of 25%, the slo-aware
+# latency model's TTFT MAPE near the knee (17-28% on the simulated pools, 23-29% on real
+# engines: docs/operations.md, "SLO-aware routing", bench/gateway/slo_routing.py);
+# pessimistic 0.6 is 54%, the model's worst measured (55-59% on mixed-speed pools).
+ERRORS = {"exact": 0.0, "realistic": 0.3, "pessimistic": 0.6}
 
 
 @dataclass(frozen=True)
@@ -109,7 +120,15 @@ class Replica:
 
 class Sim:
     def __init__(
-        self, pool: Pool, shape: str, prefill: int, reqs: list[Req], slo: tuple[float, float]
+        self,
+        pool: Pool,
+        shape: str,
+        prefill: int,
+        reqs: list[Req],
+        slo: tuple[float, float],
+        margin: float = PrefillSplit.margin,
+        error: float = 0.0,
+        seed: int = 0,
     ) -> None:
         self.gpus, replicas, self.kv_bytes, self.link = (
             pool.gpus,
@@ -122,6 +141,8 @@ class Sim:
             Prior(p.step_base_s, p.prefill_token_s, p.decode_token_s, p.max_num_batched_tokens)
         )  # the gateway's latency model, at the profile's exact figures
         self.shape, self.slo, self.reqs = shape, slo, reqs
+        self.margin, self.error = margin, error
+        self.rng = random.Random(f"prediction-error/{seed}")
         self.now = 0.0
         roles = ["agg"] * replicas if shape == "aggregated" else (
             ["prefill"] * prefill + ["decode"] * (replicas - prefill))  # fmt: skip
@@ -182,11 +203,20 @@ class Sim:
         step = p.step_base_s + p.decode_token_s * len(r.running)
         return (1 + ahead // p.max_num_batched_tokens + 0.5) * step + p.prefill_token_s * ahead
 
+    def factors(self) -> list[float]:
+        """Each replica's prediction error for one request: a factor on every prediction
+        for it there (1: exact state), drawn once per request whatever the decision."""
+        if not self.error:
+            return [1.0] * len(self.replicas)
+        return [self.rng.lognormvariate(0.0, self.error) for _ in self.replicas]
+
     def split(self, d: int, req: Req) -> tuple[bool, int]:
         if not self.prefillers:
             return False, -1
         u = self.uncached(d, req)
-        best = min(self.prefillers, key=lambda i: self.ttft(i, self.uncached(i, req)))
+        f = self.factors()
+        prefill_ttft = {i: f[i] * self.ttft(i, self.uncached(i, req)) for i in self.prefillers}
+        best = min(self.prefillers, key=prefill_ttft.__getitem__)
         if self.shape == "always":
             self.count("always")
             return True, best
@@ -198,17 +228,17 @@ class Sim:
         r, p = self.replicas[d], self.p
         started = time.perf_counter()
         verdict = decide(Inputs(
-            prompt_tokens=req.prompt, uncached_tokens=u, local_ttft=self.ttft(d, u),
-            decode_step_s=p.step_base_s + p.decode_token_s * (len(r.running) + 1),
-            others_itl=self.model.others_itl(Dispatch(
+            prompt_tokens=req.prompt, uncached_tokens=u, local_ttft=f[d] * self.ttft(d, u),
+            decode_step_s=f[d] * (p.step_base_s + p.decode_token_s * (len(r.running) + 1)),
+            others_itl=f[d] * self.model.others_itl(Dispatch(
                 req.prompt, req.prompt - u, prefill_rate=r.prompt_rate(self.now),
                 in_flight=len(r.running), running=len(r.running),
             )),
             prefill_token_s=p.prefill_token_s,
             step_tokens=p.max_num_batched_tokens,
-            prefill_ttft=self.ttft(best, self.uncached(best, req)),
+            prefill_ttft=prefill_ttft[best],
             kv_bytes_per_token=self.kv_bytes, link_bytes_per_s=self.link,
-            ttft_target=self.slo[0], itl_target=self.slo[1],
+            ttft_target=self.slo[0], itl_target=self.slo[1], margin=self.margin,
         ))  # fmt: skip
         self.decision_s.append(time.perf_counter() - started)
         self.count(verdict.reason)
@@ -325,12 +355,14 @@ def goodput(
     hi: float,
     bisections: int = 6,
     attain: float = ATTAIN,
+    margin: float = PrefillSplit.margin,
+    error: float = 0.0,
 ) -> float:
     """The highest rate in [0, hi] whose requests (`requests_at(rate)`) meet both SLOs at
-    least `attain` of the time (bisection)."""
+    least `attain` of the time (bisection; `margin` and `error` as `Sim`'s)."""
 
     def ok(rate: float) -> bool:
-        sim = Sim(pool, shape, prefill, list(requests_at(rate)), slo)
+        sim = Sim(pool, shape, prefill, list(requests_at(rate)), slo, margin, error)
         return attained(sim.run(), slo) >= attain
 
     if ok(hi):

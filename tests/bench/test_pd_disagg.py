@@ -4,8 +4,11 @@ held on both roles returned, a split request's prompt computed on the prefill ro
 from __future__ import annotations
 
 import pytest
+from kubellm.gateway.discovery.base import PrefillSplit
+from kubellm.gateway.routing.disagg import Inputs, decide
 
 from bench.simulation import pd_disagg as pd
+from kubellm.simulation import pd as simulation_pd
 
 
 @pytest.mark.parametrize(
@@ -36,3 +39,84 @@ def test_goodput_is_the_rate_where_ninety_percent_meet_both_slos():
     rate = pd.goodput("8B/H100", "aggregated", 0, "chat", 100, slo, 200.0)
     assert 0 < rate < 200.0
     assert pd.attained(pd.run("8B/H100", "aggregated", 0, "chat", rate, 100, slo).jobs, slo) >= 0.9
+
+
+# ---------------------------------------------------------------- the predictions' error
+
+
+class _Constant:
+    """An rng whose every prediction-error factor is `factor`."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def lognormvariate(self, _mu: float, _sigma: float) -> float:
+        return self.factor
+
+
+def _run(shape: str, error: float, factor: float | None = None, seed: int = 0) -> pd.Sim:
+    requests = pd.workload("mix", 0.8, 80, seed=2)
+    sim = pd.Sim(pd.POOLS["70B/4xH100"], shape, 2, requests, pd.SLO, error=error, seed=seed)
+    if factor is not None:
+        sim.rng = _Constant(factor)  # type: ignore[assignment]
+    sim.run()
+    return sim
+
+
+def _outcome(sim: pd.Sim) -> list[tuple[float, float, bool, int]]:
+    return [(j.first, j.last, j.split, j.decode_at) for j in sim.jobs]
+
+
+@pytest.mark.parametrize("shape", ["conditional", "always", "dynamo"])
+def test_a_factor_of_one_reproduces_exact_state(shape):
+    exact = _run(shape, 0.0)
+    assert _outcome(_run(shape, 0.6, factor=1.0)) == _outcome(exact)
+    assert _run(shape, 0.6, factor=1.0).reasons == exact.reasons
+
+
+@pytest.mark.parametrize(("error", "differs"), [(0.0, False), (0.3, True), (0.6, True)])
+def test_the_error_is_seeded_and_changes_the_decisions(error, differs):
+    once, again = _run("conditional", error), _run("conditional", error)
+    assert _outcome(once) == _outcome(again)  # the same seed, the same draws
+    assert (_outcome(once) != _outcome(_run("conditional", 0.0))) is differs
+    assert (_outcome(once) != _outcome(_run("conditional", error, seed=1))) is differs
+
+
+def test_the_error_scales_the_predictions_not_the_engines_costs(monkeypatch):
+    seen: list[object] = []
+    steps: list[tuple[float, float]] = []
+
+    def record(inputs):
+        seen.append(inputs)
+        return decide(inputs)
+
+    monkeypatch.setattr(simulation_pd, "decide", record)
+    _run("conditional", 0.6, factor=1.0)
+    exact = seen[0]  # the first request meets an empty fleet in every run
+    seen.clear()
+    sim = pd.Sim(pd.POOLS["70B/4xH100"], "conditional", 2,
+                 pd.workload("mix", 0.8, 80, seed=2), pd.SLO, error=0.6)  # fmt: skip
+    sim.rng = _Constant(1.5)  # type: ignore[assignment]
+    push = sim.push
+
+    def step(at: float, kind: int, arg: int) -> None:
+        if kind == 1:  # a step: charged at the profile's true cost for its batch
+            _, decodes, prefill = sim.current[arg]
+            steps.append((at - sim.now, sim.p.step_seconds(prefill, decodes)))
+        push(at, kind, arg)
+
+    sim.push = step  # type: ignore[method-assign]
+    sim.run()
+    scaled = seen[0]
+    for name in ("local_ttft", "decode_step_s", "others_itl", "prefill_ttft"):
+        assert getattr(scaled, name) == pytest.approx(1.5 * getattr(exact, name)), name
+    assert scaled.prompt_tokens == exact.prompt_tokens
+    assert steps and all(t == pytest.approx(true) for t, true in steps)
+
+
+def test_the_margin_has_one_default():
+    args = pd.parser().parse_args([])
+    assert args.margin == PrefillSplit.margin == Inputs.__dataclass_fields__["margin"].default
+    assert pd.Sim(pd.POOLS["8B/H100"], "conditional", 1, [], pd.SLO).margin == args.margin
+    assert args.error == simulation_pd.ERRORS["realistic"] > 0
+    assert pd.parser().parse_args(["--margin", "0.05"]).margin == 0.05

@@ -32,8 +32,13 @@ CASES = {
     "short prompt": (replace(BASE, prompt_tokens=60, uncached_tokens=60), False, "short-prompt"),
     "cached prefix on the decode replica": (
         replace(BASE, uncached_tokens=40), False, "cached-prefix"),
-    "mostly cached, harmless remainder": (
-        replace(BASE, uncached_tokens=300, others_itl=0.012), False, "cached-prefix"),
+    "mostly cached, harmless remainder": (  # the streams' ITL is the step's either way
+        replace(BASE, uncached_tokens=300, local_ttft=0.03, others_itl=BASE.decode_step_s),
+        False, "cached-prefix"),
+    "split 10% better, margin 0.2": (
+        replace(BASE, others_itl=0.0113, margin=0.2), False, "no-gain"),
+    "split 10% better, margin 0": (
+        replace(BASE, others_itl=0.0113, margin=0.0), True, "itl-harm"),
     "busy prefill pool": (replace(BASE, prefill_ttft=3.5), False, "prefill-busy"),
     "no prefill replica ready": (replace(BASE, prefill_ttft=None), False, "no-prefill-replica"),
     "idle decode replica, prefill no faster": (
@@ -84,11 +89,15 @@ def test_plan_picks_the_least_loaded_prefill_replica_and_splits_a_long_prompt() 
     assert (alone.split, alone.reason) == (False, "no-prefill-replica")
 
 
-def test_a_long_prompt_beside_few_prompts_is_computed_where_it_decodes() -> None:
-    """Under a mean-ITL target one long prompt's stall is spread over the streams' answers:
-    the split pays only once the replica spends a large share of its time on prompts."""
+def test_a_long_prompt_beside_few_prompts_splits_only_without_a_margin() -> None:
+    """Under a mean-ITL target one long prompt's stall is spread over the streams' answers
+    (11 ms against a 10 ms step beside 40 streams): the split is predicted 8% better, which
+    the shipped margin of 0 takes (an idle prefill replica) and a margin of 0.1 does not."""
     predictions = Predictions()
     decode = Candidate("http://d", in_flight=40, running=40.0, waiting=0.0)
     prefills = [Candidate("http://p", running=0.0, waiting=0.0)]
-    verdict, url = plan(predictions, _request(12_000), decode, prefills, PrefillSplit(), 2.0, 0.030)
-    assert (verdict.split, url) == (False, None) and verdict.local_itl_harm < 0.030
+    request = _request(12_000)
+    verdict, url = plan(predictions, request, decode, prefills, PrefillSplit(), 2.0, 0.030)
+    assert (verdict.split, url) == (True, "http://p") and verdict.local_itl_harm < 0.030
+    kept, url = plan(predictions, request, decode, prefills, PrefillSplit(margin=0.1), 2.0, 0.03)
+    assert (kept.split, kept.reason, url) == (False, "no-gain", None)
