@@ -156,33 +156,25 @@ def _static(stable: str, canary: str | None, shadow: dict[str, Any]) -> dict[str
     return {"models": [model]}
 
 
-def _busy(url: str) -> float:
-    """Requests running or waiting on a simulated engine."""
+def _engine_sum(url: str, *names: str) -> float:
+    """The sum of an engine's samples named `names` on its /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    families = text_string_to_metric_families(text)
+    return sum(s.value for f in families for s in f.samples if s.name in names)
+
+
+def _busy(url: str) -> float:
+    """Requests running or waiting on a simulated engine."""
     from kubellm import metrics
 
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name in (metrics.NUM_REQUESTS_RUNNING, metrics.NUM_REQUESTS_WAITING)
-    )
+    return _engine_sum(url, metrics.NUM_REQUESTS_RUNNING, metrics.NUM_REQUESTS_WAITING)
 
 
 def _finished(url: str) -> float:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "vllm:request_success_total"
-    )
+    return _engine_sum(url, "vllm:request_success_total")
 
 
 def _cpu(process: Any) -> float:
