@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import random
@@ -184,17 +185,16 @@ def _cpu(process: Any) -> float:
 
 async def _window(
     url: str, offsets: list[float], seed: int, words: int, max_tokens: int
-) -> tuple[list[float], int]:
-    """Open-loop arrivals at `offsets`: (TTFTs of the answered, failures)."""
+) -> tuple[list[float], list[str]]:
+    """Open-loop arrivals at `offsets`: (TTFTs of the answered, why each failure failed)."""
     import httpx
 
     from bench import _client
 
     ttfts: list[float] = []
-    failed = 0
+    failed: list[str] = []
 
     async def one(http: httpx.AsyncClient, index: int) -> None:
-        nonlocal failed
         body = {
             "model": MODEL,
             "prompt": prompt(seed, index, words),
@@ -205,7 +205,8 @@ async def _window(
         if out["ok"]:
             ttfts.append(out["ttft"])
         else:
-            failed += 1
+            response = out.get("response")
+            failed.append(f"{out['status']} {response.text[:200] if response else ''}".strip())
 
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     async with httpx.AsyncClient(timeout=60, limits=limits) as http:
@@ -284,14 +285,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "canary_requests": (_finished(canary) - fin0) / sent,
                     "canary_cpu_ms": 1000 * (_cpu(canary_proc) - can0) / sent,
                     "sent": sent,
-                    "failed": failed,
+                    "failed": len(failed),
+                    "why_failed": dict(collections.Counter(failed)),
                 }
             row["load"] = os.getloadavg()[0]
             rows.append(row)
             print(
                 f"round {r + 1} ({' '.join(order)}): "
                 + ", ".join(
-                    f"{a} p99 {row[a]['p99'] * 1000:.1f} ms cpu {row[a]['cpu_ms']:.2f} ms/req"
+                    f"{a} p99 {row[a]['p99'] * 1000:.1f} ms (p50 {row[a]['p50'] * 1000:.0f}) "
+                    f"cpu {row[a]['cpu_ms']:.2f} ms/req failed {row[a]['failed']}"
                     for a in ARMS
                 )
                 + f"; load {row['load']:.1f}",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import re
 import signal
@@ -420,6 +421,7 @@ def vllm_shadow_run(*, concurrency: int = 4, prefixes: int = 40, seed: int = 7,
                                                  r"VLLM_CPU_OMP_THREADS_BIND=([^)]*)\)",
                                                  fleet.log.read_text()),
                              "vllm_core_ids": _core_ids(fleet.run_dir / "logs"),
+                             "load_average": [round(x, 1) for x in os.getloadavg()],
                              "failed_requests": len(load.failures)}  # fmt: skip
                 print(f"{name}: {json.dumps(out[name])}", flush=True)
                 wait(lambda: not fleet.state().get("canaryReplicas"), 120, "the canary gone")
