@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import _client
+from bench.gateway import canary_p99
 
 MODEL = "tiny"
 STABLE = "stable"
@@ -516,7 +517,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="print each new verdict")
     parser.add_argument("--tables", type=Path,
                         help="only print the tables of an earlier run's --json file")  # fmt: skip
+    parser.add_argument(
+        "--stable-p99",
+        action="store_true",
+        help="instead: the shadow's cost to the stable side's TTFT p99, on the simulator "
+        "(bench/gateway/canary_p99.py; flock /tmp/bench.lock)",
+    )
+    canary_p99.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.stable_p99:
+        return canary_p99.main_p99(args)
     if args.tables:
         for row in tables(json.loads(args.tables.read_text())):
             print(row)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import re
 import signal
@@ -390,7 +391,17 @@ def vllm_shadow_run(*, concurrency: int = 4, prefixes: int = 40, seed: int = 7,
                     continue
                 t0 = time.monotonic()
                 path.write_text(yaml.safe_dump(doc))
-                shadow = wait(lambda rev=rev: (r := fleet.rollout()).get("canaryRevision") == rev
+                ready: list[float] = []  # when the canary's engine answered /health
+
+                def canary_up(ready: list[float] = ready, t0: float = t0) -> bool:
+                    if not ready and any(
+                        r["state"] == "ready" for r in fleet.state().get("canaryReplicas", [])
+                    ):
+                        ready.append(time.monotonic() - t0)  # fmt: skip
+                    return True
+
+                shadow = wait(lambda rev=rev: canary_up()
+                              and (r := fleet.rollout()).get("canaryRevision") == rev
                               and (r.get("step", 1) > 1 or r.get("phase") != "Progressing")
                               and r, timeout, f"{name}: the shadow step's verdict")  # fmt: skip
                 verdict = shadow.get("verdict") or {}
@@ -405,12 +416,25 @@ def vllm_shadow_run(*, concurrency: int = 4, prefixes: int = 40, seed: int = 7,
                              "real_before_verdict": figures.get("requests", 0),
                              "final": final.get("phase"), "reason": final.get("rolledBackReason"),
                              "seconds": round(time.monotonic() - t0, 1),
+                             "canary_ready_s": round(ready[0], 1) if ready else None,
+                             "binds": re.findall(r"(\S+) starting on port \d+ \(pid \d+; "
+                                                 r"VLLM_CPU_OMP_THREADS_BIND=([^)]*)\)",
+                                                 fleet.log.read_text()),
+                             "vllm_core_ids": _core_ids(fleet.run_dir / "logs"),
+                             "load_average": [round(x, 1) for x in os.getloadavg()],
                              "failed_requests": len(load.failures)}  # fmt: skip
                 print(f"{name}: {json.dumps(out[name])}", flush=True)
                 wait(lambda: not fleet.state().get("canaryReplicas"), 120, "the canary gone")
             out["requests"] = len(load.done)
             out["shed"] = {k: v for k, v in _shed(fleet.metrics()).items() if v}
     return out
+
+
+def _core_ids(logs: Path) -> dict[str, list[str]]:
+    """The cores each replica's vLLM bound its OpenMP threads to, from its own log line."""
+    pattern = re.compile(r"local_rank=\d+, core ids=(\[[^]]*\])")
+    return {p.stem: pattern.findall(p.read_text(errors="replace"))
+            for p in sorted(logs.glob("*.log"))}  # fmt: skip
 
 
 def _shed(text: str) -> dict[str, float]:

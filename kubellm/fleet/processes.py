@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from kubellm import metrics
+from kubellm.fleet.cores import free_slot
 
 log = logging.getLogger("kubellm.fleet")
 
@@ -115,6 +116,8 @@ class Replica:
     state: str = "starting"  # starting | ready | crashed | draining | replace | stopped
     restarts: int = 0
     kv_events_port: int | None = None  # its own KV-event ports (port, port + 1), if any
+    slot: int | None = None  # its fleet-wide core slot (kubellm.fleet.cores), if it binds
+    env: dict[str, str] = field(default_factory=dict)  # set beside the inherited environment
     last_exit: int | None = None
     next_start: float = 0.0
     drain_deadline: float = 0.0
@@ -131,6 +134,8 @@ class Replica:
 
 # Builds an engine command line for (replica index, port).
 CommandFor = Callable[[int, int], list[str]]
+# Builds a replica's extra environment for (its core slot, the slots in use): see cores.py.
+EnvFor = Callable[[int, int], dict[str, str]]
 
 
 class Supervisor:
@@ -145,6 +150,7 @@ class Supervisor:
         self.replicas: dict[str, list[Replica]] = {}
         self.commands: dict[str, CommandFor] = {}
         self.kv_events: set[str] = set()  # deployments whose replicas publish KV events
+        self.envs: dict[str, EnvFor] = {}  # deployments whose replicas take a core slot
         self.desired: dict[str, int] = {}
         self.events: list[str] = []
         self.events_total = 0
@@ -152,12 +158,25 @@ class Supervisor:
 
     # ------------------------------------------------------------------ desired state
 
-    def set_command(self, deployment: str, command: CommandFor, kv_events: bool = False) -> None:
+    def set_command(
+        self,
+        deployment: str,
+        command: CommandFor,
+        kv_events: bool = False,
+        env: EnvFor | None = None,
+    ) -> None:
         """A new command line for a deployment (a spec edit): its replicas are replaced.
         With `kv_events`, each replica gets its own pair of KV-event ports (they share one
-        host), passed as `--kv-events-port`."""
+        host), passed as `--kv-events-port`. With `env`, each replica takes the lowest free
+        core slot among all deployments' replicas and starts with `env(slot, slots)` added
+        to its environment (slots: the replicas of such deployments desired, at least
+        slot + 1)."""
         changed = deployment in self.commands
         self.commands[deployment] = command
+        if env is not None:
+            self.envs[deployment] = env
+        else:
+            self.envs.pop(deployment, None)
         if kv_events:
             self.kv_events.add(deployment)
         else:
@@ -173,6 +192,7 @@ class Supervisor:
         self.desired[deployment] = 0
         self.commands.pop(deployment, None)
         self.kv_events.discard(deployment)
+        self.envs.pop(deployment, None)
 
     def _argv(self, replica: Replica) -> list[str]:
         argv = self.commands[replica.deployment](replica.index, replica.port)
@@ -267,13 +287,27 @@ class Supervisor:
         replica.argv = self._argv(replica)
         return replica
 
+    def _environment(self, replica: Replica) -> dict[str, str]:
+        """The replica's extra environment; takes its core slot (see `set_command`)."""
+        builder = self.envs.get(replica.deployment)
+        if builder is None:
+            replica.slot = None
+            return {}
+        taken = [r.slot for rs in self.replicas.values() for r in rs
+                 if r is not replica and r.slot is not None]  # fmt: skip
+        replica.slot = free_slot(taken)
+        slots = sum(self.desired.get(d, 0) for d in self.envs)
+        return builder(replica.slot, max(slots, replica.slot + 1))
+
     async def _start(self, replica: Replica) -> None:
         if replica.restarts:  # a restart gets a fresh port in case the old one lingers
             replica.port = free_port()
             replica.argv = self._argv(replica)
+        replica.env = self._environment(replica)
         with replica.log_path.open("ab") as log_file:
             replica.process = await asyncio.create_subprocess_exec(
                 *replica.argv,
+                env={**os.environ, **replica.env} if replica.env else None,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,
@@ -281,8 +315,9 @@ class Supervisor:
             )
         replica.state = "starting"
         replica.started = time.monotonic()
+        env = "".join(f"; {k}={v}" for k, v in replica.env.items())
         self.event(
-            f"{replica.name} starting on port {replica.port} (pid {replica.process.pid}); "
+            f"{replica.name} starting on port {replica.port} (pid {replica.process.pid}{env}); "
             f"its output goes to {replica.log_path}"
         )
 

@@ -44,7 +44,8 @@ from kubellm.contracts import (
     fallback_target,
     revision,
 )
-from kubellm.fleet.processes import CommandFor, Supervisor, free_port
+from kubellm.fleet.cores import omp_bind_env
+from kubellm.fleet.processes import CommandFor, EnvFor, Supervisor, free_port
 from kubellm.gateway.discovery.base import Endpoint as GatewayEndpoint
 from kubellm.gateway.discovery.base import ModelTarget, StepCosts, canary_split, prefill_split
 from kubellm.gateway.discovery.kubernetes import adapter_refs
@@ -170,7 +171,9 @@ class LocalRuntime:
             current = self.deployments.get(name)
             if current is None:
                 self.deployments[name] = LocalDeployment(manifest, total=manifest.spec.replicas)
-                self.supervisor.set_command(name, self._command(manifest), _events(manifest))
+                self.supervisor.set_command(
+                    name, self._command(manifest), _events(manifest), self.replica_env(manifest)
+                )
                 self.supervisor.set_replicas(name, manifest.spec.replicas)
                 changes.append(f"{name} created with {manifest.spec.replicas} replica(s)")
                 changes.extend(self._apply_prefill(self.deployments[name]))
@@ -186,13 +189,16 @@ class LocalRuntime:
                 if current.stable is None:
                     current.stable = old
                 command = self._command(manifest, canary=True)
-                self.supervisor.set_command(current.canary_key, command, _events(manifest))
+                self.supervisor.set_command(current.canary_key, command, _events(manifest),
+                                            self.replica_env(manifest))  # fmt: skip
                 changes.append(f"{name} revision {revision(manifest)}: starts as a canary "
                                f"beside {revision(stable)}")  # fmt: skip
             elif engine_identity_json(stable) != engine_identity_json(manifest):
                 current.stable = None
                 self.supervisor.forget(current.canary_key)
-                self.supervisor.set_command(name, self._command(manifest), _events(manifest))
+                self.supervisor.set_command(
+                    name, self._command(manifest), _events(manifest), self.replica_env(manifest)
+                )
                 changes.append(f"{name} engine spec changed: replacing replicas")
             elif current.stable is not None and canary:
                 pass  # back to the stable revision's spec: tend_rollout ends the canary
@@ -269,6 +275,14 @@ class LocalRuntime:
                     "127.0.0.1", *side]  # fmt: skip
 
         return vllm
+
+    def replica_env(self, manifest: api.LLMDeployment) -> EnvFor | None:
+        """Local vLLM CPU replicas share the machine's cores: each gets its own
+        (`kubellm.fleet.cores`). P/D roles keep the launcher's binding (kv_transfer_env)."""
+        if (self.engine != "vllm" or manifest.spec.resources.gpu.count != 0
+                or manifest.spec.prefill is not None):  # fmt: skip
+            return None
+        return omp_bind_env
 
     def sim_hardware(self, index: int) -> list[str]:
         """The simulator flags of replica `index`: its profile and slowdown, if given."""
