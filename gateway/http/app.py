@@ -38,7 +38,7 @@ from kubellm.gateway.discovery.base import (
     find_model,
     model_cards,
 )
-from kubellm.gateway.http import prefill, relay, upstream
+from kubellm.gateway.http import prefill, relay, server, upstream
 from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
 from kubellm.gateway.http.settings import GatewaySettings
 from kubellm.gateway.protocol import assemble, errors, usage
@@ -156,7 +156,7 @@ class Gateway:
         if declared and declared.isdigit() and int(declared) > limit:
             raise errors.too_large(limit)
         try:
-            async with asyncio.timeout(self.settings.body_timeout):
+            with _Deadline(self.settings.body_timeout):
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     raise ClientDisconnect()
@@ -209,7 +209,8 @@ class Gateway:
             # request is closed (its response is closed in `finally` blocks), so an engine
             # stops working for a client that left, queued, waiting or mid-stream.
             try:
-                async with relay.DisconnectWatch(receive) as watch:
+                lost = (scope.get("extensions") or {}).get(server.CONNECTION_LOST)
+                async with relay.DisconnectWatch(receive, lost) as watch:
                     await self._route(call, found[0], found[1], raw, body, arrived, caller)
             finally:
                 if call.ticket is not None:
@@ -482,6 +483,33 @@ class _Call:
     async def error(self, error: GatewayError) -> None:
         self.started = True
         await error.response()({"type": "http"}, _no_receive, self.send)
+
+
+class _Deadline:
+    """`with _Deadline(seconds):` raises TimeoutError in the current task once `seconds`
+    passed (its await cancelled), as `asyncio.timeout` does, with one loop timer and no
+    async context manager: it bounds every request's body read."""
+
+    __slots__ = ("_handle", "_task", "expired")
+
+    def __init__(self, seconds: float) -> None:
+        self._task = asyncio.current_task()
+        self.expired = False
+        self._handle = asyncio.get_running_loop().call_later(seconds, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        self._task.cancel()  # type: ignore[union-attr]
+
+    def __enter__(self) -> _Deadline:
+        return self
+
+    def __exit__(self, kind: object, error: object, tb: object) -> None:
+        self._handle.cancel()
+        if self.expired:
+            self._task.uncancel()  # type: ignore[union-attr]  # our own cancel
+            if kind is asyncio.CancelledError:
+                raise TimeoutError
 
 
 async def _no_receive() -> Message:

@@ -44,6 +44,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import aiohttp
 from kubellm.gateway.http import upstream
@@ -507,20 +508,24 @@ async def _assemble(
 
 
 class DisconnectWatch:
-    """Cancel the current task when the client disconnects, in one watcher task.
+    """Cancel the current task when the client disconnects.
 
-    Use as `async with DisconnectWatch(receive) as watch:`; when the watcher
+    Use as `async with DisconnectWatch(receive, lost) as watch:`; when the watch
     cancelled the task, the CancelledError is turned into `watch.disconnected`
     being True (and the task's cancel request withdrawn), any other cancellation
-    propagates. Cheaper than running the work in a second task and waiting on both.
-    Leaving the block drops the references between the watch and the two tasks,
+    propagates. `lost`: the connection's end as the gateway's server reports it
+    (`server.ConnectionLost`, a callback: no task per request); None (another
+    server) has one watcher task wait on `receive` for `http.disconnect`. Either is
+    cheaper than running the work in a second task and waiting on both.
+    Leaving the block drops the references between the watch and the tasks,
     so that nothing of a finished request waits for the cyclic garbage collector.
     """
 
-    __slots__ = ("_receive", "_running", "_task", "_watcher", "disconnected")
+    __slots__ = ("_lost", "_receive", "_running", "_task", "_watcher", "disconnected")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, lost: ConnectionEnd | None = None) -> None:
         self._receive = receive
+        self._lost = lost
         self._running = True
         self.disconnected = False
 
@@ -528,15 +533,20 @@ class DisconnectWatch:
         task = asyncio.current_task()
         assert task is not None
         self._task: asyncio.Task[object] | None = task
-        self._watcher: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
-            self._watch()
-        )
+        self._watcher: asyncio.Task[None] | None = None
+        if self._lost is not None:
+            self._lost.watch(self._left)
+        else:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
         return self
 
     async def _watch(self) -> None:
         receive = self._receive
         while (await receive())["type"] != "http.disconnect":
             pass
+        self._left()
+
+    def _left(self) -> None:
         if self._running and self._task is not None:
             self.disconnected = True
             self._task.cancel()
@@ -545,9 +555,22 @@ class DisconnectWatch:
         self._running = False
         task, watcher = self._task, self._watcher
         self._task = self._watcher = None
-        assert task is not None and watcher is not None
-        watcher.cancel()
+        assert task is not None
+        if watcher is not None:
+            watcher.cancel()
+        if self._lost is not None:
+            self._lost.unwatch(self._left)
+            self._lost = None
         if kind is asyncio.CancelledError and self.disconnected:
             task.uncancel()  # our own cancel, delivered: the task goes on
             return True
         return False
+
+
+class ConnectionEnd(Protocol):
+    """What `DisconnectWatch` needs of a server's report of the connection's end
+    (`server.ConnectionLost`)."""
+
+    def watch(self, callback: Callable[[], None]) -> None: ...
+
+    def unwatch(self, callback: Callable[[], None]) -> None: ...

@@ -15,6 +15,11 @@ adds, per connection:
 
 The body read timeout is the app's (`GatewaySettings.body_timeout`); uvicorn's own
 keep-alive timeout closes a connection idle between requests.
+
+It also tells the app when a client's connection is lost (`ConnectionLost`, in each
+request's `scope["extensions"]`): a request in flight learns that its client left from a
+callback, without a task per request waiting on ASGI `receive` for the
+`http.disconnect` (`relay.DisconnectWatch`), which uvicorn sends on the same event.
 """
 
 from __future__ import annotations
@@ -35,6 +40,39 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from kubellm.event_loop import loop_factory
 
 log = logging.getLogger("kubellm.gateway")
+
+
+# The scope extension that carries the connection's `ConnectionLost` (ASGI lets a server
+# add its own keys to `scope["extensions"]`); absent under other servers.
+CONNECTION_LOST = "kubellm.connection_lost"
+
+
+class ConnectionLost:
+    """One client connection's end, for the requests served on it: `watch(callback)` runs
+    `callback` once when the connection is lost (at once if it already was), unless
+    `unwatch(callback)` came first."""
+
+    __slots__ = ("_callbacks", "lost")
+
+    def __init__(self) -> None:
+        self._callbacks: set[Callable[[], None]] = set()
+        self.lost = False
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        if self.lost:
+            callback()
+        else:
+            self._callbacks.add(callback)
+
+    def unwatch(self, callback: Callable[[], None]) -> None:
+        self._callbacks.discard(callback)
+
+    def fire(self) -> None:
+        """The connection is lost: run each watcher's callback (once)."""
+        self.lost = True
+        callbacks, self._callbacks = self._callbacks, set()
+        for callback in callbacks:
+            callback()
 
 
 def default_max_connections() -> int:
@@ -71,7 +109,9 @@ def guarded_protocol(limits: ClientLimits, on_refused: Callable[[], None]) -> ty
         _header_timer: asyncio.TimerHandle | None = None
         _refused = False
         _in_head = True  # reading a request's line and headers
+        _head_started = False  # a request's first byte came, its headers' end not yet
         _head_bytes = 0
+        _lost: ConnectionLost
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             if len(self.connections) >= cap:
@@ -81,6 +121,7 @@ def guarded_protocol(limits: ClientLimits, on_refused: Callable[[], None]) -> ty
                 refused()
                 return
             super().connection_made(transport)  # type: ignore[arg-type]
+            self._lost = ConnectionLost()
             self._arm_header_timer()
 
         def _arm_header_timer(self) -> None:
@@ -110,6 +151,11 @@ def guarded_protocol(limits: ClientLimits, on_refused: Callable[[], None]) -> ty
                     self.transport.close()
                     return
             super().data_received(data)
+            # A request's head usually arrives whole, in one read: the header timer is
+            # armed only for one still incomplete after it (from this read on, a moment
+            # after its first byte), not armed and cancelled for every request.
+            if self._head_started and not self._refused:
+                self._arm_header_timer()
 
         def on_response_complete(self) -> None:
             self._in_head, self._head_bytes = True, 0
@@ -117,10 +163,11 @@ def guarded_protocol(limits: ClientLimits, on_refused: Callable[[], None]) -> ty
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._arm_header_timer()
+            self._head_started = True
+            self.scope["extensions"] = {CONNECTION_LOST: self._lost}
 
         def on_headers_complete(self) -> None:
-            self._in_head = False
+            self._in_head = self._head_started = False
             self._cancel_header_timer()
             super().on_headers_complete()
 
@@ -129,6 +176,7 @@ def guarded_protocol(limits: ClientLimits, on_refused: Callable[[], None]) -> ty
                 return
             self._cancel_header_timer()
             super().connection_lost(exc)
+            self._lost.fire()
 
         def eof_received(self) -> None:
             if not self._refused:

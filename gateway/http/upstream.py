@@ -125,6 +125,7 @@ class _Connection(asyncio.Protocol):
         self._sent_at = 0.0
         self._last = 0.0  # when the last body bytes arrived
         self._got_body = False
+        self._rearm = False  # the first body bytes came in the read being parsed
 
     # -------------------------------------------------------------- transport
 
@@ -144,6 +145,9 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
             if not self.chunked:
                 self._flush_chunk()
+            if self._rearm:
+                self._rearm = False
+                self._idle_deadline()
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamError("protocol upgrade refused"))
         except httptools.HttpParserError as error:
@@ -214,14 +218,19 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._last = self.loop.time()
         if not self._got_body:
-            self._got_body = True
-            timer = self._timer  # the first byte: the idle deadline now, if it is sooner
-            if timer is not None and self._last + self._deadlines.idle < timer.when():
-                self._arm(self._next_deadline()[0])
+            # the first byte: the idle deadline now, if it is sooner; set once this read
+            # is parsed (`data_received`), so an answer that ends in the read that brought
+            # its first byte (most whole answers) re-arms no timer
+            self._got_body = self._rearm = True
         self._chunk.append(body)
         self._chunk_size += len(body)
         if self._chunk_size >= _MAX_PIECE:
             self._flush_chunk()
+
+    def _idle_deadline(self) -> None:
+        timer = self._timer
+        if timer is not None and self._last + self._deadlines.idle < timer.when():
+            self._arm(self._next_deadline()[0])
 
     def on_chunk_header(self) -> None:
         self._flush_chunk()
@@ -280,7 +289,7 @@ class _Connection(asyncio.Protocol):
         self.active, self.complete, self.head_done, self.interim = True, False, False, False
         self.head_bytes, self.status, self.until_close, self.chunked = 0, 0, False, False
         self.headers = []
-        self._got_body = False
+        self._got_body = self._rearm = False
         self._deadlines = deadlines
         self._sent_at = self._last = self.loop.time()
         self.transport.write(request)

@@ -1,0 +1,179 @@
+"""The completion routes answer alike under the gateway's own server and under another.
+
+`kubellm gateway` serves with uvicorn's protocol guarded by `http.server` (header timer
+armed only for a head still incomplete after a read; the connection's end reported to the
+request by a callback, `server.ConnectionLost`); under any other ASGI server the request
+learns that its client left from a watcher task on `receive`. Each case runs on both, and
+the answers (status, error fields) must be the same.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from kubellm.gateway.discovery.base import FixedDiscovery
+from kubellm.gateway.http import server as gateway_server
+from kubellm.gateway.http.app import Gateway, GatewaySettings, create_app
+from kubellm.gateway.http.settings import ClientLimits
+from kubellm.gateway.routing.scheduler import SchedulerSettings
+
+from tests.fixtures.polling import wait_until
+from tests.fixtures.servers import ServerThread
+from tests.gateway.conftest import GatewayHandle, model
+
+SERVERS = ("kubellm", "uvicorn")
+CHAT = [{"role": "user", "content": "hello"}]
+BIG = "x" * 5000  # over the gateways' 4,096-byte body limit
+LABELS = {"model": "tiny", "deployment": "tiny", "namespace": "default"}
+
+
+@pytest.fixture
+def served(engines) -> Iterator[Callable[..., tuple[Any, dict[str, GatewayHandle]]]]:
+    """One engine, and a gateway over it on each server (`SERVERS`)."""
+    started: list[ServerThread] = []
+
+    def start(**settings: Any) -> tuple[Any, dict[str, GatewayHandle]]:
+        ((engine, upstream),) = engines(1)
+        handles = {}
+        for name in SERVERS:
+            discovery = FixedDiscovery({"tiny": model("tiny", [upstream])})
+            gw = Gateway(
+                discovery,
+                GatewaySettings(scheduler=SchedulerSettings(scrape_interval=0.05), **settings),
+            )
+            http = "auto"
+            if name == "kubellm":  # as `kubellm gateway` serves (gateway/cli.py)
+                http = gateway_server.guarded_protocol(ClientLimits(header_timeout=0.5), lambda: 0)
+            thread = ServerThread(create_app(gw), http=http).start()
+            started.append(thread)
+            handles[name] = GatewayHandle(gw, discovery, thread)
+        return engine, handles
+
+    yield start
+    for thread in started:
+        thread.stop()
+
+
+def _answer(response: httpx.Response) -> tuple[int, Any]:
+    """What a client reads of an answer, less what differs per request (ids, times)."""
+    body = response.json()
+    if "error" in body:
+        return response.status_code, {k: body["error"][k] for k in ("type", "code", "param")}
+    return response.status_code, [c["message"] for c in body["choices"]]
+
+
+CASES: list[tuple[str, dict[str, Any], int]] = [
+    ("good", {"json": {"model": "tiny", "messages": CHAT}}, 200),
+    ("bad json", {"content": b'{"model": "tiny", "messages": '}, 400),
+    ("field wrong", {"json": {"model": "tiny", "messages": "hello"}}, 400),
+    ("unknown model", {"json": {"model": "nope", "messages": CHAT}}, 404),
+    ("too large", {"json": {"model": "tiny", "messages": [{"role": "user", "content": BIG}]}}, 413),
+]  # fmt: skip
+
+
+def test_every_answer_is_the_same_on_both_servers(served):
+    engine, gateways = served(max_body_bytes=4096)
+    for name, request, status in CASES:
+        answers = {
+            server: _answer(httpx.post(f"{gw.url}/v1/chat/completions", timeout=20, **request))
+            for server, gw in gateways.items()
+        }
+        assert answers["kubellm"] == answers["uvicorn"], name
+        assert answers["kubellm"][0] == status, (name, answers)
+    assert len(engine.bodies) == 2  # the good request, once through each
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_client_leaving_mid_stream_cancels_the_upstream_request(served, server):
+    engine, gateways = served()
+    engine.behaviour.tokens = 1000
+    engine.behaviour.token_delay = 0.05
+    gw = gateways[server]
+    body = {"model": "tiny", "messages": CHAT, "stream": True}
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", f"{gw.url}/v1/chat/completions", json=body) as response,
+    ):
+        assert next(response.iter_lines()).startswith("data: ")
+    # leaving the block closed the client's connection mid-stream
+    wait_until(lambda: engine.cancelled == 1, 30, "the engine to see the cancellation")
+    assert engine.completed == 0
+    wait_until(lambda: gw.gateway.scheduler.in_flight() == {}, 30, "the slot to be freed")
+    wait_until(lambda: gw.metric("kubellm_gateway_pending_requests", **LABELS) == 0, 30)
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_client_leaving_before_the_answer_is_counted_499(served, server):
+    engine, gateways = served()
+    engine.behaviour.first_byte_delay = 30
+    gw = gateways[server]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{gw.url}/v1/chat/completions", json={"model": "tiny", "messages": CHAT}, timeout=0.5
+        )
+    wait_until(lambda: gw.gateway.scheduler.in_flight() == {}, 30, "the upstream request to close")
+    wait_until(
+        lambda: (
+            gw.metric("kubellm_gateway_requests_total", **LABELS, target="none", code="499") == 1
+        ),
+        30,
+    )
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_body_that_never_ends_gets_a_408(served, server):
+    _, gateways = served(body_timeout=0.5)
+    host, port = gateways[server].url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 100\r\n\r\n{"model": '
+        )
+        answer = b""
+        while b"request_timeout" not in answer and (data := sock.recv(65536)):
+            answer += data  # bounded by the socket's timeout
+    assert answer.startswith(b"HTTP/1.1 408 ") and b'"request_timeout"' in answer
+
+
+def test_a_head_trickled_over_the_header_timeout_is_cut_on_a_kept_alive_connection(served):
+    """The header timer is armed once a read leaves a head incomplete: a second request
+    on a kept-alive connection whose head never ends is cut off too."""
+    _, gateways = served()
+    host, port = gateways["kubellm"].url.removeprefix("http://").split(":")
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json"
+            b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        first = b""
+        while b"\r\n\r\n" not in first:
+            first += sock.recv(65536)
+        head, _, rest = first.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(rest) < length:  # the whole answer, before the next request
+            rest += sock.recv(65536)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # never ends
+        received = b""
+        while data := sock.recv(65536):  # bounded by the socket's timeout
+            received += data
+    assert received == b""  # closed, no answer
+
+
+def test_connection_lost_runs_each_watcher_once():
+    lost = gateway_server.ConnectionLost()
+    calls: list[str] = []
+    lost.watch(lambda: calls.append("a"))
+    gone = lambda: calls.append("gone")  # noqa: E731
+    lost.watch(gone)
+    lost.unwatch(gone)
+    lost.fire()
+    lost.fire()
+    assert calls == ["a"]
+    lost.watch(lambda: calls.append("late"))  # after the end: at once
+    assert calls == ["a", "late"]
