@@ -7,6 +7,8 @@ and orders the replicas; it answers a `Decision`, or None: wait (queue, or a loa
 in `Pass.awaiting`), and run the pass again when something changed.
 
     candidates (router.candidates: routable, not ejected, not down)
+      -> the request's revision's (router.narrow: the revision filter, while a canary
+         splits the model), so admission sees the replicas that may answer it
       -> open: the candidates not saturated (admission.saturated)
       -> gates, in order, each narrowing the pass:
            adapters (gates/adapters.py)  only the replicas holding the request's adapter;
@@ -19,7 +21,8 @@ in `Pass.awaiting`), and run the pass again when something changed.
       -> order: router.order over the open ones (the profile: the revision filter first,
          then the policy's filters and scorers), then the saturated candidates of the
          request's revision (alive: better than no answer), then the other revision's
-         (a retry reaches them only after every replica of its own failed)
+         (a retry reaches them only after every replica of its own failed; never in the
+         shadow step, whose canary answers mirrored requests only)
       -> each gate hears the decision (`decided`)
 
 A gate also hears the request's attempts through its ticket (`lifecycle.Ticket`): `sent`
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kubellm.gateway.discovery.base import FallbackTarget, ModelTarget
 from kubellm.gateway.routing.admission import Route, decide, predicted_wait, saturated
+from kubellm.gateway.routing.canary.revisions import last_resort
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 from kubellm.gateway.routing.settings import Thresholds
 
@@ -168,6 +172,8 @@ def admit_once(p: Pass, gates: Sequence[Gate], router: Router) -> Decision | Non
     if p.dropped is not None:
         return Decision(Route.REJECT, p.dropped)
     thresholds = p.thresholds
+    every = p.candidates  # both revisions' while a canary splits the model
+    p.candidates = router.narrow(p.target, p.routing, every)  # the request's revision's
     p.open = [c for c in p.candidates if not saturated(c, thresholds)]
     for gate in gates:
         gate.narrow(p)
@@ -190,11 +196,12 @@ def admit_once(p: Pass, gates: Sequence[Gate], router: Router) -> Decision | Non
     if verdict.route is Route.QUEUE:
         return None
     order = router.order(p.target, p.routing, open_) if open_ else []
-    if order and len(order) < len(candidates):  # then the saturated ones (alive, so better
-        chosen = {c.url for c in order}  # than no answer), its revision's first, the other
-        own = {c.url for c in router.narrow(p.target, p.routing, candidates)}  # revision's
-        rest = [c for c in candidates if c.url not in chosen]  # only after them all
-        order += [c for c in rest if c.url in own] + [c for c in rest if c.url not in own]
+    if order and len(order) < len(every):  # then the saturated ones (alive, so better than
+        chosen = {c.url for c in order}  # no answer), its revision's, then the other's
+        order += [c for c in candidates if c.url not in chosen]
+        if last_resort(p.target):  # only after every one of its own failed
+            own = {c.url for c in candidates}
+            order += [c for c in every if c.url not in own]
     decision = Decision(verdict.route, verdict.reason, order)
     for gate in gates:
         decision = gate.decided(p, decision)

@@ -91,6 +91,14 @@ def choose(
     return wanted or other
 
 
+def last_resort(target: ModelTarget) -> bool:
+    """Whether a request's retries may reach the other revision's replicas once every one
+    of its own failed (an outage of one side costs no answer): yes, but not in the shadow
+    step, whose canary must not answer a client before its verdict."""
+    split = target.canary
+    return split is None or not (split.weight <= 0 and split.shadow_share > 0)
+
+
 def revision_label(target: ModelTarget, url: str) -> str | None:
     """The `revision` label of an answer from `url` while the model's traffic is split
     (the endpoint's revision, "stable" for the others); None when no rollout splits it."""

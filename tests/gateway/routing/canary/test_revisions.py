@@ -244,3 +244,63 @@ async def test_a_retry_tries_its_own_revision_before_the_other():
         ticket.finish()
         seen[side] += 1
     assert seen[True] and seen[False]  # both sides taken by these prompts
+
+
+def _shadow_scheduler(stable_busy: int, stable_down: bool = False):
+    """Two stable replicas and one canary in the shadow step (weight 0, a mirror share),
+    at most one request each; `stable_busy` of the stable ones hold a request."""
+    from kubellm.gateway.discovery.base import FixedDiscovery
+    from kubellm.gateway.routing.admission import Thresholds
+    from kubellm.gateway.routing.scheduler import Scheduler, SchedulerSettings
+
+    stable = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    canary = "http://10.0.0.3:8000"
+    target = ModelTarget(
+        "m", "m",
+        endpoints=(*(Endpoint(u) for u in stable), Endpoint(canary, revision="new")),
+        canary=CanarySplit("new", 0, shadow_share=0.1, shadow_concurrency=2),
+        slo=api.SLO(ttftSeconds=0.05),  # the wait budget: a refusal comes at once
+    )  # fmt: skip
+    settings = SchedulerSettings(thresholds=Thresholds(max_in_flight=1))
+    scheduler = Scheduler(FixedDiscovery({"m": target}), settings)
+    for url in stable[:stable_busy]:
+        scheduler.load.acquire(url)
+    if stable_down:
+        for url in stable:
+            for _ in range(settings.eject_after_failures):
+                scheduler.failed(url, fatal=True)
+    return scheduler, target, stable
+
+
+async def test_in_the_shadow_step_a_request_never_reaches_the_canary():
+    """The shadow step's canary answers mirrored requests only: not as a request's
+    replica, nor as a retry after every stable replica failed (its answers must not
+    reach a client before its verdict)."""
+    scheduler, target, stable = _shadow_scheduler(stable_busy=1)
+    for i in range(8):
+        request = routing_request("m", {"prompt": f"prompt {i} " * 40}, session=None)
+        ticket = await scheduler.admit(target, request)
+        assert ticket.route == "replica"
+        assert ticket.urls() == [stable[1], stable[0]], ticket.urls()  # not the canary's
+        ticket.finish()
+
+
+async def test_in_the_shadow_step_a_saturated_stable_side_queues_not_502():
+    """Every stable replica saturated, the canary idle: the request waits for a stable
+    slot and is refused 429 when its wait budget ends (the saturated answer), not handed
+    an empty list of replicas (a 502 'No replica answered (0 tried)', seen under load)."""
+    scheduler, target, _ = _shadow_scheduler(stable_busy=2)
+    request = routing_request("m", {"prompt": "hello " * 40}, session=None)
+    ticket = await scheduler.admit(target, request)
+    assert ticket.refusal is not None and ticket.refusal.status == 429, ticket.urls()
+    assert ticket.reason == "saturated"
+
+
+async def test_in_the_shadow_step_no_stable_replica_is_no_ready_replica():
+    """Every stable replica ejected, the canary up: no replica for real traffic (503, or
+    the fallback where there is one), not the canary and not a 502."""
+    scheduler, target, _ = _shadow_scheduler(stable_busy=0, stable_down=True)
+    request = routing_request("m", {"prompt": "hello " * 40}, session=None)
+    ticket = await scheduler.admit(target, request)
+    assert ticket.refusal is not None, (ticket.route, ticket.urls())
+    assert ticket.refusal.status == 503
