@@ -7,8 +7,6 @@ and orders the replicas; it answers a `Decision`, or None: wait (queue, or a loa
 in `Pass.awaiting`), and run the pass again when something changed.
 
     candidates (router.candidates: routable, not ejected, not down)
-      -> the request's revision's (router.narrow: the revision filter, while a canary
-         splits the model), so admission sees the replicas that may answer it
       -> open: the candidates not saturated (admission.saturated)
       -> gates, in order, each narrowing the pass:
            adapters (gates/adapters.py)  only the replicas holding the request's adapter;
@@ -17,6 +15,8 @@ in `Pass.awaiting`), and run the pass again when something changed.
                                          fallback only when next in line for it), the
                                          headroom kept for high bands, the prefill hold
            slo      (gates/slo.py)       slo-aware: the best predicted TTFT among the open
+      -> the request's revision's (router.narrow: the revision filter, while a canary
+         splits the model), so the route is decided on the replicas that may answer it
       -> admission.decide: REPLICA / FALLBACK / REJECT, or QUEUE (None: wait)
       -> order: router.order over the open ones (the profile: the revision filter first,
          then the policy's filters and scorers), then the saturated candidates of the
@@ -172,8 +172,6 @@ def admit_once(p: Pass, gates: Sequence[Gate], router: Router) -> Decision | Non
     if p.dropped is not None:
         return Decision(Route.REJECT, p.dropped)
     thresholds = p.thresholds
-    every = p.candidates  # both revisions' while a canary splits the model
-    p.candidates = router.narrow(p.target, p.routing, every)  # the request's revision's
     p.open = [c for c in p.candidates if not saturated(c, thresholds)]
     for gate in gates:
         gate.narrow(p)
@@ -181,7 +179,12 @@ def admit_once(p: Pass, gates: Sequence[Gate], router: Router) -> Decision | Non
             return Decision(Route.REJECT, p.dropped)
         if p.awaiting is not None:
             return None
-    open_, candidates, now = p.open, p.candidates, p.now
+    open_, every, now = p.open, p.candidates, p.now
+    candidates = every  # the request's revision's, while a canary splits the model
+    if p.target.canary is not None:
+        candidates = router.narrow(p.target, p.routing, every)
+        own = {c.url for c in candidates}
+        open_ = [c for c in open_ if c.url in own]
     rate = 0.0 if open_ else p.rate(c.url for c in candidates)
     verdict = decide(
         ready=len(candidates),
@@ -199,8 +202,7 @@ def admit_once(p: Pass, gates: Sequence[Gate], router: Router) -> Decision | Non
     if order and len(order) < len(every):  # then the saturated ones (alive, so better than
         chosen = {c.url for c in order}  # no answer), its revision's, then the other's
         order += [c for c in candidates if c.url not in chosen]
-        if last_resort(p.target):  # only after every one of its own failed
-            own = {c.url for c in candidates}
+        if candidates is not every and last_resort(p.target):  # only after all its own
             order += [c for c in every if c.url not in own]
     decision = Decision(verdict.route, verdict.reason, order)
     for gate in gates:
