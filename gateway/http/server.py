@@ -45,6 +45,10 @@ log = logging.getLogger("kubellm.gateway")
 # The scope extension that carries the connection's `ConnectionLost` (ASGI lets a server
 # add its own keys to `scope["extensions"]`); absent under other servers.
 CONNECTION_LOST = "kubellm.connection_lost"
+# The scope extension that says whether the request's whole body is already read (a
+# zero-argument callable): then the app's first `receive` returns at once, so its body
+# deadline needs no timer. Absent under other servers.
+BODY_BUFFERED = "kubellm.body_buffered"
 
 
 class ConnectionLost:
@@ -170,6 +174,8 @@ def guarded_protocol(limits: ClientLimits, on_refused: Callable[[], None]) -> ty
             self._in_head = self._head_started = False
             self._cancel_header_timer()
             super().on_headers_complete()
+            cycle = self.cycle  # its `receive` waits only while more of the body is due
+            self.scope["extensions"][BODY_BUFFERED] = lambda: not cycle.more_body
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._refused:

@@ -139,6 +139,32 @@ def test_a_body_that_never_ends_gets_a_408(served, server):
     assert answer.startswith(b"HTTP/1.1 408 ") and b'"request_timeout"' in answer
 
 
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_body_that_never_ends_after_a_whole_request_on_the_connection_gets_a_408(served, server):
+    """A body read whole skips its deadline (`server.BODY_BUFFERED`); the next request on
+    the kept-alive connection, whose body never ends, is still cut at its deadline."""
+    _, gateways = served(body_timeout=0.5)
+    host, port = gateways[server].url.removeprefix("http://").split(":")
+    whole = b'{"model": "nope", "prompt": "hi"}'
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(whole), whole)
+        )
+        answer = b""
+        while b"model_not_found" not in answer and (data := sock.recv(65536)):
+            answer += data  # bounded by the socket's timeout
+        assert answer.startswith(b"HTTP/1.1 404 ")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 100\r\n\r\n{"model": '
+        )
+        answer = b""
+        while b"request_timeout" not in answer and (data := sock.recv(65536)):
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 408 ") and b'"request_timeout"' in answer
+
+
 def test_a_head_trickled_over_the_header_timeout_is_cut_on_a_kept_alive_connection(served):
     """The header timer is armed once a read leaves a head incomplete: a second request
     on a kept-alive connection whose head never ends is cut off too."""
