@@ -35,6 +35,7 @@ from typing import Any
 import uvicorn
 from kubellm.gateway.http.settings import ClientLimits
 from kubellm.gateway.protocol.errors import headers_too_large, server_busy
+from uvicorn.config import LOG_LEVELS
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kubellm.event_loop import loop_factory
@@ -203,7 +204,14 @@ def config(
     on_refused: Callable[[], None],
     **kwargs: Any,
 ) -> uvicorn.Config:
-    """A uvicorn configuration serving `app` with `limits`."""
+    """A uvicorn configuration serving `app` with `limits`. Its access log is off where
+    `log_level` drops it anyway (above info): uvicorn would still format each request's
+    client address and path for a record its level then discards."""
+    level = kwargs.get("log_level")
+    if isinstance(level, str):
+        level = LOG_LEVELS[level.lower()]
+    if level is not None and level > logging.INFO:
+        kwargs.setdefault("access_log", False)
     return uvicorn.Config(
         app,
         http=guarded_protocol(limits, on_refused),

@@ -203,3 +203,18 @@ def test_connection_lost_runs_each_watcher_once():
     assert calls == ["a"]
     lost.watch(lambda: calls.append("late"))  # after the end: at once
     assert calls == ["a", "late"]
+
+
+def test_the_access_log_is_kept_where_its_level_shows_it():
+    """uvicorn's access log formats each request's address and path even where the level
+    then drops the record: `server.config` turns it off there, and only there."""
+    import logging
+
+    for level, shown in (
+        ("warning", False), (logging.ERROR, False), ("debug", True), (logging.INFO, True),
+        (None, True), ("info", True),
+    ):  # fmt: skip
+        kwargs = {} if level is None else {"log_level": level}
+        config = gateway_server.config(lambda *a: None, ClientLimits(), lambda: None, **kwargs)
+        assert config.access_log is shown, level
+        assert logging.getLogger("uvicorn.access").hasHandlers() is shown, level
