@@ -124,18 +124,27 @@ def test_a_client_leaving_before_the_answer_is_counted_499(served, server):
     )
 
 
+NEVER_ENDS = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+    b'content-length: 100\r\n\r\n{"model": '
+)
+
+
+def _until(sock: socket.socket, marker: bytes) -> bytes:
+    """What the socket reads until `marker` (or its end), bounded by its timeout."""
+    answer = b""
+    while marker not in answer and (data := sock.recv(65536)):
+        answer += data
+    return answer
+
+
 @pytest.mark.parametrize("server", SERVERS)
 def test_a_body_that_never_ends_gets_a_408(served, server):
     _, gateways = served(body_timeout=0.5)
     host, port = gateways[server].url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-            b'content-length: 100\r\n\r\n{"model": '
-        )
-        answer = b""
-        while b"request_timeout" not in answer and (data := sock.recv(65536)):
-            answer += data  # bounded by the socket's timeout
+        sock.sendall(NEVER_ENDS)
+        answer = _until(sock, b"request_timeout")
     assert answer.startswith(b"HTTP/1.1 408 ") and b'"request_timeout"' in answer
 
 
@@ -151,17 +160,9 @@ def test_a_body_that_never_ends_after_a_whole_request_on_the_connection_gets_a_4
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n%s" % (len(whole), whole)
         )
-        answer = b""
-        while b"model_not_found" not in answer and (data := sock.recv(65536)):
-            answer += data  # bounded by the socket's timeout
-        assert answer.startswith(b"HTTP/1.1 404 ")
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-            b'content-length: 100\r\n\r\n{"model": '
-        )
-        answer = b""
-        while b"request_timeout" not in answer and (data := sock.recv(65536)):
-            answer += data
+        assert _until(sock, b"model_not_found").startswith(b"HTTP/1.1 404 ")
+        sock.sendall(NEVER_ENDS)
+        answer = _until(sock, b"request_timeout")
     assert answer.startswith(b"HTTP/1.1 408 ") and b'"request_timeout"' in answer
 
 
