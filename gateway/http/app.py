@@ -27,7 +27,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -149,32 +149,21 @@ class Gateway:
             raise errors.unauthorized()
         return None
 
-    async def read_body(self, receive: Receive, declared: str | None) -> bytes:
+    async def read_body(
+        self, receive: Receive, declared: str | None, buffered: Callable[[], bool] | None = None
+    ) -> bytes:
         """The request body, refused once it exceeds the size limit (`declared`: its
-        content-length) or takes longer than `body_timeout` to arrive (408)."""
+        content-length) or takes longer than `body_timeout` to arrive (408). `buffered`
+        (the server's `BODY_BUFFERED`) true: the whole body is read already, so `receive`
+        answers at once and no deadline is armed."""
         limit = self.settings.max_body_bytes
         if declared and declared.isdigit() and int(declared) > limit:
             raise errors.too_large(limit)
+        if buffered is not None and buffered():
+            return await _receive_body(receive, limit)
         try:
             with _Deadline(self.settings.body_timeout):
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientDisconnect()
-                body = message.get("body", b"")
-                if not message.get("more_body", False):  # the usual case: one message
-                    if len(body) > limit:
-                        raise errors.too_large(limit)
-                    return body
-                buffer = bytearray(body)
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        raise ClientDisconnect()
-                    buffer += message.get("body", b"")
-                    if len(buffer) > limit:
-                        raise errors.too_large(limit)
-                    if not message.get("more_body", False):
-                        return bytes(buffer)
+                return await _receive_body(receive, limit)
         except TimeoutError:
             raise errors.body_timeout(self.settings.body_timeout) from None
 
@@ -192,10 +181,13 @@ class Gateway:
         arrived = time.monotonic()
         headers = _wanted_headers(scope["headers"])
         call = _Call(path, headers, send)
+        extensions = scope.get("extensions") or {}  # the gateway's server's (`http/server.py`)
         try:
             try:
                 caller = self.authenticate(headers.get("authorization"), headers)
-                raw = await self.read_body(receive, headers.get("content-length"))
+                raw = await self.read_body(
+                    receive, headers.get("content-length"), extensions.get(server.BODY_BUFFERED)
+                )
                 body = parse_body(raw, path)
             except GatewayError as error:
                 return await self._refused(error)(scope, receive, send)
@@ -209,7 +201,7 @@ class Gateway:
             # request is closed (its response is closed in `finally` blocks), so an engine
             # stops working for a client that left, queued, waiting or mid-stream.
             try:
-                lost = (scope.get("extensions") or {}).get(server.CONNECTION_LOST)
+                lost = extensions.get(server.CONNECTION_LOST)
                 async with relay.DisconnectWatch(receive, lost) as watch:
                     await self._route(call, found[0], found[1], raw, body, arrived, caller)
             finally:
@@ -510,6 +502,28 @@ class _Deadline:
             self._task.uncancel()  # type: ignore[union-attr]  # our own cancel
             if kind is asyncio.CancelledError:
                 raise TimeoutError
+
+
+async def _receive_body(receive: Receive, limit: int) -> bytes:
+    """The request body from ASGI `receive`, refused once it exceeds `limit` bytes."""
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise ClientDisconnect()
+    body = message.get("body", b"")
+    if not message.get("more_body", False):  # the usual case: one message
+        if len(body) > limit:
+            raise errors.too_large(limit)
+        return body
+    buffer = bytearray(body)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        buffer += message.get("body", b"")
+        if len(buffer) > limit:
+            raise errors.too_large(limit)
+        if not message.get("more_body", False):
+            return bytes(buffer)
 
 
 async def _no_receive() -> Message:

@@ -35,6 +35,7 @@ from typing import Any
 import uvicorn
 from kubellm.gateway.http.settings import ClientLimits
 from kubellm.gateway.protocol.errors import headers_too_large, server_busy
+from uvicorn.config import LOG_LEVELS
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kubellm.event_loop import loop_factory
@@ -45,6 +46,10 @@ log = logging.getLogger("kubellm.gateway")
 # The scope extension that carries the connection's `ConnectionLost` (ASGI lets a server
 # add its own keys to `scope["extensions"]`); absent under other servers.
 CONNECTION_LOST = "kubellm.connection_lost"
+# The scope extension that says whether the request's whole body is already read (a
+# zero-argument callable): then the app's first `receive` returns at once, so its body
+# deadline needs no timer. Absent under other servers.
+BODY_BUFFERED = "kubellm.body_buffered"
 
 
 class ConnectionLost:
@@ -170,6 +175,8 @@ def guarded_protocol(limits: ClientLimits, on_refused: Callable[[], None]) -> ty
             self._in_head = self._head_started = False
             self._cancel_header_timer()
             super().on_headers_complete()
+            cycle = self.cycle  # its `receive` waits only while more of the body is due
+            self.scope["extensions"][BODY_BUFFERED] = lambda: not cycle.more_body
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._refused:
@@ -197,7 +204,14 @@ def config(
     on_refused: Callable[[], None],
     **kwargs: Any,
 ) -> uvicorn.Config:
-    """A uvicorn configuration serving `app` with `limits`."""
+    """A uvicorn configuration serving `app` with `limits`. Its access log is off where
+    `log_level` drops it anyway (above info): uvicorn would still format each request's
+    client address and path for a record its level then discards."""
+    level = kwargs.get("log_level")
+    if isinstance(level, str):
+        level = LOG_LEVELS[level.lower()]
+    if level is not None and level > logging.INFO:
+        kwargs.setdefault("access_log", False)
     return uvicorn.Config(
         app,
         http=guarded_protocol(limits, on_refused),

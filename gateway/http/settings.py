@@ -5,14 +5,24 @@ and how to tune it. Light to import: no server or client library."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kubellm.gateway.routing.settings import SchedulerSettings
 
 if TYPE_CHECKING:
     from kubellm.gateway.discovery.base import ModelTarget
-    from kubellm.gateway.http.upstream import Deadlines, Limits
+    from kubellm.gateway.http.upstream import Limits
+
+
+class Deadlines(NamedTuple):
+    """Seconds per stage of one upstream response (math.inf: none), `http.upstream`'s.
+    (A tuple: every attempt builds one, and a frozen dataclass costs three times as much.)"""
+
+    first_byte: float = 300.0  # from the request written to the first body byte
+    idle: float = 300.0  # the longest silence between pieces after the first
+    total: float = math.inf  # the whole response, from the request written
 
 
 @dataclass
@@ -51,8 +61,6 @@ class GatewaySettings:
 
     def timeouts(self, target: ModelTarget, stream: bool) -> tuple[float, Deadlines]:
         """The connect timeout and stage deadlines for one request to `target`."""
-        from kubellm.gateway.http.upstream import Deadlines
-
         t = target.routing.timeouts
         total = t.total_seconds or self.total_timeout
         first = (

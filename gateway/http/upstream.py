@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httptools
+from kubellm.gateway.http.settings import Deadlines
 
 from kubellm import __version__
 
@@ -77,15 +78,6 @@ class Limits:
     max_head_bytes: int = 64 * 1024
     max_headers: int = 100
     max_body_bytes: int = 32 * 1024 * 1024  # a non-streamed answer read whole
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """Seconds per stage of one response (math.inf: none)."""
-
-    first_byte: float = 300.0  # from the request written to the first body byte
-    idle: float = 300.0  # the longest silence between pieces after the first
-    total: float = math.inf  # the whole response, from the request written
 
 
 class _Connection(asyncio.Protocol):

@@ -26,6 +26,15 @@ PATHS = (CHAT, COMPLETIONS)
 # Deeper than any real request (tool schemas included), far under Python's recursion limit.
 MAX_DEPTH = 64
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_DECODER = json.JSONDecoder()  # what `json.loads` decodes with (no arguments)
+
+
+def _loads(raw: bytes) -> Any:
+    """`json.loads(raw)`: a body opening with `{` and no NUL after it is UTF-8 by
+    `json.detect_encoding`'s rules, decoded here without running them."""
+    if raw[:1] == b"{" and raw[1:2] != b"\0":
+        return _DECODER.decode(raw.decode("utf-8", "surrogatepass"))
+    return json.loads(raw)
 
 
 def parse_body(raw: bytes, path: str) -> dict[str, Any]:
@@ -33,7 +42,7 @@ def parse_body(raw: bytes, path: str) -> dict[str, Any]:
 
     Raises `GatewayError` (400) for anything the gateway cannot process."""
     try:
-        body = json.loads(raw)
+        body = _loads(raw)
     except RecursionError:
         raise _too_deep() from None
     except UnicodeDecodeError:

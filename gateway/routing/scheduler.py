@@ -71,7 +71,10 @@ class Scheduler:
         self.fallback_in_flight = FallbackSlots(self.wake)  # the fallback API, per model
         self.queued: dict[str, int] = {}
         self.completions = CompletionRate()  # replica answers finished: predicts queue waits
-        self._changed = asyncio.Event()
+        # what a waiting request waits on (made by the first to wait since the last wake:
+        # a release no request waits for makes no event), and the wakes so far
+        self._changed: asyncio.Event | None = None
+        self._wakes = 0
         self.load.on_release(self.wake)
         self.tenancy = (
             Tenancy(bounded(s.tenancy, s.max_queue), self.metrics.registry) if s.tenancy else None
@@ -138,8 +141,10 @@ class Scheduler:
 
     def wake(self) -> None:
         """Capacity may have freed: let queued requests look again."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._wakes += 1
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
 
     def topology_changed(self) -> None:
         """Endpoints appeared, left or were ejected."""
@@ -212,7 +217,7 @@ class Scheduler:
             for enter in self.hooks.enter:
                 enter(p)
             while True:
-                changed = self._changed
+                wakes = self._wakes
                 if queued:  # re-read: endpoints may have appeared (scale from zero) or gone
                     target = self.discovery.snapshot().get(model, target)
                     candidates = self.router.candidates(target)
@@ -238,6 +243,12 @@ class Scheduler:
                 if not queued:
                     queued = True
                     self.queued[model] = self.queued.get(model, 0) + 1
+                if self._wakes != wakes:  # woken during this pass: look again, after
+                    await asyncio.sleep(0)  # the loop's other work, as after a wait
+                    continue
+                changed = self._changed
+                if changed is None:
+                    changed = self._changed = asyncio.Event()
                 with contextlib.suppress(TimeoutError):
                     timeout = min(p.deadline - p.now, WAKE_IN, p.wake_in)
                     await asyncio.wait_for(changed.wait(), timeout=max(timeout, 0.001))

@@ -3,6 +3,7 @@ inside the gateway is one 500 envelope with a request id, logged once."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
@@ -93,3 +94,17 @@ def test_deep_nesting_is_refused_whatever_the_recursion_limit():
                 parse_body(raw, CHAT)
     finally:
         sys.setrecursionlimit(old)
+
+
+def test_a_body_parses_as_json_loads_parses_it_whatever_its_encoding():
+    """`parse_body` decodes a body opening with `{` as UTF-8 without `json.loads`'s
+    encoding detection: the same bodies pass, in the same encodings, and the same fail."""
+    from kubellm.gateway.protocol.errors import GatewayError
+    from kubellm.gateway.protocol.openai import CHAT, parse_body
+
+    text = '{"model": "m", "messages": [{"role": "user", "content": "é \\ud83d\\ude00"}]}'
+    for encoding in ("utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32"):
+        assert parse_body(text.encode(encoding), CHAT) == json.loads(text), encoding
+    for raw in (b'{"model": "m", "messages": "\xe9"}', b"{\x00", b'{"model": "m"} x'):
+        with pytest.raises(GatewayError):
+            parse_body(raw, CHAT)

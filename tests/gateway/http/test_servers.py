@@ -124,18 +124,45 @@ def test_a_client_leaving_before_the_answer_is_counted_499(served, server):
     )
 
 
+NEVER_ENDS = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+    b'content-length: 100\r\n\r\n{"model": '
+)
+
+
+def _until(sock: socket.socket, marker: bytes) -> bytes:
+    """What the socket reads until `marker` (or its end), bounded by its timeout."""
+    answer = b""
+    while marker not in answer and (data := sock.recv(65536)):
+        answer += data
+    return answer
+
+
 @pytest.mark.parametrize("server", SERVERS)
 def test_a_body_that_never_ends_gets_a_408(served, server):
     _, gateways = served(body_timeout=0.5)
     host, port = gateways[server].url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(NEVER_ENDS)
+        answer = _until(sock, b"request_timeout")
+    assert answer.startswith(b"HTTP/1.1 408 ") and b'"request_timeout"' in answer
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_body_that_never_ends_after_a_whole_request_on_the_connection_gets_a_408(served, server):
+    """A body read whole skips its deadline (`server.BODY_BUFFERED`); the next request on
+    the kept-alive connection, whose body never ends, is still cut at its deadline."""
+    _, gateways = served(body_timeout=0.5)
+    host, port = gateways[server].url.removeprefix("http://").split(":")
+    whole = b'{"model": "nope", "prompt": "hi"}'
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-            b'content-length: 100\r\n\r\n{"model": '
+            b"content-length: %d\r\n\r\n%s" % (len(whole), whole)
         )
-        answer = b""
-        while b"request_timeout" not in answer and (data := sock.recv(65536)):
-            answer += data  # bounded by the socket's timeout
+        assert _until(sock, b"model_not_found").startswith(b"HTTP/1.1 404 ")
+        sock.sendall(NEVER_ENDS)
+        answer = _until(sock, b"request_timeout")
     assert answer.startswith(b"HTTP/1.1 408 ") and b'"request_timeout"' in answer
 
 
@@ -177,3 +204,18 @@ def test_connection_lost_runs_each_watcher_once():
     assert calls == ["a"]
     lost.watch(lambda: calls.append("late"))  # after the end: at once
     assert calls == ["a", "late"]
+
+
+def test_the_access_log_is_kept_where_its_level_shows_it():
+    """uvicorn's access log formats each request's address and path even where the level
+    then drops the record: `server.config` turns it off there, and only there."""
+    import logging
+
+    for level, shown in (
+        ("warning", False), (logging.ERROR, False), ("debug", True), (logging.INFO, True),
+        (None, True), ("info", True),
+    ):  # fmt: skip
+        kwargs = {} if level is None else {"log_level": level}
+        config = gateway_server.config(lambda *a: None, ClientLimits(), lambda: None, **kwargs)
+        assert config.access_log is shown, level
+        assert logging.getLogger("uvicorn.access").hasHandlers() is shown, level

@@ -212,3 +212,44 @@ def test_by_default_a_replica_is_saturated_at_the_autoscalers_queue_target():
     for thresholds in (from_flags, Thresholds()):
         assert saturated(Candidate(url="a", waiting=depth, kv_usage=0.1), thresholds)
         assert not saturated(Candidate(url="a", waiting=depth - 1, kv_usage=0.1), thresholds)
+
+
+def test_capacity_freed_during_a_pass_is_seen_without_waiting_for_the_next_wake(monkeypatch):
+    """A release while a queued request's pass runs (its gates may free capacity) wakes it
+    again at once: the wake is not lost because no event was made to wait on yet."""
+    import asyncio
+
+    from kubellm.gateway.discovery.base import FixedDiscovery
+    from kubellm.gateway.routing import scheduler as scheduler_module
+    from kubellm.gateway.routing.dispatch import Gate
+    from kubellm.gateway.routing.router import routing_request
+    from kubellm.gateway.routing.settings import SchedulerSettings, Thresholds
+
+    from kubellm.api import SLO
+
+    # a lost wake would wait for the TTFT target (here 120 s), the next timed look
+    monkeypatch.setattr(scheduler_module, "WAKE_IN", 3600.0)
+    url = "http://127.0.0.1:9"
+    target = model("tiny", [url], slo=SLO(ttft_seconds=120))
+    settings = SchedulerSettings(thresholds=Thresholds(max_in_flight=1))
+    passes = []
+
+    class FreesOnFirstPass(Gate):
+        def narrow(self, p):
+            passes.append(len(p.open))
+            p.wake_in = 3600.0  # no timed look before the TTFT target
+            if len(passes) == 1:
+                held()  # the only replica's slot frees mid-pass (a release wakes the queue)
+
+    async def run():
+        scheduler = scheduler_module.Scheduler(FixedDiscovery({"tiny": target}), settings)
+        scheduler.gates = (*scheduler.gates, FreesOnFirstPass())
+        nonlocal held
+        held = scheduler.load.acquire(url)  # saturated: the first pass queues
+        routing = routing_request("tiny", {"prompt": "hi"}, None)
+        return await asyncio.wait_for(scheduler.admit(target, routing), 30)
+
+    held = None
+    ticket = asyncio.run(run())
+    assert ticket.route == "replica"
+    assert passes == [0, 1]  # queued on the first pass, admitted on the second
