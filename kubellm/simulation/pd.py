@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from kubellm import capacity
 from kubellm.engine.sim_profiles import PROFILES, Profile
 from kubellm.gateway.discovery.base import PrefillSplit
-from kubellm.gateway.routing.disagg import Inputs, decide
+from kubellm.gateway.routing.disagg import Inputs, Verdict, decide
 from kubellm.gateway.routing.latency.model import (
     PREFILL_RATE_WINDOW_S,
     Dispatch,
@@ -158,6 +158,10 @@ class Sim:
         # computed >= 2k prompt tokens: the long prompts' harm to them
         self.decision_s: list[float] = []
         self.current: dict[int, tuple[list[tuple[Job, int]], int, int]] = {}
+        # with `record`, each conditional decision: the request's index, what `decide` read
+        # and said, and the jobs decoding on its decode replica then (`pd_disagg --harm`)
+        self.record = False
+        self.verdicts: list[tuple[int, Inputs, Verdict, tuple[int, ...]]] = []
 
     def push(self, at: float, kind: int, arg: int) -> None:
         self.seq += 1
@@ -210,7 +214,7 @@ class Sim:
             return [1.0] * len(self.replicas)
         return [self.rng.lognormvariate(0.0, self.error) for _ in self.replicas]
 
-    def split(self, d: int, req: Req) -> tuple[bool, int]:
+    def split(self, d: int, req: Req, index: int = -1) -> tuple[bool, int]:
         if not self.prefillers:
             return False, -1
         u = self.uncached(d, req)
@@ -227,7 +231,7 @@ class Sim:
             return remote, best
         r, p = self.replicas[d], self.p
         started = time.perf_counter()
-        verdict = decide(Inputs(
+        inputs = Inputs(
             prompt_tokens=req.prompt, uncached_tokens=u, local_ttft=f[d] * self.ttft(d, u),
             decode_step_s=f[d] * (p.step_base_s + p.decode_token_s * (len(r.running) + 1)),
             others_itl=f[d] * self.model.others_itl(Dispatch(
@@ -239,9 +243,12 @@ class Sim:
             prefill_ttft=prefill_ttft[best],
             kv_bytes_per_token=self.kv_bytes, link_bytes_per_s=self.link,
             ttft_target=self.slo[0], itl_target=self.slo[1], margin=self.margin,
-        ))  # fmt: skip
+        )  # fmt: skip
+        verdict = decide(inputs)
         self.decision_s.append(time.perf_counter() - started)
         self.count(verdict.reason)
+        if self.record:
+            self.verdicts.append((index, inputs, verdict, tuple(j.index for j in r.running)))
         return verdict.split, best
 
     def count(self, reason: str) -> None:
@@ -250,7 +257,7 @@ class Sim:
     def arrive(self, index: int, now: float) -> None:
         req = self.reqs[index]
         d = self.pick_decode(req)
-        split, pre = self.split(d, req)
+        split, pre = self.split(d, req, index)
         job = Job(req, index, 0, req.output, split=split, decode_at=d)
         self.jobs.append(job)
         at = pre if split else d
