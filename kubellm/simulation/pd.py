@@ -40,6 +40,7 @@ from kubellm.gateway.routing.latency.model import (
     Prior,
     ReplicaModel,
 )
+from kubellm.gateway.routing.latency.predictions import ANSWER_RATE, PRIOR_ANSWER_LENGTH
 
 LINK = capacity.KV_LINK_GBPS["rdma"] * 1e9
 ATTAIN = 0.9  # DistServe's goodput: the rate at which 90% meet both SLOs
@@ -161,6 +162,7 @@ class Sim:
         # with `record`, each conditional decision: the request's index, what `decide` read
         # and said, and the jobs decoding on its decode replica then (`pd_disagg --harm`)
         self.record = False
+        self.answer_tokens = PRIOR_ANSWER_LENGTH  # the answers' mean length, as the gateway's
         self.verdicts: list[tuple[int, Inputs, Verdict, tuple[int, ...]]] = []
 
     def push(self, at: float, kind: int, arg: int) -> None:
@@ -240,7 +242,7 @@ class Sim:
             )),
             prefill_token_s=p.prefill_token_s,
             step_tokens=p.max_num_batched_tokens,
-            prefill_ttft=prefill_ttft[best],
+            prefill_ttft=prefill_ttft[best], answer_tokens=self.answer_tokens,
             kv_bytes_per_token=self.kv_bytes, link_bytes_per_s=self.link,
             ttft_target=self.slo[0], itl_target=self.slo[1], margin=self.margin,
         )  # fmt: skip
@@ -317,6 +319,7 @@ class Sim:
             if job.left <= 0:
                 done.append(job)
         for job in done:
+            self.answered(job)
             r.running.remove(job)
             r.kv -= job.req.prompt + job.req.output
         for job, take in chunks:
@@ -340,8 +343,13 @@ class Sim:
                     job.last = now
                 r.running.append(job)
             else:
+                self.answered(job)
                 r.kv -= job.req.prompt + job.req.output
         self.kick(i, now)
+
+    def answered(self, job: Job) -> None:
+        """Learn the answers' mean length as the gateway's `Predictions` does."""
+        self.answer_tokens += ANSWER_RATE * (job.req.output - self.answer_tokens)
 
 
 def attained(jobs: list[Job], slo: tuple[float, float]) -> float:
