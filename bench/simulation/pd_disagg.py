@@ -19,7 +19,9 @@ Gamma arrivals (burstiness 0.5: shape 0.5, CV sqrt 2).
 Goodput as DistServe defines it: the highest rate at which >= 90% of requests meet both
 the TTFT and the mean-ITL target (bisection over the rate). Run:
 `.venv/bin/python -m bench.pd_disagg [--quick]`; the margin against the error:
-`--pools 70B/4xH100 --requests 1200 --sweep` (`--prefill 1` for one P:D, `--margins`).
+`--pools 70B/4xH100 --requests 1200 --sweep` (`--prefill 1` for one P:D, `--margins`);
+the local side's cost against what a long prompt's stall does to the streams beside it:
+`--pools 70B/4xH100 --harm rag:2.1,mix:3.9`.
 """
 
 from __future__ import annotations
