@@ -19,7 +19,9 @@ Gamma arrivals (burstiness 0.5: shape 0.5, CV sqrt 2).
 Goodput as DistServe defines it: the highest rate at which >= 90% of requests meet both
 the TTFT and the mean-ITL target (bisection over the rate). Run:
 `.venv/bin/python -m bench.pd_disagg [--quick]`; the margin against the error:
-`--pools 70B/4xH100 --requests 1200 --sweep` (`--prefill 1` for one P:D, `--margins`).
+`--pools 70B/4xH100 --requests 1200 --sweep` (`--prefill 1` for one P:D, `--margins`);
+the local side's cost against what a long prompt's stall does to the streams beside it:
+`--pools 70B/4xH100 --harm rag:2.1,mix:3.9`.
 """
 
 from __future__ import annotations
@@ -27,18 +29,20 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kubellm.engine.sim_profiles import PROFILES
 from kubellm.gateway.discovery.base import PrefillSplit
 from kubellm.gateway.routing.disagg import plan
 from kubellm.gateway.routing.latency.predictions import CHARS_PER_TOKEN, Predictions
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 from kubellm import capacity
-from kubellm.simulation.pd import ERRORS, LINK, Pool, Replica, Req, Sim, attained, sweep
+from kubellm.simulation.pd import ERRORS, LINK, Job, Pool, Replica, Req, Sim, attained, sweep
 from kubellm.simulation.pd import bound as pool_bound
 from kubellm.simulation.pd import goodput as pool_goodput
 
@@ -154,6 +158,13 @@ def parser() -> argparse.ArgumentParser:
         help="prefill replica counts to try, comma-separated (default: every P:D, pd.sweep)",
     )
     ap.add_argument(
+        "--harm",
+        metavar="WORKLOAD:RATE,...",
+        help="measure the cost against the harm: each long prompt conditional keeps local "
+        "beside decoding streams, what its cost read (their mean ITL) and what its stall "
+        "did to them, at the first --prefill count (default 3) and these rates (req/s)",
+    )
+    ap.add_argument(
         "--margins",
         default=",".join(f"{m:g}" for m in SWEEP_MARGINS),
         help="--sweep: the margins",
@@ -169,6 +180,9 @@ def main() -> None:
     args = parser().parse_args()
     if args.decision_cost:
         decision_cost()
+        return
+    if args.harm:
+        harm(args.pools.split(",")[0], int((args.prefill or "3").split(",")[0]), args.harm)
         return
     n = 150 if args.quick else args.requests
     pools, workloads = args.pools.split(","), args.workloads.split(",")
@@ -240,6 +254,56 @@ def margin_sweep(
                     k = max(g, key=lambda k: (g[k], -k))
                     cells.append(f"{g[k]:.2f} ({k}:{replicas - k})")
                 print(f"| {wl} | {agg:.2f} | {m:g} | " + " | ".join(cells) + " |", flush=True)
+
+
+def harm(pool: str, prefill: int, at: str, n: int = 1200) -> None:
+    """Per long prompt (>= 2,048 uncached tokens) conditional keeps local beside decoding
+    streams: the streams' ITL the decision's cost read (`Verdict.local_itl_harm`, its
+    prediction), the mean ITL they realised, this prompt's stall (its uncached tokens' compute)
+    over each one's answer, and how many of them missed the ITL target, and missed it only
+    by this stall (their mean ITL less the stall's share within it). Realistic error and
+    exact state."""
+    spec = POOLS[pool]
+    p = PROFILES[spec.profile]
+    print(f"\n## {pool} at {prefill}:{spec.replicas - prefill}, {n} requests: long prompts kept"
+          " local beside decoding streams (means per prompt)")  # fmt: skip
+    print("| workload | req/s | error | within both SLOs | misses: ITL of split streams |"
+          " kept local | stall s | streams there | ITL the cost read ms | realised ITL ms |"
+          " stall / answer ms | streams missing ITL | ... only by this stall |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for item in at.split(","):
+        wl, rate = item.split(":")
+        for name in ("realistic", "exact"):
+            sim = Sim(spec, "conditional", prefill, requests_at(wl, n)(float(rate)), SLO,
+                      error=ERRORS[name])  # fmt: skip
+            sim.record = True
+            sim.run()
+            jobs = {j.index: j for j in sim.jobs}
+
+            def itl(j: Job) -> float:
+                return (j.last - j.first) / max(j.req.output - 1, 1)
+
+            def ok(j: Job) -> bool:
+                return j.first - j.req.t <= SLO[0] and itl(j) <= SLO[1] and j.left <= 0
+
+            split_itl = sum(j.split and not ok(j) and itl(j) > SLO[1] for j in sim.jobs)
+            rows = []
+            for _, x, v, there in sim.verdicts:
+                if v.split or x.uncached_tokens < 2048 or not there:
+                    continue
+                stall = x.uncached_tokens * p.prefill_token_s
+                share = [stall / max(jobs[k].req.output - 1, 1) for k in there]
+                itls = [itl(jobs[k]) for k in there]
+                only = sum(i > SLO[1] >= i - s for i, s in zip(itls, share, strict=True))
+                missed = sum(i > SLO[1] for i in itls)
+                rows.append((stall, len(there), v.local_itl_harm, statistics.mean(itls),
+                             statistics.mean(share), missed, only))  # fmt: skip
+            misses = sum(not ok(j) for j in sim.jobs)
+            cells = [statistics.mean(r[k] for r in rows) if rows else 0.0 for k in range(7)]
+            print(f"| {wl} | {rate} | {name} | {attained(sim.jobs, SLO):.1%} | {split_itl} of "
+                  f"{misses} | {len(rows)} | {cells[0]:.2f} | {cells[1]:.1f} | "
+                  f"{1e3 * cells[2]:.1f} | {1e3 * cells[3]:.1f} | {1e3 * cells[4]:.1f} | "
+                  f"{cells[5]:.1f} | {cells[6]:.1f} |", flush=True)  # fmt: skip
 
 
 def decision_cost() -> None:

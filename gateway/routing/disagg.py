@@ -11,6 +11,8 @@ best prefill replica with its KV cache moved over the link (split):
     harm       = the mean ITL of the streams already decoding there once this prompt adds
                  to the prompt work the replica computes beside them (the latency model's
                  `others_itl`: its step over 1 - the share of its time spent on prompts)
+               + the stall: this prompt's compute (uncached x one token's), which every
+                 stream there waits out, spread over an answer of the mean length lately
 
 Conditional compares the two as the slo-aware policy compares replicas (`latency.slo_cost`:
 the worst of TTFT / its target and ITL / its target): local costs max(local TTFT / TTFT
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from kubellm.gateway.discovery.base import PrefillSplit
 from kubellm.gateway.protocol.kv_transfer import kv_params_of, prefill_body
-from kubellm.gateway.routing.latency.predictions import CHARS_PER_TOKEN
+from kubellm.gateway.routing.latency.predictions import CHARS_PER_TOKEN, PRIOR_ANSWER_LENGTH
 from kubellm.gateway.routing.lifecycle import labels
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -89,6 +91,7 @@ class Inputs:
     ttft_target: float
     itl_target: float
     split: Literal["Conditional", "Always"] = "Conditional"
+    answer_tokens: float = PRIOR_ANSWER_LENGTH  # the answers' mean length lately (tokens)
     margin: float = PrefillSplit.margin  # the share the split's cost must be under local's
 
 
@@ -108,7 +111,15 @@ def decide(x: Inputs) -> Verdict:
     transfer = x.kv_bytes_per_token * x.uncached_tokens / x.link_bytes_per_s
     split_ttft = x.prefill_ttft + transfer + x.decode_step_s
     chunk = min(x.uncached_tokens, x.step_tokens)
-    harm = x.others_itl
+    # The streams there wait out this prompt's compute (its uncached tokens', however it is
+    # chunked): a stall each of them carries in its mean ITL, spread over its answer. The
+    # latency model's `others_itl` reads the prompt only as a rate over its window, the
+    # replica's mean: measured on 70B 3:1 (docs/operations.md, "The stall"), each long
+    # prompt kept local pushed 1-2.6 streams past the ITL target by its stall alone.
+    # A prompt computed within a decode step's time stalls nobody past the step's own jitter.
+    stall = x.uncached_tokens * x.prefill_token_s
+    stalls = x.others_itl > 0 and stall > x.decode_step_s
+    harm = x.others_itl + stall / max(x.answer_tokens, 1.0) if stalls else x.others_itl
 
     def verdict(split: bool, reason: str) -> Verdict:
         return Verdict(split, reason, transfer, split_ttft, harm)
@@ -170,6 +181,7 @@ def plan(
             ttft_target=ttft_target,
             itl_target=itl_target,
             split=settings.split,
+            answer_tokens=here.answer_tokens or PRIOR_ANSWER_LENGTH,
             margin=settings.margin,
         )
     )

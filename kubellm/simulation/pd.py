@@ -33,13 +33,14 @@ from dataclasses import dataclass, field
 from kubellm import capacity
 from kubellm.engine.sim_profiles import PROFILES, Profile
 from kubellm.gateway.discovery.base import PrefillSplit
-from kubellm.gateway.routing.disagg import Inputs, decide
+from kubellm.gateway.routing.disagg import Inputs, Verdict, decide
 from kubellm.gateway.routing.latency.model import (
     PREFILL_RATE_WINDOW_S,
     Dispatch,
     Prior,
     ReplicaModel,
 )
+from kubellm.gateway.routing.latency.predictions import ANSWER_RATE, PRIOR_ANSWER_LENGTH
 
 LINK = capacity.KV_LINK_GBPS["rdma"] * 1e9
 ATTAIN = 0.9  # DistServe's goodput: the rate at which 90% meet both SLOs
@@ -158,6 +159,11 @@ class Sim:
         # computed >= 2k prompt tokens: the long prompts' harm to them
         self.decision_s: list[float] = []
         self.current: dict[int, tuple[list[tuple[Job, int]], int, int]] = {}
+        # with `record`, each conditional decision: the request's index, what `decide` read
+        # and said, and the jobs decoding on its decode replica then (`pd_disagg --harm`)
+        self.record = False
+        self.answer_tokens = PRIOR_ANSWER_LENGTH  # the answers' mean length, as the gateway's
+        self.verdicts: list[tuple[int, Inputs, Verdict, tuple[int, ...]]] = []
 
     def push(self, at: float, kind: int, arg: int) -> None:
         self.seq += 1
@@ -210,7 +216,7 @@ class Sim:
             return [1.0] * len(self.replicas)
         return [self.rng.lognormvariate(0.0, self.error) for _ in self.replicas]
 
-    def split(self, d: int, req: Req) -> tuple[bool, int]:
+    def split(self, d: int, req: Req, index: int = -1) -> tuple[bool, int]:
         if not self.prefillers:
             return False, -1
         u = self.uncached(d, req)
@@ -227,7 +233,7 @@ class Sim:
             return remote, best
         r, p = self.replicas[d], self.p
         started = time.perf_counter()
-        verdict = decide(Inputs(
+        inputs = Inputs(
             prompt_tokens=req.prompt, uncached_tokens=u, local_ttft=f[d] * self.ttft(d, u),
             decode_step_s=f[d] * (p.step_base_s + p.decode_token_s * (len(r.running) + 1)),
             others_itl=f[d] * self.model.others_itl(Dispatch(
@@ -236,12 +242,15 @@ class Sim:
             )),
             prefill_token_s=p.prefill_token_s,
             step_tokens=p.max_num_batched_tokens,
-            prefill_ttft=prefill_ttft[best],
+            prefill_ttft=prefill_ttft[best], answer_tokens=self.answer_tokens,
             kv_bytes_per_token=self.kv_bytes, link_bytes_per_s=self.link,
             ttft_target=self.slo[0], itl_target=self.slo[1], margin=self.margin,
-        ))  # fmt: skip
+        )  # fmt: skip
+        verdict = decide(inputs)
         self.decision_s.append(time.perf_counter() - started)
         self.count(verdict.reason)
+        if self.record:
+            self.verdicts.append((index, inputs, verdict, tuple(j.index for j in r.running)))
         return verdict.split, best
 
     def count(self, reason: str) -> None:
@@ -250,7 +259,7 @@ class Sim:
     def arrive(self, index: int, now: float) -> None:
         req = self.reqs[index]
         d = self.pick_decode(req)
-        split, pre = self.split(d, req)
+        split, pre = self.split(d, req, index)
         job = Job(req, index, 0, req.output, split=split, decode_at=d)
         self.jobs.append(job)
         at = pre if split else d
@@ -310,6 +319,7 @@ class Sim:
             if job.left <= 0:
                 done.append(job)
         for job in done:
+            self.answered(job)
             r.running.remove(job)
             r.kv -= job.req.prompt + job.req.output
         for job, take in chunks:
@@ -333,8 +343,13 @@ class Sim:
                     job.last = now
                 r.running.append(job)
             else:
+                self.answered(job)
                 r.kv -= job.req.prompt + job.req.output
         self.kick(i, now)
+
+    def answered(self, job: Job) -> None:
+        """Learn the answers' mean length as the gateway's `Predictions` does."""
+        self.answer_tokens += ANSWER_RATE * (job.req.output - self.answer_tokens)
 
 
 def attained(jobs: list[Job], slo: tuple[float, float]) -> float:

@@ -120,3 +120,19 @@ def test_the_margin_has_one_default():
     assert pd.Sim(pd.POOLS["8B/H100"], "conditional", 1, [], pd.SLO).margin == args.margin
     assert args.error == simulation_pd.ERRORS["realistic"] > 0
     assert pd.parser().parse_args(["--margin", "0.05"]).margin == 0.05
+
+
+def test_recording_keeps_each_decision_and_the_streams_it_saw():
+    """`--harm` reads each conditional decision with the jobs decoding on its decode
+    replica then; recording changes no decision."""
+    requests = pd.workload("mix", 0.5, 60, seed=1)
+    plain = pd.Sim(pd.POOLS["70B/4xH100"], "conditional", 3, list(requests), (2.0, 0.03))
+    plain.run()
+    sim = pd.Sim(pd.POOLS["70B/4xH100"], "conditional", 3, list(requests), (2.0, 0.03))
+    sim.record = True
+    jobs = {j.index: j for j in sim.run()}
+    assert [j.split for j in sim.jobs] == [j.split for j in plain.jobs] and not plain.verdicts
+    assert [i for i, *_ in sim.verdicts] == sorted(jobs)
+    for i, _, verdict, there in sim.verdicts:
+        assert verdict.split == jobs[i].split
+        assert all(jobs[k].decode_at == jobs[i].decode_at and k < i for k in there)

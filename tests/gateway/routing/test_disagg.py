@@ -27,6 +27,22 @@ BASE = Inputs(
     itl_target=0.030,
 )
 
+SEVENTY = Inputs(
+    prompt_tokens=10_000,
+    uncached_tokens=10_000,
+    local_ttft=0.90,
+    decode_step_s=0.015,
+    others_itl=0.020,
+    prefill_token_s=86e-6,
+    step_tokens=8192,
+    prefill_ttft=1.30,
+    kv_bytes_per_token=327_680,
+    link_bytes_per_s=45e9,
+    ttft_target=2.0,
+    itl_target=0.030,
+    answer_tokens=150,
+)
+
 CASES = {
     "long uncached prompt, busy decode replica": (BASE, True, "itl-harm"),
     "short prompt": (replace(BASE, prompt_tokens=60, uncached_tokens=60), False, "short-prompt"),
@@ -35,10 +51,10 @@ CASES = {
     "mostly cached, harmless remainder": (  # the streams' ITL is the step's either way
         replace(BASE, uncached_tokens=300, local_ttft=0.03, others_itl=BASE.decode_step_s),
         False, "cached-prefix"),
-    "split 10% better, margin 0.2": (
-        replace(BASE, others_itl=0.0113, margin=0.2), False, "no-gain"),
+    "split 10% better, margin 0.2": (  # answers long enough that the stall spreads thin
+        replace(BASE, others_itl=0.0113, answer_tokens=4000, margin=0.2), False, "no-gain"),
     "split 10% better, margin 0": (
-        replace(BASE, others_itl=0.0113, margin=0.0), True, "itl-harm"),
+        replace(BASE, others_itl=0.0113, answer_tokens=4000, margin=0.0), True, "itl-harm"),
     "busy prefill pool": (replace(BASE, prefill_ttft=3.5), False, "prefill-busy"),
     "no prefill replica ready": (replace(BASE, prefill_ttft=None), False, "no-prefill-replica"),
     "idle decode replica, prefill no faster": (
@@ -49,6 +65,15 @@ CASES = {
         replace(BASE, prompt_tokens=60, uncached_tokens=60, split="Always"), True, "always"),
     "always, but no prefill replica": (
         replace(BASE, prefill_ttft=None, split="Always"), False, "no-prefill-replica"),
+    # 70B on 4 x H100: a 10k prompt computed locally stalls the streams there 0.86 s; their
+    # mean ITL reads 20 ms (0.67 of the target) but the stall adds 5.7 ms to an answer of
+    # 150 tokens (0.86): the split's 0.69 (its TTFT on a busier prefill replica) is better
+    "long prompt, the streams' mean ITL under target but not with its stall": (
+        SEVENTY, True, "itl-harm"),
+    "the same prompt beside no streams: nobody to stall": (
+        replace(SEVENTY, others_itl=0.0), False, "no-gain"),
+    "the same prompt beside streams with long answers": (
+        replace(SEVENTY, answer_tokens=2000), False, "no-gain"),
     "slow link: the transfer makes the split miss its TTFT": (
         replace(BASE, link_bytes_per_s=0.5e9), False, "prefill-busy"),
 }  # fmt: skip
@@ -66,6 +91,11 @@ def test_transfer_is_bytes_over_bandwidth() -> None:
     verdict = decide(BASE)
     assert verdict.transfer_s == pytest.approx(131_072 * 12_000 / 45e9)
     assert verdict.split_ttft == pytest.approx(0.40 + verdict.transfer_s + BASE.decode_step_s)
+
+
+def test_the_local_harm_is_the_streams_itl_with_the_stall_spread_over_an_answer() -> None:
+    verdict = decide(SEVENTY)
+    assert verdict.local_itl_harm == pytest.approx(0.020 + 10_000 * 86e-6 / 150)
 
 
 def _request(tokens: int) -> RoutingRequest:
@@ -89,11 +119,19 @@ def test_plan_picks_the_least_loaded_prefill_replica_and_splits_a_long_prompt() 
     assert (alone.split, alone.reason) == (False, "no-prefill-replica")
 
 
-def test_a_long_prompt_beside_few_prompts_splits_only_without_a_margin() -> None:
-    """Under a mean-ITL target one long prompt's stall is spread over the streams' answers
-    (11 ms against a 10 ms step beside 40 streams): the split is predicted 8% better, which
-    the shipped margin of 0 takes (an idle prefill replica) and a margin of 0.1 does not."""
+def test_a_long_prompt_splits_by_its_stall_where_the_streams_mean_itl_alone_would_not() -> None:
+    """Beside 40 streams one 12k prompt moves their mean ITL 10 -> 11 ms; its stall (0.38 s)
+    spread over answers of 150 tokens adds 2.5 ms more: the split is predicted 25% better,
+    which a margin of 0.1 takes too. With answers lately of 5,000 tokens the stall spreads
+    thin (11.2 ms): 8% better, which the shipped margin of 0 takes and 0.1 does not."""
     predictions = Predictions()
+    predictions.answer_tokens = 150
+    decode = Candidate("http://d", in_flight=40, running=40.0, waiting=0.0)
+    prefills = [Candidate("http://p", running=0.0, waiting=0.0)]
+    request = _request(12_000)
+    verdict, url = plan(predictions, request, decode, prefills, PrefillSplit(margin=0.1), 2.0, 0.03)
+    assert (verdict.split, verdict.reason, url) == (True, "itl-harm", "http://p")
+    predictions.answer_tokens = 5000
     decode = Candidate("http://d", in_flight=40, running=40.0, waiting=0.0)
     prefills = [Candidate("http://p", running=0.0, waiting=0.0)]
     request = _request(12_000)
