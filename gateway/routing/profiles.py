@@ -200,6 +200,8 @@ class _Fixed:
 class Scored:
     """A scorer whose scores, by candidate URL, were computed before the filters ran."""
 
+    stateless = True
+
     def __init__(self, name: str, by_url: dict[str, float]) -> None:
         self.name = name
         self.by_url = by_url
