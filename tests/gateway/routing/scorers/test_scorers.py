@@ -569,3 +569,34 @@ def test_a_filtered_out_candidate_still_comes_last_by_load():
     assert [c.url for c in pick(only_b, RoutingRequest("m"), busy, 1.25)] == [
         "http://b", "http://c", "http://a",
     ]  # fmt: skip
+
+
+def test_one_candidate_is_ordered_as_binding_every_member_orders_it():
+    """A request with one candidate: the profiles whose members could not change its
+    place skip binding (`Member.lone`), and the result, the rng's draws and the prefix
+    index's tiers are as if every member had been bound and the picker had ranked it."""
+    from kubellm.gateway.routing.scorers.picker import pick
+
+    one = [Candidate("http://a", load=3.0, waiting=2.0, kv_usage=0.5)]
+    request = routing_request("m", {"messages": [{"role": "user", "content": "x " * 400}]}, "s")
+    for policy in ("prefix-aware", "least-load", "round-robin", "slo-aware"):
+        target = ModelTarget("m", "m", routing=Routing(policy=policy), kv_tier_tokens=(4096, 8192))
+        fast, full = _Declared(policy), _Declared(policy)
+        drawn, reference = random.Random(5), random.Random(5)
+        got = fast.profiles.order(target, request, one, drawn, policy)
+        profile, bound = full.profiles.bind(policy, target, request, one)
+        assert got == pick(profile, bound, one, target.routing.load_bound, reference) == one
+        assert drawn.random() == reference.random(), policy
+        index = fast.profiles.shared.index
+        assert index._tiers == full.profiles.shared.index._tiers, policy
+
+
+def test_a_stateful_scorer_is_still_asked_about_one_candidate():
+    """Round robin keeps its turn: a profile with it binds and asks it for one candidate."""
+    rr = _Declared("round-robin")
+    target = ModelTarget("m", "m", routing=Routing(policy="round-robin"))
+    request = RoutingRequest("m")
+    rr.profiles.order(target, request, [Candidate("http://a")], random.Random(1), "round-robin")
+    two = [Candidate("http://a"), Candidate("http://b")]
+    first = rr.profiles.order(target, request, two, random.Random(1), "round-robin")
+    assert first[0].url == "http://b"  # the turn the lone request took
