@@ -60,6 +60,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 from starlette.types import Message, Receive, Scope, Send
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 __all__ = ["CHAT", "COMPLETIONS", "Gateway", "GatewaySettings", "create_app", "parse_body"]
 
@@ -668,6 +669,13 @@ class GatewayApp:
             if path in (CHAT, COMPLETIONS):
                 return await self._serve(path, scope, receive, send)
         await self.app(scope, receive, send)
+
+    def proxy_headers_around(self, trusted_hosts: list[str] | str) -> None:
+        """The server's proxy headers (`X-Forwarded-For`, `X-Forwarded-Proto` from
+        `trusted_hosts`) for what Starlette serves, not for the completion routes' raw
+        handler, which reads neither the client's address nor the scheme
+        (`http/server.py`'s `config` asks this where no access log shows the address)."""
+        self.app = ProxyHeadersMiddleware(self.app, trusted_hosts=trusted_hosts)  # type: ignore[assignment]
 
 
 def create_app(gateway: Gateway, metrics_route: bool = True) -> GatewayApp:

@@ -206,18 +206,28 @@ def config(
 ) -> uvicorn.Config:
     """A uvicorn configuration serving `app` with `limits`. Its access log is off where
     `log_level` drops it anyway (above info): uvicorn would still format each request's
-    client address and path for a record its level then discards."""
+    client address and path for a record its level then discards.
+
+    Without an access log, an app that says which of its requests read the client's
+    address or scheme (`proxy_headers_around(trusted_hosts)`, the gateway's: all but the
+    completion routes, which read neither) gets uvicorn's proxy-headers middleware around
+    those only, not around every request."""
     level = kwargs.get("log_level")
     if isinstance(level, str):
         level = LOG_LEVELS[level.lower()]
     if level is not None and level > logging.INFO:
         kwargs.setdefault("access_log", False)
-    return uvicorn.Config(
+    configured = uvicorn.Config(
         app,
         http=guarded_protocol(limits, on_refused),
         timeout_keep_alive=int(max(1, limits.keep_alive_timeout)),
         **kwargs,
     )
+    around = getattr(app, "proxy_headers_around", None)
+    if around is not None and configured.proxy_headers and not configured.access_log:
+        around(configured.forwarded_allow_ips)
+        configured.proxy_headers = False
+    return configured
 
 
 async def serve(servers: list[tuple[uvicorn.Server, list[socket.socket] | None]]) -> None:

@@ -143,7 +143,13 @@ class Cycle:
 
 class Member(Protocol):
     """A profile member bound per request: a scorer or a filter, or None (not used for
-    this request)."""
+    this request).
+
+    A member may also have `lone(cycle) -> bool`, asked where the request has one
+    candidate: True when its scorer or filter could not change that order of one (a
+    stateless scorer; a filter that never empties a set), with whatever else its `bind`
+    does besides scoring done (idempotent); False: bind it. A member without `lone` is
+    always bound."""
 
     def bind(self, cycle: Cycle) -> Scorer | Filter | None: ...
 
@@ -200,6 +206,8 @@ class _Fixed:
 class Scored:
     """A scorer whose scores, by candidate URL, were computed before the filters ran."""
 
+    stateless = True
+
     def __init__(self, name: str, by_url: dict[str, float]) -> None:
         self.name = name
         self.by_url = by_url
@@ -249,8 +257,27 @@ class _Prefix:
             cycle.held = {max(shares, key=lambda url: rendezvous_weight(key, url))}
         return Scored(scorer.name, shares)
 
+    def lone(self, cycle: Cycle) -> bool:
+        """The approximate index's scores only rank, and mark holders for the bounded-load
+        filter, which keeps a lone candidate anyway: only its tiers are set (the precise
+        index counts its fallbacks as it scores: bound)."""
+        if cycle.target.routing.prefix_index == "precise" and self.shared.precise is not None:
+            return False
+        tiers = cycle.target.kv_tier_tokens
+        chunks = (
+            None
+            if tiers is None
+            else approx_tiers.ChunkTiers.from_tokens(*tiers, prefix.CHUNK_CHARS)
+        )
+        for c in cycle.candidates:
+            self.shared.index.set_tiers(c.url, chunks)
+        return True
+
 
 class _BoundedLoad:
+    def lone(self, cycle: Cycle) -> bool:
+        return True  # the least-loaded candidate always passes: a lone one is kept
+
     def bind(self, cycle: Cycle) -> Scorer | Filter | None:
         bound: Filter = (
             within_bound_or_holding(frozenset(cycle.held), HOLDER_SLACK)
@@ -265,6 +292,9 @@ class _BoundedLoad:
 class _AdapterAffinity:
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
+
+    def lone(self, cycle: Cycle) -> bool:
+        return self.shared.adapters is None or cycle.request.adapter is None  # unbound
 
     def bind(self, cycle: Cycle) -> Scorer | Filter | None:
         adapters, name = self.shared.adapters, cycle.request.adapter
@@ -359,6 +389,21 @@ declare(
 _Entry = tuple["Scorer | Filter | None", float, "Member | None"]
 
 
+def _lone_members(entries: list[_Entry]) -> list[Member] | None:
+    """The members of a profile to ask `lone` (see `Member`), or None where one of them
+    must always be bound: a fixed scorer not marked stateless, a member without `lone`."""
+    members = []
+    for fixed, _, member in entries:
+        if member is None:
+            if not getattr(fixed, "stateless", False):
+                return None
+        elif hasattr(member, "lone"):
+            members.append(member)
+        else:
+            return None
+    return members
+
+
 def _entry(member: Member, weight: float) -> _Entry:
     """(the member bound once, weight, None) for a fixed member, else (None, weight, it)."""
     if isinstance(member, _Fixed):
@@ -389,6 +434,12 @@ class Profiles:
             for name, spec in PROFILES.items()
         }
         self._narrowing = [self.members[m] for m in EVERY_PROFILE]
+        # per profile, the members to ask `lone` for a request with one candidate; None
+        # where a member is always bound there (a stateful scorer, a member without `lone`)
+        self._lone: dict[str, list[Member] | None] = {
+            name: _lone_members(scorers + filters)
+            for name, (scorers, filters) in self._bound.items()
+        }
 
     def choose(self, target: ModelTarget, request: RoutingRequest) -> str:
         """The profile for this request: the model's policy, or its `cold` choice."""
@@ -430,10 +481,27 @@ class Profiles:
         """The candidates best first for this request (`name`: this profile, not the
         chosen one), among those the every-profile filters keep (`narrow`)."""
         candidates = self.narrow(target, request, candidates)
-        profile, request = self.bind(
-            name or self.choose(target, request), target, request, candidates
-        )
+        name = name or self.choose(target, request)
+        if len(candidates) == 1 and self._alone(name, target, request, candidates):
+            rng.random()  # the tie-break `pick` draws for its one candidate
+            return list(candidates)
+        profile, request = self.bind(name, target, request, candidates)
         return pick(profile, request, candidates, target.routing.load_bound, rng)
+
+    def _alone(
+        self,
+        name: str,
+        target: ModelTarget,
+        request: RoutingRequest,
+        candidates: Sequence[Candidate],
+    ) -> bool:
+        """One candidate, and no member of profile `name` could change the order of one
+        (`Member.lone`, which did the rest of what binding does): it goes first, unbound."""
+        members = self._lone[name]
+        if members is None:
+            return False
+        cycle = Cycle(target, request, candidates)
+        return all(member.lone(cycle) for member in members)  # type: ignore[attr-defined]
 
     def narrow(
         self, target: ModelTarget, request: RoutingRequest, candidates: Sequence[Candidate]

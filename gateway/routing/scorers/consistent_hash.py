@@ -22,6 +22,7 @@ def rendezvous_weight(key: int, url: str) -> int:
 
 class ConsistentHashScorer:
     name = "consistent-hash"
+    stateless = True  # its score is a pure function of the request and candidates
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         if request.affinity_key is None or not candidates:

@@ -12,6 +12,7 @@ from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 class InFlightScorer:
     name = "in-flight"
+    stateless = True  # its score is a pure function of the request and candidates
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         top = max((c.load for c in candidates), default=0.0)

@@ -1,7 +1,9 @@
 """Compose filters and weighted scorers into a picker, one profile per routing policy.
 
 score(endpoint) = sum(weight_i * scorer_i(endpoint)); candidates are returned
-best first (ties broken at random), so the proxy can retry down the list.
+best first (ties broken at random), so the proxy can retry down the list. A scorer whose
+score is a pure function of the request and the candidates says so (`stateless = True`):
+where the filters keep one candidate it is not asked (its score cannot change the order).
 
 The profiles (which filters and scorers, with which weights, per policy) are declared
 in `routing/profiles.py`.
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest, Scorer
 
+# A filter keeps a subset of the candidates it is given (never one it was not given).
 Filter = Callable[[Sequence[Candidate], float], list[Candidate]]
 
 
@@ -38,12 +41,24 @@ def pick(
     kept: list[Candidate] = list(candidates)
     for keep in profile.filters:
         kept = keep(kept, load_bound)
-    totals = [0.0] * len(kept)
-    for scorer, weight in profile.scorers:
-        for i, value in enumerate(scorer.score(request, kept)):
-            totals[i] += weight * value
-    ranked = sorted(range(len(kept)), key=lambda i: (-totals[i], rng.random()))
-    best = [kept[i] for i in ranked]
+    if len(kept) == 1:
+        # One kept candidate is first whatever it scores: a stateless scorer's score
+        # cannot change the order, so only a scorer that keeps state (round robin's
+        # turn) is asked; the tie-break is drawn once, as the sort below would draw it.
+        for scorer, _ in profile.scorers:
+            if not getattr(scorer, "stateless", False):
+                scorer.score(request, kept)
+        rng.random()
+        best = kept
+    else:
+        totals = [0.0] * len(kept)
+        for scorer, weight in profile.scorers:
+            for i, value in enumerate(scorer.score(request, kept)):
+                totals[i] += weight * value
+        ranked = sorted(range(len(kept)), key=lambda i: (-totals[i], rng.random()))
+        best = [kept[i] for i in ranked]
+    if len(best) == len(candidates):  # the filters keep a subset: none was left out
+        return best
     chosen = {c.url for c in best}
     rest = sorted((c for c in candidates if c.url not in chosen), key=lambda c: c.load)
     return best + rest

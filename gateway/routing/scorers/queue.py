@@ -12,6 +12,7 @@ from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 class QueueScorer:
     name = "queue"
+    stateless = True  # its score is a pure function of the request and candidates
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> list[float]:
         return [0.5 if c.waiting is None else 1.0 / (1.0 + c.waiting) for c in candidates]

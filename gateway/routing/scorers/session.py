@@ -30,6 +30,7 @@ class SessionTable:
 
 class SessionScorer:
     name = "session"
+    stateless = True  # its score is a pure function of the request and candidates
 
     def __init__(self, table: SessionTable) -> None:
         self.table = table

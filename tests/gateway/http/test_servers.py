@@ -219,3 +219,24 @@ def test_the_access_log_is_kept_where_its_level_shows_it():
         config = gateway_server.config(lambda *a: None, ClientLimits(), lambda: None, **kwargs)
         assert config.access_log is shown, level
         assert logging.getLogger("uvicorn.access").hasHandlers() is shown, level
+
+
+def test_proxy_headers_still_apply_to_the_routes_that_read_them():
+    """Without an access log, uvicorn's proxy-headers middleware wraps what Starlette
+    serves, not the completion routes' raw handler (which reads neither the client's
+    address nor the scheme): a redirect behind a trusted TLS proxy still says https."""
+    import asyncio
+
+    async def location(app: Any) -> str:
+        transport = httpx.ASGITransport(app, client=("127.0.0.1", 4321))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            response = await client.get("/v1/models/", headers={"x-forwarded-proto": "https"})
+        assert response.status_code == 307
+        return response.headers["location"]
+
+    for level, proxied in (("warning", False), ("info", True)):
+        app = create_app(Gateway(FixedDiscovery({})))
+        config = gateway_server.config(app, ClientLimits(), lambda: None, log_level=level)
+        assert config.proxy_headers is proxied, level  # uvicorn's own, around everything
+        config.load()
+        assert asyncio.run(location(config.loaded_app)) == "https://gw/v1/models", level

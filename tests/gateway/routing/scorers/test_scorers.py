@@ -532,3 +532,71 @@ def test_front_ends_flag_turns_the_presumption_on_and_refuses_under_one(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--front-ends", "0"])
     assert "--front-ends: must be at least 1" in capsys.readouterr().err
+
+
+def test_one_kept_candidate_asks_only_the_scorers_that_keep_state():
+    """Where the filters keep one candidate its scores cannot change the order: a
+    stateless scorer is not asked, a stateful one (round robin's turn) still is, and the
+    random tie-break is drawn as the full ranking draws it."""
+    from kubellm.gateway.routing.scorers.picker import Profile, pick
+    from kubellm.gateway.routing.scorers.round_robin import RoundRobinScorer
+
+    class Refuses:
+        name, stateless = "refuses", True
+
+        def score(self, request: RoutingRequest, candidates: object) -> list[float]:
+            raise AssertionError("a stateless scorer was asked about one candidate")
+
+    turns = RoundRobinScorer()
+    request = RoutingRequest("m")
+    one = [Candidate("http://a", load=0.0)]
+    profile = Profile([within_bound], [(Refuses(), 1.0), (turns, 1.0)])
+    drawn = random.Random(3)
+    assert pick(profile, request, one, 1.25, drawn) == one
+    reference = random.Random(3)
+    reference.random()  # one tie-break, as the sort draws it for one candidate
+    assert drawn.random() == reference.random()
+    two = [Candidate("http://a"), Candidate("http://b")]
+    # the turn advanced on the one-candidate pick: the next goes to the second in turn
+    assert pick(Profile([], [(turns, 1.0)]), request, two, 1.25)[0].url == "http://b"
+
+
+def test_a_filtered_out_candidate_still_comes_last_by_load():
+    from kubellm.gateway.routing.scorers.picker import Profile, pick
+
+    busy = [Candidate("http://a", load=9.0), Candidate("http://b"), Candidate("http://c", load=8.0)]
+    only_b = Profile([lambda cs, _: [c for c in cs if c.url == "http://b"]], [])
+    assert [c.url for c in pick(only_b, RoutingRequest("m"), busy, 1.25)] == [
+        "http://b", "http://c", "http://a",
+    ]  # fmt: skip
+
+
+def test_one_candidate_is_ordered_as_binding_every_member_orders_it():
+    """A request with one candidate: the profiles whose members could not change its
+    place skip binding (`Member.lone`), and the result, the rng's draws and the prefix
+    index's tiers are as if every member had been bound and the picker had ranked it."""
+    from kubellm.gateway.routing.scorers.picker import pick
+
+    one = [Candidate("http://a", load=3.0, waiting=2.0, kv_usage=0.5)]
+    request = routing_request("m", {"messages": [{"role": "user", "content": "x " * 400}]}, "s")
+    for policy in ("prefix-aware", "least-load", "round-robin", "slo-aware"):
+        target = ModelTarget("m", "m", routing=Routing(policy=policy), kv_tier_tokens=(4096, 8192))
+        fast, full = _Declared(policy), _Declared(policy)
+        drawn, reference = random.Random(5), random.Random(5)
+        got = fast.profiles.order(target, request, one, drawn, policy)
+        profile, bound = full.profiles.bind(policy, target, request, one)
+        assert got == pick(profile, bound, one, target.routing.load_bound, reference) == one
+        assert drawn.random() == reference.random(), policy
+        index = fast.profiles.shared.index
+        assert index._tiers == full.profiles.shared.index._tiers, policy
+
+
+def test_a_stateful_scorer_is_still_asked_about_one_candidate():
+    """Round robin keeps its turn: a profile with it binds and asks it for one candidate."""
+    rr = _Declared("round-robin")
+    target = ModelTarget("m", "m", routing=Routing(policy="round-robin"))
+    request = RoutingRequest("m")
+    rr.profiles.order(target, request, [Candidate("http://a")], random.Random(1), "round-robin")
+    two = [Candidate("http://a"), Candidate("http://b")]
+    first = rr.profiles.order(target, request, two, random.Random(1), "round-robin")
+    assert first[0].url == "http://b"  # the turn the lone request took
