@@ -248,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=3, help="--wrk: rounds per path")
     p.add_argument(
+        "--wrk-replicas", type=int, default=4,
+        help="--wrk: also a row with the gateway over this many replicas (1: none)",
+    )  # fmt: skip
+    p.add_argument(
         "--instructions",
         action="store_true",
         help="only the gateway's instructions per request under callgrind (with "

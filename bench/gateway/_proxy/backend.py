@@ -1,6 +1,6 @@
 """A near-zero-latency OpenAI-compatible backend: raw asyncio HTTP/1.1 keep-alive.
 
-    python bench/gateway/_proxy/backend.py PORT
+    python bench/gateway/_proxy/backend.py PORT [PORT ...]
 
 Non-streamed requests get a fixed chat completion at once; streamed ones (`"stream":
 true`) get `bench_chunks` SSE chunks `bench_itl_ms` apart (the first at once), then
@@ -135,20 +135,22 @@ class Server(asyncio.Protocol):
             send(chunks - 1)
 
 
-async def main(port: int) -> None:
+async def main(ports: list[int]) -> None:
+    """Serve on each loopback port (one per replica the gateway is given) until a signal."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    server = await loop.create_server(Server, "127.0.0.1", port, backlog=1024)
+    servers = [await loop.create_server(Server, "127.0.0.1", p, backlog=1024) for p in ports]
     await stop.wait()
-    server.close()
+    for server in servers:
+        server.close()
 
 
 if __name__ == "__main__":
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main(int(sys.argv[1])))
+        asyncio.run(main([int(a) for a in sys.argv[1:]]))
     else:
-        uvloop.run(main(int(sys.argv[1])))
+        uvloop.run(main([int(a) for a in sys.argv[1:]]))

@@ -67,26 +67,36 @@ def wait_port(port: int, process: subprocess.Popen[bytes] | None = None) -> None
 
 
 def backend(procs: _fleet.Processes, core: int) -> int:
-    port = _fleet.free_port()
-    wait_port(port, procs.spawn([sys.executable, str(BACKEND), str(port)], core))
-    return port
+    return backends(procs, core, 1)[0]
+
+
+def backends(procs: _fleet.Processes, core: int, replicas: int) -> list[int]:
+    """One backend process answering on `replicas` loopback ports: to the gateway, that
+    many replicas of the model."""
+    ports = [_fleet.free_port() for _ in range(replicas)]
+    process = procs.spawn([sys.executable, str(BACKEND), *map(str, ports)], core)
+    for port in ports:
+        wait_port(port, process)
+    return ports
 
 
 def gateway(
     procs: _fleet.Processes,
-    backend_port: int,
+    backend_port: int | list[int],
     core: int,
     python: str = sys.executable,
     profile: str | None = None,
     gc_log: str | None = None,
     flags: tuple[str, ...] = (),
 ) -> Started:
-    """`kubellm gateway --static` over the backend, with `flags`; under cProfile (`profile`)
-    or with its GC pauses logged (`gc_log`) when asked."""
+    """`kubellm gateway --static` over the backend (a list of ports: one endpoint each),
+    with `flags`; under cProfile (`profile`) or with its GC pauses logged (`gc_log`) when
+    asked."""
     port = _fleet.free_port()
     static = procs.dir / f"static-{port}.yaml"
-    backend_url = f"http://127.0.0.1:{backend_port}"
-    static.write_text(yaml.safe_dump({"models": [{"name": "m", "endpoints": [backend_url]}]}))
+    ports = backend_port if isinstance(backend_port, list) else [backend_port]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    static.write_text(yaml.safe_dump({"models": [{"name": "m", "endpoints": urls}]}))
     cli = ["--port", str(port), "--static", str(static), *flags]
     if profile:
         command = [python, str(INSTRUMENTED), "profile", profile, *cli]
@@ -104,7 +114,7 @@ REFERENCE_MODES = _envoy.REFERENCE_MODES
 
 def envoy_epp(
     procs: _fleet.Processes,
-    backend_port: int,
+    backend_port: int | list[int],
     core: int,
     python: str = sys.executable,
     modes: tuple[str, str] | None = None,
