@@ -10,7 +10,8 @@ divided by the requests wrk counted. Rows: the gateway with the shipped defaults
 then the gateway with every non-streamed request assembled (`--assemble-non-streamed`, the
 previous default), the gateway over `--wrk-replicas` replicas of the model (default 4; the
 same backend process on as many ports: a real pool, where every request is scored against
-each replica, while the rows above and Envoy's have one endpoint), Envoy direct, Envoy + `kubellm epp`, vllm-router where installed.
+each replica, while the rows above and Envoy's have one endpoint), Envoy direct, Envoy +
+`kubellm epp`, vllm-router where installed.
 The targets (issue 38): the gateway >= 0.25x Envoy's req/s at <= 4x its CPU per request;
 Envoy + picker >= 0.5x the gateway's req/s.
 
