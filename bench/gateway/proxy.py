@@ -248,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=3, help="--wrk: rounds per path")
     p.add_argument(
-        "--wrk-replicas", type=int, default=4,
-        help="--wrk: also a row with the gateway over this many replicas (1: none)",
+        "--replicas", type=int, default=4,
+        help="--wrk and --instructions: also a row with the gateway over this many replicas "
+        "of the model (1: none); the other rows have one endpoint, as Envoy's",
     )  # fmt: skip
     p.add_argument(
         "--instructions",
@@ -282,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.instructions:
         instructions.instructions_mode(
-            sys.executable, args.baseline_python, args.requests, args.instructions_paths
+            sys.executable,
+            args.baseline_python,
+            args.requests,
+            args.instructions_paths,
+            args.replicas,
         )
         return 0
     print(

@@ -43,16 +43,20 @@ WARM_UP = 100
 IDLE_SECONDS = 5.0
 
 
-def per_request(python: str, requests: int, stream: bool, flags: tuple[str, ...] = ()) -> float:
+def per_request(
+    python: str, requests: int, stream: bool, flags: tuple[str, ...] = (), replicas: int = 1
+) -> float:
     """Instructions per request of the gateway run by `python` (its checkout's kubellm),
-    started with `flags`."""
+    started with `flags`, over `replicas` replicas (one backend process on as many ports)."""
     work = Path(tempfile.mkdtemp(prefix="kubellm-instr-"))
-    backend_port, port = _fleet.free_port(), _fleet.free_port()
+    ports, port = [_fleet.free_port() for _ in range(replicas)], _fleet.free_port()
+    backend_port = ports[0]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
     (work / "static.yaml").write_text(
-        f"models:\n- name: m\n  endpoints: ['http://127.0.0.1:{backend_port}']\n"
+        yaml.safe_dump({"models": [{"name": "m", "endpoints": urls}]})
     )
     out = work / "callgrind.out"
-    backend = subprocess.Popen([sys.executable, str(BACKEND), str(backend_port)])
+    backend = subprocess.Popen([sys.executable, str(BACKEND), *map(str, ports)])
     gateway = subprocess.Popen(
         [
             "valgrind", "--tool=callgrind", "--instr-atstart=no",
@@ -233,10 +237,11 @@ def _total(out: Path) -> int:
 
 
 def instructions_mode(
-    python: str, baseline: str | None, requests: int, which: str = "gateway"
+    python: str, baseline: str | None, requests: int, which: str = "gateway", replicas: int = 1
 ) -> dict[str, float]:
     """Rows `json` and `stream` per path (`which`: gateway, envoy+epp; this checkout's, and
-    with `baseline` the landed one's beside it)."""
+    with `baseline` the landed one's beside it); with `replicas` > 1 also the gateway's
+    non-streamed request over that many replicas (a pool the profile scores per request)."""
     if shutil.which("valgrind") is None:
         raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
     names = which.split(",")
@@ -268,6 +273,14 @@ def instructions_mode(
                 key = f"json gateway {label}"
                 rows[key] = per_request(python, max(count, 20), False, (flag,))
                 print(f"json    {'gateway ' + label:17s} {rows[key]:>12,.0f} instructions/request")
+            if replicas > 1:
+                pool = [("gateway", python)] + ([("gateway@landed", baseline)] if baseline else [])
+                for name, py in pool:
+                    assert py is not None
+                    key = f"json {name} {replicas} replicas"
+                    rows[key] = per_request(py, max(count, 20), False, replicas=replicas)
+                    label = f"{name} x{replicas}"
+                    print(f"json    {label:17s} {rows[key]:>12,.0f} instructions/request")
     for phase in ("json", "stream"):
         for name in names:
             if baseline:

@@ -8,7 +8,7 @@ completions, each with a distinct ~300-byte prompt (a counter up front, as the s
 reported. CPU per request: the path's processes' user + system time over the round (/proc)
 divided by the requests wrk counted. Rows: the gateway with the shipped defaults first,
 then the gateway with every non-streamed request assembled (`--assemble-non-streamed`, the
-previous default), the gateway over `--wrk-replicas` replicas of the model (default 4; the
+previous default), the gateway over `--replicas` replicas of the model (default 4; the
 same backend process on as many ports: a real pool, where every request is scored against
 each replica, while the rows above and Envoy's have one endpoint), Envoy direct, Envoy +
 `kubellm epp`, vllm-router where installed.
@@ -60,13 +60,13 @@ def wrk_mode(args: argparse.Namespace) -> dict[str, Any]:
     with _fleet.Processes() as procs:
         script = procs.dir / "requests.lua"
         script.write_text(SCRIPT)
-        ports = paths.backends(procs, load_core, max(1, args.wrk_replicas))
+        ports = paths.backends(procs, load_core, max(1, args.replicas))
         backend_port = ports[0]
         started: list[tuple[str, paths.Started]] = []
         for name, flags in GATEWAY_ROWS:
             started.append((name, paths.gateway(procs, backend_port, core, flags=flags)))
-        if args.wrk_replicas > 1:  # the realistic pool: the pass and the profile choose
-            name = f"gateway, {args.wrk_replicas} replicas"
+        if args.replicas > 1:  # the realistic pool: the pass and the profile choose
+            name = f"gateway, {args.replicas} replicas"
             started.append((name, paths.gateway(procs, ports, core)))
         for name in filter(None, args.peers.split(",")):  # default: envoy, vllm-router, envoy+epp
             if name == "envoy+epp":
