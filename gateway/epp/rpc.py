@@ -7,6 +7,9 @@ threads, 1.9 ms of CPU per request with Envoy, issue 38). Here a message is read
 and answered in one turn of the loop, and the writes of one turn leave in one send
 (`Coalescing`): ~0.3 context switches per request (docs/operations.md, "The endpoint
 picker's cost").
+An ext_proc stream of the plain form Envoy opens (no deadline, the proto codec) skips
+grpclib's per-stream server machinery (`LeanHandler`): its messages go straight to the
+HTTP/2 stream, the headers and trailers are built once.
 
 Bounds a hostile peer meets (the port has no authentication): a message longer than
 `max_message` is refused with RESOURCE_EXHAUSTED before its bytes are read (grpclib itself
@@ -19,6 +22,7 @@ header lists at h2's 64 KiB.
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -26,11 +30,16 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 from grpclib import const
 from grpclib.encoding.base import CodecBase
-from grpclib.exceptions import GRPCError
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.metadata import encode_grpc_message
 from grpclib.protocol import H2Protocol
-from grpclib.server import Server, Stream
+from grpclib.server import Handler, Server, Stream
+from grpclib.utils import Wrapper
+from h2.exceptions import StreamClosedError
 from h2.settings import SettingCodes
 from kubellm.gateway.epp import messages as m
+
+log = logging.getLogger("kubellm.epp.rpc")
 
 EOF = object()  # `Call.read` at the end of the client's messages
 HEALTH = "grpc.health.v1.Health"
@@ -54,16 +63,17 @@ class Codec(CodecBase):
 class Call:
     """One ext_proc stream as `EndpointPicker.process` reads and writes it."""
 
-    __slots__ = ("max_message", "stream")
+    __slots__ = ("max_message", "raw", "stream")
 
     def __init__(self, stream: Stream, max_message: int) -> None:
         self.stream = stream
+        self.raw = stream._stream  # grpclib.protocol.Stream: the HTTP/2 stream's data
         self.max_message = max_message
 
     async def read(self) -> Any:
         """The next message, or EOF. Its length prefix is checked before its bytes are
         read (grpclib's `recv_message` would read any length)."""
-        raw = self.stream._stream  # grpclib.protocol.Stream: the HTTP/2 stream's data
+        raw = self.raw
         prefix = await raw.recv_data(5)
         if not prefix:
             return EOF
@@ -87,6 +97,31 @@ class Call:
         raise GRPCError(status, details)
 
 
+_CONTENT_TYPE = "application/grpc+proto"
+_INITIAL = ((":status", "200"), ("content-type", _CONTENT_TYPE))
+_OK_TRAILERS = (("grpc-status", str(const.Status.OK.value)),)
+
+
+class LeanCall(Call):
+    """A `Call` written straight to the HTTP/2 stream (`LeanHandler`): the answer
+    serialised (or the bytes kept for it), framed and sent, the response's headers before
+    the first one; what grpclib's server `Stream.send_message` sends, without its event
+    dispatch and per-call header encoding."""
+
+    __slots__ = ("started",)
+
+    def __init__(self, raw: Any, max_message: int) -> None:
+        self.raw, self.max_message, self.started = raw, max_message, False
+
+    async def write(self, answer: Any) -> None:
+        data = m.serialize(answer)
+        raw = self.raw
+        if not self.started:
+            await raw.send_headers(list(_INITIAL))
+            self.started = True
+        await raw.send_data(struct.pack(">?I", False, len(data)) + data)
+
+
 Process = Callable[[Call], Awaitable[None]]
 
 
@@ -98,6 +133,43 @@ class ExtProc:
 
     async def _process(self, stream: Stream) -> None:
         await self.process(Call(stream, self.max_message))
+
+    async def serve(self, raw: Any, release_stream: Callable[[], Any]) -> None:
+        """One stream of the plain form (`LeanHandler`), to its end: what grpclib's
+        `request_handler` and its server `Stream` do for it (the status in the trailers, a
+        trailers-only answer when nothing was sent, the stream reset after an error), minus
+        the checks the form already passed and the deadline it does not carry."""
+        call = LeanCall(raw, self.max_message)
+        wrapper = raw.wrapper = Wrapper()  # a reset or a closed connection ends the reads
+        status, details = const.Status.OK, None
+        try:
+            try:
+                with wrapper:
+                    await self.process(call)
+            except GRPCError as error:
+                status, details = error.status, error.message
+            except StreamTerminatedError as error:
+                log.info("Request was cancelled: %s", error)
+                return
+            except Exception:
+                log.exception("Application error")
+                status, details = const.Status.UNKNOWN, "Internal Server Error"
+            if raw._transport.is_closing():
+                return
+            headers = [] if call.started else list(_INITIAL)
+            headers.append(("grpc-status", str(status.value)))
+            if details is not None:
+                headers.append(("grpc-message", encode_grpc_message(details)))
+            try:
+                await raw.send_headers(headers, end_stream=True)
+            except StreamClosedError:
+                return
+            if status is not const.Status.OK and raw.closable:
+                raw.reset_nowait()
+        except Exception:
+            log.exception("Server error")
+        finally:
+            release_stream()
 
     def __mapping__(self) -> dict[str, const.Handler]:
         return {
@@ -185,7 +257,45 @@ class Coalescing:
         return getattr(self.transport, name)
 
 
+class LeanHandler(Handler):
+    """grpclib's stream handler, except for ext_proc streams of the form Envoy opens
+    (POST, `application/grpc` or `+proto`, `te: trailers`, no `grpc-timeout`): those are
+    served by `ExtProc.serve` on the HTTP/2 stream directly. Any other stream (health, a
+    deadline, a wrong method or content type) goes through grpclib's checks as before."""
+
+    def __init__(self, made: Handler, lean: dict[str, ExtProc]) -> None:
+        super().__init__(made.mapping, made.codec, made.status_details_codec, made.dispatch)
+        self.lean = lean
+
+    def accept(self, stream: Any, headers: Any, release_stream: Callable[[], Any]) -> None:
+        service = None
+        plain = 0
+        for name, value in headers:
+            if name == ":path":
+                service = self.lean.get(value)
+            elif name == ":method":
+                plain += value == "POST"
+            elif name == "content-type":
+                plain += value in ("application/grpc", _CONTENT_TYPE)
+            elif name == "te":
+                plain += value == "trailers"
+            elif name == "grpc-timeout":
+                plain = -3
+        if service is None or plain != 3:
+            super().accept(stream, headers, release_stream)
+            return
+        self.__gc_step__()
+        self._tasks[stream] = self.loop.create_task(service.serve(stream, release_stream))
+
+
 def _server(handlers: list[Any], max_streams: int) -> Server:
+    lean = {
+        path: handler
+        for handler in handlers
+        if isinstance(handler, ExtProc)
+        for path in handler.__mapping__()
+    }
+
     class Protocol(H2Protocol):
         def connection_made(self, transport: Any) -> None:
             super().connection_made(Coalescing(transport))
@@ -198,7 +308,11 @@ def _server(handlers: list[Any], max_streams: int) -> Server:
     class PickerServer(Server):
         def _protocol_factory(self) -> H2Protocol:
             made = super()._protocol_factory()
-            return Protocol(made.handler, made.config, made.h2_config)
+            handler = made.handler
+            if lean:
+                assert isinstance(handler, Handler)
+                handler = LeanHandler(handler, lean)
+            return Protocol(handler, made.config, made.h2_config)
 
     return PickerServer(handlers, codec=Codec())
 
