@@ -1,0 +1,80 @@
+"""The picker's HTTP/2 connection class (`rpc.QuietH2Connection`: h2's without the trace
+line it formats per frame) answers what h2's own does, frame for frame, on the paths its
+copy of `_receive_frame` handles: a frame on a stream the server reset (kept or already
+forgotten: a RST_STREAM back), and one on a stream that ended normally (a connection
+error). h2 handles a stray DATA frame itself; a HEADERS frame reaches those paths."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from hpack import Encoder
+from hyperframe.frame import HeadersFrame
+from kubellm.gateway.epp.rpc import QuietH2Connection
+
+HEADERS = [(":method", "POST"), (":path", "/x"), (":scheme", "http"), (":authority", "a")]
+
+
+def _client() -> tuple[H2Connection, bytes]:
+    client = H2Connection(H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(1, HEADERS)
+    return client, client.data_to_send()
+
+
+def _stray_headers(stream_id: int) -> bytes:
+    block = Encoder().encode([("x-stray", "1")], huffman=False)
+    return HeadersFrame(stream_id, data=block, flags=["END_HEADERS", "END_STREAM"]).serialize()
+
+
+def _reset_then_headers(server: H2Connection, client: H2Connection, opening: bytes) -> list[Any]:
+    server.receive_data(opening)
+    server.reset_stream(1)
+    return [server.receive_data(_stray_headers(1))]
+
+
+def _reset_forgotten_then_headers(
+    server: H2Connection, client: H2Connection, opening: bytes
+) -> list[Any]:
+    server.receive_data(opening)
+    server.reset_stream(1)
+    client.send_headers(3, HEADERS, end_stream=True)
+    events = [server.receive_data(client.data_to_send())]
+    server.open_inbound_streams  # noqa: B018 (h2 forgets closed streams as it counts)
+    return [*events, server.receive_data(_stray_headers(1))]
+
+
+def _ended_then_headers(server: H2Connection, client: H2Connection, opening: bytes) -> list[Any]:
+    client.end_stream(1)
+    server.receive_data(opening + client.data_to_send())
+    server.send_headers(1, [(":status", "200")], end_stream=True)
+    client.send_headers(3, HEADERS, end_stream=True)
+    server.receive_data(client.data_to_send())
+    server.open_inbound_streams  # noqa: B018
+    return [server.receive_data(_stray_headers(1))]
+
+
+def _run(cls: type[H2Connection], steps: Callable[..., list[Any]]) -> tuple[Any, ...]:
+    server = cls(H2Configuration(client_side=False))
+    server.initiate_connection()
+    client, opening = _client()
+    try:
+        events = steps(server, client, opening)
+    except Exception as error:
+        return ("raised", type(error).__name__, server.data_to_send())
+    return ("events", [[repr(e) for e in batch] for batch in events], server.data_to_send())
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [_reset_then_headers, _reset_forgotten_then_headers, _ended_then_headers],
+    ids=["reset", "reset-forgotten", "ended"],
+)
+def test_the_quiet_connection_answers_as_h2s_own(steps: Callable[..., list[Any]]) -> None:
+    ours, h2s = _run(QuietH2Connection, steps), _run(H2Connection, steps)
+    assert ours == h2s
+    assert ours[2]  # something was answered (a RST_STREAM, or a GOAWAY)
