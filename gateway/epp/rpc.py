@@ -39,6 +39,7 @@ from h2.connection import H2Connection
 from h2.errors import ErrorCodes
 from h2.exceptions import StreamClosedError, StreamIDTooLowError
 from h2.settings import SettingCodes
+from hpack import Decoder
 from hyperframe.frame import RstStreamFrame
 from kubellm.gateway.epp import messages as m
 
@@ -293,6 +294,47 @@ class QuietH2Connection(H2Connection):
         return events
 
 
+MAX_HEADER_BLOCKS_KEPT = 16
+
+
+class RememberingDecoder(Decoder):
+    """hpack's decoder, remembering the header blocks whose decoding left its dynamic table
+    as it was: such a block decodes the same while the table stays so. Envoy opens every
+    ext_proc stream with the same block (indexed fields and `:path` as a Huffman-coded
+    literal it never indexes), which hpack decodes byte by byte in Python each time.
+
+    The table's state is its length, size and bounds, and its newest entry by identity
+    (every entry added is a new tuple at the front): a block that adds an entry, evicts
+    one or resizes the table changes it and is not kept; any change of the table makes
+    what was kept unusable (`_state` differs)."""
+
+    _kept: dict[tuple[bytes, bool], tuple[Any, tuple[Any, ...], Any]]
+
+    def _state(self) -> tuple[tuple[Any, ...], Any]:
+        table = self.header_table
+        entries = table.dynamic_entries
+        shape = (len(entries), table._current_size, table.maxsize, self.max_allowed_table_size,
+                 self.max_header_list_size)  # fmt: skip
+        return shape, entries[0] if entries else None
+
+    def decode(self, data: bytes, raw: bool = False) -> Any:
+        kept = self.__dict__.get("_kept")
+        if kept is None:
+            kept = self._kept = {}
+        key = (bytes(data), raw)
+        shape, newest = self._state()
+        found = kept.get(key)
+        if found is not None and found[1] == shape and found[2] is newest:
+            return list(found[0])
+        headers = super().decode(data, raw)
+        after, newest_after = self._state()
+        if after == shape and newest_after is newest:
+            if len(kept) >= MAX_HEADER_BLOCKS_KEPT:
+                kept.clear()
+            kept[key] = (tuple(headers), shape, newest)
+        return headers
+
+
 class LeanHandler(Handler):
     """grpclib's stream handler, except for ext_proc streams of the form Envoy opens
     (POST, `application/grpc` or `+proto`, `te: trailers`, no `grpc-timeout`): those are
@@ -335,11 +377,13 @@ def _server(handlers: list[Any], max_streams: int) -> Server:
     class Protocol(H2Protocol):
         def connection_made(self, transport: Any) -> None:
             super().connection_made(Coalescing(transport))
-            if type(self.connection._connection) is H2Connection:
-                self.connection._connection.__class__ = QuietH2Connection
+            h2 = self.connection._connection
+            if type(h2) is H2Connection:
+                h2.__class__ = QuietH2Connection
+            if type(h2.decoder) is Decoder:
+                h2.decoder.__class__ = RememberingDecoder
             # h2 caps a connection at 100 streams; above the picker's own cap, so that a
             # stream past it reaches the picker and is refused (not queued by the client)
-            h2 = self.connection._connection
             h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: 2 * max_streams})
             self.connection.flush()
 

@@ -1,20 +1,26 @@
-"""The picker's HTTP/2 connection class (`rpc.QuietH2Connection`: h2's without the trace
+"""The picker's HTTP/2 classes (rpc.py) answer what h2's and hpack's own do.
+
+The connection class (`rpc.QuietH2Connection`: h2's without the trace
 line it formats per frame) answers what h2's own does, frame for frame, on the paths its
 copy of `_receive_frame` handles: a frame on a stream the server reset (kept or already
 forgotten: a RST_STREAM back), and one on a stream that ended normally (a connection
-error). h2 handles a stray DATA frame itself; a HEADERS frame reaches those paths."""
+error). h2 handles a stray DATA frame itself; a HEADERS frame reaches those paths.
+
+The header decoder (`rpc.RememberingDecoder`) decodes every block as hpack's does, also
+when a block it remembers comes again after the dynamic table changed."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from h2.config import H2Configuration
 from h2.connection import H2Connection
-from hpack import Encoder
+from hpack import Decoder, Encoder
 from hyperframe.frame import HeadersFrame
-from kubellm.gateway.epp.rpc import QuietH2Connection
+from kubellm.gateway.epp.rpc import QuietH2Connection, RememberingDecoder
 
 HEADERS = [(":method", "POST"), (":path", "/x"), (":scheme", "http"), (":authority", "a")]
 
@@ -78,3 +84,39 @@ def test_the_quiet_connection_answers_as_h2s_own(steps: Callable[..., list[Any]]
     ours, h2s = _run(QuietH2Connection, steps), _run(H2Connection, steps)
     assert ours == h2s
     assert ours[2]  # something was answered (a RST_STREAM, or a GOAWAY)
+
+
+# A table of 40 bytes holds one entry of 34 (1 + 1 + 32): adding ("b", "2") evicts
+# ("a", "1") and leaves the table's length and size as they were, only its entry differs.
+RESIZE_40 = bytes([0x3F, 0x09])
+ADD_A1 = bytes([0x40, 0x01]) + b"a" + bytes([0x01]) + b"1"
+ADD_B2 = bytes([0x40, 0x01]) + b"b" + bytes([0x01]) + b"2"
+NEWEST = bytes([0x80 | 62])  # the dynamic table's first entry
+
+
+def _decoded(decoder: Decoder, blocks: list[bytes]) -> list[list[tuple[bytes, bytes]]]:
+    return [[tuple(h) for h in decoder.decode(block, raw=True)] for block in blocks]
+
+
+def test_a_remembered_block_decodes_anew_once_the_table_changed() -> None:
+    blocks = [RESIZE_40 + ADD_A1, NEWEST, NEWEST, ADD_B2, NEWEST, NEWEST]
+    ours = RememberingDecoder()
+    assert _decoded(ours, blocks) == _decoded(Decoder(), blocks)
+    assert _decoded(ours, [NEWEST]) == [[(b"b", b"2")]]
+    assert (NEWEST, True) in ours._kept  # the block was remembered (and not used stale)
+
+
+def test_the_remembering_decoder_decodes_as_hpacks_own() -> None:
+    rng = random.Random(7)
+    sets = [
+        [(":method", "POST"), (":path", f"/p{i % 3}"), ("x-n", str(rng.randrange(4)))]
+        for i in range(40)
+    ]
+    encoder = Encoder()
+    encoder.header_table_size = 96  # small: entries are evicted as the run goes on
+    blocks = []
+    for headers in sets:
+        sensitive = rng.random() < 0.5  # never-indexed literals: the table unchanged
+        blocks.append(encoder.encode([(k, v, sensitive) for k, v in headers]))
+    ours, reference = RememberingDecoder(), Decoder()
+    assert _decoded(ours, blocks) == _decoded(reference, blocks)
