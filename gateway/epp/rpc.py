@@ -39,7 +39,7 @@ from h2.connection import H2Connection
 from h2.errors import ErrorCodes
 from h2.exceptions import StreamClosedError, StreamIDTooLowError
 from h2.settings import SettingCodes
-from hpack import Decoder
+from hpack import Decoder, Encoder
 from hyperframe.frame import RstStreamFrame
 from kubellm.gateway.epp import messages as m
 
@@ -335,6 +335,43 @@ class RememberingDecoder(Decoder):
         return headers
 
 
+def _table_state(table: Any) -> tuple[tuple[Any, ...], Any]:
+    """An HPACK table's state as the remembering coders compare it: its length, size and
+    bounds, and its newest entry by identity (each entry added is a new tuple in front)."""
+    entries = table.dynamic_entries
+    shape = (len(entries), table._current_size, table.maxsize, table.resized)
+    return shape, entries[0] if entries else None
+
+
+class RememberingEncoder(Encoder):
+    """hpack's encoder, remembering the header lists whose encoding left its dynamic table
+    as it was (every field indexed): the picker's response headers and trailers, the same
+    few lists on every stream once their fields are in the table. The same rules as
+    `RememberingDecoder`."""
+
+    _kept: dict[tuple[Any, bool], tuple[bytes, tuple[Any, ...], Any]]
+
+    def encode(self, headers: Any, huffman: bool = True) -> bytes:
+        kept = self.__dict__.get("_kept")
+        if kept is None:
+            kept = self._kept = {}
+        if isinstance(headers, dict):
+            return super().encode(headers, huffman)
+        headers = [tuple(header) for header in headers]
+        key = (tuple(headers), huffman)
+        shape, newest = _table_state(self.header_table)
+        found = kept.get(key)
+        if found is not None and found[1] == shape and found[2] is newest:
+            return found[0]
+        block = super().encode(headers, huffman)
+        after, newest_after = _table_state(self.header_table)
+        if after == shape and newest_after is newest:
+            if len(kept) >= MAX_HEADER_BLOCKS_KEPT:
+                kept.clear()
+            kept[key] = (block, shape, newest)
+        return block
+
+
 class LeanHandler(Handler):
     """grpclib's stream handler, except for ext_proc streams of the form Envoy opens
     (POST, `application/grpc` or `+proto`, `te: trailers`, no `grpc-timeout`): those are
@@ -382,6 +419,8 @@ def _server(handlers: list[Any], max_streams: int) -> Server:
                 h2.__class__ = QuietH2Connection
             if type(h2.decoder) is Decoder:
                 h2.decoder.__class__ = RememberingDecoder
+            if type(h2.encoder) is Encoder:
+                h2.encoder.__class__ = RememberingEncoder
             # h2 caps a connection at 100 streams; above the picker's own cap, so that a
             # stream past it reaches the picker and is refused (not queued by the client)
             h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: 2 * max_streams})

@@ -6,8 +6,9 @@ copy of `_receive_frame` handles: a frame on a stream the server reset (kept or 
 forgotten: a RST_STREAM back), and one on a stream that ended normally (a connection
 error). h2 handles a stray DATA frame itself; a HEADERS frame reaches those paths.
 
-The header decoder (`rpc.RememberingDecoder`) decodes every block as hpack's does, also
-when a block it remembers comes again after the dynamic table changed."""
+The header coders (`rpc.RememberingDecoder`, `rpc.RememberingEncoder`) turn every block
+and header list into what hpack's own do, also when one they remember comes again after
+the dynamic table changed."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from h2.config import H2Configuration
 from h2.connection import H2Connection
 from hpack import Decoder, Encoder
 from hyperframe.frame import HeadersFrame
-from kubellm.gateway.epp.rpc import QuietH2Connection, RememberingDecoder
+from kubellm.gateway.epp.rpc import QuietH2Connection, RememberingDecoder, RememberingEncoder
 
 HEADERS = [(":method", "POST"), (":path", "/x"), (":scheme", "http"), (":authority", "a")]
 
@@ -120,3 +121,35 @@ def test_the_remembering_decoder_decodes_as_hpacks_own() -> None:
         blocks.append(encoder.encode([(k, v, sensitive) for k, v in headers]))
     ours, reference = RememberingDecoder(), Decoder()
     assert _decoded(ours, blocks) == _decoded(reference, blocks)
+
+
+def _encoded(encoder: Encoder, lists: list[list[tuple[str, str]]]) -> list[bytes]:
+    return [encoder.encode(headers) for headers in lists]
+
+
+def test_a_remembered_header_list_is_encoded_anew_once_the_table_changed() -> None:
+    # a table of 40 bytes holds one entry of 34: ("b", "2") takes ("a", "1")'s place
+    # with the same length and size, so only the entry's identity tells the tables apart
+    ours, reference = RememberingEncoder(), Encoder()
+    for encoder in (ours, reference):
+        encoder.header_table_size = 40
+    lists = [[("a", "1")], [("a", "1")], [("a", "1")], [("b", "2")], [("a", "1")], [("a", "1")]]
+    assert _encoded(ours, lists) == _encoded(reference, lists)
+    assert (((("a", "1"),), True)) in ours._kept  # remembered, and not used stale
+
+
+def test_the_remembering_encoder_encodes_as_hpacks_own() -> None:
+    rng = random.Random(11)
+    ours, reference = RememberingEncoder(), Encoder()
+    for encoder in (ours, reference):
+        encoder.header_table_size = 120  # small: entries are evicted as the run goes on
+    lists = [
+        [(":status", "200"), ("content-type", "application/grpc+proto"),
+         ("grpc-status", str(rng.randrange(3)))]
+        for _ in range(60)
+    ]  # fmt: skip
+    assert _encoded(ours, lists) == _encoded(reference, lists)
+    decoder = Decoder()  # and what it wrote decodes back
+    blocks = _encoded(RememberingEncoder(), lists)
+    decoded = [[tuple(h) for h in decoder.decode(block)] for block in blocks]
+    assert decoded == [[tuple(h) for h in headers] for headers in lists]
