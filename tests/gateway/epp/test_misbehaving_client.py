@@ -192,3 +192,35 @@ async def test_envoys_stream_form_is_served_by_the_lean_handler_a_deadline_by_gr
     assert answers[-1].HasField("request_body")
     assert len(served) == (1 if timeout is None else 0)
     await eventually(lambda: picker.streams == 0, 5, "the stream to end")
+
+
+async def test_answers_beyond_the_peers_window_go_out_whole(picker_server):
+    # In full-duplex mode the picker sends the request's body back after its route, in
+    # pieces of 1 MiB: 6 MB is more than the client's stream window (grpc's 4 MiB), so the
+    # last pieces wait for its WINDOW_UPDATEs (rpc.LeanCall.write sends an answer that
+    # fits the frame size and the windows directly, any other through grpclib's split).
+    picker, address, timeout = picker_server
+    headers = _headers("/v1/completions", end=False)
+    headers.protocol_config.CopyFrom(
+        ext.ProtocolConfiguration(request_body_mode=m.FULL_DUPLEX, response_body_mode=m.FULL_DUPLEX)
+    )
+    data = json.dumps({"model": "tiny", "prompt": "x" * 6_000_000, "max_tokens": 2}).encode()
+    body = ext.ProcessingRequest(request_body=ext.HttpBody(body=data, end_of_stream=True))
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.stream_stream(
+            METHOD,
+            request_serializer=m.serialize,
+            response_deserializer=ext.ProcessingResponse.FromString,
+        )(timeout=timeout)
+        await call.write(headers)
+        await call.write(body)
+        route = await call.read()
+        pieces = []
+        while not pieces or not pieces[-1].end_of_stream:
+            piece = await call.read()
+            pieces.append(piece.request_body.response.body_mutation.streamed_response)
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+    assert route.HasField("request_headers")
+    assert len(pieces) == 6 and b"".join(piece.body for piece in pieces) == data
+    await eventually(lambda: picker.streams == 0, 5, "the stream to end")
