@@ -104,7 +104,7 @@ class Call:
 _CONTENT_TYPE = "application/grpc+proto"
 _PREFIX = struct.Struct(">?I")  # a gRPC message's prefix: compressed, length
 _INITIAL = ((":status", "200"), ("content-type", _CONTENT_TYPE))
-_OK_TRAILERS = (("grpc-status", str(const.Status.OK.value)),)
+_PLAIN_TYPES = frozenset({"application/grpc", _CONTENT_TYPE})
 
 
 class LeanCall(Call):
@@ -398,20 +398,15 @@ class LeanHandler(Handler):
         self.lean = lean
 
     def accept(self, stream: Any, headers: Any, release_stream: Callable[[], Any]) -> None:
-        service = None
-        plain = 0
-        for name, value in headers:
-            if name == ":path":
-                service = self.lean.get(value)
-            elif name == ":method":
-                plain += value == "POST"
-            elif name == "content-type":
-                plain += value in ("application/grpc", _CONTENT_TYPE)
-            elif name == "te":
-                plain += value == "trailers"
-            elif name == "grpc-timeout":
-                plain = -3
-        if service is None or plain != 3:
+        values = dict(headers)  # the last of a repeated header, as grpclib reads them
+        service = self.lean.get(values.get(":path", ""))
+        if (
+            service is None
+            or values.get(":method") != "POST"
+            or values.get("content-type") not in _PLAIN_TYPES
+            or values.get("te") != "trailers"
+            or "grpc-timeout" in values
+        ):
             super().accept(stream, headers, release_stream)
             return
         self.__gc_step__()

@@ -13,6 +13,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
 import pytest
 from kubellm.gateway.discovery.base import Endpoint, FixedDiscovery, ModelTarget
 from kubellm.gateway.epp import messages as m
@@ -224,3 +227,39 @@ async def test_answers_beyond_the_peers_window_go_out_whole(picker_server):
     assert route.HasField("request_headers")
     assert len(pieces) == 6 and b"".join(piece.body for piece in pieces) == data
     await eventually(lambda: picker.streams == 0, 5, "the stream to end")
+
+
+@pytest.mark.parametrize(
+    ("method", "content_type", "status"),
+    [("GET", "application/grpc", "405"), ("POST", "text/plain", "415")],
+    ids=["get", "content-type"],
+)
+async def test_other_forms_of_the_ext_proc_path_meet_grpclibs_checks(
+    picker_server, method, content_type, status
+):
+    # only Envoy's form is served by rpc.LeanHandler; anything else is refused as grpclib
+    # refuses it, also with the right content type before a wrong one (the last counts)
+    picker, address, _ = picker_server
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(
+        1,
+        [(":method", method), (":path", METHOD), (":scheme", "http"),
+         (":authority", "epp"), ("te", "trailers"), ("content-type", "application/grpc"),
+         ("content-type", content_type)],
+        end_stream=True,
+    )  # fmt: skip
+    writer.write(client.data_to_send())
+    answered = None
+    while answered is None:
+        data = await reader.read(65536)
+        assert data, "the connection closed before an answer"
+        for event in client.receive_data(data):
+            if isinstance(event, h2.events.ResponseReceived):
+                answered = dict(event.headers)[b":status"].decode()
+        writer.write(client.data_to_send())
+    writer.close()
+    assert answered == status
+    assert picker.streams == 0  # the picker never saw it
