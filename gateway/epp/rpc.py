@@ -7,6 +7,9 @@ threads, 1.9 ms of CPU per request with Envoy, issue 38). Here a message is read
 and answered in one turn of the loop, and the writes of one turn leave in one send
 (`Coalescing`): ~0.3 context switches per request (docs/operations.md, "The endpoint
 picker's cost").
+An ext_proc stream of the plain form Envoy opens (no deadline, the proto codec) skips
+grpclib's per-stream server machinery (`LeanHandler`): its messages go straight to the
+HTTP/2 stream, the headers and trailers are built once.
 
 Bounds a hostile peer meets (the port has no authentication): a message longer than
 `max_message` is refused with RESOURCE_EXHAUSTED before its bytes are read (grpclib itself
@@ -19,6 +22,7 @@ header lists at h2's 64 KiB.
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -26,11 +30,20 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 from grpclib import const
 from grpclib.encoding.base import CodecBase
-from grpclib.exceptions import GRPCError
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.metadata import encode_grpc_message
 from grpclib.protocol import H2Protocol
-from grpclib.server import Server, Stream
+from grpclib.server import Handler, Server, Stream
+from grpclib.utils import Wrapper
+from h2.connection import H2Connection
+from h2.errors import ErrorCodes
+from h2.exceptions import StreamClosedError, StreamIDTooLowError
 from h2.settings import SettingCodes
+from hpack import Decoder, Encoder
+from hyperframe.frame import RstStreamFrame
 from kubellm.gateway.epp import messages as m
+
+log = logging.getLogger("kubellm.epp.rpc")
 
 EOF = object()  # `Call.read` at the end of the client's messages
 HEALTH = "grpc.health.v1.Health"
@@ -54,16 +67,17 @@ class Codec(CodecBase):
 class Call:
     """One ext_proc stream as `EndpointPicker.process` reads and writes it."""
 
-    __slots__ = ("max_message", "stream")
+    __slots__ = ("max_message", "raw", "stream")
 
     def __init__(self, stream: Stream, max_message: int) -> None:
         self.stream = stream
+        self.raw = stream._stream  # grpclib.protocol.Stream: the HTTP/2 stream's data
         self.max_message = max_message
 
     async def read(self) -> Any:
         """The next message, or EOF. Its length prefix is checked before its bytes are
         read (grpclib's `recv_message` would read any length)."""
-        raw = self.stream._stream  # grpclib.protocol.Stream: the HTTP/2 stream's data
+        raw = self.raw
         prefix = await raw.recv_data(5)
         if not prefix:
             return EOF
@@ -87,6 +101,46 @@ class Call:
         raise GRPCError(status, details)
 
 
+_CONTENT_TYPE = "application/grpc+proto"
+_PREFIX = struct.Struct(">?I")  # a gRPC message's prefix: compressed, length
+_INITIAL = ((":status", "200"), ("content-type", _CONTENT_TYPE))
+_PLAIN_TYPES = frozenset({"application/grpc", _CONTENT_TYPE})
+
+
+class LeanCall(Call):
+    """A `Call` written straight to the HTTP/2 stream (`LeanHandler`): the answer
+    serialised (or the bytes kept for it), framed and sent, the response's headers before
+    the first one; what grpclib's server `Stream.send_message` sends, without its event
+    dispatch and per-call header encoding."""
+
+    __slots__ = ("started",)
+
+    def __init__(self, raw: Any, max_message: int) -> None:
+        self.raw, self.max_message, self.started = raw, max_message, False
+
+    async def write(self, answer: Any) -> None:
+        data = m.serialize(answer)
+        raw = self.raw
+        if not self.started:
+            await raw.send_headers(list(_INITIAL))
+            self.started = True
+        framed = _PREFIX.pack(False, len(data)) + data
+        size = len(framed)
+        connection, h2 = raw.connection, raw._h2_connection
+        if (
+            connection.write_ready.is_set()
+            and size <= h2.max_outbound_frame_size
+            and size <= h2.local_flow_control_window(raw.id)
+        ):  # one DATA frame the windows take now: what grpclib's `send_data` does for it
+            h2.send_data(raw.id, framed)
+            raw._transport.write(h2.data_to_send())
+            raw.data_sent += size
+            connection.data_sent += size
+            connection.data_send_process()
+            return
+        await raw.send_data(framed)  # split to the frame size, waiting for the windows
+
+
 Process = Callable[[Call], Awaitable[None]]
 
 
@@ -98,6 +152,43 @@ class ExtProc:
 
     async def _process(self, stream: Stream) -> None:
         await self.process(Call(stream, self.max_message))
+
+    async def serve(self, raw: Any, release_stream: Callable[[], Any]) -> None:
+        """One stream of the plain form (`LeanHandler`), to its end: what grpclib's
+        `request_handler` and its server `Stream` do for it (the status in the trailers, a
+        trailers-only answer when nothing was sent, the stream reset after an error), minus
+        the checks the form already passed and the deadline it does not carry."""
+        call = LeanCall(raw, self.max_message)
+        wrapper = raw.wrapper = Wrapper()  # a reset or a closed connection ends the reads
+        status, details = const.Status.OK, None
+        try:
+            try:
+                with wrapper:
+                    await self.process(call)
+            except GRPCError as error:
+                status, details = error.status, error.message
+            except StreamTerminatedError as error:
+                log.info("Request was cancelled: %s", error)
+                return
+            except Exception:
+                log.exception("Application error")
+                status, details = const.Status.UNKNOWN, "Internal Server Error"
+            if raw._transport.is_closing():
+                return
+            headers = [] if call.started else list(_INITIAL)
+            headers.append(("grpc-status", str(status.value)))
+            if details is not None:
+                headers.append(("grpc-message", encode_grpc_message(details)))
+            try:
+                await raw.send_headers(headers, end_stream=True)
+            except StreamClosedError:
+                return
+            if status is not const.Status.OK and raw.closable:
+                raw.reset_nowait()
+        except Exception:
+            log.exception("Server error")
+        finally:
+            release_stream()
 
     def __mapping__(self) -> dict[str, const.Handler]:
         return {
@@ -185,20 +276,174 @@ class Coalescing:
         return getattr(self.transport, name)
 
 
+class QuietH2Connection(H2Connection):
+    """h2's connection less the trace line it formats for every frame received:
+    `_receive_frame` builds `repr(frame)` (its flags, a hex dump of its data) for a logger
+    that discards it, ~3% of the picker's instructions per request. The rest is h2's own
+    `_receive_frame` (4.x; `test_rpc.py` compares the two on the error paths). The picker's
+    server connections are switched to this class as they are made."""
+
+    def _receive_frame(self, frame: Any) -> Any:
+        try:
+            frames, events = self._frame_dispatch_table[frame.__class__](frame)
+        except StreamClosedError as error:
+            # closed by RST_STREAM: a stream error (RST_STREAM back); else the connection's
+            if not self._stream_is_closed_by_reset(error.stream_id):
+                raise
+            reset = RstStreamFrame(error.stream_id)
+            reset.error_code = error.error_code
+            self._prepare_for_sending([reset])
+            events = error._events
+        except StreamIDTooLowError as error:
+            if self._stream_is_closed_by_reset(error.stream_id):
+                reset = RstStreamFrame(error.stream_id)
+                reset.error_code = ErrorCodes.STREAM_CLOSED
+                self._prepare_for_sending([reset])
+                events = []
+            elif self._stream_is_closed_by_end(error.stream_id):
+                raise StreamClosedError(error.stream_id) from error
+            else:
+                raise
+        else:
+            self._prepare_for_sending(frames)
+        return events
+
+
+MAX_HEADER_BLOCKS_KEPT = 16
+
+
+class RememberingDecoder(Decoder):
+    """hpack's decoder, remembering the header blocks whose decoding left its dynamic table
+    as it was: such a block decodes the same while the table stays so. Envoy opens every
+    ext_proc stream with the same block (indexed fields and `:path` as a Huffman-coded
+    literal it never indexes), which hpack decodes byte by byte in Python each time.
+
+    The table's state is its length, size and bounds, and its newest entry by identity
+    (every entry added is a new tuple at the front): a block that adds an entry, evicts
+    one or resizes the table changes it and is not kept; any change of the table makes
+    what was kept unusable (`_state` differs)."""
+
+    _kept: dict[tuple[bytes, bool], tuple[Any, tuple[Any, ...], Any]]
+
+    def _state(self) -> tuple[tuple[Any, ...], Any]:
+        table = self.header_table
+        entries = table.dynamic_entries
+        shape = (len(entries), table._current_size, table.maxsize, self.max_allowed_table_size,
+                 self.max_header_list_size)  # fmt: skip
+        return shape, entries[0] if entries else None
+
+    def decode(self, data: bytes, raw: bool = False) -> Any:
+        kept = self.__dict__.get("_kept")
+        if kept is None:
+            kept = self._kept = {}
+        key = (bytes(data), raw)
+        shape, newest = self._state()
+        found = kept.get(key)
+        if found is not None and found[1] == shape and found[2] is newest:
+            return list(found[0])
+        headers = super().decode(data, raw)
+        after, newest_after = self._state()
+        if after == shape and newest_after is newest:
+            if len(kept) >= MAX_HEADER_BLOCKS_KEPT:
+                kept.clear()
+            kept[key] = (tuple(headers), shape, newest)
+        return headers
+
+
+def _table_state(table: Any) -> tuple[tuple[Any, ...], Any]:
+    """An HPACK table's state as the remembering coders compare it: its length, size and
+    bounds, and its newest entry by identity (each entry added is a new tuple in front)."""
+    entries = table.dynamic_entries
+    shape = (len(entries), table._current_size, table.maxsize, table.resized)
+    return shape, entries[0] if entries else None
+
+
+class RememberingEncoder(Encoder):
+    """hpack's encoder, remembering the header lists whose encoding left its dynamic table
+    as it was (every field indexed): the picker's response headers and trailers, the same
+    few lists on every stream once their fields are in the table. The same rules as
+    `RememberingDecoder`."""
+
+    _kept: dict[tuple[Any, bool], tuple[bytes, tuple[Any, ...], Any]]
+
+    def encode(self, headers: Any, huffman: bool = True) -> bytes:
+        kept = self.__dict__.get("_kept")
+        if kept is None:
+            kept = self._kept = {}
+        if isinstance(headers, dict):
+            return super().encode(headers, huffman)
+        headers = [tuple(header) for header in headers]
+        key = (tuple(headers), huffman)
+        shape, newest = _table_state(self.header_table)
+        found = kept.get(key)
+        if found is not None and found[1] == shape and found[2] is newest:
+            return found[0]
+        block = super().encode(headers, huffman)
+        after, newest_after = _table_state(self.header_table)
+        if after == shape and newest_after is newest:
+            if len(kept) >= MAX_HEADER_BLOCKS_KEPT:
+                kept.clear()
+            kept[key] = (block, shape, newest)
+        return block
+
+
+class LeanHandler(Handler):
+    """grpclib's stream handler, except for ext_proc streams of the form Envoy opens
+    (POST, `application/grpc` or `+proto`, `te: trailers`, no `grpc-timeout`): those are
+    served by `ExtProc.serve` on the HTTP/2 stream directly. Any other stream (health, a
+    deadline, a wrong method or content type) goes through grpclib's checks as before."""
+
+    def __init__(self, made: Handler, lean: dict[str, ExtProc]) -> None:
+        super().__init__(made.mapping, made.codec, made.status_details_codec, made.dispatch)
+        self.lean = lean
+
+    def accept(self, stream: Any, headers: Any, release_stream: Callable[[], Any]) -> None:
+        values = dict(headers)  # the last of a repeated header, as grpclib reads them
+        service = self.lean.get(values.get(":path", ""))
+        if (
+            service is None
+            or values.get(":method") != "POST"
+            or values.get("content-type") not in _PLAIN_TYPES
+            or values.get("te") != "trailers"
+            or "grpc-timeout" in values
+        ):
+            super().accept(stream, headers, release_stream)
+            return
+        self.__gc_step__()
+        self._tasks[stream] = self.loop.create_task(service.serve(stream, release_stream))
+
+
 def _server(handlers: list[Any], max_streams: int) -> Server:
+    lean = {
+        path: handler
+        for handler in handlers
+        if isinstance(handler, ExtProc)
+        for path in handler.__mapping__()
+    }
+
     class Protocol(H2Protocol):
         def connection_made(self, transport: Any) -> None:
             super().connection_made(Coalescing(transport))
+            h2 = self.connection._connection
+            if type(h2) is H2Connection:
+                h2.__class__ = QuietH2Connection
+            if type(h2.decoder) is Decoder:
+                h2.decoder.__class__ = RememberingDecoder
+            if type(h2.encoder) is Encoder:
+                h2.encoder.__class__ = RememberingEncoder
             # h2 caps a connection at 100 streams; above the picker's own cap, so that a
             # stream past it reaches the picker and is refused (not queued by the client)
-            h2 = self.connection._connection
             h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: 2 * max_streams})
             self.connection.flush()
 
     class PickerServer(Server):
         def _protocol_factory(self) -> H2Protocol:
             made = super()._protocol_factory()
-            return Protocol(made.handler, made.config, made.h2_config)
+            handler = made.handler
+            if lean:
+                assert isinstance(handler, Handler)
+                handler = LeanHandler(handler, lean)
+            return Protocol(handler, made.config, made.h2_config)
 
     return PickerServer(handlers, codec=Codec())
 

@@ -1,0 +1,155 @@
+"""The picker's HTTP/2 classes (rpc.py) answer what h2's and hpack's own do.
+
+The connection class (`rpc.QuietH2Connection`: h2's without the trace
+line it formats per frame) answers what h2's own does, frame for frame, on the paths its
+copy of `_receive_frame` handles: a frame on a stream the server reset (kept or already
+forgotten: a RST_STREAM back), and one on a stream that ended normally (a connection
+error). h2 handles a stray DATA frame itself; a HEADERS frame reaches those paths.
+
+The header coders (`rpc.RememberingDecoder`, `rpc.RememberingEncoder`) turn every block
+and header list into what hpack's own do, also when one they remember comes again after
+the dynamic table changed."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from hpack import Decoder, Encoder
+from hyperframe.frame import HeadersFrame
+from kubellm.gateway.epp.rpc import QuietH2Connection, RememberingDecoder, RememberingEncoder
+
+HEADERS = [(":method", "POST"), (":path", "/x"), (":scheme", "http"), (":authority", "a")]
+
+
+def _client() -> tuple[H2Connection, bytes]:
+    client = H2Connection(H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(1, HEADERS)
+    return client, client.data_to_send()
+
+
+def _stray_headers(stream_id: int) -> bytes:
+    block = Encoder().encode([("x-stray", "1")], huffman=False)
+    return HeadersFrame(stream_id, data=block, flags=["END_HEADERS", "END_STREAM"]).serialize()
+
+
+def _reset_then_headers(server: H2Connection, client: H2Connection, opening: bytes) -> list[Any]:
+    server.receive_data(opening)
+    server.reset_stream(1)
+    return [server.receive_data(_stray_headers(1))]
+
+
+def _reset_forgotten_then_headers(
+    server: H2Connection, client: H2Connection, opening: bytes
+) -> list[Any]:
+    server.receive_data(opening)
+    server.reset_stream(1)
+    client.send_headers(3, HEADERS, end_stream=True)
+    events = [server.receive_data(client.data_to_send())]
+    server.open_inbound_streams  # noqa: B018 (h2 forgets closed streams as it counts)
+    return [*events, server.receive_data(_stray_headers(1))]
+
+
+def _ended_then_headers(server: H2Connection, client: H2Connection, opening: bytes) -> list[Any]:
+    client.end_stream(1)
+    server.receive_data(opening + client.data_to_send())
+    server.send_headers(1, [(":status", "200")], end_stream=True)
+    client.send_headers(3, HEADERS, end_stream=True)
+    server.receive_data(client.data_to_send())
+    server.open_inbound_streams  # noqa: B018
+    return [server.receive_data(_stray_headers(1))]
+
+
+def _run(cls: type[H2Connection], steps: Callable[..., list[Any]]) -> tuple[Any, ...]:
+    server = cls(H2Configuration(client_side=False))
+    server.initiate_connection()
+    client, opening = _client()
+    try:
+        events = steps(server, client, opening)
+    except Exception as error:
+        return ("raised", type(error).__name__, server.data_to_send())
+    return ("events", [[repr(e) for e in batch] for batch in events], server.data_to_send())
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [_reset_then_headers, _reset_forgotten_then_headers, _ended_then_headers],
+    ids=["reset", "reset-forgotten", "ended"],
+)
+def test_the_quiet_connection_answers_as_h2s_own(steps: Callable[..., list[Any]]) -> None:
+    ours, h2s = _run(QuietH2Connection, steps), _run(H2Connection, steps)
+    assert ours == h2s
+    assert ours[2]  # something was answered (a RST_STREAM, or a GOAWAY)
+
+
+# A table of 40 bytes holds one entry of 34 (1 + 1 + 32): adding ("b", "2") evicts
+# ("a", "1") and leaves the table's length and size as they were, only its entry differs.
+RESIZE_40 = bytes([0x3F, 0x09])
+ADD_A1 = bytes([0x40, 0x01]) + b"a" + bytes([0x01]) + b"1"
+ADD_B2 = bytes([0x40, 0x01]) + b"b" + bytes([0x01]) + b"2"
+NEWEST = bytes([0x80 | 62])  # the dynamic table's first entry
+
+
+def _decoded(decoder: Decoder, blocks: list[bytes]) -> list[list[tuple[bytes, bytes]]]:
+    return [[tuple(h) for h in decoder.decode(block, raw=True)] for block in blocks]
+
+
+def test_a_remembered_block_decodes_anew_once_the_table_changed() -> None:
+    blocks = [RESIZE_40 + ADD_A1, NEWEST, NEWEST, ADD_B2, NEWEST, NEWEST]
+    ours = RememberingDecoder()
+    assert _decoded(ours, blocks) == _decoded(Decoder(), blocks)
+    assert _decoded(ours, [NEWEST]) == [[(b"b", b"2")]]
+    assert (NEWEST, True) in ours._kept  # the block was remembered (and not used stale)
+
+
+def test_the_remembering_decoder_decodes_as_hpacks_own() -> None:
+    rng = random.Random(7)
+    sets = [
+        [(":method", "POST"), (":path", f"/p{i % 3}"), ("x-n", str(rng.randrange(4)))]
+        for i in range(40)
+    ]
+    encoder = Encoder()
+    encoder.header_table_size = 96  # small: entries are evicted as the run goes on
+    blocks = []
+    for headers in sets:
+        sensitive = rng.random() < 0.5  # never-indexed literals: the table unchanged
+        blocks.append(encoder.encode([(k, v, sensitive) for k, v in headers]))
+    ours, reference = RememberingDecoder(), Decoder()
+    assert _decoded(ours, blocks) == _decoded(reference, blocks)
+
+
+def _encoded(encoder: Encoder, lists: list[list[tuple[str, str]]]) -> list[bytes]:
+    return [encoder.encode(headers) for headers in lists]
+
+
+def test_a_remembered_header_list_is_encoded_anew_once_the_table_changed() -> None:
+    # a table of 40 bytes holds one entry of 34: ("b", "2") takes ("a", "1")'s place
+    # with the same length and size, so only the entry's identity tells the tables apart
+    ours, reference = RememberingEncoder(), Encoder()
+    for encoder in (ours, reference):
+        encoder.header_table_size = 40
+    lists = [[("a", "1")], [("a", "1")], [("a", "1")], [("b", "2")], [("a", "1")], [("a", "1")]]
+    assert _encoded(ours, lists) == _encoded(reference, lists)
+    assert (((("a", "1"),), True)) in ours._kept  # remembered, and not used stale
+
+
+def test_the_remembering_encoder_encodes_as_hpacks_own() -> None:
+    rng = random.Random(11)
+    ours, reference = RememberingEncoder(), Encoder()
+    for encoder in (ours, reference):
+        encoder.header_table_size = 120  # small: entries are evicted as the run goes on
+    lists = [
+        [(":status", "200"), ("content-type", "application/grpc+proto"),
+         ("grpc-status", str(rng.randrange(3)))]
+        for _ in range(60)
+    ]  # fmt: skip
+    assert _encoded(ours, lists) == _encoded(reference, lists)
+    decoder = Decoder()  # and what it wrote decodes back
+    blocks = _encoded(RememberingEncoder(), lists)
+    decoded = [[tuple(h) for h in decoder.decode(block)] for block in blocks]
+    assert decoded == [[tuple(h) for h in headers] for headers in lists]
