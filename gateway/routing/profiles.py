@@ -232,14 +232,7 @@ class _Prefix:
                 precise.index, precise.fresh, self.shared.index,
                 precise.fallback(target.served_name),
             )  # fmt: skip
-        tiers = target.kv_tier_tokens  # a host tier: the approximate index models both
-        chunks = (
-            None
-            if tiers is None
-            else approx_tiers.ChunkTiers.from_tokens(*tiers, prefix.CHUNK_CHARS)
-        )
-        for c in cycle.candidates:
-            self.shared.index.set_tiers(c.url, chunks)
+        self._set_tiers(cycle)
         scores = scorer.score(cycle.request, cycle.candidates)
         shares = {c.url: s for c, s in zip(cycle.candidates, scores, strict=True)}
         cycle.held = {url for url, share in shares.items() if share >= HOLDER_SHARE}
@@ -263,6 +256,11 @@ class _Prefix:
         index counts its fallbacks as it scores: bound)."""
         if cycle.target.routing.prefix_index == "precise" and self.shared.precise is not None:
             return False
+        self._set_tiers(cycle)
+        return True
+
+    def _set_tiers(self, cycle: Cycle) -> None:
+        """Each candidate's KV tiers in the approximate index (a host tier: it models both)."""
         tiers = cycle.target.kv_tier_tokens
         chunks = (
             None
@@ -271,7 +269,6 @@ class _Prefix:
         )
         for c in cycle.candidates:
             self.shared.index.set_tiers(c.url, chunks)
-        return True
 
 
 class _BoundedLoad:
