@@ -67,6 +67,15 @@ async def picker_server(request) -> AsyncIterator[tuple[EndpointPicker, str, flo
         await servers.stop(0)
 
 
+def _stream(channel: grpc.aio.Channel, timeout: float | None) -> Any:
+    """One ext_proc stream on `channel`, as Envoy opens it (with `timeout`: a deadline)."""
+    return channel.stream_stream(
+        METHOD,
+        request_serializer=m.serialize,
+        response_deserializer=ext.ProcessingResponse.FromString,
+    )(timeout=timeout)
+
+
 async def _exchange(
     address: str, timeout: float | None, messages: list[Any]
 ) -> tuple[list[Any], grpc.StatusCode]:
@@ -75,11 +84,7 @@ async def _exchange(
     has closed the stream nothing more is written (a write racing the close would fail on
     the client's side and hide the picker's status behind the client's own INTERNAL)."""
     async with grpc.aio.insecure_channel(address) as channel:
-        call = channel.stream_stream(
-            METHOD,
-            request_serializer=m.serialize,
-            response_deserializer=ext.ProcessingResponse.FromString,
-        )(timeout=timeout)
+        call = _stream(channel, timeout)
         answers: list[Any] = []
         arrived: asyncio.Queue[bool] = asyncio.Queue()
 
@@ -210,11 +215,7 @@ async def test_answers_beyond_the_peers_window_go_out_whole(picker_server):
     data = json.dumps({"model": "tiny", "prompt": "x" * 6_000_000, "max_tokens": 2}).encode()
     body = ext.ProcessingRequest(request_body=ext.HttpBody(body=data, end_of_stream=True))
     async with grpc.aio.insecure_channel(address) as channel:
-        call = channel.stream_stream(
-            METHOD,
-            request_serializer=m.serialize,
-            response_deserializer=ext.ProcessingResponse.FromString,
-        )(timeout=timeout)
+        call = _stream(channel, timeout)
         await call.write(headers)
         await call.write(body)
         route = await call.read()
