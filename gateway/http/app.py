@@ -181,8 +181,8 @@ class Gateway:
         """
         arrived = time.monotonic()
         headers = _wanted_headers(scope["headers"])
-        call = _Call(path, headers, send)
         extensions = scope.get("extensions") or {}  # the gateway's server's (`http/server.py`)
+        call = _Call(path, headers, send, extensions.get(server.SEND_WHOLE))
         try:
             try:
                 caller = self.authenticate(headers.get("authorization"), headers)
@@ -424,13 +424,10 @@ class Gateway:
         if rename and status == 200:
             content = _rename_json(content, rename)
         call.started = True
-        await call.send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": _response_headers(ticket.route, content_type, status, len(content)),
-            }
-        )
+        headers = _response_headers(ticket.route, content_type, status, len(content))
+        if call.send_whole is not None and call.send_whole(status, headers, content):
+            return
+        await call.send({"type": "http.response.start", "status": status, "headers": headers})
         await call.send({"type": "http.response.body", "body": content})
 
     def _refused(self, error: GatewayError) -> Response:
@@ -464,12 +461,19 @@ class Gateway:
 class _Call:
     """One completion request: what its handlers share (its routing state is the ticket's)."""
 
-    __slots__ = ("headers", "path", "send", "started", "ticket")
+    __slots__ = ("headers", "path", "send", "send_whole", "started", "ticket")
 
-    def __init__(self, path: str, headers: dict[str, str], send: Send) -> None:
+    def __init__(
+        self,
+        path: str,
+        headers: dict[str, str],
+        send: Send,
+        send_whole: Callable[[int, list[tuple[bytes, bytes]], bytes], bool] | None = None,
+    ) -> None:
         self.path = path
         self.headers = headers
         self.send = send
+        self.send_whole = send_whole  # the gateway's server's one-write answer, if served so
         self.started = False  # the answer's status line went out
         self.ticket: Ticket | None = None
 

@@ -16,6 +16,10 @@ adds, per connection:
 The body read timeout is the app's (`GatewaySettings.body_timeout`); uvicorn's own
 keep-alive timeout closes a connection idle between requests.
 
+A whole answer (its length known) can leave in one send (`WholeCycle.send_whole`, in
+each request's `scope["extensions"]`): uvicorn writes an answer's head and its body apart,
+two sends where one does (on loopback each send also runs the receiver's TCP path).
+
 It also tells the app when a client's connection is lost (`ConnectionLost`, in each
 request's `scope["extensions"]`): a request in flight learns that its client left from a
 callback, without a task per request waiting on ASGI `receive` for the
@@ -36,7 +40,14 @@ import uvicorn
 from kubellm.gateway.http.settings import ClientLimits
 from kubellm.gateway.protocol.errors import headers_too_large, server_busy
 from uvicorn.config import LOG_LEVELS
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from kubellm.event_loop import loop_factory
 
@@ -50,6 +61,10 @@ CONNECTION_LOST = "kubellm.connection_lost"
 # zero-argument callable): then the app's first `receive` returns at once, so its body
 # deadline needs no timer. Absent under other servers.
 BODY_BUFFERED = "kubellm.body_buffered"
+# The scope extension that sends a whole answer in one write: `send_whole(status, headers,
+# body) -> bool` (`WholeCycle.send_whole`); False: not sent, use ASGI `send`. Absent under
+# other servers.
+SEND_WHOLE = "kubellm.send_whole"
 
 
 class ConnectionLost:
@@ -78,6 +93,59 @@ class ConnectionLost:
         callbacks, self._callbacks = self._callbacks, set()
         for callback in callbacks:
             callback()
+
+
+class WholeCycle(RequestResponseCycle):
+    """uvicorn's request cycle with `send_whole`: an answer whose body is all at hand
+    leaves in one write (head and body in one `writev`), where ASGI's `http.response.start`
+    and `http.response.body` make uvicorn write twice."""
+
+    def send_whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        """Send the answer as uvicorn's `send` would send `http.response.start` with
+        `headers` (a `content-length` equal to the body's among them) and then `body`, the
+        same bytes; True when sent. False, nothing written, where its `send` has more to
+        do: a response begun, the client gone or not reading, a HEAD request, a header
+        it would refuse or that changes the framing."""
+        if (
+            self.response_started
+            or self.disconnected
+            or self.flow.write_paused
+            or self.scope["method"] == "HEAD"
+        ):
+            return False
+        content = [STATUS_LINE[status]]
+        length = False
+        for name, value in (*self.default_headers, *headers):
+            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+                return False
+            name = name.lower()
+            if name == b"content-length":
+                if length or value != str(len(body)).encode():
+                    return False
+                length = True
+            elif name == b"transfer-encoding" or name == b"connection":
+                return False
+            content.extend((name, b": ", value, b"\r\n"))
+        if not length:
+            return False
+        if not self.keep_alive:
+            content.append(b"connection: close\r\n")
+        content.append(b"\r\n")
+        if self.access_log:
+            scope = self.scope
+            self.access_logger.info(
+                '%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
+                get_path_with_query_string(scope), scope["http_version"], status,
+            )  # fmt: skip
+        self.response_started = self.response_complete = True
+        self.waiting_for_100_continue = False
+        self.chunked_encoding, self.expected_content_length = False, 0
+        self.transport.writelines((b"".join(content), body))
+        self.message_event.set()
+        if not self.keep_alive:
+            self.transport.close()
+        self.on_response()
+        return True
 
 
 def default_max_connections() -> int:
@@ -176,7 +244,13 @@ def guarded_protocol(limits: ClientLimits, on_refused: Callable[[], None]) -> ty
             self._cancel_header_timer()
             super().on_headers_complete()
             cycle = self.cycle  # its `receive` waits only while more of the body is due
-            self.scope["extensions"][BODY_BUFFERED] = lambda: not cycle.more_body
+            extensions = self.scope["extensions"]
+            extensions[BODY_BUFFERED] = lambda: not cycle.more_body
+            if type(cycle) is RequestResponseCycle:
+                # uvicorn builds its own cycle; the subclass adds a method and no state, and
+                # the class is set before the app's task first runs.
+                cycle.__class__ = WholeCycle
+                extensions[SEND_WHOLE] = cycle.send_whole
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._refused:

@@ -10,8 +10,10 @@ divided by the requests wrk counted. Rows: the gateway with the shipped defaults
 then the gateway with every non-streamed request assembled (`--assemble-non-streamed`, the
 previous default), the gateway over `--replicas` replicas of the model (default 4; the
 same backend process on as many ports: a real pool, where every request is scored against
-each replica, while the rows above and Envoy's have one endpoint), Envoy direct, Envoy +
-`kubellm epp`, vllm-router where installed.
+each replica, while the rows above and Envoy's have one endpoint), `gateway@landed` with
+`--baseline-python PY` (another checkout's gateway, its rounds interleaved with these, so
+one run compares the two under the same load), Envoy direct, Envoy + `kubellm epp`,
+vllm-router where installed.
 The targets (issue 38): the gateway >= 0.25x Envoy's req/s at <= 4x its CPU per request;
 Envoy + picker >= 0.5x the gateway's req/s.
 
@@ -65,6 +67,9 @@ def wrk_mode(args: argparse.Namespace) -> dict[str, Any]:
         started: list[tuple[str, paths.Started]] = []
         for name, flags in GATEWAY_ROWS:
             started.append((name, paths.gateway(procs, backend_port, core, flags=flags)))
+        if args.baseline_python:  # another checkout's gateway, its rounds interleaved
+            landed = paths.gateway(procs, backend_port, core, python=args.baseline_python)
+            started.append(("gateway@landed", landed))
         if args.replicas > 1:  # the realistic pool: the pass and the profile choose
             name = f"gateway, {args.replicas} replicas"
             started.append((name, paths.gateway(procs, ports, core)))

@@ -9,6 +9,8 @@ the answers (status, error fields) must be the same.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +22,7 @@ from kubellm.gateway.http import server as gateway_server
 from kubellm.gateway.http.app import Gateway, GatewaySettings, create_app
 from kubellm.gateway.http.settings import ClientLimits
 from kubellm.gateway.routing.scheduler import SchedulerSettings
+from uvicorn.protocols.http.flow_control import FlowControl
 
 from tests.fixtures.polling import wait_until
 from tests.fixtures.servers import ServerThread
@@ -240,3 +243,155 @@ def test_proxy_headers_still_apply_to_the_routes_that_read_them():
         assert config.proxy_headers is proxied, level  # uvicorn's own, around everything
         config.load()
         assert asyncio.run(location(config.loaded_app)) == "https://gw/v1/models", level
+
+
+class _Transport:
+    """What a response cycle writes, write by write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def writelines(self, parts: Any) -> None:
+        self.writes.append(b"".join(parts))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+SCOPE = {
+    "type": "http", "http_version": "1.1", "path": "/v1/chat/completions", "root_path": "",
+    "raw_path": b"/v1/chat/completions",
+    "query_string": b"", "client": ("127.0.0.1", 5000), "headers": [],
+}  # fmt: skip
+
+
+def _cycle(
+    keep_alive: bool = True, method: str = "POST", access_log: bool = False
+) -> tuple[Any, _Transport, list[int]]:
+    transport, answered = _Transport(), []
+    cycle = gateway_server.WholeCycle(
+        scope={**SCOPE, "method": method},  # type: ignore[typeddict-item]
+        transport=transport,  # type: ignore[arg-type]
+        flow=FlowControl(transport),  # type: ignore[arg-type]
+        logger=logging.getLogger("test"),
+        access_logger=logging.getLogger("test.access"),
+        access_log=access_log,
+        default_headers=[(b"server", b"uvicorn"), (b"date", b"Fri, 04 Dec 2026 16:00:00 GMT")],
+        message_event=asyncio.Event(),
+        expect_100_continue=False,
+        keep_alive=keep_alive,
+        on_response=lambda: answered.append(1),
+    )
+    return cycle, transport, answered
+
+
+WHOLE = b'{"id": "c", "choices": []}'
+
+
+def _headers(length: int) -> list[tuple[bytes, bytes]]:
+    return [
+        (b"x-kubellm-route", b"replica"),
+        (b"content-length", str(length).encode()),
+        (b"content-type", b"application/json"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("keep_alive", "access_log"), [(True, False), (False, False), (True, True)]
+)
+def test_a_whole_answer_is_uvicorns_bytes_in_one_write(
+    keep_alive: bool, access_log: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def both() -> None:
+        caplog.set_level(logging.INFO, logger="test.access")
+        cycle, transport, answered = _cycle(keep_alive, access_log=access_log)
+        assert cycle.send_whole(200, _headers(len(WHOLE)), WHOLE)
+        logged = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        reference, written, reference_answered = _cycle(keep_alive, access_log=access_log)
+        await reference.send(
+            {"type": "http.response.start", "status": 200, "headers": _headers(len(WHOLE))}
+        )
+        await reference.send({"type": "http.response.body", "body": WHOLE})
+        assert len(written.writes) == 2  # uvicorn's own: head, then body
+        assert logged == [r.getMessage() for r in caplog.records]
+        assert len(logged) == (1 if access_log else 0)
+        assert transport.writes == [b"".join(written.writes)]  # the same bytes, one write
+        assert (cycle.response_complete, transport.closed, answered) == (
+            reference.response_complete, written.closed, reference_answered,
+        )  # fmt: skip
+        assert cycle.message_event.is_set()
+        # a second answer on the same cycle is refused, as uvicorn's send would refuse it
+        assert not cycle.send_whole(200, _headers(len(WHOLE)), WHOLE)
+
+    asyncio.run(both())
+
+
+@pytest.mark.parametrize(
+    ("case", "headers", "method"),
+    [
+        ("length differs from the body's", _headers(len(WHOLE) + 1), "POST"),
+        ("no length", _headers(len(WHOLE))[::2], "POST"),
+        ("framing header", [*_headers(len(WHOLE)), (b"transfer-encoding", b"chunked")], "POST"),
+        ("connection header", [*_headers(len(WHOLE)), (b"connection", b"close")], "POST"),
+        ("invalid header value", [*_headers(len(WHOLE)), (b"x-a", b"a\r\nb")], "POST"),
+        ("HEAD", _headers(len(WHOLE)), "HEAD"),
+    ],
+)
+def test_what_send_whole_does_not_send_is_left_to_uvicorn_untouched(
+    case: str, headers: list[tuple[bytes, bytes]], method: str
+) -> None:
+    async def one() -> None:
+        cycle, transport, answered = _cycle(method=method)
+        assert not cycle.send_whole(200, headers, WHOLE), case
+        assert (transport.writes, cycle.response_started, answered) == ([], False, [])
+
+    asyncio.run(one())
+
+
+def test_a_whole_answer_is_not_sent_past_a_paused_or_gone_client() -> None:
+    async def one() -> None:
+        cycle, transport, _ = _cycle()
+        cycle.flow.write_paused = True  # the client is not reading: uvicorn's send waits
+        assert not cycle.send_whole(200, _headers(len(WHOLE)), WHOLE)
+        cycle.flow.write_paused, cycle.disconnected = False, True
+        assert not cycle.send_whole(200, _headers(len(WHOLE)), WHOLE)
+        assert transport.writes == []
+
+    asyncio.run(one())
+
+
+def test_the_gateways_server_answers_whole_in_one_write(served) -> None:
+    """Through the gateway's server an answer the gateway holds whole (read in one piece
+    from the replica, or assembled) leaves in one send (the answer itself is the same as
+    under plain uvicorn: the first test above). An answer the replica sends in pieces is
+    relayed as it comes, so requests are sent until one was held whole (at most 20)."""
+    _, handles = served()
+    sent: list[bool] = []
+    original = gateway_server.WholeCycle.send_whole
+
+    def counted(self: Any, *args: Any) -> bool:
+        done = original(self, *args)
+        sent.append(done)
+        return done
+
+    gateway_server.WholeCycle.send_whole = counted  # type: ignore[method-assign]
+    try:
+        with httpx.Client(base_url=handles["kubellm"].url, timeout=30) as client:
+            for _ in range(20):
+                body = {"model": "tiny", "messages": CHAT}
+                response = client.post("/v1/chat/completions", json=body)
+                assert response.status_code == 200
+                assert response.json()["choices"][0]["message"]["content"]
+                if sent:  # appended just after the write: a second request may go first
+                    break
+    finally:
+        gateway_server.WholeCycle.send_whole = original  # type: ignore[method-assign]
+    assert sent and all(sent)
