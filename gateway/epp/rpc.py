@@ -9,7 +9,10 @@ and answered in one turn of the loop, and the writes of one turn leave in one se
 picker's cost").
 An ext_proc stream of the plain form Envoy opens (no deadline, the proto codec) skips
 grpclib's per-stream server machinery (`LeanHandler`): its messages go straight to the
-HTTP/2 stream, the headers and trailers are built once.
+HTTP/2 stream, the headers and trailers are built once; a message that arrived whole in
+one DATA frame is taken from the stream's buffer in one step (`LeanCall.read`), and such
+DATA frames are made without hyperframe's generic parse (`LeanFrameBuffer`), h2 doing the
+rest.
 
 Bounds a hostile peer meets (the port has no authentication): a message longer than
 `max_message` is refused with RESOURCE_EXHAUSTED before its bytes are read (grpclib itself
@@ -103,6 +106,7 @@ class Call:
 
 _CONTENT_TYPE = "application/grpc+proto"
 _PREFIX = struct.Struct(">?I")  # a gRPC message's prefix: compressed, length
+_LENGTH = struct.Struct(">I")
 _INITIAL = ((":status", "200"), ("content-type", _CONTENT_TYPE))
 _PLAIN_TYPES = frozenset({"application/grpc", _CONTENT_TYPE})
 
@@ -117,6 +121,30 @@ class LeanCall(Call):
 
     def __init__(self, raw: Any, max_message: int) -> None:
         self.raw, self.max_message, self.started = raw, max_message, False
+
+    async def read(self) -> Any:
+        """`Call.read`, taking a message that arrived whole in one DATA frame (Envoy sends
+        each message so) straight from the stream's buffer: grpclib's `Buffer.read` would
+        move that chunk to its acknowledged list, acknowledge it and split it in two reads.
+        The same chunk is acknowledged here (flow control as before); anything else (a
+        message over several frames or several in one, compressed, over the limit, the
+        stream's end) takes `Call.read`."""
+        buffer = self.raw.buffer
+        queued = buffer._unacked._queue  # asyncio.Queue's deque: the chunks not yet read
+        if queued and not buffer._acked:
+            data, size, ack_size = queued[0]
+            length = size - 5
+            if (
+                length > 0
+                and ack_size
+                and data[0] == 0  # not compressed
+                and _LENGTH.unpack_from(data, 1)[0] == length
+                and length <= self.max_message
+            ):
+                buffer._unacked.get_nowait()
+                buffer._ack_callback(ack_size)
+                return m.parse(data[5:])
+        return await Call.read(self)
 
     async def write(self, answer: Any) -> None:
         data = m.serialize(answer)

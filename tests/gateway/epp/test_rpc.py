@@ -8,20 +8,35 @@ error). h2 handles a stray DATA frame itself; a HEADERS frame reaches those path
 
 The header coders (`rpc.RememberingDecoder`, `rpc.RememberingEncoder`) turn every block
 and header list into what hpack's own do, also when one they remember comes again after
-the dynamic table changed."""
+the dynamic table changed.
+
+`rpc.LeanCall.read` reads the same messages, errors and acknowledgements as grpclib's
+buffer reads."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import struct
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from grpclib.exceptions import GRPCError
+from grpclib.protocol import Buffer
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from hpack import Decoder, Encoder
 from hyperframe.frame import HeadersFrame
-from kubellm.gateway.epp.rpc import QuietH2Connection, RememberingDecoder, RememberingEncoder
+from kubellm.gateway.epp import messages as m
+from kubellm.gateway.epp.rpc import (
+    EOF,
+    Call,
+    LeanCall,
+    QuietH2Connection,
+    RememberingDecoder,
+    RememberingEncoder,
+)
 
 HEADERS = [(":method", "POST"), (":path", "/x"), (":scheme", "http"), (":authority", "a")]
 
@@ -153,3 +168,82 @@ def test_the_remembering_encoder_encodes_as_hpacks_own() -> None:
     blocks = _encoded(RememberingEncoder(), lists)
     decoded = [[tuple(h) for h in decoder.decode(block)] for block in blocks]
     assert decoded == [[tuple(h) for h in headers] for headers in lists]
+
+
+# ------------------------------------------------------------------ reads (LeanCall.read)
+
+
+class _Raw:
+    """What a call reads from: grpclib's own stream buffer, the acknowledgements noted."""
+
+    def __init__(self) -> None:
+        self.acks: list[int] = []
+        self.buffer = Buffer(self.acks.append)
+
+    async def recv_data(self, size: int) -> bytes:
+        return await self.buffer.read(size)
+
+
+def _message(i: int) -> bytes:
+    request = m.ProcessingRequest()
+    request.request_body.body = b"x" * i
+    request.request_body.end_of_stream = i % 2 == 0
+    data = request.SerializeToString()
+    return struct.pack(">?I", False, len(data)) + data
+
+
+async def _read_all(lean: bool, chunks: list[tuple[bytes, int]], limit: int) -> list[Any]:
+    raw = _Raw()
+    for data, ack in chunks:
+        raw.buffer.add(data, ack)
+    raw.buffer.eof()
+    if lean:
+        call: Call = LeanCall(raw, limit)
+    else:
+        call = Call.__new__(Call)
+        call.raw, call.max_message = raw, limit
+    out: list[Any] = []
+    for _ in range(len(chunks) + 2):
+        try:
+            got = await call.read()
+        except GRPCError as error:
+            out.append(("error", error.status))
+            break
+        except AssertionError as error:  # grpclib's, for a stream ending inside a message
+            out.append(("raised", str(error)))
+            break
+        out.append(got if got is EOF else got.SerializeToString())
+        out.append(list(raw.acks))
+        if got is EOF:
+            break
+    return out
+
+
+READS = {
+    "whole": [(_message(i), len(_message(i)) + 3) for i in range(4)],
+    "split": [(_message(9)[:3], 3), (_message(9)[3:], 20)],
+    "two-in-one": [(_message(1) + _message(2), 40)],
+    "compressed": [(b"\x01" + _message(3)[1:], 9)],
+    "over-the-limit": [(_message(200), 300)],
+    "empty-message": [(b"\0\0\0\0\0", 5)],
+    "short": [(_message(5)[:-1], 9)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(READS))
+def test_the_lean_read_reads_as_grpclibs_buffer(name: str) -> None:
+    """The same messages, errors and acknowledgements (flow control) as `Call.read`."""
+    lean = asyncio.run(_read_all(True, READS[name], 100))
+    assert lean == asyncio.run(_read_all(False, READS[name], 100))
+
+
+def test_the_lean_read_takes_a_whole_message_without_grpclibs_reads() -> None:
+    raw = _Raw()
+    raw.buffer.add(_message(4), 77)
+
+    async def refused(size: int) -> bytes:
+        raise AssertionError("the buffer's read was used for a whole message")
+
+    raw.recv_data = refused  # type: ignore[method-assign]
+    got = asyncio.run(LeanCall(raw, 100).read())
+    assert got.request_body.body == b"xxxx" and raw.acks == [77]
