@@ -129,11 +129,12 @@ class LeanCall(Call):
         move that chunk to its acknowledged list, acknowledge it and split it in two reads.
         The same chunk is acknowledged here (flow control as before); anything else (a
         message over several frames or several in one, compressed, over the limit, the
-        stream's end) takes `Call.read`."""
+        stream's end) is put back in front as it was and takes `Call.read`."""
         buffer = self.raw.buffer
-        queued = buffer._unacked._queue  # asyncio.Queue's deque: the chunks not yet read
-        if queued and not buffer._acked:
-            data, size, ack_size = queued[0]
+        unacked = buffer._unacked  # an asyncio.Queue of the chunks not yet read
+        if not buffer._acked and not (buffer._eof and unacked.empty()):
+            chunk = await unacked.get()  # the next chunk, as grpclib's read waits for it
+            data, size, ack_size = chunk
             length = size - 5
             if (
                 length > 0
@@ -142,9 +143,9 @@ class LeanCall(Call):
                 and _LENGTH.unpack_from(data, 1)[0] == length
                 and length <= self.max_message
             ):
-                buffer._unacked.get_nowait()
                 buffer._ack_callback(ack_size)
                 return m.parse(data[5:])
+            unacked._queue.appendleft(chunk)  # untouched, first again: grpclib's read takes it
         return await Call.read(self)
 
     async def write(self, answer: Any) -> None:

@@ -293,11 +293,28 @@ def _message(i: int) -> bytes:
     return struct.pack(">?I", False, len(data)) + data
 
 
-async def _read_all(lean: bool, chunks: list[tuple[bytes, int]], limit: int) -> list[Any]:
+async def _waiting(raw: _Raw, reader: asyncio.Task[Any]) -> None:
+    """Until the reader waits for the buffer's next chunk (or has ended); bounded."""
+    for _ in range(1000):
+        if reader.done() or raw.buffer._unacked._getters:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the reader never waited for a chunk")
+
+
+async def _read_all(
+    lean: bool, chunks: list[tuple[bytes, int]], limit: int, early: bool = True
+) -> list[Any]:
+    """Every message a call reads from `chunks` (in the buffer before the first read when
+    `early`, else each one added once the reader waits for it), with the acknowledgements
+    made so far after each; an error ends the list."""
     raw = _Raw()
-    for data, ack in chunks:
-        raw.buffer.add(data, ack)
-    raw.buffer.eof()
+    pending = [*chunks, (b"", 0)]  # (b"", 0): the end of the stream
+    if early:
+        for data, ack in chunks:
+            raw.buffer.add(data, ack)
+        raw.buffer.eof()
+        pending = []
     if lean:
         call: Call = LeanCall(raw, limit)
     else:
@@ -305,8 +322,17 @@ async def _read_all(lean: bool, chunks: list[tuple[bytes, int]], limit: int) -> 
         call.raw, call.max_message = raw, limit
     out: list[Any] = []
     for _ in range(len(chunks) + 2):
+        reader = asyncio.ensure_future(call.read())
+        await _waiting(raw, reader)
+        while pending and not reader.done():
+            data, ack = pending.pop(0)
+            if ack:
+                raw.buffer.add(data, ack)
+            else:
+                raw.buffer.eof()
+            await _waiting(raw, reader)
         try:
-            got = await call.read()
+            got = await reader
         except GRPCError as error:
             out.append(("error", error.status))
             break
@@ -315,7 +341,8 @@ async def _read_all(lean: bool, chunks: list[tuple[bytes, int]], limit: int) -> 
             break
         out.append(got if got is EOF else got.SerializeToString())
         out.append(list(raw.acks))
-        if got is EOF:
+        if got is EOF:  # and a read after the end ends at once again
+            out.append(await asyncio.wait_for(call.read(), 5) is EOF)
             break
     return out
 
@@ -332,21 +359,33 @@ READS = {
 
 
 @pytest.mark.parametrize("name", sorted(READS))
-def test_the_lean_read_reads_as_grpclibs_buffer(name: str) -> None:
-    """The same messages, errors and acknowledgements (flow control) as `Call.read`."""
-    lean = asyncio.run(_read_all(True, READS[name], 100))
-    assert lean == asyncio.run(_read_all(False, READS[name], 100))
+@pytest.mark.parametrize("early", [True, False], ids=["queued", "awaited"])
+def test_the_lean_read_reads_as_grpclibs_buffer(name: str, early: bool) -> None:
+    """The same messages, errors and acknowledgements (flow control) as `Call.read`, the
+    chunks already there or arriving while the reader waits."""
+    lean = asyncio.run(_read_all(True, READS[name], 100, early))
+    assert lean == asyncio.run(_read_all(False, READS[name], 100, early))
 
 
-def test_the_lean_read_takes_a_whole_message_without_grpclibs_reads() -> None:
+@pytest.mark.parametrize("early", [True, False], ids=["queued", "awaited"])
+def test_the_lean_read_takes_a_whole_message_without_grpclibs_reads(early: bool) -> None:
     raw = _Raw()
-    raw.buffer.add(_message(4), 77)
 
     async def refused(size: int) -> bytes:
         raise AssertionError("the buffer's read was used for a whole message")
 
     raw.recv_data = refused  # type: ignore[method-assign]
-    got = asyncio.run(LeanCall(raw, 100).read())
+
+    async def read() -> Any:
+        if early:
+            raw.buffer.add(_message(4), 77)
+        reader = asyncio.ensure_future(LeanCall(raw, 100).read())
+        await _waiting(raw, reader)
+        if not early:
+            raw.buffer.add(_message(4), 77)
+        return await reader
+
+    got = asyncio.run(read())
     assert got.request_body.body == b"xxxx" and raw.acks == [77]
 
 
