@@ -40,7 +40,12 @@ from grpclib.server import Handler, Server, Stream
 from grpclib.utils import Wrapper
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
-from h2.exceptions import StreamClosedError, StreamIDTooLowError
+from h2.exceptions import (
+    FlowControlError,
+    FrameTooLargeError,
+    StreamClosedError,
+    StreamIDTooLowError,
+)
 from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes
 from hpack import Decoder, Encoder
@@ -157,17 +162,19 @@ class LeanCall(Call):
         framed = _PREFIX.pack(False, len(data)) + data
         size = len(framed)
         connection, h2 = raw.connection, raw._h2_connection
-        if (
-            connection.write_ready.is_set()
-            and size <= h2.max_outbound_frame_size
-            and size <= h2.local_flow_control_window(raw.id)
-        ):  # one DATA frame the windows take now: what grpclib's `send_data` does for it
-            h2.send_data(raw.id, framed)
-            raw._transport.write(h2.data_to_send())
-            raw.data_sent += size
-            connection.data_sent += size
-            connection.data_send_process()
-            return
+        if connection.write_ready.is_set():
+            # one DATA frame, if the windows and the frame size take it now (h2 checks both
+            # before it changes anything): what grpclib's `send_data` does for it
+            try:
+                h2.send_data(raw.id, framed)
+            except (FlowControlError, FrameTooLargeError):
+                pass
+            else:
+                raw._transport.write(h2.data_to_send())
+                raw.data_sent += size
+                connection.data_sent += size
+                connection.data_send_process()
+                return
         await raw.send_data(framed)  # split to the frame size, waiting for the windows
 
 
@@ -301,6 +308,9 @@ class Coalescing:
     def close(self) -> None:
         self.flush()
         self.transport.close()
+
+    def is_closing(self) -> bool:  # asked on every stream: not through `__getattr__`
+        return self.transport.is_closing()
 
     def __getattr__(self, name: str) -> Any:  # the rest of the transport's interface
         return getattr(self.transport, name)
