@@ -106,6 +106,10 @@ class Call:
     async def write(self, answer: Any) -> None:
         await self.stream.send_message(answer)
 
+    def ready(self) -> bool:
+        """True when `read` will return a message without waiting (False: it may wait)."""
+        return False
+
     async def abort(self, status: const.Status, details: str) -> None:
         raise GRPCError(status, details)
 
@@ -139,19 +143,31 @@ class LeanCall(Call):
         unacked = buffer._unacked  # an asyncio.Queue of the chunks not yet read
         if not buffer._acked and not (buffer._eof and unacked.empty()):
             chunk = await unacked.get()  # the next chunk, as grpclib's read waits for it
-            data, size, ack_size = chunk
-            length = size - 5
-            if (
-                length > 0
-                and ack_size
-                and data[0] == 0  # not compressed
-                and _LENGTH.unpack_from(data, 1)[0] == length
-                and length <= self.max_message
-            ):
-                buffer._ack_callback(ack_size)
-                return m.parse(data[5:])
+            if self._whole(chunk):
+                buffer._ack_callback(chunk[2])
+                return m.parse(chunk[0][5:])
             unacked._queue.appendleft(chunk)  # untouched, first again: grpclib's read takes it
         return await Call.read(self)
+
+    def _whole(self, chunk: Any) -> bool:
+        """The chunk (data, size, size acknowledged) is one uncompressed message within
+        the limit."""
+        data, size, ack_size = chunk
+        length = size - 5
+        return (
+            length > 0
+            and ack_size
+            and data[0] == 0  # not compressed
+            and _LENGTH.unpack_from(data, 1)[0] == length
+            and length <= self.max_message
+        )
+
+    def ready(self) -> bool:
+        """A whole message is first in the stream's buffer: `read` takes it without
+        waiting (Envoy's first message comes with the stream's HEADERS frame)."""
+        buffer = self.raw.buffer
+        queued = buffer._unacked._queue
+        return bool(queued) and not buffer._acked and self._whole(queued[0])
 
     async def write(self, answer: Any) -> None:
         data = m.serialize(answer)

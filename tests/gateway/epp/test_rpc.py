@@ -416,3 +416,26 @@ def test_the_pickers_connections_take_the_lean_classes() -> None:
     assert type(h2.incoming_buffer) is LeanFrameBuffer
     assert h2._frame_dispatch_table[LeanDataFrame] == h2._receive_data_frame
     assert type(h2.decoder) is RememberingDecoder and type(h2.encoder) is RememberingEncoder
+
+
+@pytest.mark.parametrize("name", sorted(READS))
+def test_a_call_is_ready_only_when_its_read_cannot_wait(name: str) -> None:
+    """`ready` (the picker then reads without the body deadline's timer) is True only for
+    a whole message first in the buffer: the read then returns without waiting. A part of
+    a message, or one the read refuses, is not ready (the timer still bounds the wait)."""
+
+    raw = _Raw()
+    call = LeanCall(raw, 100)
+    assert not call.ready()  # nothing there
+    for data, ack in READS[name]:
+        raw.buffer.add(data, ack)
+    expected = name == "whole"
+    assert call.ready() is expected
+    if expected:  # the read ends at its first step: it never waits
+        reading = call.read()
+        with pytest.raises(StopIteration) as ended:
+            reading.send(None)
+        first = m.parse(READS[name][0][0][5:])
+        assert ended.value.value.SerializeToString() == first.SerializeToString()
+    plain = Call.__new__(Call)  # grpclib's read path: never ready
+    assert not plain.ready()
