@@ -10,10 +10,8 @@ The header coders (`rpc.RememberingDecoder`, `rpc.RememberingEncoder`) turn ever
 and header list into what hpack's own do, also when one they remember comes again after
 the dynamic table changed.
 
-The DATA frames `rpc.LeanFrameBuffer` makes itself leave a connection with the same
-events, answers and errors as hyperframe's parse (flags, padding, stream 0, lengths, flow
-control, a header block in progress, a closed stream), and `rpc.LeanCall.read` reads the
-same messages, errors and acknowledgements as grpclib's buffer reads."""
+`rpc.LeanCall.read` reads the same messages, errors and acknowledgements as grpclib's
+buffer reads."""
 
 from __future__ import annotations
 
@@ -29,20 +27,17 @@ from grpclib.protocol import Buffer
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from hpack import Decoder, Encoder
-from hyperframe.frame import DataFrame, HeadersFrame
+from hyperframe.frame import HeadersFrame
 from kubellm.gateway.epp import messages as m
 from kubellm.gateway.epp.rpc import (
     EOF,
     Call,
     ExtProc,
     LeanCall,
-    LeanDataFrame,
-    LeanFrameBuffer,
     QuietH2Connection,
     RememberingDecoder,
     RememberingEncoder,
     _server,
-    lean_frames,
 )
 
 HEADERS = [(":method", "POST"), (":path", "/x"), (":scheme", "http"), (":authority", "a")]
@@ -175,100 +170,6 @@ def test_the_remembering_encoder_encodes_as_hpacks_own() -> None:
     blocks = _encoded(RememberingEncoder(), lists)
     decoded = [[tuple(h) for h in decoder.decode(block)] for block in blocks]
     assert decoded == [[tuple(h) for h in headers] for headers in lists]
-
-
-# ------------------------------------------------------------------ DATA frames (LeanFrameBuffer)
-
-
-def _data(stream_id: int, payload: bytes, flags: int = 0, pad: int | None = None) -> bytes:
-    """A DATA frame as bytes (hyperframe's own serialiser), with `flags` as the raw byte."""
-    frame = DataFrame(stream_id or 1, data=payload)  # stream 0 written below
-    if pad is not None:
-        frame.flags.add("PADDED")
-        frame.pad_length = pad
-    raw = bytearray(frame.serialize())
-    raw[4] |= flags
-    if not stream_id:
-        raw[5:9] = bytes(4)
-    return bytes(raw)
-
-
-def _open(client: H2Connection, stream_id: int) -> bytes:
-    client.send_headers(stream_id, HEADERS)
-    return client.data_to_send()
-
-
-def _feeds() -> dict[str, list[bytes]]:
-    """Byte sequences a server receives after the opening of stream 1, one read each."""
-    client = H2Connection(H2Configuration(client_side=True))
-    client.initiate_connection()
-    client.data_to_send()
-    three = _open(client, 3)
-    headers_open = HeadersFrame(5, data=Encoder().encode(HEADERS), flags=[]).serialize()
-    message = b"\0\0\0\0\x05hello"
-    return {
-        "messages": [_data(1, message), _data(1, message * 3), _data(1, message, 0x01)],
-        "two-in-one-read": [_data(1, message) + _data(1, message, 0x01)],
-        "split-reads": [_data(1, message)[:4], _data(1, message)[4:11], _data(1, message)[11:]],
-        "empty-end": [_data(1, b"", 0x01)],
-        "padded": [_data(1, message, pad=4), _data(1, message, 0x01, pad=0)],
-        "unknown-flag": [_data(1, message, 0x02)],
-        "stream-0": [_data(0, message)],
-        "too-long": [_data(1, b"x" * 16385)],
-        "over-the-window": [_data(1, b"x" * 16384)] * 5,
-        "after-end": [_data(1, message, 0x01), _data(1, message)],
-        "unopened-stream": [_data(7, message)],
-        "two-streams": [three + _data(3, message) + _data(1, message), _data(3, b"", 0x01)],
-        "during-a-header-block": [headers_open + _data(1, message)],
-        "after-a-reset": [b"", _data(1, message)],
-    }
-
-
-def _receive(lean: bool, name: str) -> list[Any]:
-    server = QuietH2Connection(H2Configuration(client_side=False))
-    if lean:
-        lean_frames(server)
-    server.initiate_connection()
-    server.data_to_send()
-    _, opening = _client()
-    out: list[Any] = [[repr(e) for e in server.receive_data(opening)], server.data_to_send()]
-    for chunk in _feeds()[name]:
-        if name == "after-a-reset" and not chunk:
-            server.reset_stream(1)
-            continue
-        try:
-            out.append([repr(e) for e in server.receive_data(chunk)])
-        except Exception as error:
-            out.append(("raised", type(error).__name__, str(error)))
-        out.append(server.data_to_send())
-    return out
-
-
-@pytest.mark.parametrize("name", sorted(_feeds()))
-def test_the_lean_frame_buffer_receives_as_h2s_own(name: str) -> None:
-    assert _receive(True, name) == _receive(False, name)
-
-
-def test_the_lean_frame_buffer_makes_envoys_data_frames_itself() -> None:
-    """Envoy's messages (a DATA frame each, END_STREAM or none) take the lean parse, and
-    what it makes is what hyperframe parses from the same bytes."""
-    buffer = LeanFrameBuffer(server=False)
-    buffer.max_frame_size = 16384
-    sent = [_data(1, b"\0\0\0\0\x01a"), _data(3, b"b" * 100, 0x01), _data(1, b"", 0x01)]
-    buffer.add_data(b"".join(sent))
-    frames = list(buffer)
-    assert [type(frame) for frame in frames] == [LeanDataFrame] * 3
-    for frame, raw in zip(frames, sent, strict=True):
-        reference, length = DataFrame.parse_frame_header(memoryview(raw[:9]))
-        reference.parse_body(memoryview(raw[9 : 9 + length]))
-        assert (frame.stream_id, frame.data, set(frame.flags), frame.flow_controlled_length) == (
-            reference.stream_id, reference.data, set(reference.flags),
-            reference.flow_controlled_length,
-        )  # fmt: skip
-    padded = LeanFrameBuffer(server=False)
-    padded.max_frame_size = 16384
-    padded.add_data(_data(1, b"abc", pad=2))
-    assert [type(frame) for frame in padded] == [DataFrame]  # anything else: hyperframe's
 
 
 # ------------------------------------------------------------------ reads (LeanCall.read)
@@ -413,8 +314,6 @@ def test_the_pickers_connections_take_the_lean_classes() -> None:
 
     h2 = asyncio.run(made())
     assert type(h2) is QuietH2Connection
-    assert type(h2.incoming_buffer) is LeanFrameBuffer
-    assert h2._frame_dispatch_table[LeanDataFrame] == h2._receive_data_frame
     assert type(h2.decoder) is RememberingDecoder and type(h2.encoder) is RememberingEncoder
 
 
