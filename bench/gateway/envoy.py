@@ -85,11 +85,13 @@ def start(
     request_body_mode: str = envoy.REQUEST_BODY_MODE,
     response_body_mode: str = envoy.RESPONSE_BODY_MODE,
     python: str = sys.executable,
+    epp_command: Sequence[str] = ("-m", "kubellm.cli", "epp"),
 ) -> EnvoyPath:
     """Envoy asking `kubellm epp` where each request for `model` goes among `replicas`
     (base URLs, `http://ip:port`). `settings`: more of the model's static entry (e.g.
     `{"slo": {...}}`). `python`: the interpreter that runs the EPP (another checkout's
-    environment, to measure landed code beside this one). Returns once both serve."""
+    environment, to measure landed code beside this one); `epp_command`: what it runs as the
+    EPP (a bench floor takes the same flags). Returns once both serve."""
     static = tmp / "epp-models.yaml"
     entry = {"name": model, "endpoints": list(replicas), "routing": {"policy": policy}}
     static.write_text(yaml.safe_dump({"models": [{**entry, **(settings or {})}]}))
@@ -97,7 +99,7 @@ def start(
     epp_log = tmp / "epp.log"
     with open(epp_log, "wb") as log:
         epp = subprocess.Popen(
-            [python, "-m", "kubellm.cli", "epp", "--static", str(static),
+            [python, *epp_command, "--static", str(static),
              "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", "0",
              "--metrics-port", str(metrics_port), "--log-level", log_level, *epp_args],
             stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pinned(epp_core),

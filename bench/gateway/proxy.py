@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--instructions-paths", default="gateway",
-        help="--instructions: gateway, envoy+epp (both processes under callgrind), or both",
+        help="--instructions: gateway, envoy+epp (both processes under callgrind), "
+        "envoy+epp-floor (the picker's transport answering a fixed route), comma-separated",
     )  # fmt: skip
     p.add_argument(
         "--requests", type=int, default=3000,

@@ -259,6 +259,8 @@ async def _read_by(context: Any, deadline: float) -> Any:
     """The stream's next message, or None once `deadline` (loop time) has passed."""
     if deadline <= asyncio.get_running_loop().time():
         return None
+    if context.ready():  # a whole message is there: the read cannot wait, no timer needed
+        return await context.read()
     try:  # one timer, no task around the read
         async with asyncio.timeout_at(deadline):
             return await context.read()

@@ -12,6 +12,10 @@ reload check) costs per second, not per request, and valgrind stretches a reques
 loaded run's length is taken off (without it a stream, long under valgrind, was charged
 for seconds of scrapes).
 
+`envoy+epp-floor` (non-streamed only): the same with the picker replaced by
+`epp_floor.py`, the picker's transport answering a fixed route (no routing): the bound the
+transport alone sets.
+
 `envoy+epp` rows: the same count for the Inference Extension's path, Envoy (this checkout's
 bootstrap, `gateway/epp/envoy.py`) calling `kubellm epp` over ext_proc, both processes
 under callgrind, each counted apart (`envoy+epp` is their sum; the `picker` and `envoy`
@@ -35,7 +39,7 @@ import httpx
 import yaml
 
 from bench import _fleet
-from bench.gateway._proxy.paths import BACKEND
+from bench.gateway._proxy.paths import BACKEND, EPP_FLOOR
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}
 STREAM = {"bench_chunks": 16, "bench_itl_ms": 25.0}
@@ -137,9 +141,15 @@ def _envoy_command(python: str) -> list[str]:
     return [found]
 
 
-def per_request_envoy_epp(python: str, requests: int, stream: bool) -> dict[str, float]:
+def per_request_envoy_epp(
+    python: str,
+    requests: int,
+    stream: bool,
+    picker_command: tuple[str, ...] = ("-m", "kubellm.cli", "epp"),
+) -> dict[str, float]:
     """Instructions per request of Envoy and of the picker run by `python`, each under
-    callgrind, counted over the same requests (and each one's idle rate taken off)."""
+    callgrind, counted over the same requests (and each one's idle rate taken off).
+    `picker_command`: what `python` runs as the picker (the floor: `epp_floor.py`)."""
     work = Path(tempfile.mkdtemp(prefix="kubellm-instr-epp-"))
     backend_port, grpc_port, metrics_port = (_fleet.free_port() for _ in range(3))
     listen, admin = _fleet.free_port(), _fleet.free_port()
@@ -155,7 +165,7 @@ def per_request_envoy_epp(python: str, requests: int, stream: bool) -> dict[str,
     outs = {"picker": work / "picker.out", "envoy": work / "envoy.out"}
     backend = subprocess.Popen([sys.executable, str(BACKEND), str(backend_port)])
     picker = _callgrind(outs["picker"], [
-        python, "-m", "kubellm.cli", "epp", "--static", str(static), "--host", "127.0.0.1",
+        python, *picker_command, "--static", str(static), "--host", "127.0.0.1",
         "--grpc-port", str(grpc_port), "--grpc-health-port", "0",
         "--metrics-port", str(metrics_port), "--log-level", "error",
     ])  # fmt: skip
@@ -257,7 +267,12 @@ def instructions_mode(
                 rows[key] = per_request(py, n, stream)
                 print(f"{phase:7s} {name:17s} {rows[key]:>12,.0f} instructions/request")
                 continue
-            parts = per_request_envoy_epp(py, n, stream)
+            if name.startswith("envoy+epp-floor"):
+                if stream:  # the floor answers every exchange as a non-streamed one
+                    continue
+                parts = per_request_envoy_epp(py, n, stream, (str(EPP_FLOOR),))
+            else:
+                parts = per_request_envoy_epp(py, n, stream)
             rows[key] = sum(parts.values())
             rows.update({f"{key} {part}": v for part, v in parts.items()})
             print(
@@ -283,7 +298,7 @@ def instructions_mode(
                     print(f"json    {label:17s} {rows[key]:>12,.0f} instructions/request")
     for phase in ("json", "stream"):
         for name in names:
-            if baseline:
+            if baseline and f"{phase} {name}@landed" in rows:
                 ratio = rows[f"{phase} {name}"] / rows[f"{phase} {name}@landed"]
                 print(
                     f"instructions per request, {name} this checkout / landed: {phase} {ratio:.3f}"

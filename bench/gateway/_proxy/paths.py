@@ -19,6 +19,7 @@ HERE = Path(__file__).resolve().parent
 BACKEND = HERE / "backend.py"
 RELAY = HERE / "relay.py"
 FLOOR = HERE / "floor.py"
+EPP_FLOOR = HERE / "epp_floor.py"  # the picker's transport answering a fixed route
 INSTRUMENTED = HERE / "instrumented.py"
 Started = tuple[int, dict[str, int]]  # (port, {process name: pid})
 
@@ -118,9 +119,11 @@ def envoy_epp(
     core: int,
     python: str = sys.executable,
     modes: tuple[str, str] | None = None,
+    floor: bool = False,
 ) -> Started:
     """The Inference Extension's path: Envoy asking `kubellm epp` (run by `python`), both
-    on `core`; `modes`: the (request, response) body modes, else the bootstrap's."""
+    on `core`; `modes`: the (request, response) body modes, else the bootstrap's;
+    `floor`: the picker's transport answering a fixed route instead (epp_floor.py)."""
     tmp = procs.dir / f"envoy-epp-{_fleet.free_port()}"
     tmp.mkdir()
     bodies = {} if modes is None else {
@@ -129,6 +132,7 @@ def envoy_epp(
     path = _envoy.start(
         [f"http://127.0.0.1:{backend_port}"], "m", tmp, envoy_core=core, epp_core=core,
         python=python, **bodies,
+        **({"epp_command": (str(EPP_FLOOR),)} if floor else {}),
     )  # fmt: skip
     procs.stoppers.append(path.stop)
     assert path.epp is not None
@@ -168,8 +172,8 @@ def peer(procs: _fleet.Processes, name: str, backend_port: int, core: int) -> St
                    "--log-level", "warning"]  # fmt: skip
     else:
         raise SystemExit(
-            f"unknown peer {name!r}: envoy, vllm-router, python-floor, envoy+epp or "
-            "envoy+epp-reference"
+            f"unknown peer {name!r}: envoy, vllm-router, python-floor, envoy+epp, "
+            "envoy+epp-floor or envoy+epp-reference"
         )
     process = procs.spawn(command, core)
     wait_port(port, process)

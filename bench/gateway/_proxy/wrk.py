@@ -76,6 +76,8 @@ def wrk_mode(args: argparse.Namespace) -> dict[str, Any]:
         for name in filter(None, args.peers.split(",")):  # default: envoy, vllm-router, envoy+epp
             if name == "envoy+epp":
                 started.append((name, paths.envoy_epp(procs, backend_port, core)))
+            elif name == "envoy+epp-floor":  # the picker's transport, a fixed route
+                started.append((name, paths.envoy_epp(procs, backend_port, core, floor=True)))
             elif (one := paths.peer(procs, name, backend_port, core)) is not None:
                 started.append((name, one))
         rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _ in started}

@@ -8,20 +8,37 @@ error). h2 handles a stray DATA frame itself; a HEADERS frame reaches those path
 
 The header coders (`rpc.RememberingDecoder`, `rpc.RememberingEncoder`) turn every block
 and header list into what hpack's own do, also when one they remember comes again after
-the dynamic table changed."""
+the dynamic table changed.
+
+`rpc.LeanCall.read` reads the same messages, errors and acknowledgements as grpclib's
+buffer reads."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import struct
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from grpclib.exceptions import GRPCError
+from grpclib.protocol import Buffer
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from hpack import Decoder, Encoder
 from hyperframe.frame import HeadersFrame
-from kubellm.gateway.epp.rpc import QuietH2Connection, RememberingDecoder, RememberingEncoder
+from kubellm.gateway.epp import messages as m
+from kubellm.gateway.epp.rpc import (
+    EOF,
+    Call,
+    ExtProc,
+    LeanCall,
+    QuietH2Connection,
+    RememberingDecoder,
+    RememberingEncoder,
+    _server,
+)
 
 HEADERS = [(":method", "POST"), (":path", "/x"), (":scheme", "http"), (":authority", "a")]
 
@@ -153,3 +170,171 @@ def test_the_remembering_encoder_encodes_as_hpacks_own() -> None:
     blocks = _encoded(RememberingEncoder(), lists)
     decoded = [[tuple(h) for h in decoder.decode(block)] for block in blocks]
     assert decoded == [[tuple(h) for h in headers] for headers in lists]
+
+
+# ------------------------------------------------------------------ reads (LeanCall.read)
+
+
+class _Raw:
+    """What a call reads from: grpclib's own stream buffer, the acknowledgements noted."""
+
+    def __init__(self) -> None:
+        self.acks: list[int] = []
+        self.buffer = Buffer(self.acks.append)
+
+    async def recv_data(self, size: int) -> bytes:
+        return await self.buffer.read(size)
+
+
+def _message(i: int) -> bytes:
+    request = m.ProcessingRequest()
+    request.request_body.body = b"x" * i
+    request.request_body.end_of_stream = i % 2 == 0
+    data = request.SerializeToString()
+    return struct.pack(">?I", False, len(data)) + data
+
+
+async def _waiting(raw: _Raw, reader: asyncio.Task[Any]) -> None:
+    """Until the reader waits for the buffer's next chunk (or has ended); bounded."""
+    for _ in range(1000):
+        if reader.done() or raw.buffer._unacked._getters:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the reader never waited for a chunk")
+
+
+async def _read_all(
+    lean: bool, chunks: list[tuple[bytes, int]], limit: int, early: bool = True
+) -> list[Any]:
+    """Every message a call reads from `chunks` (in the buffer before the first read when
+    `early`, else each one added once the reader waits for it), with the acknowledgements
+    made so far after each; an error ends the list."""
+    raw = _Raw()
+    pending = [*chunks, (b"", 0)]  # (b"", 0): the end of the stream
+    if early:
+        for data, ack in chunks:
+            raw.buffer.add(data, ack)
+        raw.buffer.eof()
+        pending = []
+    if lean:
+        call: Call = LeanCall(raw, limit)
+    else:
+        call = Call.__new__(Call)
+        call.raw, call.max_message = raw, limit
+    out: list[Any] = []
+    for _ in range(len(chunks) + 2):
+        reader = asyncio.ensure_future(call.read())
+        await _waiting(raw, reader)
+        while pending and not reader.done():
+            data, ack = pending.pop(0)
+            if ack:
+                raw.buffer.add(data, ack)
+            else:
+                raw.buffer.eof()
+            await _waiting(raw, reader)
+        try:
+            got = await reader
+        except GRPCError as error:
+            out.append(("error", error.status))
+            break
+        except AssertionError as error:  # grpclib's, for a stream ending inside a message
+            out.append(("raised", str(error)))
+            break
+        out.append(got if got is EOF else got.SerializeToString())
+        out.append(list(raw.acks))
+        if got is EOF:  # and a read after the end ends at once again
+            out.append(await asyncio.wait_for(call.read(), 5) is EOF)
+            break
+    return out
+
+
+READS = {
+    "whole": [(_message(i), len(_message(i)) + 3) for i in range(4)],
+    "split": [(_message(9)[:3], 3), (_message(9)[3:], 20)],
+    "two-in-one": [(_message(1) + _message(2), 40)],
+    "compressed": [(b"\x01" + _message(3)[1:], 9)],
+    "over-the-limit": [(_message(200), 300)],
+    "empty-message": [(b"\0\0\0\0\0", 5)],
+    "short": [(_message(5)[:-1], 9)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(READS))
+@pytest.mark.parametrize("early", [True, False], ids=["queued", "awaited"])
+def test_the_lean_read_reads_as_grpclibs_buffer(name: str, early: bool) -> None:
+    """The same messages, errors and acknowledgements (flow control) as `Call.read`, the
+    chunks already there or arriving while the reader waits."""
+    lean = asyncio.run(_read_all(True, READS[name], 100, early))
+    assert lean == asyncio.run(_read_all(False, READS[name], 100, early))
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["queued", "awaited"])
+def test_the_lean_read_takes_a_whole_message_without_grpclibs_reads(early: bool) -> None:
+    raw = _Raw()
+
+    async def refused(size: int) -> bytes:
+        raise AssertionError("the buffer's read was used for a whole message")
+
+    raw.recv_data = refused  # type: ignore[method-assign]
+
+    async def read() -> Any:
+        if early:
+            raw.buffer.add(_message(4), 77)
+        reader = asyncio.ensure_future(LeanCall(raw, 100).read())
+        await _waiting(raw, reader)
+        if not early:
+            raw.buffer.add(_message(4), 77)
+        return await reader
+
+    got = asyncio.run(read())
+    assert got.request_body.body == b"xxxx" and raw.acks == [77]
+
+
+class _Transport:
+    """Enough of a transport for `connection_made`: nothing is sent anywhere."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def get_extra_info(self, name: str) -> Any:
+        return None
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def test_the_pickers_connections_take_the_lean_classes() -> None:
+    async def made() -> Any:
+        protocol = _server([ExtProc(lambda call: asyncio.sleep(0), 100)], 8)._protocol_factory()
+        protocol.connection_made(_Transport())
+        return protocol.connection._connection
+
+    h2 = asyncio.run(made())
+    assert type(h2) is QuietH2Connection
+    assert type(h2.decoder) is RememberingDecoder and type(h2.encoder) is RememberingEncoder
+
+
+@pytest.mark.parametrize("name", sorted(READS))
+def test_a_call_is_ready_only_when_its_read_cannot_wait(name: str) -> None:
+    """`ready` (the picker then reads without the body deadline's timer) is True only for
+    a whole message first in the buffer: the read then returns without waiting. A part of
+    a message, or one the read refuses, is not ready (the timer still bounds the wait)."""
+
+    raw = _Raw()
+    call = LeanCall(raw, 100)
+    assert not call.ready()  # nothing there
+    for data, ack in READS[name]:
+        raw.buffer.add(data, ack)
+    expected = name == "whole"
+    assert call.ready() is expected
+    if expected:  # the read ends at its first step: it never waits
+        reading = call.read()
+        with pytest.raises(StopIteration) as ended:
+            reading.send(None)
+        first = m.parse(READS[name][0][0][5:])
+        assert ended.value.value.SerializeToString() == first.SerializeToString()
+    plain = Call.__new__(Call)  # grpclib's read path: never ready
+    assert not plain.ready()
