@@ -85,10 +85,11 @@ def workload(name: str, rate: float, count: int, seed: int = 0) -> list[Req]:
 # ---------------------------------------------------------------- replicas
 
 
-def requests_at(wl: str, n: int) -> Callable[[float], list[Req]]:
+def requests_at(wl: str, n: int, seed: int = 0) -> Callable[[float], list[Req]]:
     """`n` requests, or `SECONDS` of arrivals at the rate where that is more (a short run at
-    a high rate ends before the queues it builds show: 500 chat requests at 150/s are 3 s)."""
-    return lambda rate: workload(wl, rate, min(MAX_REQUESTS, max(n, int(rate * SECONDS))))
+    a high rate ends before the queues it builds show: 500 chat requests at 150/s are 3 s);
+    `seed`: the workload's sample."""
+    return lambda rate: workload(wl, rate, min(MAX_REQUESTS, max(n, int(rate * SECONDS))), seed)
 
 
 def run(
@@ -100,11 +101,22 @@ def run(
 
 
 def goodput(
-    pool: str, shape: str, prefill: int, wl: str, n: int, slo, hi: float, **errs: float
+    pool: str,
+    shape: str,
+    prefill: int,
+    wl: str,
+    n: int,
+    slo,
+    hi: float,
+    seeds: tuple[int, ...] = (0,),
+    **errs: float,
 ) -> float:
     """The highest rate (req/s) with >= 90% of requests within both SLOs (bisection);
-    `errs`: the decision's margin and the predictions' error (`Sim`'s)."""
-    return pool_goodput(requests_at(wl, n), POOLS[pool], shape, prefill, slo, hi, **errs)
+    `errs`: the decision's margin and the predictions' error (`Sim`'s); `seeds`: the
+    workload samples pooled at each rate (`pd.goodput`; seed s's predictions' error drawn
+    with seed s too)."""
+    samples = {s: requests_at(wl, n, s) for s in seeds}
+    return pool_goodput(samples, POOLS[pool], shape, prefill, slo, hi, **errs)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -165,6 +177,13 @@ def parser() -> argparse.ArgumentParser:
         "did to them, at the first --prefill count (default 3) and these rates (req/s)",
     )
     ap.add_argument(
+        "--seeds",
+        help="workload samples to pool, comma-separated (e.g. 0,1,2): each point's share "
+        "within both SLOs over every sample's requests together, each shape at its best "
+        "pooled P:D, the per-sample goodputs beside (default: one sample, seed 0, the full "
+        "table)",
+    )
+    ap.add_argument(
         "--margins",
         default=",".join(f"{m:g}" for m in SWEEP_MARGINS),
         help="--sweep: the margins",
@@ -192,6 +211,10 @@ def main() -> None:
           " highest rate with 90% within both")  # fmt: skip
     if args.sweep:
         margin_sweep(pools, workloads, n, args.prefill, args.margins)
+        return
+    if args.seeds:
+        seeds = tuple(int(s) for s in args.seeds.split(","))
+        pooled(pools, workloads, n, args.prefill, seeds, args.margin, args.error)
         return
     errs = {"margin": args.margin, "error": args.error}
     exact = {"margin": args.margin, "error": 0.0}
@@ -229,6 +252,48 @@ def main() -> None:
                       f"{pct(ttfts, .99):.2f} | {1e3 * pct(at.harmed or at.gaps, .99):.0f} ms |"
                       f" {split:.0%} | {reasons} |", flush=True)  # fmt: skip
     decision_cost()
+
+
+def pooled(
+    pools: list[str],
+    workloads: list[str],
+    n: int,
+    prefill: str | None,
+    seeds: tuple[int, ...],
+    margin: float,
+    error: float,
+) -> None:
+    """Each shape's goodput on the workload samples `seeds` pooled (`pd.goodput`), at its
+    best pooled P:D, with each sample's own goodput at that P:D beside, and the share of
+    requests split at the pooled goodput (over every sample's requests)."""
+    errs = {"margin": margin, "error": error}
+    exact = {"margin": margin, "error": 0.0}
+    print(f"# {len(seeds)} workload samples pooled per point (seeds {seeds}); conditional's "
+          f"margin {margin:g}, error sigma {error:g} (row 'exact': 0)")  # fmt: skip
+    for pool in pools:
+        replicas = POOLS[pool].replicas
+        print(f"\n## {pool}: goodput req/s, pooled and per sample")
+        print("| workload | shape | P:D | pooled | " + " | ".join(f"seed {s}" for s in seeds)
+              + " | split share (pooled, at its goodput) |")  # fmt: skip
+        print("|---|---|---|---|" + "---|" * len(seeds) + "---|")
+        for wl in workloads:
+            hi = bound(pool, wl)
+            rows = (("aggregated", errs), ("always", errs), ("conditional", errs),
+                    ("dynamo", errs), ("conditional", exact))  # fmt: skip
+            for shape, e in rows:
+                ks = [0] if shape == "aggregated" else ratios(pool, prefill)
+                g = {k: goodput(pool, shape, k, wl, n, SLO, hi, seeds, **e) for k in ks}
+                k = max(g, key=lambda k: (g[k], -k))
+                each = [goodput(pool, shape, k, wl, n, SLO, hi, (s,), **e) for s in seeds]
+                jobs = [j for s in seeds for j in Sim(
+                    POOLS[pool], shape, k, requests_at(wl, n, s)(max(g[k], 0.05)), SLO,
+                    seed=s, **e).run()]  # fmt: skip
+                split = sum(j.split for j in jobs) / len(jobs)
+                pd = "-" if shape == "aggregated" else f"{k}:{replicas - k}"
+                label = shape + (", exact" if e is exact else "")
+                print(f"| {wl} | {label} | {pd} | {g[k]:.2f} | "
+                      + " | ".join(f"{x:.2f}" for x in each) + f" | {split:.0%} |",
+                      flush=True)  # fmt: skip
 
 
 def margin_sweep(
