@@ -178,6 +178,12 @@ def parser() -> argparse.ArgumentParser:
         "did to them, at the first --prefill count (default 3) and these rates (req/s)",
     )
     ap.add_argument(
+        "--misses",
+        metavar="WORKLOAD:RATE,...",
+        help="conditional's misses by kind (local or split; TTFT, ITL or both) and its "
+        "reasons at these rates, at the first --prefill count (default 3), --seeds pooled",
+    )
+    ap.add_argument(
         "--seeds",
         help="workload samples to pool, comma-separated (e.g. 0,1,2): each point's share "
         "within both SLOs over every sample's requests together, each shape at its best "
@@ -212,6 +218,11 @@ def main() -> None:
         harm(args.pools.split(",")[0], int((args.prefill or "3").split(",")[0]), args.harm)
         return
     n = 150 if args.quick else args.requests
+    if args.misses:
+        seeds = tuple(int(s) for s in (args.seeds or "0").split(","))
+        prefill = int((args.prefill or "3").split(",")[0])
+        misses(args.pools.split(",")[0], prefill, args.misses, n, seeds, args.error)
+        return
     pools, workloads = args.pools.split(","), args.workloads.split(",")
     print(f"# P/D on the same GPUs; {n} requests or {SECONDS:g} s of arrivals per point (the"
           f" more), gamma arrivals (shape {BURSTINESS}),"
@@ -380,6 +391,34 @@ def harm(pool: str, prefill: int, at: str, n: int = 1200) -> None:
                   f"{misses} | {len(rows)} | {cells[0]:.2f} | {cells[1]:.1f} | "
                   f"{1e3 * cells[2]:.1f} | {1e3 * cells[3]:.1f} | {1e3 * cells[4]:.1f} | "
                   f"{cells[5]:.1f} | {cells[6]:.1f} |", flush=True)  # fmt: skip
+
+
+def misses(pool: str, prefill: int, at: str, n: int, seeds: tuple[int, ...], error: float) -> None:
+    """Conditional's requests by where their prompt ran and which SLO they missed, and its
+    decisions' reasons, over the samples `seeds` together at each rate."""
+    print(f"\n## {pool} at {prefill}:{POOLS[pool].replicas - prefill}, conditional, error "
+          f"{error:g}, seeds {seeds} pooled, {n} requests each")  # fmt: skip
+    for item in at.split(","):
+        wl, rate = item.split(":")
+        jobs: list[Job] = []
+        reasons: dict[str, int] = {}
+        for s in seeds:
+            sim = Sim(POOLS[pool], "conditional", prefill, requests_at(wl, n, s)(float(rate)),
+                      SLO, error=error, seed=s)  # fmt: skip
+            jobs += sim.run()
+            for r, c in sim.reasons.items():
+                reasons[r] = reasons.get(r, 0) + c
+        kinds: dict[str, int] = {}
+        for j in jobs:
+            late = j.first - j.req.t > SLO[0]
+            slow = (j.last - j.first) / max(j.req.output - 1, 1) > SLO[1]
+            kind = ("split" if j.split else "local") + (" TTFT" if late else "") + (
+                " ITL" if slow else "")  # fmt: skip
+            kinds[kind] = kinds.get(kind, 0) + 1
+        print(f"{wl} at {rate} req/s: within both {attained(jobs, SLO):.1%} of {len(jobs)}; "
+              + ", ".join(f"{k} {c}" for k, c in sorted(kinds.items()))
+              + "; reasons " + ", ".join(f"{r} {c}" for r, c in sorted(reasons.items())),
+              flush=True)  # fmt: skip
 
 
 def decision_cost() -> None:

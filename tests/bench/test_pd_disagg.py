@@ -163,3 +163,14 @@ def test_recording_keeps_each_decision_and_the_streams_it_saw():
     for i, _, verdict, there in sim.verdicts:
         assert verdict.split == jobs[i].split
         assert all(jobs[k].decode_at == jobs[i].decode_at and k < i for k in there)
+
+
+def test_misses_count_every_request_of_every_sample_once(capsys):
+    """`--misses`: each request in exactly one kind (where its prompt ran, which SLO it
+    missed), over the pooled samples' requests."""
+    pd.misses("70B/4xH100", 3, "rag:1.5", 60, (0, 1), 0.3)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "of 120;" in line
+    kinds = line.split("; ")[1].split(", ")
+    assert sum(int(k.rsplit(" ", 1)[1]) for k in kinds) == 120
+    assert all(k.split(" ")[0] in ("local", "split") for k in kinds)
