@@ -21,7 +21,9 @@ the TTFT and the mean-ITL target (bisection over the rate). Run:
 `.venv/bin/python -m bench.pd_disagg [--quick]`; the margin against the error:
 `--pools 70B/4xH100 --requests 1200 --sweep` (`--prefill 1` for one P:D, `--margins`);
 the local side's cost against what a long prompt's stall does to the streams beside it:
-`--pools 70B/4xH100 --harm rag:2.1,mix:3.9`.
+`--pools 70B/4xH100 --harm rag:2.1,mix:3.9`; several workload samples pooled per point (the
+more precise figure; each sample's beside): `--seeds 0,1,2 --prefill 3 [--bisections 8]`;
+conditional's misses by kind at a rate: `--prefill 5 --seeds 0,1,2 --misses rag:19.5`.
 """
 
 from __future__ import annotations
