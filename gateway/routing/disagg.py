@@ -14,29 +14,15 @@ best prefill replica with its KV cache moved over the link (split):
                + the stall: this prompt's compute (uncached x one token's), which every
                  stream there waits out, spread over an answer of the mean length lately
 
-Conditional compares the two by the SLO misses each is expected to cause, under the latency
-model's error (each prediction its true value times a lognormal factor, the sigma of whose
-log is `error_sigma`; P(miss) = Phi(ln(predicted / target) / sigma)):
-
-    local misses = P(local TTFT misses) + streams x (P(harm misses the ITL target)
-                                                    - P(their ITL without it misses))
-    split misses = P(split TTFT misses) + behind x (P(split TTFT + its compute misses)
-                                                   - P(split TTFT misses))
-
-(a local prefill risks the ITL of every stream decoding there, a split its own TTFT and
-those of the prompts queued behind it on the prefill replica: `behind`, the prompts of its
-size arriving at the replica's rate lately until the queue it joins drains, its TTFT there /
-(1 - the replica's share of time on prompts); a split those tip is kept, `prefill-busy`).
-Where the two differ by less than `RISK_TIE` expected requests, or with exact predictions
-(sigma 0), it compares them as the slo-aware policy compares replicas (`latency.slo_cost`:
+Conditional compares the two as the slo-aware policy compares replicas (`latency.slo_cost`:
 the worst of TTFT / its target and ITL / its target): local costs max(local TTFT / TTFT
 target, harm / ITL target); split costs max(split TTFT / TTFT target, one decode step /
-ITL target) (the streams there are spared the prompt), and splits when the split's cost is
-under the local one's by the margin (`PrefillSplit.margin`). A split is `itl-harm` when the
-streams' ITL is what the local prefill risks most, `faster-ttft` when the TTFT is (a decode
-replica with a queue beside an idle prefill pool). A split that would miss a TTFT target the
-local prefill meets or beats, kept local, is `prefill-busy`. Always: split whenever a
-prefill replica is ready (for comparison, as production-stack and vllm-router do).
+ITL target) (the streams there are spared the prompt). It splits when the split's cost is
+under the local one's by the margin (`PrefillSplit.margin`): `itl-harm` when the streams'
+ITL is what the local prefill costs most, `faster-ttft` when the TTFT is (a decode replica
+with a queue beside an idle prefill pool). A split that would miss a TTFT target the local
+prefill meets or beats is `prefill-busy`. Always: split whenever a prefill replica is ready
+(for comparison, as production-stack and vllm-router do).
 
 Each decision has a reason, counted by the front ends (`kubellm_gateway_disagg_decisions_total`).
 """
@@ -44,7 +30,6 @@ Each decision has a reason, counted by the front ends (`kubellm_gateway_disagg_d
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -69,8 +54,8 @@ if TYPE_CHECKING:
 Post = Callable[[str, bytes, float], Awaitable[bytes | None]]
 
 __all__ = [
-    "ERROR_SIGMA", "PREFILL_DEADLINE_FACTOR", "REASONS", "RISK_TIE", "DisaggMetrics", "Inputs",
-    "Post", "Verdict", "decide", "plan", "prefill_leg",
+    "PREFILL_DEADLINE_FACTOR", "REASONS", "DisaggMetrics", "Inputs", "Post", "Verdict",
+    "decide", "plan", "prefill_leg",
 ]  # fmt: skip
 
 # The prefill leg may take this many times its predicted split TTFT (at least the TTFT
@@ -82,21 +67,6 @@ PREFILL_DEADLINE_FACTOR = 3.0
 # one chunk this small is under a millisecond on every profile, and a second leg costs an
 # HTTP round trip and a KV handshake.
 MIN_SPLIT_TOKENS = 128
-
-# The latency model's error as the decision assumes it: the sigma of the log of a lognormal
-# factor on each prediction. 0.3 is a mean absolute error of 25%, the slo-aware model's TTFT
-# MAPE near the knee (17-28% on the simulated pools, 23-29% on real engines:
-# docs/operations.md, "SLO-aware routing"). 0: exact predictions, the point cost decides.
-ERROR_SIGMA = 0.3
-
-# Expected misses closer than this (requests) are a tie, which the point cost breaks: both
-# sides near certain to meet (or miss) their targets differ by rounding, not risk.
-RISK_TIE = 0.01
-
-# The prompts a split delays on its prefill replica are counted until the queue it joins
-# drains: its TTFT there / (1 - the replica's share of time on prompts), at most 10x.
-QUEUE_BUSY_MAX = 0.9
-_ROOT2 = math.sqrt(2.0)
 
 REASONS = (
     "no-prefill-replica", "always", "short-prompt", "cached-prefix", "prefill-busy",
@@ -123,9 +93,6 @@ class Inputs:
     split: Literal["Conditional", "Always"] = "Conditional"
     answer_tokens: float = PRIOR_ANSWER_LENGTH  # the answers' mean length lately (tokens)
     margin: float = PrefillSplit.margin  # the share the split's cost must be under local's
-    streams: int = 0  # the sequences decoding on the decode replica (this one not)
-    error_sigma: float = ERROR_SIGMA  # the predictions' error (sigma of its log)
-    prefill_rate: float = 0.0  # uncached prompt tokens/s sent to the prefill replica lately
 
 
 @dataclass(frozen=True)
@@ -163,42 +130,11 @@ def decide(x: Inputs) -> Verdict:
         cached = x.prompt_tokens - x.uncached_tokens >= MIN_SPLIT_TOKENS
         return verdict(False, "cached-prefix" if cached else "short-prompt")
     local_ttft, local_itl = x.local_ttft / x.ttft_target, harm / x.itl_target
-    busy = split_ttft > x.ttft_target and split_ttft > x.local_ttft
-    sigma = x.error_sigma * _ROOT2
-    tie = True
-    if sigma > 0 and not busy and x.local_ttft > 0 and split_ttft > 0:
-        # P(a prediction p misses its target t) = Phi(ln(p / t) / sigma)
-        #                                       = erfc(ln(t / p) / (sigma sqrt 2)) / 2.
-        # A split onto a prefill pool so busy that it misses a TTFT the local prefill meets
-        # is left out (`busy`): it also delays the prompts queued after it there.
-        erfc, log = math.erfc, math.log
-        ttft_misses = erfc(log(1.0 / local_ttft) / sigma)  # x 2, as every term here
-        itl_misses = 0.0
-        if x.streams and harm > x.others_itl > 0:
-            worse = erfc(log(x.itl_target / harm) / sigma)
-            itl_misses = x.streams * (worse - erfc(log(x.itl_target / x.others_itl) / sigma))
-        split_misses = erfc(log(x.ttft_target / split_ttft) / sigma)
-        gain = ttft_misses + itl_misses - split_misses
-        queued_misses = 0.0
-        if x.prefill_rate > 0 and gain >= 2 * RISK_TIE:
-            # The prompts that queue behind it on the prefill replica wait out its compute:
-            # those arriving (at its rate lately, prompts of this one's size) until the
-            # queue it joins drains, its TTFT there over the share of time left idle.
-            busy_share = min(x.prefill_rate * x.prefill_token_s, QUEUE_BUSY_MAX)
-            behind = x.prefill_rate * x.prefill_ttft / ((1.0 - busy_share) * x.uncached_tokens)
-            later = erfc(log(x.ttft_target / (split_ttft + stall)) / sigma)
-            queued_misses = behind * (later - split_misses)
-        if gain - queued_misses >= 2 * RISK_TIE:
-            return verdict(True, "itl-harm" if itl_misses >= ttft_misses else "faster-ttft")
-        if queued_misses:  # the prompts it would delay tip it: the prefill pool is busy
-            return verdict(False, "prefill-busy")
-        tie = gain > -2 * RISK_TIE
-    if tie:
-        local = max(local_ttft, local_itl)
-        split = max(split_ttft / x.ttft_target, x.decode_step_s / x.itl_target)
-        if split < local * (1.0 - x.margin):
-            return verdict(True, "itl-harm" if local_itl >= local_ttft else "faster-ttft")
-    if busy:
+    local = max(local_ttft, local_itl)
+    split = max(split_ttft / x.ttft_target, x.decode_step_s / x.itl_target)
+    if split < local * (1.0 - x.margin):
+        return verdict(True, "itl-harm" if local_itl >= local_ttft else "faster-ttft")
+    if split_ttft > x.ttft_target and split_ttft > x.local_ttft:
         return verdict(False, "prefill-busy")
     mostly_cached = x.prompt_tokens >= 2 * x.uncached_tokens
     short = chunk * x.prefill_token_s <= x.decode_step_s
@@ -224,13 +160,12 @@ def plan(
     replica = model.replicas.get(decode.url) or model.unseen(decode.url)
     step, prefill = replica.speed
     prior = replica.prior
-    best, best_ttft, best_rate = None, None, 0.0
+    best, best_ttft = None, None
     for c in prefills:
         # the prefill replica computes the whole uncached prompt (its own prefix cache aside)
-        there = predictions.dispatch(c.url, request, c)
-        ttft, _ = model.predict(c.url, there)
+        ttft, _ = model.predict(c.url, predictions.dispatch(c.url, request, c))
         if best_ttft is None or ttft < best_ttft:
-            best, best_ttft, best_rate = c.url, ttft, there.prefill_rate
+            best, best_ttft = c.url, ttft
     verdict = decide(
         Inputs(
             prompt_tokens=here.prompt_tokens,
@@ -248,8 +183,6 @@ def plan(
             split=settings.split,
             answer_tokens=here.answer_tokens or PRIOR_ANSWER_LENGTH,
             margin=settings.margin,
-            streams=max(int(here.batch) - 1, 0),
-            prefill_rate=best_rate,
         )
     )
     return verdict, best if verdict.split else None
