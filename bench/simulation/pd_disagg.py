@@ -21,7 +21,9 @@ the TTFT and the mean-ITL target (bisection over the rate). Run:
 `.venv/bin/python -m bench.pd_disagg [--quick]`; the margin against the error:
 `--pools 70B/4xH100 --requests 1200 --sweep` (`--prefill 1` for one P:D, `--margins`);
 the local side's cost against what a long prompt's stall does to the streams beside it:
-`--pools 70B/4xH100 --harm rag:2.1,mix:3.9`.
+`--pools 70B/4xH100 --harm rag:2.1,mix:3.9`; several workload samples pooled per point (the
+more precise figure; each sample's beside): `--seeds 0,1,2 --prefill 3 [--bisections 8]`;
+conditional's misses by kind at a rate: `--prefill 5 --seeds 0,1,2 --misses rag:19.5`.
 """
 
 from __future__ import annotations
@@ -85,10 +87,11 @@ def workload(name: str, rate: float, count: int, seed: int = 0) -> list[Req]:
 # ---------------------------------------------------------------- replicas
 
 
-def requests_at(wl: str, n: int) -> Callable[[float], list[Req]]:
+def requests_at(wl: str, n: int, seed: int = 0) -> Callable[[float], list[Req]]:
     """`n` requests, or `SECONDS` of arrivals at the rate where that is more (a short run at
-    a high rate ends before the queues it builds show: 500 chat requests at 150/s are 3 s)."""
-    return lambda rate: workload(wl, rate, min(MAX_REQUESTS, max(n, int(rate * SECONDS))))
+    a high rate ends before the queues it builds show: 500 chat requests at 150/s are 3 s);
+    `seed`: the workload's sample."""
+    return lambda rate: workload(wl, rate, min(MAX_REQUESTS, max(n, int(rate * SECONDS))), seed)
 
 
 def run(
@@ -100,11 +103,23 @@ def run(
 
 
 def goodput(
-    pool: str, shape: str, prefill: int, wl: str, n: int, slo, hi: float, **errs: float
+    pool: str,
+    shape: str,
+    prefill: int,
+    wl: str,
+    n: int,
+    slo,
+    hi: float,
+    seeds: tuple[int, ...] = (0,),
+    bisections: int = 6,
+    **errs: float,
 ) -> float:
     """The highest rate (req/s) with >= 90% of requests within both SLOs (bisection);
-    `errs`: the decision's margin and the predictions' error (`Sim`'s)."""
-    return pool_goodput(requests_at(wl, n), POOLS[pool], shape, prefill, slo, hi, **errs)
+    `errs`: the decision's margin and the predictions' error (`Sim`'s); `seeds`: the
+    workload samples pooled at each rate (`pd.goodput`; seed s's predictions' error drawn
+    with seed s too)."""
+    samples = {s: requests_at(wl, n, s) for s in seeds}
+    return pool_goodput(samples, POOLS[pool], shape, prefill, slo, hi, bisections, **errs)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -165,6 +180,26 @@ def parser() -> argparse.ArgumentParser:
         "did to them, at the first --prefill count (default 3) and these rates (req/s)",
     )
     ap.add_argument(
+        "--misses",
+        metavar="WORKLOAD:RATE,...",
+        help="conditional's misses by kind (local or split; TTFT, ITL or both) and its "
+        "reasons at these rates, at the first --prefill count (default 3), --seeds pooled",
+    )
+    ap.add_argument(
+        "--seeds",
+        help="workload samples to pool, comma-separated (e.g. 0,1,2): each point's share "
+        "within both SLOs over every sample's requests together, each shape at its best "
+        "pooled P:D, the per-sample goodputs beside (default: one sample, seed 0, the full "
+        "table)",
+    )
+    ap.add_argument(
+        "--bisections",
+        type=int,
+        default=6,
+        help="--seeds: bisection steps over [0, compute bound] (6: a step of 1.6%% of the "
+        "bound, 0.07 req/s on 70B RAG; 8: 0.4%%)",
+    )
+    ap.add_argument(
         "--margins",
         default=",".join(f"{m:g}" for m in SWEEP_MARGINS),
         help="--sweep: the margins",
@@ -185,6 +220,11 @@ def main() -> None:
         harm(args.pools.split(",")[0], int((args.prefill or "3").split(",")[0]), args.harm)
         return
     n = 150 if args.quick else args.requests
+    if args.misses:
+        seeds = tuple(int(s) for s in (args.seeds or "0").split(","))
+        prefill = int((args.prefill or "3").split(",")[0])
+        misses(args.pools.split(",")[0], prefill, args.misses, n, seeds, args.error)
+        return
     pools, workloads = args.pools.split(","), args.workloads.split(",")
     print(f"# P/D on the same GPUs; {n} requests or {SECONDS:g} s of arrivals per point (the"
           f" more), gamma arrivals (shape {BURSTINESS}),"
@@ -192,6 +232,10 @@ def main() -> None:
           " highest rate with 90% within both")  # fmt: skip
     if args.sweep:
         margin_sweep(pools, workloads, n, args.prefill, args.margins)
+        return
+    if args.seeds:
+        seeds = tuple(int(s) for s in args.seeds.split(","))
+        pooled(pools, workloads, n, args.prefill, seeds, args.margin, args.error, args.bisections)
         return
     errs = {"margin": args.margin, "error": args.error}
     exact = {"margin": args.margin, "error": 0.0}
@@ -229,6 +273,51 @@ def main() -> None:
                       f"{pct(ttfts, .99):.2f} | {1e3 * pct(at.harmed or at.gaps, .99):.0f} ms |"
                       f" {split:.0%} | {reasons} |", flush=True)  # fmt: skip
     decision_cost()
+
+
+def pooled(
+    pools: list[str],
+    workloads: list[str],
+    n: int,
+    prefill: str | None,
+    seeds: tuple[int, ...],
+    margin: float,
+    error: float,
+    bisections: int = 6,
+) -> None:
+    """Each shape's goodput on the workload samples `seeds` pooled (`pd.goodput`), at its
+    best pooled P:D, with each sample's own goodput at that P:D beside, and the share of
+    requests split at the pooled goodput (over every sample's requests)."""
+    errs = {"margin": margin, "error": error}
+    exact = {"margin": margin, "error": 0.0}
+    print(f"# {len(seeds)} workload samples pooled per point (seeds {seeds}); conditional's "
+          f"margin {margin:g}, error sigma {error:g} (row 'exact': 0)")  # fmt: skip
+    for pool in pools:
+        replicas = POOLS[pool].replicas
+        print(f"\n## {pool}: goodput req/s, pooled and per sample")
+        print("| workload | shape | P:D | pooled | " + " | ".join(f"seed {s}" for s in seeds)
+              + " | split share (pooled, at its goodput) |")  # fmt: skip
+        print("|---|---|---|---|" + "---|" * len(seeds) + "---|")
+        for wl in workloads:
+            hi = bound(pool, wl)
+            rows = (("aggregated", errs), ("always", errs), ("conditional", errs),
+                    ("dynamo", errs), ("conditional", exact))  # fmt: skip
+            for shape, e in rows:
+                ks = [0] if shape == "aggregated" else ratios(pool, prefill)
+                g = {k: goodput(pool, shape, k, wl, n, SLO, hi, seeds, bisections, **e)
+                     for k in ks}  # fmt: skip
+                k = max(g, key=lambda k: (g[k], -k))
+                each = [goodput(pool, shape, k, wl, n, SLO, hi, (s,), bisections, **e)
+                        for s in seeds]  # fmt: skip
+                jobs = [j for s in seeds for j in Sim(
+                    POOLS[pool], shape, k, requests_at(wl, n, s)(max(g[k], 0.05)), SLO,
+                    seed=s, **e).run()]  # fmt: skip
+                split = sum(j.split for j in jobs) / len(jobs)
+                pd = "-" if shape == "aggregated" else f"{k}:{replicas - k}"
+                label = shape + (", exact" if e is exact else "")
+                print(f"| {wl} | {label} | {pd} | {g[k]:.2f} | "
+                      + " | ".join(f"{x:.2f}" for x in each) + f" | {split:.0%} |",
+                      flush=True)  # fmt: skip
 
 
 def margin_sweep(
@@ -304,6 +393,34 @@ def harm(pool: str, prefill: int, at: str, n: int = 1200) -> None:
                   f"{misses} | {len(rows)} | {cells[0]:.2f} | {cells[1]:.1f} | "
                   f"{1e3 * cells[2]:.1f} | {1e3 * cells[3]:.1f} | {1e3 * cells[4]:.1f} | "
                   f"{cells[5]:.1f} | {cells[6]:.1f} |", flush=True)  # fmt: skip
+
+
+def misses(pool: str, prefill: int, at: str, n: int, seeds: tuple[int, ...], error: float) -> None:
+    """Conditional's requests by where their prompt ran and which SLO they missed, and its
+    decisions' reasons, over the samples `seeds` together at each rate."""
+    print(f"\n## {pool} at {prefill}:{POOLS[pool].replicas - prefill}, conditional, error "
+          f"{error:g}, seeds {seeds} pooled, {n} requests each")  # fmt: skip
+    for item in at.split(","):
+        wl, rate = item.split(":")
+        jobs: list[Job] = []
+        reasons: dict[str, int] = {}
+        for s in seeds:
+            sim = Sim(POOLS[pool], "conditional", prefill, requests_at(wl, n, s)(float(rate)),
+                      SLO, error=error, seed=s)  # fmt: skip
+            jobs += sim.run()
+            for r, c in sim.reasons.items():
+                reasons[r] = reasons.get(r, 0) + c
+        kinds: dict[str, int] = {}
+        for j in jobs:
+            late = j.first - j.req.t > SLO[0]
+            slow = (j.last - j.first) / max(j.req.output - 1, 1) > SLO[1]
+            kind = ("split" if j.split else "local") + (" TTFT" if late else "") + (
+                " ITL" if slow else "")  # fmt: skip
+            kinds[kind] = kinds.get(kind, 0) + 1
+        print(f"{wl} at {rate} req/s: within both {attained(jobs, SLO):.1%} of {len(jobs)}; "
+              + ", ".join(f"{k} {c}" for k, c in sorted(kinds.items()))
+              + "; reasons " + ", ".join(f"{r} {c}" for r, c in sorted(reasons.items())),
+              flush=True)  # fmt: skip
 
 
 def decision_cost() -> None:

@@ -27,7 +27,7 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kubellm import capacity
@@ -361,8 +361,11 @@ def attained(jobs: list[Job], slo: tuple[float, float]) -> float:
     return ok / len(jobs)
 
 
+Sample = Callable[[float], Sequence[Req]]  # a workload sample's requests at a rate
+
+
 def goodput(
-    requests_at: Callable[[float], Sequence[Req]],
+    requests_at: Sample | Mapping[int, Sample],
     pool: Pool,
     shape: str,
     prefill: int,
@@ -374,11 +377,18 @@ def goodput(
     error: float = 0.0,
 ) -> float:
     """The highest rate in [0, hi] whose requests (`requests_at(rate)`) meet both SLOs at
-    least `attain` of the time (bisection; `margin` and `error` as `Sim`'s)."""
+    least `attain` of the time (bisection; `margin` and `error` as `Sim`'s). Pooled: a
+    mapping of seeds to samples, each run apart (its predictions' error drawn with its seed)
+    and the share within both SLOs counted over all samples' requests together, so each
+    point of the bisection weighs len(samples) times the requests of one."""
+    samples = requests_at if isinstance(requests_at, Mapping) else {0: requests_at}
 
     def ok(rate: float) -> bool:
-        sim = Sim(pool, shape, prefill, list(requests_at(rate)), slo, margin, error)
-        return attained(sim.run(), slo) >= attain
+        jobs: list[Job] = []
+        for seed, at in samples.items():
+            sim = Sim(pool, shape, prefill, list(at(rate)), slo, margin, error, seed)
+            jobs += sim.run()
+        return attained(jobs, slo) >= attain
 
     if ok(hi):
         return hi

@@ -41,6 +41,33 @@ def test_goodput_is_the_rate_where_ninety_percent_meet_both_slos():
     assert pd.attained(pd.run("8B/H100", "aggregated", 0, "chat", rate, 100, slo).jobs, slo) >= 0.9
 
 
+def test_pooled_goodput_counts_every_samples_requests_at_each_rate(monkeypatch):
+    """`--seeds`: each point runs every workload sample apart, its predictions' error drawn
+    with its own seed, and the share within both SLOs is over all their requests together."""
+    slo, pool = (2.0, 0.03), pd.POOLS["8B/H100"]
+    one = simulation_pd.goodput(pd.requests_at("chat", 100), pool, "aggregated", 0, slo, 200.0)
+    assert pd.goodput("8B/H100", "aggregated", 0, "chat", 100, slo, 200.0, (0,)) == one
+    runs: list[tuple[int, int]] = []
+    sim = simulation_pd.Sim
+
+    def recorded(*args, **kwargs):
+        made = sim(*args, **kwargs)
+        runs.append((args[7], len(args[3])))  # (the error's seed, requests)
+        return made
+
+    monkeypatch.setattr(simulation_pd, "Sim", recorded)
+    rate = pd.goodput("8B/H100", "conditional", 4, "rag", 100, slo, 40.0, (0, 1, 2), error=0.3)
+    assert 0 < rate < 40.0
+    assert [seed for seed, _ in runs[:3]] == [0, 1, 2] and len(runs) % 3 == 0
+    monkeypatch.setattr(simulation_pd, "Sim", sim)
+    jobs = [j for s in (0, 1, 2) for j in pd.Sim(
+        pool, "conditional", 4, pd.requests_at("rag", 100, s)(rate), slo, error=0.3, seed=s
+    ).run()]  # fmt: skip
+    assert pd.attained(jobs, slo) >= 0.9
+    samples = [pd.requests_at("rag", 100, s)(rate) for s in (0, 1, 2)]
+    assert samples[0] != samples[1] != samples[2]
+
+
 # ---------------------------------------------------------------- the predictions' error
 
 
@@ -136,3 +163,14 @@ def test_recording_keeps_each_decision_and_the_streams_it_saw():
     for i, _, verdict, there in sim.verdicts:
         assert verdict.split == jobs[i].split
         assert all(jobs[k].decode_at == jobs[i].decode_at and k < i for k in there)
+
+
+def test_misses_count_every_request_of_every_sample_once(capsys):
+    """`--misses`: each request in exactly one kind (where its prompt ran, which SLO it
+    missed), over the pooled samples' requests."""
+    pd.misses("70B/4xH100", 3, "rag:1.5", 60, (0, 1), 0.3)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "of 120;" in line
+    kinds = line.split("; ")[1].split(", ")
+    assert sum(int(k.rsplit(" ", 1)[1]) for k in kinds) == 120
+    assert all(k.split(" ")[0] in ("local", "split") for k in kinds)
