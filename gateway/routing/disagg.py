@@ -33,9 +33,9 @@ split = (1 + prompts queued on the prefill replica) x (split TTFT / target - 1)+
 (one decode step / ITL target - 1)+ (the prompts queued there stand for those that arrive
 behind it while it is computed: as many, in a queue that holds its length). The smaller
 wins: a split is `itl-harm` (or `faster-ttft` where the local TTFT's excess is the larger
-part), a local prefill `prefill-busy` (or `no-gain` with the split
-within its TTFT target). Always: split whenever a prefill replica is ready (for comparison,
-as production-stack and vllm-router do).
+part), a local prefill `prefill-busy` (or `no-gain` with the split within its TTFT target).
+Within both targets the point cost and the margin decide, as above. Always: split whenever
+a prefill replica is ready (for comparison, as production-stack and vllm-router do).
 
 Each decision has a reason, counted by the front ends (`kubellm_gateway_disagg_decisions_total`).
 """
