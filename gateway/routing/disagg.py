@@ -21,8 +21,21 @@ ITL target) (the streams there are spared the prompt). It splits when the split'
 under the local one's by the margin (`PrefillSplit.margin`): `itl-harm` when the streams'
 ITL is what the local prefill costs most, `faster-ttft` when the TTFT is (a decode replica
 with a queue beside an idle prefill pool). A split that would miss a TTFT target the local
-prefill meets or beats is `prefill-busy`. Always: split whenever a prefill replica is ready
-(for comparison, as production-stack and vllm-router do).
+prefill meets or beats is `prefill-busy`.
+
+Past a target the point cost weighs one request against one: the local side's ITL harm falls
+on every stream there, the split's TTFT on this request and the prompts that queue behind it
+on its prefill replica. So when either side is predicted past a target, the two are compared
+by their summed excess, each miss counted by how far past its target it is and by how many
+requests carry it (linear: it keeps growing with the overload, where a miss probability
+saturates near 1): local = (local TTFT / target - 1)+ + streams x (harm / ITL target - 1)+;
+split = (1 + prompts queued on the prefill replica) x (split TTFT / target - 1)+ + streams x
+(one decode step / ITL target - 1)+ (the prompts queued there stand for those that arrive
+behind it while it is computed: as many, in a queue that holds its length). The smaller
+wins: a split is `itl-harm` (or `faster-ttft` where the local TTFT's excess is the larger
+part), a local prefill `prefill-busy` (or `no-gain` with the split within its TTFT target).
+Within both targets the point cost and the margin decide, as above. Always: split whenever
+a prefill replica is ready (for comparison, as production-stack and vllm-router do).
 
 Each decision has a reason, counted by the front ends (`kubellm_gateway_disagg_decisions_total`).
 """
@@ -93,6 +106,8 @@ class Inputs:
     split: Literal["Conditional", "Always"] = "Conditional"
     answer_tokens: float = PRIOR_ANSWER_LENGTH  # the answers' mean length lately (tokens)
     margin: float = PrefillSplit.margin  # the share the split's cost must be under local's
+    streams: float = 0.0  # the sequences decoding on the decode replica (this one not)
+    prefill_queued: float = 0.0  # the prompts queued on the prefill replica (this one not)
 
 
 @dataclass(frozen=True)
@@ -130,8 +145,19 @@ def decide(x: Inputs) -> Verdict:
         cached = x.prompt_tokens - x.uncached_tokens >= MIN_SPLIT_TOKENS
         return verdict(False, "cached-prefix" if cached else "short-prompt")
     local_ttft, local_itl = x.local_ttft / x.ttft_target, harm / x.itl_target
+    split_ttft_cost, step_itl = split_ttft / x.ttft_target, x.decode_step_s / x.itl_target
+    # past a target: each side's misses summed over the requests that carry them
+    late, slow = max(local_ttft - 1.0, 0.0), x.streams * max(local_itl - 1.0, 0.0)
+    local_excess = late + slow
+    split_excess = (1.0 + x.prefill_queued) * max(split_ttft_cost - 1.0, 0.0) + (
+        x.streams * max(step_itl - 1.0, 0.0)
+    )
+    if local_excess > 0.0 or split_excess > 0.0:
+        if split_excess < local_excess:
+            return verdict(True, "itl-harm" if slow >= late else "faster-ttft")
+        return verdict(False, "prefill-busy" if split_ttft > x.ttft_target else "no-gain")
     local = max(local_ttft, local_itl)
-    split = max(split_ttft / x.ttft_target, x.decode_step_s / x.itl_target)
+    split = max(split_ttft_cost, step_itl)
     if split < local * (1.0 - x.margin):
         return verdict(True, "itl-harm" if local_itl >= local_ttft else "faster-ttft")
     if split_ttft > x.ttft_target and split_ttft > x.local_ttft:
@@ -160,12 +186,13 @@ def plan(
     replica = model.replicas.get(decode.url) or model.unseen(decode.url)
     step, prefill = replica.speed
     prior = replica.prior
-    best, best_ttft = None, None
+    best, best_ttft, queued = None, None, 0.0
     for c in prefills:
         # the prefill replica computes the whole uncached prompt (its own prefix cache aside)
-        ttft, _ = model.predict(c.url, predictions.dispatch(c.url, request, c))
+        there = predictions.dispatch(c.url, request, c)
+        ttft, _ = model.predict(c.url, there)
         if best_ttft is None or ttft < best_ttft:
-            best, best_ttft = c.url, ttft
+            best, best_ttft, queued = c.url, ttft, there.ahead_requests + there.others
     verdict = decide(
         Inputs(
             prompt_tokens=here.prompt_tokens,
@@ -183,6 +210,8 @@ def plan(
             split=settings.split,
             answer_tokens=here.answer_tokens or PRIOR_ANSWER_LENGTH,
             margin=settings.margin,
+            streams=max(here.batch - 1.0, 0.0),
+            prefill_queued=queued,
         )
     )
     return verdict, best if verdict.split else None

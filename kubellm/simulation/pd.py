@@ -245,6 +245,7 @@ class Sim:
             prefill_ttft=prefill_ttft[best], answer_tokens=self.answer_tokens,
             kv_bytes_per_token=self.kv_bytes, link_bytes_per_s=self.link,
             ttft_target=self.slo[0], itl_target=self.slo[1], margin=self.margin,
+            streams=len(r.running), prefill_queued=len(self.replicas[best].waiting),
         )  # fmt: skip
         verdict = decide(inputs)
         self.decision_s.append(time.perf_counter() - started)

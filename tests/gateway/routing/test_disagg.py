@@ -43,6 +43,10 @@ SEVENTY = Inputs(
     answer_tokens=150,
 )
 
+# SEVENTY with 20 streams there at 28 ms (33.7 ms with the stall) and the prefill pool busy:
+# the split's TTFT 2.29 s (2.2 s on its prefill replica, one prompt queued there)
+PAST = replace(SEVENTY, others_itl=0.028, prefill_ttft=2.2, streams=20.0, prefill_queued=1.0)
+
 CASES = {
     "long uncached prompt, busy decode replica": (BASE, True, "itl-harm"),
     "short prompt": (replace(BASE, prompt_tokens=60, uncached_tokens=60), False, "short-prompt"),
@@ -76,6 +80,14 @@ CASES = {
         replace(SEVENTY, answer_tokens=2000), False, "no-gain"),
     "slow link: the transfer makes the split miss its TTFT": (
         replace(BASE, link_bytes_per_s=0.5e9), False, "prefill-busy"),
+    # both sides past a target (summed excess): a local prefill pushes 20 streams 12% past
+    # the ITL target (20 x 0.12), the split this request 14% past its TTFT target behind one
+    # queued prompt (2 x 0.14): split, where the point cost (1.14 against 1.12) kept it local
+    "both past a target, many streams there: split": (PAST, True, "itl-harm"),
+    "both past a target, two streams, three prompts queued on the prefill replica": (
+        replace(PAST, streams=2.0, prefill_queued=3.0), False, "prefill-busy"),
+    "the split past its TTFT target, the streams within theirs: local": (
+        replace(PAST, others_itl=0.020), False, "prefill-busy"),
 }  # fmt: skip
 
 
@@ -139,3 +151,29 @@ def test_a_long_prompt_splits_by_its_stall_where_the_streams_mean_itl_alone_woul
     assert (verdict.split, url) == (True, "http://p") and verdict.local_itl_harm < 0.030
     kept, url = plan(predictions, request, decode, prefills, PrefillSplit(margin=0.1), 2.0, 0.03)
     assert (kept.split, kept.reason, url) == (False, "no-gain", None)
+
+
+def test_past_a_target_the_excess_is_summed_over_the_requests_that_carry_it() -> None:
+    # the point cost alone (no streams, no queue counted) keeps PAST local
+    alone = decide(replace(PAST, streams=0.0, prefill_queued=0.0))
+    assert (alone.split, alone.reason) == (False, "prefill-busy")
+    # the local side's excess grows with the streams it stalls, the split's with the queue
+    assert decide(replace(PAST, streams=3.0, prefill_queued=1.0)).split
+    assert not decide(replace(PAST, streams=2.0, prefill_queued=1.0)).split
+
+
+def test_plan_reads_the_streams_and_the_chosen_prefill_replicas_queue(monkeypatch) -> None:
+    import kubellm.gateway.routing.disagg as disagg
+
+    seen: list[Inputs] = []
+    real = disagg.decide
+    monkeypatch.setattr(disagg, "decide", lambda x: seen.append(x) or real(x))
+    decode = Candidate("http://d", in_flight=40, running=40.0, waiting=0.0)
+    prefills = [
+        Candidate("http://p-busy", in_flight=0, running=3.0, waiting=6.0),
+        Candidate("http://p-idle", in_flight=0, running=0.0, waiting=1.0),
+    ]
+    plan(Predictions(), _request(12_000), decode, prefills, PrefillSplit(), 2.0, 0.030)
+    (x,) = seen
+    assert x.streams == 40.0  # the 40 running there (the batch less this request)
+    assert x.prefill_queued == 1.0  # p-idle's one waiting prompt (another gateway's)
