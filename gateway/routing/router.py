@@ -90,14 +90,20 @@ class Router:
         self.shared.adapters = scorer
 
     def candidates(
-        self, target: ModelTarget, endpoints: Sequence[Endpoint] | None = None
+        self,
+        target: ModelTarget,
+        endpoints: Sequence[Endpoint] | None = None,
+        panic: bool = False,
     ) -> list[Candidate]:
         """Endpoints that may take a new request: routable (or `endpoints`: a prefill
         leg's), not ejected, and not down (the latest scrape failed), unless every one that
         is not ejected is down: then those, since an engine without working metrics may
-        still answer."""
+        still answer. `panic`: when every one is ejected, all of them (as Envoy's panic
+        threshold: an ejected replica may answer, a model with none answers nothing)."""
         given = target.routable if endpoints is None else endpoints
         alive = [e for e in given if not self.outliers.ejected(e.url)]
+        if panic and not alive:
+            alive = list(given)
         healthy = [e for e in alive if not self.load.down(e.url)]
         out = []
         for endpoint in healthy or alive:

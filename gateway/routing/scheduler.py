@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -38,6 +39,9 @@ from kubellm.gateway.routing.scorers.base import RoutingRequest
 from kubellm.gateway.routing.settings import SchedulerSettings
 
 __all__ = ["Scheduler", "SchedulerSettings"]
+
+
+log = logging.getLogger("kubellm.gateway")
 
 
 class Scheduler:
@@ -205,7 +209,9 @@ class Scheduler:
         by) until it decides; an adapter load it names is awaited (bounded) first."""
         model, s = target.served_name, self.settings
         start = time.monotonic()
-        candidates = self.router.candidates(target)
+        # every replica ejected and no fallback to take the request: try them anyway
+        panic = not (fallback_allowed and target.fallback is not None)
+        candidates = self.router.candidates(target, panic=panic)
         budget = target.slo.ttft_seconds if candidates else s.zero_replica_wait_seconds
         p = Pass(
             target, routing, start, start + budget, bool(candidates), s.thresholds, caller,
@@ -220,7 +226,7 @@ class Scheduler:
                 wakes = self._wakes
                 if queued:  # re-read: endpoints may have appeared (scale from zero) or gone
                     target = self.discovery.snapshot().get(model, target)
-                    candidates = self.router.candidates(target)
+                    candidates = self.router.candidates(target, panic=panic)
                 waiting = self.queued.get(model, 0)
                 p.refresh(
                     target, candidates, time.monotonic(),
@@ -263,5 +269,9 @@ class Scheduler:
     def failed(self, url: str, fatal: bool = False) -> None:
         """A replica failed before its first byte. `fatal` (refused, frozen): eject now."""
         if self.outliers.failure(url, fatal=fatal):
+            log.warning(
+                "replica %s ejected for %.0f s after %s", url, self.outliers.ejected_for(url),
+                "a fatal failure (refused, or no answer in time)" if fatal else "failures",
+            )  # fmt: skip
             self.topology_changed()
         revisions_failed(self.metrics, self.discovery.snapshot().values(), url)  # canaries

@@ -39,6 +39,11 @@ class OutlierDetector:
         health = self._health.get(url)
         return health is not None and self.clock() < health.ejected_until
 
+    def ejected_for(self, url: str) -> float:
+        """Seconds the endpoint's ejection has left (0 when not ejected)."""
+        health = self._health.get(url)
+        return 0.0 if health is None else max(0.0, health.ejected_until - self.clock())
+
     def success(self, url: str) -> None:
         health = self._health.get(url)
         if health is not None:

@@ -11,6 +11,7 @@ import pytest
 from kubellm.gateway.discovery.base import AdapterRef, Endpoint, FixedDiscovery, ModelTarget
 from kubellm.gateway.epp import messages as m
 from kubellm.gateway.epp.server import EndpointPicker, Exchange, PickerSettings
+from kubellm.gateway.routing.settings import SchedulerSettings
 
 from kubellm.contracts import POOL_HEADER
 
@@ -208,7 +209,8 @@ async def test_a_shared_picker_never_crosses_the_pool_the_route_names():
 
 async def test_the_response_releases_and_5xx_answers_eject_the_replica():
     target = ModelTarget("tiny", "tiny", endpoints=(Endpoint(REPLICAS[0]),))
-    picker = EndpointPicker(FixedDiscovery({"tiny": target}), PickerSettings())
+    core = SchedulerSettings(eject_base_seconds=300, zero_replica_wait_seconds=0.5)
+    picker = EndpointPicker(FixedDiscovery({"tiny": target}), PickerSettings(scheduler=core))
     status = _status(b"503")
     for _ in range(picker.scheduler.outliers.threshold):
         exchange = Exchange(picker)
@@ -222,6 +224,11 @@ async def test_the_response_releases_and_5xx_answers_eject_the_replica():
         assert error["code"] == "upstream_error"
         assert REPLICAS[0] not in picker.scheduler.in_flight()
     assert picker.scheduler.outliers.ejected(REPLICAS[0])
+    # the pool's only replica, ejected: still picked (no fallback here), not held back
+    exchange = Exchange(picker)
+    await exchange.handle(_headers(protocol_config=_config(Mode.FULL_DUPLEX_STREAMED)))
+    await exchange.handle(_body())
+    assert exchange.url == REPLICAS[0]
 
 
 async def test_a_client_hanging_up_after_done_is_a_complete_answer():

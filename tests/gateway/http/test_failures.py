@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from kubellm.gateway.discovery.base import FallbackTarget
 
 from tests.fixtures.polling import wait_until
 from tests.gateway.conftest import model
@@ -52,6 +53,50 @@ def test_consecutive_failures_eject_an_endpoint(engines, gateway):
     assert len(good.bodies) == 10
     labels = {"model": "tiny", "deployment": "tiny", "namespace": "default"}
     assert gw.metric("kubellm_gateway_ready_endpoints", **labels) == 1
+
+
+def test_the_only_replicas_ejected_still_get_requests_without_a_fallback(engines, gateway):
+    """Every replica of a model ejected and no fallback API: requests still go to them
+    (Envoy's panic mode), rather than wait out the ejection in the queue and be refused.
+    Issue 38: one fatal failure on a loaded gateway's only replica (a connect timeout)
+    blacked the model out for the ejection's 5 s, then 10 s, ..."""
+    ((engine, server),) = engines(1)
+    engine.behaviour.status = 500
+    gw = gateway(
+        {"tiny": model("tiny", [server])},
+        eject_after_failures=1,
+        eject_base_seconds=300,
+        zero_replica_wait_seconds=0.5,
+    )
+    client = gw.client(max_retries=0)
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model="tiny", messages=CHAT)
+    labels = {"model": "tiny", "deployment": "tiny", "namespace": "default"}
+    assert gw.metric("kubellm_gateway_ready_endpoints", **labels) == 0  # ejected
+    engine.behaviour.status = 200  # back, and its ejection has 300 s to run
+    answer = client.chat.completions.create(model="tiny", messages=CHAT)
+    assert answer.choices[0].message.content.startswith(engine.name)
+    assert len(engine.bodies) == 2
+
+
+def test_ejected_replicas_leave_their_requests_to_the_fallback(engines, gateway):
+    """With a fallback API, a model whose replicas are all ejected sends its requests
+    there, as when none is ready (no panic routing to the ejected ones)."""
+    (engine, server), (api, api_server) = engines(2)
+    engine.behaviour.status = 500
+    fallback = FallbackTarget(url=f"{api_server.url}/v1", model="ext")
+    gw = gateway(
+        {"tiny": model("tiny", [server], fallback=fallback)},
+        eject_after_failures=1,
+        eject_base_seconds=300,
+    )
+    client = gw.client(max_retries=0)
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model="tiny", messages=CHAT)
+    engine.behaviour.status = 200
+    answer = client.chat.completions.create(model="tiny", messages=CHAT)
+    assert answer.choices[0].message.content.startswith(api.name)
+    assert len(engine.bodies) == 1
 
 
 def test_replica_dying_mid_stream_ends_with_error_event(engines, gateway):
