@@ -12,7 +12,9 @@ grpclib's per-stream server machinery (`LeanHandler`): its messages go straight 
 HTTP/2 stream, the headers and trailers are built once; a message that arrived whole in
 one DATA frame is taken from the stream's buffer in one step (`LeanCall.read`), whose
 chunks wait in a one-reader queue (`OneReaderQueue`, not an `asyncio.Queue`); h2's debug
-lines go to a logger that drops them without a Python call (`SilentLogger`). Every
+lines go to a logger that drops them without a Python call (`SilentLogger`); h2 hands the
+server the headers it received in bytes, undecoded (`header_encoding` None): the plain form
+is told from four of them, any other stream gets them decoded as h2 would. Every
 frame is still parsed by hyperframe and h2 (a fast path that read DATA frame headers by hand
 gave -2.2% of the picker's instructions and was taken out: the HTTP/2 framing is theirs).
 
@@ -121,6 +123,7 @@ _PREFIX = struct.Struct(">?I")  # a gRPC message's prefix: compressed, length
 _LENGTH = struct.Struct(">I")
 _INITIAL = ((":status", "200"), ("content-type", _CONTENT_TYPE))
 _PLAIN_TYPES = frozenset({"application/grpc", _CONTENT_TYPE})
+_PLAIN_TYPES_RAW = frozenset(kind.encode() for kind in _PLAIN_TYPES)
 
 
 class LeanCall(Call):
@@ -514,20 +517,32 @@ class LeanHandler(Handler):
         self.lean = lean
 
     def accept(self, stream: Any, headers: Any, release_stream: Callable[[], Any]) -> None:
+        """`headers` as h2 received them, in bytes (the server's `header_encoding` is None):
+        an ext_proc stream of the plain form is told by four of them; any other stream gets
+        them decoded as h2 would have (ASCII, the same `UnicodeDecodeError` for a byte
+        outside it) and goes to grpclib."""
         values = dict(headers)  # the last of a repeated header, as grpclib reads them
-        service = self.lean.get(values.get(":path", ""))
+        service = self.lean.get(values.get(b":path", b""))
         if (
             service is None
-            or values.get(":method") != "POST"
-            or values.get("content-type") not in _PLAIN_TYPES
-            or values.get("te") != "trailers"
-            or "grpc-timeout" in values
+            or values.get(b":method") != b"POST"
+            or values.get(b"content-type") not in _PLAIN_TYPES_RAW
+            or values.get(b"te") != b"trailers"
+            or b"grpc-timeout" in values
+            or not b"".join(map(b"".join, headers)).isascii()
         ):
-            super().accept(stream, headers, release_stream)
+            super().accept(stream, decoded(headers), release_stream)
             return
         self.__gc_step__()
         lean_buffer(stream.buffer)
         self._tasks[stream] = self.loop.create_task(service.serve(stream, release_stream))
+
+
+def decoded(headers: Any) -> list[Any]:
+    """h2's `_decode_headers` (ASCII): each header of its own class (`HeaderTuple` or
+    `NeverIndexedHeaderTuple`), name and value decoded."""
+    return [header.__class__(header[0].decode("ascii"), header[1].decode("ascii"))
+            for header in headers]  # fmt: skip
 
 
 SILENT = SilentLogger()
@@ -535,7 +550,7 @@ SILENT = SilentLogger()
 
 def _server(handlers: list[Any], max_streams: int) -> Server:
     lean = {
-        path: handler
+        path.encode(): handler
         for handler in handlers
         if isinstance(handler, ExtProc)
         for path in handler.__mapping__()
@@ -559,7 +574,9 @@ def _server(handlers: list[Any], max_streams: int) -> Server:
     class PickerServer(Server):
         def _protocol_factory(self) -> H2Protocol:
             made = super()._protocol_factory()
-            made.h2_config.logger = SILENT  # the server's configuration, of every connection
+            config = made.h2_config  # the server's configuration, of every connection
+            config.logger = SILENT
+            config.header_encoding = None  # received headers in bytes (`LeanHandler.accept`)
             handler = made.handler
             if lean:
                 assert isinstance(handler, Handler)

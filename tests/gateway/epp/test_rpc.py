@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 from grpclib.exceptions import GRPCError
 from grpclib.protocol import Buffer
+from grpclib.server import Handler, Server
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from hpack import Decoder, Encoder
@@ -35,7 +36,9 @@ from kubellm.gateway.epp.rpc import (
     EOF,
     Call,
     ExtProc,
+    Health,
     LeanCall,
+    LeanHandler,
     OneReaderQueue,
     QuietH2Connection,
     RememberingDecoder,
@@ -406,3 +409,80 @@ def test_a_call_is_ready_only_when_its_read_cannot_wait(name: str) -> None:
         assert ended.value.value.SerializeToString() == first.SerializeToString()
     plain = Call.__new__(Call)  # grpclib's read path: never ready
     assert not plain.ready()
+
+
+# ------------------------------------------------------------------ stream opening (LeanHandler)
+
+EXT_PROC_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+PLAIN = [(":method", "POST"), (":scheme", "http"), (":path", EXT_PROC_PATH),
+         (":authority", "epp"), ("content-type", "application/grpc"), ("te", "trailers"),
+         ("x-envoy-internal", "true")]  # fmt: skip
+OPENINGS = {
+    "plain": PLAIN,
+    "plain-proto": [*PLAIN[:4], ("content-type", "application/grpc+proto"), *PLAIN[5:]],
+    "repeated-path": [*PLAIN, (":path", "/grpc.health.v1.Health/Check")],
+    "health": [*PLAIN[:2], (":path", "/grpc.health.v1.Health/Check"), *PLAIN[3:]],
+    "deadline": [*PLAIN, ("grpc-timeout", "5S")],
+    "get": [(":method", "GET"), *PLAIN[1:]],
+    "json": [*PLAIN[:4], ("content-type", "application/grpc+json"), *PLAIN[5:]],
+    "no-te": [h for h in PLAIN if h[0] != "te"],
+    "repeated-te": [*PLAIN, ("te", "gzip")],
+    "non-ascii": [*PLAIN, ("x-name", "caf\u00e9")],
+}
+
+
+def _opened(make: Callable[[], Any], headers: list[tuple[str, str]]) -> tuple[Any, ...]:
+    """What a server's protocol does with a stream opened by `headers` (UTF-8 on the wire):
+    the headers grpclib's handler is given, or that `ExtProc.serve` took the stream, or
+    the error out of `data_received`."""
+    seen: list[Any] = []
+
+    class Recording(Handler):
+        def accept(self, stream: Any, headers: Any, release_stream: Any) -> None:
+            seen.append(("grpclib", [(type(h).__name__, *h) for h in headers]))
+
+    async def serve(self: Any, raw: Any, release_stream: Any) -> None:
+        seen.append(("lean", type(raw.buffer._unacked).__name__))
+
+    async def run() -> None:
+        protocol = make()._protocol_factory()
+        handler = protocol.handler
+        if isinstance(handler, LeanHandler):
+            handler.__class__ = type("LeanRecording", (LeanHandler, Recording), {})
+        else:
+            handler.__class__ = Recording
+        protocol.connection_made(_Transport())
+        client = H2Connection(H2Configuration(client_side=True, validate_outbound_headers=False))
+        client.initiate_connection()
+        client.send_headers(1, [(n.encode(), v.encode()) for n, v in headers])
+        try:
+            protocol.data_received(client.data_to_send())
+        except Exception as error:
+            seen.append(("raised", type(error).__name__))
+        await asyncio.sleep(0)
+
+    original = ExtProc.serve
+    ExtProc.serve = serve  # type: ignore[method-assign]
+    try:
+        asyncio.run(run())
+    finally:
+        ExtProc.serve = original  # type: ignore[method-assign]
+    return tuple(seen)
+
+
+@pytest.mark.parametrize("name", sorted(OPENINGS))
+def test_a_stream_opens_as_on_grpclibs_server(name: str) -> None:
+    """The picker's server (headers received in bytes) hands a stream to grpclib with the
+    headers grpclib's own server (h2 decoding them as ASCII) gives its handler, and the
+    same error for a byte outside ASCII; a plain ext_proc stream is served lean (its
+    chunks in a `OneReaderQueue`)."""
+    ext_proc = ExtProc(lambda call: asyncio.sleep(0), 100)
+    handlers = [ext_proc, Health([""])]
+    ours = _opened(lambda: _server(handlers, 8), OPENINGS[name])
+    library = _opened(lambda: Server(handlers), OPENINGS[name])
+    if name.startswith("plain"):
+        assert ours == (("lean", "OneReaderQueue"),)
+        assert library[0][0] == "grpclib"
+    else:
+        assert ours == library
+        assert ours[0][0] == ("raised" if name == "non-ascii" else "grpclib")
