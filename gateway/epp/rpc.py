@@ -121,7 +121,7 @@ class Call:
 _CONTENT_TYPE = "application/grpc+proto"
 _PREFIX = struct.Struct(">?I")  # a gRPC message's prefix: compressed, length
 _LENGTH = struct.Struct(">I")
-_INITIAL = ((":status", "200"), ("content-type", _CONTENT_TYPE))
+_INITIAL = ((b":status", b"200"), (b"content-type", _CONTENT_TYPE.encode()))
 _PLAIN_TYPES = frozenset({"application/grpc", _CONTENT_TYPE})
 _PLAIN_TYPES_RAW = frozenset(kind.encode() for kind in _PLAIN_TYPES)
 
@@ -283,9 +283,9 @@ class ExtProc:
             if raw._transport.is_closing():
                 return
             headers = [] if call.started else list(_INITIAL)
-            headers.append(("grpc-status", str(status.value)))
+            headers.append((b"grpc-status", str(status.value).encode()))
             if details is not None:
-                headers.append(("grpc-message", encode_grpc_message(details)))
+                headers.append((b"grpc-message", encode_grpc_message(details).encode()))
             try:
                 await raw.send_headers(headers, end_stream=True)
             except StreamClosedError:
