@@ -576,11 +576,13 @@ def _server(handlers: list[Any], max_streams: int) -> Server:
             made = super()._protocol_factory()
             config = made.h2_config  # the server's configuration, of every connection
             config.logger = SILENT
-            config.header_encoding = None  # received headers in bytes (`LeanHandler.accept`)
             handler = made.handler
             if lean:
                 assert isinstance(handler, Handler)
                 handler = LeanHandler(handler, lean)
+                # received headers in bytes: `LeanHandler.accept` decodes them for grpclib;
+                # a server without ext_proc (the health port's) keeps h2's decoding
+                config.header_encoding = None
             return Protocol(handler, made.config, made.h2_config)
 
     return PickerServer(handlers, codec=Codec())

@@ -471,16 +471,20 @@ def _opened(make: Callable[[], Any], headers: list[tuple[str, str]]) -> tuple[An
 
 
 @pytest.mark.parametrize("name", sorted(OPENINGS))
-def test_a_stream_opens_as_on_grpclibs_server(name: str) -> None:
+@pytest.mark.parametrize("served", ["ext-proc-and-health", "health-alone"])
+def test_a_stream_opens_as_on_grpclibs_server(name: str, served: str) -> None:
     """The picker's server (headers received in bytes) hands a stream to grpclib with the
     headers grpclib's own server (h2 decoding them as ASCII) gives its handler, and the
     same error for a byte outside ASCII; a plain ext_proc stream is served lean (its
-    chunks in a `OneReaderQueue`)."""
+    chunks in a `OneReaderQueue`). Also the health port's server (no ext_proc: every
+    stream is grpclib's)."""
     ext_proc = ExtProc(lambda call: asyncio.sleep(0), 100)
-    handlers = [ext_proc, Health([""])]
+    handlers: list[Any] = [Health([""])]
+    if served == "ext-proc-and-health":
+        handlers.insert(0, ext_proc)
     ours = _opened(lambda: _server(handlers, 8), OPENINGS[name])
     library = _opened(lambda: Server(handlers), OPENINGS[name])
-    if name.startswith("plain"):
+    if name.startswith("plain") and served == "ext-proc-and-health":
         assert ours == (("lean", "OneReaderQueue"),)
         assert library[0][0] == "grpclib"
     else:
