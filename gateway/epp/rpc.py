@@ -10,7 +10,11 @@ picker's cost").
 An ext_proc stream of the plain form Envoy opens (no deadline, the proto codec) skips
 grpclib's per-stream server machinery (`LeanHandler`): its messages go straight to the
 HTTP/2 stream, the headers and trailers are built once; a message that arrived whole in
-one DATA frame is taken from the stream's buffer in one step (`LeanCall.read`). Every
+one DATA frame is taken from the stream's buffer in one step (`LeanCall.read`), whose
+chunks wait in a one-reader queue (`OneReaderQueue`, not an `asyncio.Queue`); h2's debug
+lines go to a logger that drops them without a Python call (`SilentLogger`); h2 hands the
+server the headers it received in bytes, undecoded (`header_encoding` None): the plain form
+is told from four of them, any other stream gets them decoded as h2 would. Every
 frame is still parsed by hyperframe and h2 (a fast path that read DATA frame headers by hand
 gave -2.2% of the picker's instructions and was taken out: the HTTP/2 framing is theirs).
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -35,7 +40,7 @@ from grpclib import const
 from grpclib.encoding.base import CodecBase
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.metadata import encode_grpc_message
-from grpclib.protocol import H2Protocol
+from grpclib.protocol import Buffer, H2Protocol
 from grpclib.server import Handler, Server, Stream
 from grpclib.utils import Wrapper
 from h2.connection import H2Connection
@@ -116,8 +121,9 @@ class Call:
 _CONTENT_TYPE = "application/grpc+proto"
 _PREFIX = struct.Struct(">?I")  # a gRPC message's prefix: compressed, length
 _LENGTH = struct.Struct(">I")
-_INITIAL = ((":status", "200"), ("content-type", _CONTENT_TYPE))
+_INITIAL = ((b":status", b"200"), (b"content-type", _CONTENT_TYPE.encode()))
 _PLAIN_TYPES = frozenset({"application/grpc", _CONTENT_TYPE})
+_PLAIN_TYPES_RAW = frozenset(kind.encode() for kind in _PLAIN_TYPES)
 
 
 class LeanCall(Call):
@@ -139,7 +145,7 @@ class LeanCall(Call):
         message over several frames or several in one, compressed, over the limit, the
         stream's end) is put back in front as it was and takes `Call.read`."""
         buffer = self.raw.buffer
-        unacked = buffer._unacked  # an asyncio.Queue of the chunks not yet read
+        unacked = buffer._unacked  # a queue of the chunks not yet read (`OneReaderQueue`)
         if not buffer._acked and not (buffer._eof and unacked.empty()):
             chunk = await unacked.get()  # the next chunk, as grpclib's read waits for it
             if self._whole(chunk):
@@ -193,6 +199,55 @@ class LeanCall(Call):
         await raw.send_data(framed)  # split to the frame size, waiting for the windows
 
 
+class OneReaderQueue:
+    """What grpclib's `Buffer` asks of its `asyncio.Queue` of chunks (`put_nowait`, `get`,
+    `get_nowait`, `empty`, `qsize`), for the one task that reads a stream: a deque and a
+    future while that task waits. `asyncio.Queue` serves any number of readers and writers
+    with a bound (getter and putter lists, a task counter, an event per `put`): ~10 Python
+    calls per chunk more, three chunks per request (`test_rpc.py` reads with both)."""
+
+    __slots__ = ("_queue", "_waiter")
+
+    def __init__(self) -> None:
+        self._queue: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._queue.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Any:
+        queue = self._queue
+        while not queue:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        return queue.popleft()
+
+    def get_nowait(self) -> Any:
+        if not self._queue:
+            raise asyncio.QueueEmpty
+        return self._queue.popleft()
+
+    def empty(self) -> bool:
+        return not self._queue
+
+    def qsize(self) -> int:
+        return len(self._queue)
+
+
+def lean_buffer(buffer: Buffer) -> Buffer:
+    """`buffer` (a new stream's, nothing in it yet) with its chunks in a `OneReaderQueue`:
+    grpclib's `Buffer` code reads and acknowledges them as before."""
+    assert buffer._unacked.empty() and not buffer._acked and not buffer._eof
+    buffer._unacked = OneReaderQueue()  # type: ignore[assignment]
+    return buffer
+
+
 Process = Callable[[Call], Awaitable[None]]
 
 
@@ -228,9 +283,9 @@ class ExtProc:
             if raw._transport.is_closing():
                 return
             headers = [] if call.started else list(_INITIAL)
-            headers.append(("grpc-status", str(status.value)))
+            headers.append((b"grpc-status", str(status.value).encode()))
             if details is not None:
-                headers.append(("grpc-message", encode_grpc_message(details)))
+                headers.append((b"grpc-message", encode_grpc_message(details).encode()))
             try:
                 await raw.send_headers(headers, end_stream=True)
             except StreamClosedError:
@@ -364,6 +419,15 @@ class QuietH2Connection(H2Connection):
         return events
 
 
+class SilentLogger:
+    """The logger h2 calls (`H2Configuration.logger`: "no I/O and no context switches")
+    with its `debug` and `trace` lines, ~30 per ext_proc stream: h2's own `DummyLogger`
+    discards them in a Python method (a frame, an argument tuple and dict per line);
+    `"".format` takes any arguments and returns "" without a Python frame."""
+
+    debug = trace = staticmethod("".format)
+
+
 MAX_HEADER_BLOCKS_KEPT = 16
 
 
@@ -453,24 +517,40 @@ class LeanHandler(Handler):
         self.lean = lean
 
     def accept(self, stream: Any, headers: Any, release_stream: Callable[[], Any]) -> None:
+        """`headers` as h2 received them, in bytes (the server's `header_encoding` is None):
+        an ext_proc stream of the plain form is told by four of them; any other stream gets
+        them decoded as h2 would have (ASCII, the same `UnicodeDecodeError` for a byte
+        outside it) and goes to grpclib."""
         values = dict(headers)  # the last of a repeated header, as grpclib reads them
-        service = self.lean.get(values.get(":path", ""))
+        service = self.lean.get(values.get(b":path", b""))
         if (
             service is None
-            or values.get(":method") != "POST"
-            or values.get("content-type") not in _PLAIN_TYPES
-            or values.get("te") != "trailers"
-            or "grpc-timeout" in values
+            or values.get(b":method") != b"POST"
+            or values.get(b"content-type") not in _PLAIN_TYPES_RAW
+            or values.get(b"te") != b"trailers"
+            or b"grpc-timeout" in values
+            or not b"".join(map(b"".join, headers)).isascii()
         ):
-            super().accept(stream, headers, release_stream)
+            super().accept(stream, decoded(headers), release_stream)
             return
         self.__gc_step__()
+        lean_buffer(stream.buffer)
         self._tasks[stream] = self.loop.create_task(service.serve(stream, release_stream))
+
+
+def decoded(headers: Any) -> list[Any]:
+    """h2's `_decode_headers` (ASCII): each header of its own class (`HeaderTuple` or
+    `NeverIndexedHeaderTuple`), name and value decoded."""
+    return [header.__class__(header[0].decode("ascii"), header[1].decode("ascii"))
+            for header in headers]  # fmt: skip
+
+
+SILENT = SilentLogger()
 
 
 def _server(handlers: list[Any], max_streams: int) -> Server:
     lean = {
-        path: handler
+        path.encode(): handler
         for handler in handlers
         if isinstance(handler, ExtProc)
         for path in handler.__mapping__()
@@ -494,10 +574,15 @@ def _server(handlers: list[Any], max_streams: int) -> Server:
     class PickerServer(Server):
         def _protocol_factory(self) -> H2Protocol:
             made = super()._protocol_factory()
+            config = made.h2_config  # the server's configuration, of every connection
+            config.logger = SILENT
             handler = made.handler
             if lean:
                 assert isinstance(handler, Handler)
                 handler = LeanHandler(handler, lean)
+                # received headers in bytes: `LeanHandler.accept` decodes them for grpclib;
+                # a server without ext_proc (the health port's) keeps h2's decoding
+                config.header_encoding = None
             return Protocol(handler, made.config, made.h2_config)
 
     return PickerServer(handlers, codec=Codec())

@@ -264,3 +264,23 @@ async def test_other_forms_of_the_ext_proc_path_meet_grpclibs_checks(
     writer.close()
     assert answered == status
     assert picker.streams == 0  # the picker never saw it
+
+
+async def test_both_grpc_ports_answer_health_checks() -> None:
+    """The ext_proc port (its server takes headers in bytes for the lean handler) and the
+    health port (a server without ext_proc, headers as h2 decodes them) both answer."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = ModelTarget("tiny", "tiny", endpoints=(Endpoint(REPLICA),))
+    picker = EndpointPicker(FixedDiscovery({"tiny": target}), PickerSettings())
+    servers = await serve(picker, "127.0.0.1", 0, 0, None)
+    try:
+        for name in ("grpc", "health"):
+            address = f"127.0.0.1:{servers.ports[name]}"
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                request = health_pb2.HealthCheckRequest(service="readiness")
+                answer = await stub.Check(request, timeout=5)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING, name
+    finally:
+        await servers.stop(0)

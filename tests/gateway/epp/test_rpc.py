@@ -11,7 +11,9 @@ and header list into what hpack's own do, also when one they remember comes agai
 the dynamic table changed.
 
 `rpc.LeanCall.read` reads the same messages, errors and acknowledgements as grpclib's
-buffer reads."""
+buffer reads, from grpclib's buffer and from one whose chunks are in a `rpc.OneReaderQueue`
+(the picker's ext_proc streams); that queue answers as `asyncio.Queue` also when its
+reader is cancelled while it waits."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Any
 import pytest
 from grpclib.exceptions import GRPCError
 from grpclib.protocol import Buffer
+from grpclib.server import Handler, Server
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from hpack import Decoder, Encoder
@@ -33,11 +36,16 @@ from kubellm.gateway.epp.rpc import (
     EOF,
     Call,
     ExtProc,
+    Health,
     LeanCall,
+    LeanHandler,
+    OneReaderQueue,
     QuietH2Connection,
     RememberingDecoder,
     RememberingEncoder,
+    SilentLogger,
     _server,
+    lean_buffer,
 )
 
 HEADERS = [(":method", "POST"), (":path", "/x"), (":scheme", "http"), (":authority", "a")]
@@ -178,9 +186,11 @@ def test_the_remembering_encoder_encodes_as_hpacks_own() -> None:
 class _Raw:
     """What a call reads from: grpclib's own stream buffer, the acknowledgements noted."""
 
-    def __init__(self) -> None:
+    def __init__(self, queue: str = "grpclib") -> None:
         self.acks: list[int] = []
         self.buffer = Buffer(self.acks.append)
+        if queue == "one-reader":
+            lean_buffer(self.buffer)
 
     async def recv_data(self, size: int) -> bytes:
         return await self.buffer.read(size)
@@ -197,19 +207,26 @@ def _message(i: int) -> bytes:
 async def _waiting(raw: _Raw, reader: asyncio.Task[Any]) -> None:
     """Until the reader waits for the buffer's next chunk (or has ended); bounded."""
     for _ in range(1000):
-        if reader.done() or raw.buffer._unacked._getters:
+        queue = raw.buffer._unacked
+        waiting = queue._waiter if isinstance(queue, OneReaderQueue) else queue._getters
+        if reader.done() or waiting:
             return
         await asyncio.sleep(0)
     raise AssertionError("the reader never waited for a chunk")
 
 
 async def _read_all(
-    lean: bool, chunks: list[tuple[bytes, int]], limit: int, early: bool = True
+    lean: bool,
+    chunks: list[tuple[bytes, int]],
+    limit: int,
+    early: bool = True,
+    queue: str = "grpclib",
 ) -> list[Any]:
     """Every message a call reads from `chunks` (in the buffer before the first read when
     `early`, else each one added once the reader waits for it), with the acknowledgements
-    made so far after each; an error ends the list."""
-    raw = _Raw()
+    made so far after each; an error ends the list. `queue`: the buffer's queue of chunks,
+    grpclib's (`asyncio.Queue`) or the picker's (`OneReaderQueue`)."""
+    raw = _Raw(queue)
     pending = [*chunks, (b"", 0)]  # (b"", 0): the end of the stream
     if early:
         for data, ack in chunks:
@@ -261,11 +278,56 @@ READS = {
 
 @pytest.mark.parametrize("name", sorted(READS))
 @pytest.mark.parametrize("early", [True, False], ids=["queued", "awaited"])
-def test_the_lean_read_reads_as_grpclibs_buffer(name: str, early: bool) -> None:
-    """The same messages, errors and acknowledgements (flow control) as `Call.read`, the
-    chunks already there or arriving while the reader waits."""
-    lean = asyncio.run(_read_all(True, READS[name], 100, early))
-    assert lean == asyncio.run(_read_all(False, READS[name], 100, early))
+@pytest.mark.parametrize(
+    ("lean", "queue"),
+    [(True, "grpclib"), (True, "one-reader"), (False, "one-reader")],
+    ids=["lean-call", "lean-call-one-reader", "call-one-reader"],
+)
+def test_the_lean_read_reads_as_grpclibs_buffer(
+    name: str, early: bool, lean: bool, queue: str
+) -> None:
+    """The same messages, errors and acknowledgements (flow control) as `Call.read` on
+    grpclib's own buffer (the library's path), the chunks already there or arriving while
+    the reader waits."""
+    ours = asyncio.run(_read_all(lean, READS[name], 100, early, queue))
+    assert ours == asyncio.run(_read_all(False, READS[name], 100, early))
+
+
+async def _queue_steps(queue: Any) -> list[Any]:
+    """A queue's answers to one reader: items put before and while it waits, a wait
+    cancelled (then an item put, and read by the next get), sizes and emptiness."""
+    out: list[Any] = [queue.empty(), queue.qsize()]
+    try:
+        queue.get_nowait()
+    except asyncio.QueueEmpty:
+        out.append("empty")
+    queue.put_nowait(1)
+    queue.put_nowait(2)
+    out += [queue.qsize(), await queue.get(), queue.get_nowait(), queue.empty()]
+    waiting = asyncio.ensure_future(queue.get())
+    await asyncio.sleep(0)
+    queue.put_nowait(3)
+    out.append(await waiting)
+    cancelled = asyncio.ensure_future(queue.get())
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    await asyncio.sleep(0)
+    out.append(cancelled.cancelled())
+    queue.put_nowait(4)  # after the cancelled wait: kept for the next get
+    out += [queue.qsize(), await asyncio.wait_for(queue.get(), 5)]
+    late = asyncio.ensure_future(queue.get())  # an item put and the wait cancelled at once
+    await asyncio.sleep(0)
+    queue.put_nowait(5)
+    late.cancel()
+    await asyncio.sleep(0)
+    out.append(late.cancelled())
+    out += [queue.qsize(), await asyncio.wait_for(queue.get(), 5), queue.empty()]
+    return out
+
+
+def test_the_one_reader_queue_answers_as_asyncios() -> None:
+    ours = asyncio.run(_queue_steps(OneReaderQueue()))
+    assert ours == asyncio.run(_queue_steps(asyncio.Queue()))
 
 
 @pytest.mark.parametrize("early", [True, False], ids=["queued", "awaited"])
@@ -313,8 +375,17 @@ def test_the_pickers_connections_take_the_lean_classes() -> None:
         return protocol.connection._connection
 
     h2 = asyncio.run(made())
+    assert isinstance(h2.config.logger, SilentLogger)
     assert type(h2) is QuietH2Connection
     assert type(h2.decoder) is RememberingDecoder and type(h2.encoder) is RememberingEncoder
+
+
+def test_the_silent_logger_takes_h2s_lines_and_returns_nothing() -> None:
+    """h2 calls `debug` and `trace` with a format and its arguments (keywords too)."""
+    logger = SilentLogger()
+    assert logger.debug("Stream ID %d created", 1) == ""
+    assert logger.trace("Process received data: %r", b"x", extra={"a": 1}) == ""
+    assert logger.debug() == ""
 
 
 @pytest.mark.parametrize("name", sorted(READS))
@@ -338,3 +409,84 @@ def test_a_call_is_ready_only_when_its_read_cannot_wait(name: str) -> None:
         assert ended.value.value.SerializeToString() == first.SerializeToString()
     plain = Call.__new__(Call)  # grpclib's read path: never ready
     assert not plain.ready()
+
+
+# ------------------------------------------------------------------ stream opening (LeanHandler)
+
+EXT_PROC_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+PLAIN = [(":method", "POST"), (":scheme", "http"), (":path", EXT_PROC_PATH),
+         (":authority", "epp"), ("content-type", "application/grpc"), ("te", "trailers"),
+         ("x-envoy-internal", "true")]  # fmt: skip
+OPENINGS = {
+    "plain": PLAIN,
+    "plain-proto": [*PLAIN[:4], ("content-type", "application/grpc+proto"), *PLAIN[5:]],
+    "repeated-path": [*PLAIN, (":path", "/grpc.health.v1.Health/Check")],
+    "health": [*PLAIN[:2], (":path", "/grpc.health.v1.Health/Check"), *PLAIN[3:]],
+    "deadline": [*PLAIN, ("grpc-timeout", "5S")],
+    "get": [(":method", "GET"), *PLAIN[1:]],
+    "json": [*PLAIN[:4], ("content-type", "application/grpc+json"), *PLAIN[5:]],
+    "no-te": [h for h in PLAIN if h[0] != "te"],
+    "repeated-te": [*PLAIN, ("te", "gzip")],
+    "non-ascii": [*PLAIN, ("x-name", "caf\u00e9")],
+}
+
+
+def _opened(make: Callable[[], Any], headers: list[tuple[str, str]]) -> tuple[Any, ...]:
+    """What a server's protocol does with a stream opened by `headers` (UTF-8 on the wire):
+    the headers grpclib's handler is given, or that `ExtProc.serve` took the stream, or
+    the error out of `data_received`."""
+    seen: list[Any] = []
+
+    class Recording(Handler):
+        def accept(self, stream: Any, headers: Any, release_stream: Any) -> None:
+            seen.append(("grpclib", [(type(h).__name__, *h) for h in headers]))
+
+    async def serve(self: Any, raw: Any, release_stream: Any) -> None:
+        seen.append(("lean", type(raw.buffer._unacked).__name__))
+
+    async def run() -> None:
+        protocol = make()._protocol_factory()
+        handler = protocol.handler
+        if isinstance(handler, LeanHandler):
+            handler.__class__ = type("LeanRecording", (LeanHandler, Recording), {})
+        else:
+            handler.__class__ = Recording
+        protocol.connection_made(_Transport())
+        client = H2Connection(H2Configuration(client_side=True, validate_outbound_headers=False))
+        client.initiate_connection()
+        client.send_headers(1, [(n.encode(), v.encode()) for n, v in headers])
+        try:
+            protocol.data_received(client.data_to_send())
+        except Exception as error:
+            seen.append(("raised", type(error).__name__))
+        await asyncio.sleep(0)
+
+    original = ExtProc.serve
+    ExtProc.serve = serve  # type: ignore[method-assign]
+    try:
+        asyncio.run(run())
+    finally:
+        ExtProc.serve = original  # type: ignore[method-assign]
+    return tuple(seen)
+
+
+@pytest.mark.parametrize("name", sorted(OPENINGS))
+@pytest.mark.parametrize("served", ["ext-proc-and-health", "health-alone"])
+def test_a_stream_opens_as_on_grpclibs_server(name: str, served: str) -> None:
+    """The picker's server (headers received in bytes) hands a stream to grpclib with the
+    headers grpclib's own server (h2 decoding them as ASCII) gives its handler, and the
+    same error for a byte outside ASCII; a plain ext_proc stream is served lean (its
+    chunks in a `OneReaderQueue`). Also the health port's server (no ext_proc: every
+    stream is grpclib's)."""
+    ext_proc = ExtProc(lambda call: asyncio.sleep(0), 100)
+    handlers: list[Any] = [Health([""])]
+    if served == "ext-proc-and-health":
+        handlers.insert(0, ext_proc)
+    ours = _opened(lambda: _server(handlers, 8), OPENINGS[name])
+    library = _opened(lambda: Server(handlers), OPENINGS[name])
+    if name.startswith("plain") and served == "ext-proc-and-health":
+        assert ours == (("lean", "OneReaderQueue"),)
+        assert library[0][0] == "grpclib"
+    else:
+        assert ours == library
+        assert ours[0][0] == ("raised" if name == "non-ascii" else "grpclib")
