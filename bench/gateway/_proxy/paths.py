@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -124,8 +125,8 @@ def envoy_epp(
     """The Inference Extension's path: Envoy asking `kubellm epp` (run by `python`), both
     on `core`; `modes`: the (request, response) body modes, else the bootstrap's;
     `floor`: the picker's transport answering a fixed route instead (epp_floor.py)."""
-    tmp = procs.dir / f"envoy-epp-{_fleet.free_port()}"
-    tmp.mkdir()
+    # its own directory (a free port's number could name two: the port is not held)
+    tmp = Path(tempfile.mkdtemp(prefix="envoy-epp-", dir=procs.dir))
     bodies = {} if modes is None else {
         "request_body_mode": modes[0], "response_body_mode": modes[1]
     }  # fmt: skip
