@@ -43,7 +43,6 @@ from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
 from kubellm.gateway.http.settings import GatewaySettings
 from kubellm.gateway.protocol import assemble, errors, usage
 from kubellm.gateway.protocol.errors import GatewayError
-from kubellm.gateway.protocol.headers import first_values
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
 from kubellm.gateway.routing.canary import mirror
 from kubellm.gateway.routing.disagg import DisaggMetrics
@@ -548,8 +547,13 @@ _WANTED = frozenset(
 
 
 def _wanted_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The headers the gateway reads, decoded; a repeated one as `headers.first_values`."""
-    return first_values((n.decode(), v.decode("latin-1")) for n, v in raw if n in _WANTED)
+    """The headers the gateway reads, decoded; a repeated one as `headers.first_values`
+    (its loop written out: a generator per request cost more than the lookups)."""
+    out: dict[str, str] = {}
+    for name, value in raw:
+        if name in _WANTED and (key := name.decode()) not in out:
+            out[key] = value.decode("latin-1")
+    return out
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
