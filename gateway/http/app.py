@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import itertools
 import json
@@ -41,7 +40,7 @@ from kubellm.gateway.discovery.base import (
 from kubellm.gateway.http import prefill, relay, server, upstream
 from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
 from kubellm.gateway.http.settings import GatewaySettings
-from kubellm.gateway.protocol import assemble, errors, usage
+from kubellm.gateway.protocol import errors, usage
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
 from kubellm.gateway.routing.canary import mirror
@@ -296,17 +295,7 @@ class Gateway:
         without fresh token counters: `_uncounted`), else whole, watched
         by the replica's counters (`relay.ProgressWatch`). `protocol.assemble` says which
         requests can be assembled; a replica that streams anyway is assembled too."""
-        assembler = streams = streamed = None
-        if assemble.assembles(body, path):
-            assembler = functools.partial(
-                assemble.Assembler,
-                path == CHAT,
-                self.settings.max_response_bytes,
-                assemble.choices_of(body, path),
-            )
-            streamed = functools.partial(assemble.streamed_body, body, raw)
-            streams = self._streams
-        return relay.Whole(assembler, streams, streamed)
+        return relay.Whole(body, path, raw, self._streams, self.settings.max_response_bytes)
 
     async def _forward_fallback(
         self,
