@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import itertools
 import json
@@ -41,9 +40,8 @@ from kubellm.gateway.discovery.base import (
 from kubellm.gateway.http import prefill, relay, server, upstream
 from kubellm.gateway.http.relay import AiohttpResponse, AnyResponse, Forward
 from kubellm.gateway.http.settings import GatewaySettings
-from kubellm.gateway.protocol import assemble, errors, usage
+from kubellm.gateway.protocol import errors, usage
 from kubellm.gateway.protocol.errors import GatewayError
-from kubellm.gateway.protocol.headers import first_values
 from kubellm.gateway.protocol.openai import CHAT, COMPLETIONS, parse_body
 from kubellm.gateway.routing.canary import mirror
 from kubellm.gateway.routing.disagg import DisaggMetrics
@@ -297,17 +295,7 @@ class Gateway:
         without fresh token counters: `_uncounted`), else whole, watched
         by the replica's counters (`relay.ProgressWatch`). `protocol.assemble` says which
         requests can be assembled; a replica that streams anyway is assembled too."""
-        assembler = streams = streamed = None
-        if assemble.assembles(body, path):
-            assembler = functools.partial(
-                assemble.Assembler,
-                path == CHAT,
-                self.settings.max_response_bytes,
-                assemble.choices_of(body, path),
-            )
-            streamed = functools.partial(assemble.streamed_body, body, raw)
-            streams = self._streams
-        return relay.Whole(assembler, streams, streamed)
+        return relay.Whole(body, path, raw, self._streams, self.settings.max_response_bytes)
 
     async def _forward_fallback(
         self,
@@ -548,8 +536,13 @@ _WANTED = frozenset(
 
 
 def _wanted_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The headers the gateway reads, decoded; a repeated one as `headers.first_values`."""
-    return first_values((n.decode(), v.decode("latin-1")) for n, v in raw if n in _WANTED)
+    """The headers the gateway reads, decoded; a repeated one as `headers.first_values`
+    (its loop written out: a generator per request cost more than the lookups)."""
+    out: dict[str, str] = {}
+    for name, value in raw:
+        if name in _WANTED and (key := name.decode()) not in out:
+            out[key] = value.decode("latin-1")
+    return out
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")

@@ -44,14 +44,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import aiohttp
 from kubellm.gateway.http import upstream
 from kubellm.gateway.http.upstream import Deadlines, UpstreamError
+from kubellm.gateway.protocol import assemble
 from kubellm.gateway.protocol.assemble import Assembler, AssemblyError
 from kubellm.gateway.protocol.errors import sse_error_event
 from kubellm.gateway.protocol.headers import first_values
+from kubellm.gateway.protocol.openai import CHAT
 from kubellm.gateway.routing.lifecycle import Ticket
 from starlette.types import Receive, Send
 
@@ -119,16 +121,51 @@ class Progress(NamedTuple):
     progressed: Callable[[str, float], bool | None] | None = None
 
 
-class Whole(NamedTuple):
+class Whole:
     """A non-streamed request to replicas. Per attempt, `streams(url)` says whether that
-    replica gets it as a stream (`streamed()`: that body; None for both: a request
-    `protocol.assemble` cannot assemble, always forwarded whole). An answer that comes as a
-    stream (asked as one, or a replica streaming anyway) is assembled (`assembler` makes
-    one per attempt; None: relayed as it comes) before anything reaches the client."""
+    replica gets it as a stream (`streamed()`: that body); `replicas(url)` says which
+    replicas would (None: none), for a request that `protocol.assemble` can assemble at
+    all (others always go whole). An answer that comes as a stream (asked as one, or a
+    replica streaming anyway) is assembled (`assembler()` makes one per attempt; None:
+    relayed as it comes) before anything reaches the client.
 
-    assembler: Callable[[], Assembler] | None
-    streams: Callable[[str], bool] | None = None
-    streamed: Callable[[], bytes] | None = None
+    Whether the request can be assembled is worked out only when an attempt asks: most go
+    whole to a replica whose counters are watched and never need to know."""
+
+    __slots__ = ("_assembles", "_body", "_max_bytes", "_path", "_raw", "_replicas")
+
+    def __init__(
+        self,
+        body: dict[str, Any],
+        path: str,
+        raw: bytes,
+        replicas: Callable[[str], bool] | None,
+        max_bytes: int,
+    ) -> None:
+        self._body = body
+        self._path = path
+        self._raw = raw
+        self._replicas = replicas
+        self._max_bytes = max_bytes
+        self._assembles: bool | None = None
+
+    def assembles(self) -> bool:
+        """The request can be sent as a stream and its answer assembled (`assemble`)."""
+        if self._assembles is None:
+            self._assembles = assemble.assembles(self._body, self._path)
+        return self._assembles
+
+    def streams(self, url: str) -> bool:
+        return self._replicas is not None and self._replicas(url) and self.assembles()
+
+    def streamed(self) -> bytes:
+        return assemble.streamed_body(self._body, self._raw)
+
+    def assembler(self) -> Assembler | None:
+        if not self.assembles():
+            return None
+        choices = assemble.choices_of(self._body, self._path)
+        return Assembler(self._path == CHAT, self._max_bytes, choices)
 
 
 def always(url: str) -> bool:
@@ -250,7 +287,7 @@ AnyResponse = upstream.Response | AiohttpResponse
 
 class Forward(NamedTuple):
     """One request to forward: what to send, where, and how long each stage may take.
-    (`Forward`, `Whole` and `Progress` are tuples: every request builds them, and a frozen
+    (`Forward` and `Progress` are tuples: every request builds them, and a frozen
     dataclass costs three times as much to build.)"""
 
     path: str  # appended to each replica's base URL
@@ -331,8 +368,7 @@ async def open_upstream(
             break
         body, first_byte, idle, watch = forward.body, budget.first_byte, budget.idle, None
         whole_body = whole is not None
-        if whole is not None and whole.streams is not None and whole.streams(url):
-            assert whole.streamed is not None
+        if whole is not None and whole.streams(url):
             body, whole_body = whole.streamed(), False  # a stream, assembled
         if progress is not None:
             stall = stall_seconds(progress.pace.p99(url), progress.itl_target, idle)
@@ -385,10 +421,9 @@ async def _opened(forward: Forward, url: str, response: AnyResponse, ticket: Tic
         return Opened(url, response, body=await response.read())
     if whole is None:
         return Opened(url, response, first=await response.readchunk())
-    if whole.assembler is not None and response.headers.get("content-type", "").startswith(
-        "text/event-stream"
-    ):
-        assembler = whole.assembler()
+    event_stream = response.headers.get("content-type", "").startswith("text/event-stream")
+    assembler = whole.assembler() if event_stream else None
+    if assembler is not None:
         pace = forward.progress.pace if forward.progress is not None else None
         body = await _assembled(response, await response.readsome(), assembler, pace, url, ticket)
         return Opened(url, response, body=body, assembled=True)

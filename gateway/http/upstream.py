@@ -186,8 +186,8 @@ class _Connection(asyncio.Protocol):
             self.headers = []
             self.interim = True
             return
-        size, framed, chunked = 0, False, False
-        for name, value in self.headers:  # one pass: size, and how the body is framed
+        size, framed, chunked, given = 0, False, False, None
+        for name, value in self.headers:  # one pass: size, the framing, the echoed id
             size += len(name) + len(value) + 4
             lower = name.lower()
             if lower == b"transfer-encoding":
@@ -195,12 +195,12 @@ class _Connection(asyncio.Protocol):
                 chunked = chunked or b"chunked" in value.lower()
             elif lower == b"content-length":
                 framed = True
+            elif lower == b"x-request-id" and given is None:
+                given = value
         if size > self.limits.max_head_bytes:
             raise self._set_error(UpstreamError("response headers exceed the limit"))
-        if self.expect_id is not None:
-            given = next((v for n, v in self.headers if n.lower() == b"x-request-id"), None)
-            if given is not None and given != self.expect_id:  # another request's answer
-                raise self._set_error(UpstreamError("an answer to another request"))
+        if given is not None and self.expect_id is not None and given != self.expect_id:
+            raise self._set_error(UpstreamError("an answer to another request"))
         self.status = status
         self.head_done = True
         self.keep_alive = self.parser.should_keep_alive()
@@ -470,16 +470,28 @@ class Response:
 
 
 @functools.lru_cache(maxsize=4096)
-def _split(url: str) -> tuple[tuple[str, int], str, str]:
-    """A replica URL's (host, port), request target and Host header, parsed once per URL
-    (the same few URLs take every request)."""
+def _split(url: str) -> tuple[tuple[str, int], str]:
+    """A replica URL's (host, port) and the start of a POST to it (request line and Host
+    header), parsed once per URL (the same few URLs take every request)."""
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"only http:// URLs are supported, not {url!r}")
     target = parts.path or "/"
     if parts.query:
         target += "?" + parts.query
-    return (parts.hostname, parts.port or 80), target, parts.netloc.rsplit("@", 1)[-1]
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return (parts.hostname, parts.port or 80), f"POST {target} HTTP/1.1\r\nHost: {host}\r\n"
+
+
+@functools.lru_cache(maxsize=256)
+def _head_plan(names: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+    """For a request's header names: those sent as given (not the ones the pool sets
+    itself), and the default headers it lacks with the head's end. The same few sets of
+    names take every request, so this is worked out once per set."""
+    given = {name.lower() for name in names}
+    kept = tuple(name for name in names if name.lower() not in _SKIPPED_HEADERS)
+    tail = "".join(f"{n}: {v}\r\n" for n, v in _DEFAULT_HEADERS.items() if n not in given)
+    return kept, tail + "\r\n"
 
 
 class Pool:
@@ -554,18 +566,12 @@ class Pool:
         connect_timeout: float | None = None,
     ) -> Response:
         """Send `body` to `url`; return once the status line and headers have arrived."""
-        key, target, host = _split(url)
-        lines = [f"POST {target} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n"]
-        given: set[str] = set()
-        for name, value in headers.items():
-            lower = name.lower()
-            given.add(lower)
-            if lower not in _SKIPPED_HEADERS:
-                lines.append(f"{name}: {value}\r\n")
-        for name, value in _DEFAULT_HEADERS.items():
-            if name not in given:
-                lines.append(f"{name}: {value}\r\n")
-        lines.append("\r\n")
+        key, start = _split(url)
+        names, tail = _head_plan(tuple(headers))
+        lines = [start, f"Content-Length: {len(body)}\r\n"]
+        for name in names:
+            lines.append(f"{name}: {headers[name]}\r\n")
+        lines.append(tail)
         request = "".join(lines).encode("latin-1") + body
         given_id = headers.get("x-request-id")
         expect_id = given_id.encode("latin-1") if given_id else None

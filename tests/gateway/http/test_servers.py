@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -195,6 +196,47 @@ def test_a_head_trickled_over_the_header_timeout_is_cut_on_a_kept_alive_connecti
     assert received == b""  # closed, no answer
 
 
+def _post_whole(sock: socket.socket, body: bytes) -> bytes:
+    """Send one request on `sock` and read its whole answer (its head: content-length)."""
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json"
+        b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    first = b""
+    while b"\r\n\r\n" not in first:
+        data = sock.recv(65536)
+        assert data, "closed before the answer"
+        first += data
+    head, _, rest = first.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return head
+
+
+def test_keep_alive_closes_an_idle_connection_and_never_a_busy_one(engines) -> None:
+    """The keep-alive timeout counts from the last answer's end: a connection whose
+    requests keep coming, each sooner than the timeout, stays open past it (one timer
+    per connection looks again when it fires); an idle one is closed."""
+    ((_, upstream),) = engines(1)
+    gw = Gateway(FixedDiscovery({"tiny": model("tiny", [upstream])}), GatewaySettings())
+    protocol = gateway_server.guarded_protocol(ClientLimits(), lambda: 0)
+    thread = ServerThread(create_app(gw), http=protocol, timeout_keep_alive=3).start()
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'
+    try:
+        with socket.create_connection(("127.0.0.1", thread.port), timeout=30) as sock:
+            # four answers over more than the timeout, each request ~1.1 s after the
+            # previous answer (pacing the client, not waiting on the server)
+            for _ in range(4):
+                assert _post_whole(sock, body).startswith(b"HTTP/1.1 200 ")
+                time.sleep(1.1)
+            assert _post_whole(sock, body).startswith(b"HTTP/1.1 200 ")
+            sock.settimeout(20)
+            assert sock.recv(65536) == b""  # idle now: closed (bounded by the timeout)
+    finally:
+        thread.stop()
+
+
 def test_connection_lost_runs_each_watcher_once():
     lost = gateway_server.ConnectionLost()
     calls: list[str] = []
@@ -342,6 +384,7 @@ def test_a_whole_answer_is_uvicorns_bytes_in_one_write(
         ("framing header", [*_headers(len(WHOLE)), (b"transfer-encoding", b"chunked")], "POST"),
         ("connection header", [*_headers(len(WHOLE)), (b"connection", b"close")], "POST"),
         ("invalid header value", [*_headers(len(WHOLE)), (b"x-a", b"a\r\nb")], "POST"),
+        ("invalid header name", [*_headers(len(WHOLE)), (b"x a", b"b")], "POST"),
         ("HEAD", _headers(len(WHOLE)), "HEAD"),
     ],
 )
