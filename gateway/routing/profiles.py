@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kubellm.gateway.discovery.base import ModelTarget
@@ -225,8 +225,8 @@ class _Prefix:
         target, precise = cycle.target, self.shared.precise
         scorer: prefix.PrefixScorer | PrecisePrefixScorer = self.approximate
         if target.routing.prefix_index == "precise" and precise is not None:
-            cycle.request = replace(
-                cycle.request, kv_hashes=precise.kv_hashes(target, cycle.request.body)
+            cycle.request = cycle.request._replace(
+                kv_hashes=precise.kv_hashes(target, cycle.request.body)
             )
             scorer = PrecisePrefixScorer(
                 precise.index, precise.fresh, self.shared.index,

@@ -39,15 +39,13 @@ def routing_request(
     if adapter is not None:
         text = f"<|lora:{adapter}|>{text}"
     hashes = prefix.chunk_hashes(text)
-    user = body.get("user")
+    if not session:
+        user = body.get("user")
+        session = user if isinstance(user, str) and user else None
+    # positional, in field order (model, chunk_hashes, affinity_key, session, adapter,
+    # kv_hashes, body, prompt_chars): a tuple's keyword arguments cost as much again
     return RoutingRequest(
-        model=model,
-        chunk_hashes=hashes,
-        affinity_key=prefix.affinity_key(text, hashes),
-        session=session or (user if isinstance(user, str) and user else None),
-        body=body,
-        adapter=adapter,
-        prompt_chars=len(text),
+        model, hashes, prefix.affinity_key(text, hashes), session, adapter, (), body, len(text)
     )
 
 
