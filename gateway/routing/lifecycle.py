@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kubellm.gateway.discovery.base import ModelTarget
@@ -178,7 +178,7 @@ class Ticket:
         self.record = RequestRecord(core.metrics.target(labels(target)), arrived)
         self.route = "none"
         self.reason = ""
-        self.order: list[Candidate] = []
+        self.order: Sequence[Candidate] = ()
         self.refusal: GatewayError | None = None
         self.status = 0  # the answer's status line, once known
         self.served: str | None = None  # the replica that answers
