@@ -102,20 +102,21 @@ class Router:
         alive = [e for e in given if not self.outliers.ejected(e.url)]
         if panic and not alive:
             alive = list(given)
-        healthy = [e for e in alive if not self.load.down(e.url)]
+        load = self.load
+        healthy = [e for e in alive if not load.down(e.url)]
         out = []
         for endpoint in healthy or alive:
-            stats = self.load.stats(endpoint.url)
-            out.append(
-                Candidate(
-                    url=endpoint.url,
-                    load=self.load.load(endpoint.url),
-                    in_flight=self.load.in_flight.get(endpoint.url, 0),
-                    waiting=None if stats is None else stats.waiting,
-                    kv_usage=None if stats is None else stats.kv_usage,
-                    running=None if stats is None else stats.running,
+            url = endpoint.url
+            stats = load.stats(url)  # read once (`LoadView.load` would read them again)
+            in_flight = load.in_flight.get(url, 0)
+            weight = load.load_of(url, in_flight, stats)
+            # positional, in field order: a tuple's keyword arguments cost as much again
+            if stats is None:
+                out.append(Candidate(url, weight, in_flight))
+            else:
+                out.append(
+                    Candidate(url, weight, in_flight, stats.waiting, stats.kv_usage, stats.running)
                 )
-            )
         return out
 
     def order(
