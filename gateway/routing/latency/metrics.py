@@ -345,9 +345,10 @@ def create(registry: CollectorRegistry | None = None) -> GatewayMetrics:
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamTiming:
-    """When a streamed answer's chunks carrying text arrived: TTFT and the gaps (ITL)."""
+    """When a streamed answer's chunks carrying text arrived: TTFT and the gaps (ITL).
+    (Slots: every request builds one.)"""
 
     start: float
     first: float | None = None
