@@ -36,7 +36,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kubellm.gateway.discovery.base import FallbackTarget
 from kubellm.gateway.routing.scorers.base import Candidate
@@ -52,8 +52,9 @@ class Route(enum.Enum):
     REJECT = "reject"
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
+    """(A tuple, not a frozen dataclass: one is built on every pass.)"""
+
     route: Route
     reason: str
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from kubellm.gateway.discovery.base import PrefillSplit
@@ -306,5 +306,5 @@ async def prefill_leg(
     disagg.legs.labels(*names, "prefill", "ok").inc()
     disagg.prefill.labels(*names).observe(time.monotonic() - start)
     # the decode replica computes none of the prompt: predicted and learnt as cached
-    ticket.routing = replace(ticket.routing, prompt_chars=CHARS_PER_TOKEN)
+    ticket.routing = ticket.routing._replace(prompt_chars=CHARS_PER_TOKEN)
     return params

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kubellm.gateway.discovery.base import ModelTarget
@@ -178,19 +178,19 @@ class Ticket:
         self.record = RequestRecord(core.metrics.target(labels(target)), arrived)
         self.route = "none"
         self.reason = ""
-        self.order: list[Candidate] = []
+        self.order: Sequence[Candidate] = ()
         self.refusal: GatewayError | None = None
         self.status = 0  # the answer's status line, once known
         self.served: str | None = None  # the replica that answers
         self.sent = False  # a replica received the request (it may have worked on it)
         self.done = False
-        self.timing = StreamTiming(start=arrived)
+        self.timing = StreamTiming(arrived)
         self._attempt: Attempt | None = None
         self._fallback: Callable[[], None] | None = None
         self._recorded = False
         self._body: list[bytes] | None = None if stream else []  # kept, not copied
         self._size = 0
-        self._events = sse.Framer()
+        self._events = sse.Framer() if stream else None  # a stream's events, whole
         self._usage: dict[str, int] | None = None
         # the current attempt's, for the gates (routing/gates): the latency prediction's
         # (url, features at dispatch, when sent, streaming yet, what its first token
@@ -284,8 +284,9 @@ class Ticket:
         if self._body is not None:  # non-streamed: the whole answer is its first token
             self._body_piece(data, time.monotonic() if now is None else now)
             return
-        if not self._events.whole(data):  # an event spans pieces
-            data = self._events.feed(data)[0]
+        events: sse.Framer = self._events  # type: ignore[assignment]  # streams have one
+        if not events.whole(data):  # an event spans pieces
+            data = events.feed(data)[0]
             if not data:
                 return
         # (the usual piece is one whole event: one search, no list of matches)

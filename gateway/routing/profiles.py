@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kubellm.gateway.discovery.base import ModelTarget
@@ -225,8 +225,8 @@ class _Prefix:
         target, precise = cycle.target, self.shared.precise
         scorer: prefix.PrefixScorer | PrecisePrefixScorer = self.approximate
         if target.routing.prefix_index == "precise" and precise is not None:
-            cycle.request = replace(
-                cycle.request, kv_hashes=precise.kv_hashes(target, cycle.request.body)
+            cycle.request = cycle.request._replace(
+                kv_hashes=precise.kv_hashes(target, cycle.request.body)
             )
             scorer = PrecisePrefixScorer(
                 precise.index, precise.fresh, self.shared.index,
@@ -477,28 +477,26 @@ class Profiles:
     ) -> list[Candidate]:
         """The candidates best first for this request (`name`: this profile, not the
         chosen one), among those the every-profile filters keep (`narrow`)."""
-        candidates = self.narrow(target, request, candidates)
+        # one cycle for the every-profile filters and, with one candidate left, `lone`
+        cycle = self._narrowed(Cycle(target, request, candidates))
+        candidates = cycle.candidates
         name = name or self.choose(target, request)
-        if len(candidates) == 1 and self._alone(name, target, request, candidates):
+        if len(candidates) == 1 and self._alone(name, cycle):
             rng.random()  # the tie-break `pick` draws for its one candidate
             return list(candidates)
         profile, request = self.bind(name, target, request, candidates)
         return pick(profile, request, candidates, target.routing.load_bound, rng)
 
-    def _alone(
-        self,
-        name: str,
-        target: ModelTarget,
-        request: RoutingRequest,
-        candidates: Sequence[Candidate],
-    ) -> bool:
+    def _alone(self, name: str, cycle: Cycle) -> bool:
         """One candidate, and no member of profile `name` could change the order of one
         (`Member.lone`, which did the rest of what binding does): it goes first, unbound."""
         members = self._lone[name]
         if members is None:
             return False
-        cycle = Cycle(target, request, candidates)
-        return all(member.lone(cycle) for member in members)  # type: ignore[attr-defined]
+        for member in members:  # noqa: SIM110 (a loop: no generator built per request)
+            if not member.lone(cycle):  # type: ignore[attr-defined]
+                return False
+        return True
 
     def narrow(
         self, target: ModelTarget, request: RoutingRequest, candidates: Sequence[Candidate]
@@ -506,9 +504,12 @@ class Profiles:
         """`candidates` as the every-profile filters (the revision filter) keep them."""
         if not self._narrowing:
             return candidates
-        cycle = Cycle(target, request, candidates)
+        return self._narrowed(Cycle(target, request, candidates)).candidates
+
+    def _narrowed(self, cycle: Cycle) -> Cycle:
+        """`cycle` with its candidates narrowed by the every-profile filters (`narrow`)."""
         for member in self._narrowing:
             keep = member.bind(cycle)
             if keep is not None:
-                cycle.candidates = keep(cycle.candidates, target.routing.load_bound)  # type: ignore[call-arg]
-        return cycle.candidates
+                cycle.candidates = keep(cycle.candidates, cycle.target.routing.load_bound)  # type: ignore[call-arg]
+        return cycle

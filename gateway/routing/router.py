@@ -39,15 +39,13 @@ def routing_request(
     if adapter is not None:
         text = f"<|lora:{adapter}|>{text}"
     hashes = prefix.chunk_hashes(text)
-    user = body.get("user")
+    if not session:
+        user = body.get("user")
+        session = user if isinstance(user, str) and user else None
+    # positional, in field order (model, chunk_hashes, affinity_key, session, adapter,
+    # kv_hashes, body, prompt_chars): a tuple's keyword arguments cost as much again
     return RoutingRequest(
-        model=model,
-        chunk_hashes=hashes,
-        affinity_key=prefix.affinity_key(text, hashes),
-        session=session or (user if isinstance(user, str) and user else None),
-        body=body,
-        adapter=adapter,
-        prompt_chars=len(text),
+        model, hashes, prefix.affinity_key(text, hashes), session, adapter, (), body, len(text)
     )
 
 
@@ -104,20 +102,21 @@ class Router:
         alive = [e for e in given if not self.outliers.ejected(e.url)]
         if panic and not alive:
             alive = list(given)
-        healthy = [e for e in alive if not self.load.down(e.url)]
+        load = self.load
+        healthy = [e for e in alive if not load.down(e.url)]
         out = []
         for endpoint in healthy or alive:
-            stats = self.load.stats(endpoint.url)
-            out.append(
-                Candidate(
-                    url=endpoint.url,
-                    load=self.load.load(endpoint.url),
-                    in_flight=self.load.in_flight.get(endpoint.url, 0),
-                    waiting=None if stats is None else stats.waiting,
-                    kv_usage=None if stats is None else stats.kv_usage,
-                    running=None if stats is None else stats.running,
+            url = endpoint.url
+            stats = load.stats(url)  # read once (`LoadView.load` would read them again)
+            in_flight = load.in_flight.get(url, 0)
+            weight = load.load_of(url, in_flight, stats)
+            # positional, in field order: a tuple's keyword arguments cost as much again
+            if stats is None:
+                out.append(Candidate(url, weight, in_flight))
+            else:
+                out.append(
+                    Candidate(url, weight, in_flight, stats.waiting, stats.kv_usage, stats.running)
                 )
-            )
         return out
 
     def order(

@@ -50,9 +50,11 @@ class SloGate(Gate):
             p.predicted = min(ttft for _, ttft, _ in costs.values())
 
     def sent(self, ticket: Ticket, url: str) -> None:
-        candidate = next((c for c in ticket.order if c.url == url), None)
-        if candidate is None:  # a replica the front end chose itself
-            candidate = Candidate(url=url, in_flight=self.in_flight(url))
+        for candidate in ticket.order:  # (a loop: no generator built per attempt)
+            if candidate.url == url:
+                break
+        else:  # a replica the front end chose itself
+            candidate = Candidate(url, 0.0, self.in_flight(url))
         cached = self.predictions.tiered(ticket.target, ticket.routing)
         dispatch = self.predictions.sent(
             url, ticket.routing, candidate, None if cached is None else cached.get(url)

@@ -118,7 +118,9 @@ class GatewayMetrics:
 class TargetMetrics:
     """The children of the per-deployment series, resolved once per label set.
 
-    `requests` children (route, code) are cached on first use too.
+    `requests` children (route, code) are cached on first use too. `pending` is a plain
+    count the gauge reads when scraped (`set_function`): a request moves it twice, and a
+    gauge child's `inc` and `dec` each cost what the rest of its record does.
     """
 
     __slots__ = (
@@ -129,7 +131,8 @@ class TargetMetrics:
     def __init__(self, metrics: GatewayMetrics, labels: tuple[str, ...]) -> None:
         self._metrics = metrics
         self.labels = labels
-        self.pending: Any = metrics.pending.labels(*labels)
+        self.pending = 0  # requests admitted and not yet answered (`RequestRecord`)
+        metrics.pending.labels(*labels).set_function(lambda: self.pending)
         self.ttft: Any = metrics.ttft.labels(*labels)
         self.itl: Any = metrics.itl.labels(*labels)
         self.e2e: Any = metrics.e2e.labels(*labels)
@@ -342,9 +345,10 @@ def create(registry: CollectorRegistry | None = None) -> GatewayMetrics:
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamTiming:
-    """When a streamed answer's chunks carrying text arrived: TTFT and the gaps (ITL)."""
+    """When a streamed answer's chunks carrying text arrived: TTFT and the gaps (ITL).
+    (Slots: every request builds one.)"""
 
     start: float
     first: float | None = None
@@ -393,14 +397,14 @@ class RequestRecord:
         self.revision: str | None = None
         # and its (step, client, prompt-size class) for the analysis' figures
         self.sample: tuple[tuple, str, str] | None = None
-        series.pending.inc()
+        series.pending += 1
 
     def finish(self, route: str, code: int) -> None:
         if self.finished:
             return
         self.finished = True
         series = self.series
-        series.pending.dec()
+        series.pending -= 1
         series.requests(route, code).inc()
         series.e2e.observe(time.monotonic() - self.arrived)
         per_revision = series._metrics.revisions

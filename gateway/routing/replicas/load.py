@@ -271,8 +271,11 @@ class LoadView:
         hiding a burst this gateway just sent; with several gateways each corrects
         by its own share, so their views of a replica stay close.
         """
-        own = self.in_flight.get(url, 0)
-        stats = self.stats(url)
+        return self.load_of(url, self.in_flight.get(url, 0), self.stats(url))
+
+    def load_of(self, url: str, own: int, stats: EngineStats | None) -> float:
+        """`load(url)` from the figures a caller read already: `own`, its in-flight count
+        here, and `stats`, its `stats(url)`."""
         if stats is None or stats.running is None or stats.waiting is None:
             return float(own)
         since = own - self._own_at_scrape.get(url, 0)

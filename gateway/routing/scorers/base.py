@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 
@@ -23,9 +22,12 @@ class Candidate(NamedTuple):
     running: float | None = None
 
 
-@dataclass(frozen=True)
-class RoutingRequest:
-    """What routing knows of a request: its prompt's chunk-hash chain and session key."""
+class RoutingRequest(NamedTuple):
+    """What routing knows of a request: its prompt's chunk-hash chain and session key.
+
+    (A tuple, not a frozen dataclass, like `Candidate`: every request builds one, and a
+    frozen dataclass costs four times as much to build. A changed copy is `_replace(...)`.)
+    """
 
     model: str
     chunk_hashes: tuple[int, ...] = ()
@@ -35,10 +37,9 @@ class RoutingRequest:
     # Precise mode (scorers/precise.py): the prompt's vLLM block hashes, filled by the
     # router from `body` (the parsed request, kept by reference) when the model asks.
     kv_hashes: tuple[int, ...] = ()
-    body: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
-    prompt_chars: int = (
-        0  # the prompt's length (latency prediction: routing/latency/predictions.py)
-    )
+    body: Mapping[str, Any] | None = None
+    # the prompt's length (latency prediction: routing/latency/predictions.py)
+    prompt_chars: int = 0
 
 
 class Scorer(Protocol):

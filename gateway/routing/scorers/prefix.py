@@ -130,7 +130,9 @@ class PrefixIndex:
         )  # fmt: skip
 
     def record(self, url: str, hashes: Sequence[int]) -> None:
-        index = self._by_url.setdefault(url, OrderedDict())
+        index = self._by_url.get(url)
+        if index is None:  # (not `setdefault`, which builds a dict on every call)
+            index = self._by_url[url] = OrderedDict()
         now = self.clock()
         host = self._host.get(url)
         for h in hashes:
@@ -242,7 +244,10 @@ class Sharing:
         self._firsts.move_to_end(first)
         if len(self._firsts) > self.capacity:
             self._firsts.popitem(last=False)
-        self._samples.setdefault(model, deque(maxlen=self.window)).append(before)
+        samples = self._samples.get(model)
+        if samples is None:  # (not `setdefault`, which builds a deque on every call)
+            samples = self._samples[model] = deque(maxlen=self.window)
+        samples.append(before)
         return before
 
     def shares(self, model: str) -> bool:

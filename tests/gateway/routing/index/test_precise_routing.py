@@ -107,8 +107,6 @@ def test_a_prefix_sent_moments_ago_counts_until_its_events_can_announce_it(
     request and running a step): a prefix this gateway sent to A within RECENT_S seconds
     scores as held there, so a burst of one prompt does not scatter before the first
     one's blocks are announced; past that window the events alone decide."""
-    from dataclasses import replace
-
     from kubellm.gateway.routing.scorers.base import Candidate
     from kubellm.gateway.routing.scorers.precise import RECENT_S, PrecisePrefixScorer
 
@@ -116,7 +114,7 @@ def test_a_prefix_sent_moments_ago_counts_until_its_events_can_announce_it(
     assert router.precise is not None
     scorer = PrecisePrefixScorer(router.precise.index, fresh.fresh, router.index)
     request = routing_request("tiny", BODY, None)
-    request = replace(request, kv_hashes=router.precise.kv_hashes(target("precise"), BODY))
+    request = request._replace(kv_hashes=router.precise.kv_hashes(target("precise"), BODY))
     candidates = [Candidate(url=A, load=0.0), Candidate(url=B, load=0.0)]
     assert scorer.score(request, candidates) == [0.0, 1.0]  # sent a minute ago: evicted
     now = router.index.clock()
@@ -129,8 +127,6 @@ def test_a_prefix_sent_moments_ago_counts_until_its_events_can_announce_it(
 def test_a_removal_announced_after_a_send_ends_its_credit_at_once(tiny_model_dir: Path) -> None:
     """Within RECENT_S of a send, a removal the replica announces afterwards is newer than
     the send: the events decide again (an eviction right after a send is believed)."""
-    from dataclasses import replace
-
     from kubellm.gateway.routing.scorers.base import Candidate
     from kubellm.gateway.routing.scorers.precise import PrecisePrefixScorer
 
@@ -139,7 +135,7 @@ def test_a_removal_announced_after_a_send_ends_its_credit_at_once(tiny_model_dir
     kv = router.precise.index
     scorer = PrecisePrefixScorer(kv, fresh.fresh, router.index)
     request = routing_request("tiny", BODY, None)
-    request = replace(request, kv_hashes=router.precise.kv_hashes(target("precise"), BODY))
+    request = request._replace(kv_hashes=router.precise.kv_hashes(target("precise"), BODY))
     candidates = [Candidate(url=A, load=0.0), Candidate(url=B, load=0.0)]
     sent = router.index.clock()
     router.index.record(A, request.chunk_hashes)  # sent just now
