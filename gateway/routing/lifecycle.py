@@ -115,7 +115,7 @@ class Attempt:
         if not ticket._recorded:
             ticket._recorded = True
             core = ticket._core  # prefix affinity, and how much of the prompt matched there
-            ratio = core.router.routed(ticket.routing, self.url, [c.url for c in ticket.order])
+            ratio = core.router.routed(ticket.routing, self.url, ticket.urls)
             core.metrics.of(ticket.target).prefix_match.observe(ratio)
 
 
