@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, Protocol
 
 from kubellm.api import SLO, LLMDeploymentSpec, Routing
@@ -160,10 +161,11 @@ class ModelTarget:
     def adapter(self, name: str) -> AdapterRef | None:
         return next((a for a in self.adapters if a.name == name), None)
 
-    @property
+    @cached_property
     def routable(self) -> tuple[Endpoint, ...]:
         """Endpoints that may take new requests (draining ones finish what they have): a
-        whole request, so never a prefill replica."""
+        whole request, so never a prefill replica. (Computed once: a target is an immutable
+        snapshot, and every request reads it.)"""
         return tuple(e for e in self.endpoints if not e.draining and e.role != PREFILL_ROLE)
 
     @property

@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from kubellm.gateway.discovery.base import PrefillSplit
 from kubellm.gateway.protocol.kv_transfer import kv_params_of, prefill_body
+from kubellm.gateway.routing.latency.metrics import labels
 from kubellm.gateway.routing.latency.predictions import CHARS_PER_TOKEN, PRIOR_ANSWER_LENGTH
-from kubellm.gateway.routing.lifecycle import labels
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kubellm import metrics

@@ -53,7 +53,7 @@ from kubellm.gateway.protocol import errors, sse, usage
 from kubellm.gateway.protocol.errors import GatewayError
 from kubellm.gateway.routing.admission import Route
 from kubellm.gateway.routing.canary import revisions
-from kubellm.gateway.routing.latency.metrics import TOKEN, RequestRecord, StreamTiming, labels
+from kubellm.gateway.routing.latency.metrics import TOKEN, RequestRecord, StreamTiming
 from kubellm.gateway.routing.scorers.base import Candidate, RoutingRequest
 
 if TYPE_CHECKING:
@@ -115,8 +115,8 @@ class Attempt:
         if not ticket._recorded:
             ticket._recorded = True
             core = ticket._core  # prefix affinity, and how much of the prompt matched there
-            ratio = core.router.routed(ticket.routing, self.url, [c.url for c in ticket.order])
-            core.metrics.target(labels(ticket.target)).prefix_match.observe(ratio)
+            ratio = core.router.routed(ticket.routing, self.url, ticket.urls)
+            core.metrics.of(ticket.target).prefix_match.observe(ratio)
 
 
 class Tap(Protocol):
@@ -175,7 +175,7 @@ class Ticket:
         self.routing = routing
         self.arrived = arrived
         self.stream = stream
-        self.record = RequestRecord(core.metrics.target(labels(target)), arrived)
+        self.record = RequestRecord(core.metrics.of(target), arrived)
         self.route = "none"
         self.reason = ""
         self.order: Sequence[Candidate] = ()

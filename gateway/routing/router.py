@@ -9,7 +9,7 @@ where each policy's filters and weighted scorers are declared).
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kubellm.gateway.discovery.base import Endpoint, ModelTarget
@@ -145,8 +145,15 @@ class Router:
         hashes = request.chunk_hashes
         return self.index.matched(url, hashes) / len(hashes) if hashes else 0.0
 
-    def routed(self, request: RoutingRequest, url: str, candidates: Sequence[str]) -> float:
+    def routed(
+        self,
+        request: RoutingRequest,
+        url: str,
+        candidates: Sequence[str] | Callable[[], Sequence[str]],
+    ) -> float:
         """Remember where a request went; returns the prefix match ratio it had there.
+        `candidates`: the URLs it was ordered among, or what builds them (only a cold
+        prompt's home needs them: most requests never build the list).
 
         A cold prompt that went elsewhere than its home (the home was past the load
         bound, or load decided) is not indexed there: this gateway would otherwise
@@ -156,7 +163,7 @@ class Router:
         hashes = request.chunk_hashes
         ratio = self.cached_share(request, url)
         cold = bool(hashes) and not self.sharing.observe(request.model, hashes[0])
-        if not cold or url == home(request, candidates):
+        if not cold or url == home(request, candidates() if callable(candidates) else candidates):
             self.index.record(url, hashes)
         if request.session:
             self.sessions.record(request.session, url)

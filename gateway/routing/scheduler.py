@@ -238,7 +238,7 @@ class Scheduler:
                 decision = admit_once(p, self.gates, self.router)
                 if decision is not None:
                     if p.dropped is None:
-                        self.metrics.target(slo.labels(target)).queue_wait.observe(p.now - start)
+                        self.metrics.of(target).queue_wait.observe(p.now - start)
                     return decision, target
                 if p.awaiting is not None:  # an adapter load, until the deadline
                     with contextlib.suppress(TimeoutError):

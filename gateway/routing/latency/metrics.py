@@ -90,12 +90,27 @@ class GatewayMetrics:
     _targets: dict[tuple[str, ...], TargetMetrics] = field(
         default_factory=dict, init=False, repr=False
     )
+    # the last target object `of` looked up, and its series: a request looks its target up
+    # three times (ticket, queue wait, prefix match). Keyed by identity (the object is held,
+    # so its id is not reused); one tuple, so a reader sees a matching pair.
+    _last: tuple[ModelTarget | None, TargetMetrics | None] = field(
+        default=(None, None), init=False, repr=False
+    )
 
     def target(self, labels: tuple[str, ...]) -> TargetMetrics:
         """One deployment's series, looked up once (`.labels()` costs on every request)."""
         found = self._targets.get(labels)
         if found is None:
             found = self._targets[labels] = TargetMetrics(self, labels)
+        return found
+
+    def of(self, target: ModelTarget) -> TargetMetrics:
+        """`target(labels(target))`, without building the labels again for the same object."""
+        last = self._last
+        if last[0] is target:
+            return last[1]  # type: ignore[return-value]
+        found = self.target(labels(target))
+        self._last = (target, found)
         return found
 
     def refused(self, status: int) -> None:
