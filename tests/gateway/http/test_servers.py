@@ -399,6 +399,28 @@ def test_what_send_whole_does_not_send_is_left_to_uvicorn_untouched(
     asyncio.run(one())
 
 
+def test_the_header_line_table_stays_bounded_under_distinct_values() -> None:
+    """Answers carrying a distinct header value each (an echoed request id) are still
+    uvicorn's bytes, and the table of encoded header lines never holds more than its cap."""
+
+    async def many() -> None:
+        cap = gateway_server._LINES_MAX
+        for i in range(cap * 2 + 5):
+            headers = [*_headers(len(WHOLE)), (b"x-request-id", b"id-%d" % i)]
+            cycle, transport, _ = _cycle()
+            assert cycle.send_whole(200, headers, WHOLE)
+            assert len(gateway_server._LINES) <= cap
+            if i % 97 == 0:  # the same bytes as uvicorn's own send, now and then
+                reference, written, _ = _cycle()
+                await reference.send(
+                    {"type": "http.response.start", "status": 200, "headers": headers}
+                )
+                await reference.send({"type": "http.response.body", "body": WHOLE})
+                assert transport.writes == [b"".join(written.writes)]
+
+    asyncio.run(many())
+
+
 def test_a_whole_answer_is_not_sent_past_a_paused_or_gone_client() -> None:
     async def one() -> None:
         cycle, transport, _ = _cycle()
