@@ -72,8 +72,15 @@ async def test_latency_histograms_are_in_simulated_seconds(time_scale: float) ->
         sample[f"{metrics.INTER_TOKEN_LATENCY}_sum"]
         / sample[f"{metrics.INTER_TOKEN_LATENCY}_count"]
     )
-    assert ttft == pytest.approx(0.05, rel=0.5)
-    assert itl == pytest.approx(0.05, rel=0.5)
+    if time_scale == 0.0:  # steps taken back to back: the simulated time exactly
+        assert ttft == pytest.approx(0.05, rel=0.5)
+        assert itl == pytest.approx(0.05, rel=0.5)
+    else:
+        # paced in wall time (2.5 ms a step), so a loaded machine only lengthens what is
+        # recorded (seen: 0.131 s under stress-ng): no upper bound on a timing. A histogram
+        # in wall seconds would hold ~0.0025 s, ten times under this floor.
+        assert ttft >= 0.025
+        assert itl >= 0.025
 
 
 async def test_a_client_that_goes_away_frees_its_kv_blocks() -> None:
